@@ -1,0 +1,1 @@
+"""kvstore connectors room (see DESIGN.md)."""

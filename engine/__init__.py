@@ -1,0 +1,1 @@
+"""kvstore engine room (see DESIGN.md)."""

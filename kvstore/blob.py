@@ -1,0 +1,150 @@
+"""The blob format: one self-describing, checksummed chunk (DESIGN.md, Spec 2).
+
+Layout, all little-endian:
+
+    offset size field
+    0      4    magic b"KVSB"
+    4      2    format version (1)
+    6      1    codec id (kvstore.codecs: raw=0, fp8=1, int4=2)
+    7      1    compression (0 none, 1 lz4), applied after the codec
+    8      1    KV dtype id (1 float16, 2 bfloat16, 3 float32)
+    9      1    ndim (5: [2, layers, tokens, kv_heads, head_dim])
+    10     2    reserved, zero
+    12     20   shape, 5 x uint32
+    32     4    params length P (msgpack map of codec parameters)
+    36     8    payload length N
+    44     8    checksum: xxh3_64 of header bytes 0..44, then params, then payload
+    52     P    params
+    52+P   N    payload
+
+Any flipped bit anywhere makes `decode_blob`/`verify_blob` raise CorruptBlob; nothing else escapes them.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import torch
+import xxhash
+
+from kvstore.codecs import get_codec
+from kvstore.errors import CodecError, CorruptBlob, InvalidArgument
+
+MAGIC = b"KVSB"
+FORMAT_VERSION = 1
+_HEAD = struct.Struct("<4sHBBBBH5IIQ")  # everything before the checksum
+_CHECK = struct.Struct("<Q")
+HEADER_SIZE = _HEAD.size + _CHECK.size
+assert HEADER_SIZE == 52
+
+COMPRESSION_NONE, COMPRESSION_LZ4 = 0, 1
+DTYPE_IDS = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
+DTYPES = {v: k for k, v in DTYPE_IDS.items()}
+MAX_PARAMS = 1 << 16
+
+
+@dataclass(frozen=True)
+class BlobHeader:
+    codec_id: int
+    compression: int
+    dtype: torch.dtype
+    shape: tuple[int, int, int, int, int]
+    params: dict
+    payload_offset: int
+    payload_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.shape[2]
+
+    @property
+    def raw_nbytes(self) -> int:
+        """Size of the decoded KV tensor."""
+        return torch.Size(self.shape).numel() * self.dtype.itemsize
+
+
+def _checksum(head: bytes | memoryview, params: bytes | memoryview, payload: Any) -> int:
+    h = xxhash.xxh3_64(head)
+    h.update(params)
+    h.update(payload)
+    return h.intdigest()
+
+
+def encode_blob(kv: torch.Tensor, codec: str = "raw", lz4: bool = False, **options: Any) -> bytes:
+    """Encode a KV tensor `[2, L, T, H, D]` into a blob.
+
+    `lz4=True` compresses the codec's payload and keeps the compressed form only where it is smaller.
+    """
+    if not isinstance(kv, torch.Tensor):
+        raise InvalidArgument(f"kv must be a torch.Tensor, got {type(kv).__name__}")
+    if kv.dim() != 5 or kv.shape[0] != 2 or kv.numel() == 0:
+        raise InvalidArgument(
+            f"kv must have shape [2, layers, tokens, kv_heads, head_dim], got {tuple(kv.shape)}"
+        )
+    if kv.dtype not in DTYPE_IDS:
+        raise CodecError(f"KV dtype must be one of {[str(d) for d in DTYPE_IDS]}, got {kv.dtype}")
+    c = get_codec(codec)
+    payload, params = c.encode(kv, **options)
+    compression = COMPRESSION_NONE
+    if lz4:
+        from kvstore.codecs.lz4 import compress  # noqa: PLC0415 (optional stage)
+
+        packed = compress(payload)
+        if len(packed) < len(payload):
+            payload, compression = packed, COMPRESSION_LZ4
+    pbytes = msgpack.packb(params)
+    head = _HEAD.pack(
+        MAGIC, FORMAT_VERSION, c.codec_id, compression, DTYPE_IDS[kv.dtype], 5, 0,
+        *kv.shape, len(pbytes), len(payload),
+    )  # fmt: skip
+    check = _CHECK.pack(_checksum(head, pbytes, payload))
+    return b"".join((head, check, pbytes, payload))
+
+
+def verify_blob(data: bytes | bytearray | memoryview) -> BlobHeader:
+    """Parse the header and verify the checksum of the whole blob; raise CorruptBlob on any fault."""
+    view = memoryview(data).cast("B")
+    if len(view) < HEADER_SIZE:
+        raise CorruptBlob(f"blob of {len(view)} bytes is shorter than its {HEADER_SIZE}-byte header")
+    magic, version, codec_id, compression, dtype_id, ndim, _, *rest = _HEAD.unpack_from(view)
+    shape, (plen, nlen) = tuple(rest[:5]), rest[5:]
+    if magic != MAGIC:
+        raise CorruptBlob("bad magic: not a kvstore blob")
+    if version != FORMAT_VERSION:
+        raise CorruptBlob(f"unsupported blob format version {version}")
+    if ndim != 5 or dtype_id not in DTYPES or compression not in (COMPRESSION_NONE, COMPRESSION_LZ4):
+        raise CorruptBlob("bad header fields")
+    if plen > MAX_PARAMS or HEADER_SIZE + plen + nlen != len(view):
+        raise CorruptBlob(f"blob length {len(view)} does not match header ({HEADER_SIZE}+{plen}+{nlen})")
+    (check,) = _CHECK.unpack_from(view, _HEAD.size)
+    pstart, payload_offset = HEADER_SIZE, HEADER_SIZE + plen
+    if _checksum(view[: _HEAD.size], view[pstart:payload_offset], view[payload_offset:]) != check:
+        raise CorruptBlob("checksum mismatch")
+    try:
+        params = msgpack.unpackb(view[pstart:payload_offset]) if plen else {}
+    except Exception as e:  # msgpack raises a zoo of types; a verified blob should never get here
+        raise CorruptBlob(f"unreadable codec params: {e}") from None
+    if not isinstance(params, dict):
+        raise CorruptBlob("codec params are not a map")
+    return BlobHeader(codec_id, compression, DTYPES[dtype_id], shape, params, payload_offset, nlen)
+
+
+def decode_blob(data: bytes | bytearray | memoryview) -> torch.Tensor:
+    """Verify and decode a blob into its KV tensor (always a fresh CPU tensor)."""
+    header = verify_blob(data)
+    payload = memoryview(data).cast("B")[header.payload_offset :]
+    try:
+        if header.compression == COMPRESSION_LZ4:
+            from kvstore.codecs.lz4 import decompress  # noqa: PLC0415
+
+            payload = memoryview(decompress(payload))
+        codec = get_codec(header.codec_id)
+        kv = codec.decode(payload, header.params, header.shape, header.dtype)
+    except CodecError as e:
+        raise CorruptBlob(f"blob does not decode: {e}") from None
+    if tuple(kv.shape) != header.shape or kv.dtype != header.dtype:
+        raise CorruptBlob("decoded tensor does not match the header")
+    return kv

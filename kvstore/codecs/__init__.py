@@ -1,0 +1,34 @@
+"""Codec registry: the blob format looks codecs up here by name or id."""
+
+from __future__ import annotations
+
+from kvstore.codecs.base import Codec
+from kvstore.codecs.raw import RawCodec
+from kvstore.errors import CodecError
+
+_BY_NAME: dict[str, Codec] = {}
+_BY_ID: dict[int, Codec] = {}
+
+
+def register(codec: Codec) -> Codec:
+    assert codec.name not in _BY_NAME and codec.codec_id not in _BY_ID, codec.name
+    _BY_NAME[codec.name] = codec
+    _BY_ID[codec.codec_id] = codec
+    return codec
+
+
+def get_codec(name_or_id: str | int) -> Codec:
+    table = _BY_ID if isinstance(name_or_id, int) else _BY_NAME
+    try:
+        return table[name_or_id]
+    except KeyError:
+        raise CodecError(f"unknown codec {name_or_id!r}; known: {sorted(_BY_NAME)}") from None
+
+
+def codec_names() -> list[str]:
+    return sorted(_BY_NAME)
+
+
+register(RawCodec())
+
+__all__ = ["Codec", "register", "get_codec", "codec_names"]

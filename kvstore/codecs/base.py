@@ -1,0 +1,24 @@
+"""The codec protocol: how a KV tensor becomes a blob payload and back (DESIGN.md, Spec 3)."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+
+class Codec(Protocol):
+    """A codec turns a KV tensor `[2, L, T, H, D]` into payload bytes plus small params, and back.
+
+    `params` must be msgpack-serialisable (ints, floats, strings): they travel in the blob header.
+    `decode` gets the original shape and dtype from the header and must return exactly that.
+    """
+
+    name: str
+    codec_id: int
+
+    def encode(self, kv: torch.Tensor, **options: Any) -> tuple[bytes | bytearray | memoryview, dict]: ...
+
+    def decode(
+        self, payload: memoryview, params: dict, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> torch.Tensor: ...

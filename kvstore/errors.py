@@ -1,0 +1,64 @@
+"""The exception hierarchy shared by every room.
+
+The SDK raises these to users; the server maps them to HTTP status codes (see `kvstore.wire`).
+"""
+
+from __future__ import annotations
+
+
+class KVStoreError(Exception):
+    """Base of every error kvstore raises on purpose."""
+
+    status = 500
+
+
+class InvalidKey(KVStoreError, ValueError):
+    """A chunk key that is not lowercase hex of an allowed length."""
+
+    status = 400
+
+
+class InvalidArgument(KVStoreError, ValueError):
+    """A malformed request, parameter or tensor."""
+
+    status = 400
+
+
+class CorruptBlob(KVStoreError):
+    """A blob whose header or checksum does not verify. Readers treat it as a miss."""
+
+    status = 422
+
+
+class CodecError(InvalidArgument):
+    """Unknown codec or parameters a codec cannot honour (bad group size, wrong dtype...)."""
+
+
+class TooLarge(KVStoreError):
+    """A blob or request body over the configured limit."""
+
+    status = 413
+
+
+class Unauthorized(KVStoreError):
+    """Missing or wrong bearer token."""
+
+    status = 401
+
+
+class NotFound(KVStoreError, KeyError):
+    """A key that is not stored (only raised where a miss cannot be expressed as None)."""
+
+    status = 404
+
+
+class Unavailable(KVStoreError):
+    """The server or a backing service cannot be reached."""
+
+    status = 503
+
+
+class ConfigError(KVStoreError, ValueError):
+    """A configuration that cannot start (e.g. the gpu tier without CUDA)."""
+
+    status = 400

@@ -1,0 +1,123 @@
+"""Chunk keys: prefix-chained, deterministic, versioned (DESIGN.md, Spec 1).
+
+A key never depends on the process, the machine, PYTHONHASHSEED or the codec. Recomputing one by hand:
+
+    field(b)  = len(b) as little-endian uint32 ‖ b
+    root      = blake2b-128( field(b"kvstore/v1") ‖ field(namespace utf-8) ‖ field(layout.fingerprint()) )
+    key_i     = blake2b-128( key_{i-1} ‖ tokens_i as little-endian int32 ‖ extra )      key_{-1} = root
+    partial   = blake2b-128( key_{i-1} ‖ b"partial" ‖ uint32 n ‖ tokens as little-endian int32 ‖ extra )
+
+`layout.fingerprint()` is the UTF-8 JSON of the layout fields with sorted keys and no spaces. Keys are
+16 raw bytes, printed as 32 lowercase hex characters. Changing any of this is a new KEY_VERSION.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from kvstore.errors import InvalidArgument, InvalidKey
+
+KEY_VERSION = "kvstore/v1"
+DIGEST_SIZE = 16
+_KEY_RE = re.compile(r"^[0-9a-f]{32,128}$")
+KV_DTYPES = ("float16", "bfloat16", "float32", "float8_e4m3fn")
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Everything that makes two KV caches interchangeable. Part of every key."""
+
+    model_name: str
+    model_config_hash: str  # hash of the model's config (see `config_hash`), not of the weights file path
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    kv_dtype: str = "float16"
+    chunk_size: int = 256
+    tp_rank: int = 0
+    tp_world_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "chunk_size", "tp_world_size"):
+            if int(getattr(self, name)) <= 0:
+                raise InvalidArgument(f"KVLayout.{name} must be positive, got {getattr(self, name)}")
+        if not 0 <= self.tp_rank < self.tp_world_size:
+            raise InvalidArgument(f"tp_rank {self.tp_rank} outside tp_world_size {self.tp_world_size}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise InvalidArgument(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
+
+    def fingerprint(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
+
+
+def config_hash(config: dict) -> str:
+    """A stable hash of a model's config.json contents (key order does not matter)."""
+    blob = json.dumps(config, sort_keys=True, separators=(",", ":"), default=str).encode()
+    return hashlib.blake2b(blob, digest_size=DIGEST_SIZE).hexdigest()
+
+
+def _field(b: bytes) -> bytes:
+    return len(b).to_bytes(4, "little") + b
+
+
+def _tokens_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise InvalidArgument(f"tokens must be 1-D, got shape {arr.shape}")
+    if arr.size and (arr.min() < -(2**31) or arr.max() >= 2**31):
+        raise InvalidArgument("token ids must fit in int32")
+    return arr.astype("<i4", copy=False).tobytes()
+
+
+def root_key(layout: KVLayout, namespace: str = "") -> bytes:
+    h = hashlib.blake2b(digest_size=DIGEST_SIZE)
+    h.update(_field(KEY_VERSION.encode()) + _field(namespace.encode()) + _field(layout.fingerprint()))
+    return h.digest()
+
+
+def hash_block(parent: bytes, tokens: Sequence[int] | np.ndarray, extra: bytes = b"") -> bytes:
+    """One link of the chain. The engine hashes its blocks with this too."""
+    return hashlib.blake2b(parent + _tokens_bytes(tokens) + extra, digest_size=DIGEST_SIZE).digest()
+
+
+def chunk_keys(
+    tokens: Sequence[int] | np.ndarray, layout: KVLayout, namespace: str = "", extra: bytes = b""
+) -> list[str]:
+    """Hex keys of every full `layout.chunk_size` chunk of `tokens`, in order."""
+    arr = np.asarray(tokens)
+    n = layout.chunk_size
+    parent = root_key(layout, namespace)
+    keys = []
+    for i in range(len(arr) // n):
+        parent = hash_block(parent, arr[i * n : (i + 1) * n], extra)
+        keys.append(parent.hex())
+    return keys
+
+
+def partial_key(
+    tokens: Sequence[int] | np.ndarray, layout: KVLayout, namespace: str = "", extra: bytes = b""
+) -> str | None:
+    """Key of the trailing partial chunk (None when `tokens` ends on a chunk boundary)."""
+    arr = np.asarray(tokens)
+    n = layout.chunk_size
+    full = len(arr) // n
+    tail = arr[full * n :]
+    if len(tail) == 0:
+        return None
+    keys = chunk_keys(arr[: full * n], layout, namespace, extra)
+    parent = bytes.fromhex(keys[-1]) if keys else root_key(layout, namespace)
+    data = parent + b"partial" + len(tail).to_bytes(4, "little") + _tokens_bytes(tail) + extra
+    return hashlib.blake2b(data, digest_size=DIGEST_SIZE).hexdigest()
+
+
+def validate_key(key: str) -> str:
+    """Return `key` if it is 32-128 lowercase hex characters, else raise InvalidKey."""
+    if not isinstance(key, str) or not _KEY_RE.match(key):
+        raise InvalidKey(f"a key is 32-128 lowercase hex characters, got {key!r:.80}")
+    return key

@@ -1,0 +1,1 @@
+"""kvstore sdk room (see DESIGN.md)."""

@@ -1,0 +1,1 @@
+"""kvstore server room (see DESIGN.md)."""
