@@ -1,0 +1,131 @@
+"""The `cpu` tier: blobs in host memory, LRU within a byte capacity, optional TTL.
+
+Zero-copy: a `bytes` blob is kept as the very object that was put and `get` hands that object back
+(bytes are immutable, so nobody can change it under the tier). Other buffers are copied once on put.
+With CUDA present the blobs live in pinned (page-locked) host memory instead, so the GPU tier and the
+engine can copy them to the device asynchronously; `get` then returns a read-only memoryview of the
+pinned buffer. `torch.empty(..., pin_memory=True)` raises without CUDA, hence the check.
+
+Byte accounting counts blob bytes exactly (`usage() == sum(len(blob))`), not Python object overhead.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from kvstore.config import StoreConfig
+from kvstore.errors import InvalidArgument
+from kvstore.lru import Entry, LRUIndex
+from kvstore.tiers.base import Blob, TierStats
+
+logger = logging.getLogger(__name__)
+
+
+def _pinned_copy(blob: Blob) -> memoryview:
+    buf = torch.empty(len(blob), dtype=torch.uint8, pin_memory=True)
+    arr = buf.numpy()
+    arr[:] = memoryview(blob).cast("B")
+    return memoryview(arr).toreadonly()  # the view keeps the pinned tensor alive
+
+
+class CpuTier:
+    """Host-memory tier. Thread-safe; every index operation holds one lock, copies happen outside it."""
+
+    def __init__(self, capacity: int, name: str = "cpu", pinned: bool | None = None) -> None:
+        if capacity <= 0:
+            raise InvalidArgument(f"cpu tier capacity must be positive, got {capacity}")
+        self.name = name
+        self.capacity = capacity
+        self.pinned = torch.cuda.is_available() if pinned is None else pinned
+        if self.pinned and not torch.cuda.is_available():
+            raise InvalidArgument("pinned host memory needs CUDA")
+        self.stats = TierStats()
+        self._index: LRUIndex[Blob] = LRUIndex(capacity)
+        self._lock = threading.Lock()
+        self._clock = time.monotonic
+
+    @classmethod
+    def from_config(cls, config: StoreConfig) -> CpuTier:
+        return cls(config.cpu_capacity)
+
+    def _own(self, blob: Blob) -> Blob:
+        """An immutable buffer holding `blob` that the tier may keep."""
+        if self.pinned:
+            return _pinned_copy(blob)
+        if isinstance(blob, bytes):
+            return blob
+        if isinstance(blob, memoryview) and blob.readonly and isinstance(blob.obj, bytes):
+            return blob if blob.contiguous else bytes(blob)
+        if not isinstance(blob, (bytearray, memoryview)):
+            raise InvalidArgument(f"a blob is bytes-like, got {type(blob).__name__}")
+        return bytes(blob)
+
+    def get(self, key: str) -> Blob | None:
+        now = self._clock()
+        with self._lock:
+            entry = self._index.peek(key)
+            if entry is None:
+                return None
+            if entry.expired(now):
+                self._index.pop(key)
+                self.stats.expired += 1
+                return None
+            self._index.touch(key)
+            return entry.value
+
+    def put(self, key: str, blob: Blob, ttl_s: float | None = None) -> list[str]:
+        size = memoryview(blob).nbytes
+        if size > self.capacity:
+            self.delete(key)
+            return []
+        value = self._own(blob)
+        expires_at = None if ttl_s is None else self._clock() + ttl_s
+        with self._lock:
+            expired = self._index.pop_expired(self._clock())
+            _, evicted = self._index.insert(key, Entry(size, value, expires_at))
+            self.stats.expired += len(expired)
+            self.stats.evictions += len(evicted)
+        return [k for k, _ in evicted]
+
+    def contains(self, key: str) -> bool:
+        now = self._clock()
+        with self._lock:
+            entry = self._index.peek(key)
+            if entry is not None and entry.expired(now):
+                self._index.pop(key)
+                self.stats.expired += 1
+                return False
+            return entry is not None
+
+    def delete(self, key: str) -> bool:
+        with self._lock:
+            return self._index.pop(key) is not None
+
+    def keys(self) -> Iterator[str]:
+        now = self._clock()
+        with self._lock:
+            return iter([k for k, e in self._index.items() if not e.expired(now)])
+
+    def usage(self) -> int:
+        return self._index.used
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def get_many(self, keys: Sequence[str]) -> list[Blob | None]:
+        return [self.get(k) for k in keys]
+
+    def put_many(self, items: Sequence[tuple[str, Blob]], ttl_s: float | None = None) -> list[str]:
+        evicted: list[str] = []
+        for key, blob in items:
+            evicted.extend(self.put(key, blob, ttl_s))
+        return evicted
+
+    def close(self) -> None:
+        with self._lock:
+            self._index = LRUIndex(self.capacity)

@@ -1,0 +1,254 @@
+"""The `disk` tier: one file per blob under a sharded directory, crash-safe, warm restart.
+
+On-disk layout (the index is only ever rebuilt from this, there is no separate journal):
+
+    <root>/.lock                   flock'ed while a DiskTier owns the directory
+    <root>/ab/cd/<key>             a blob without expiry (ab, cd = the key's first 4 hex characters)
+    <root>/ab/cd/<key>.x<ms>       a blob that expires at <ms> (Unix time in milliseconds)
+    <root>/ab/cd/.tmp-<...>        a write in progress; deleted on start
+
+A put writes the temp file, fsyncs it, renames it to its real name and fsyncs the directory; `put`
+returns only after that, so an acknowledged blob survives a crash, and a crash never leaves a
+half-written file under a real name. Recency is the file's mtime: a put sets it and a get refreshes
+it, so the LRU order survives a restart. The TTL lives in the file name (not in the blob, which the
+tier never parses), so expiry survives a restart too; an expired blob is deleted when met.
+Usage counts blob bytes exactly (file sizes), not temp files in flight or file-system overhead.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import itertools
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from kvstore.config import StoreConfig
+from kvstore.errors import ConfigError, InvalidArgument
+from kvstore.keys import validate_key
+from kvstore.lru import Entry, LRUIndex
+from kvstore.tiers.base import Blob, TierStats
+
+logger = logging.getLogger(__name__)
+_NAME_RE = re.compile(r"^([0-9a-f]{32,128})(?:\.x(\d+))?$")
+TMP_PREFIX = ".tmp-"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class DiskTier:
+    """File-per-blob tier. Thread-safe: the index is under one lock; file data moves outside it."""
+
+    def __init__(self, path: str | Path, capacity: int, name: str = "disk", fsync: bool = True) -> None:
+        if capacity <= 0:
+            raise InvalidArgument(f"disk tier capacity must be positive, got {capacity}")
+        self.name = name
+        self.capacity = capacity
+        self.root = Path(path)
+        self.fsync = fsync
+        self.stats = TierStats()
+        self._lock = threading.Lock()
+        self._index: LRUIndex[str] = LRUIndex(capacity)  # value: file name inside the shard dir
+        self._tmp_ids = itertools.count()
+        self._shards_made: set[Path] = set()
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self._lock_fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise ConfigError(f"cannot use {self.root} for the disk tier: {e}") from None
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(self._lock_fd)
+            raise ConfigError(f"{self.root} is in use by another disk tier (process)") from None
+        self._load()
+
+    @classmethod
+    def from_config(cls, config: StoreConfig) -> DiskTier:
+        return cls(config.disk_path, config.disk_capacity)
+
+    # -- layout ------------------------------------------------------------------------------------
+
+    def _shard(self, key: str) -> Path:
+        return self.root / key[:2] / key[2:4]
+
+    def _path(self, key: str, fname: str) -> Path:
+        return self._shard(key) / fname
+
+    def _load(self) -> None:
+        """Rebuild the index from the directory: drop temp leftovers and expired blobs, order by mtime."""
+        found: dict[str, tuple[int, int, str]] = {}  # key -> (mtime_ns, size, file name)
+        now_ms = time.time() * 1000
+        for path in self.root.glob("[0-9a-f][0-9a-f]/[0-9a-f][0-9a-f]/*"):
+            name = path.name
+            if name.startswith(TMP_PREFIX):
+                path.unlink(missing_ok=True)
+                continue
+            m = _NAME_RE.match(name)
+            if m is None or path.parent != self._shard(m.group(1)):
+                logger.warning("disk tier: ignoring stray file %s", path)
+                continue
+            if m.group(2) is not None and int(m.group(2)) <= now_ms:
+                path.unlink(missing_ok=True)
+                self.stats.expired += 1
+                continue
+            st = path.stat()
+            key = m.group(1)
+            if key in found:  # a crash between a rename and the unlink of the old name: keep the newer
+                older = min(found[key], (st.st_mtime_ns, st.st_size, name))
+                self._path(key, older[2]).unlink(missing_ok=True)
+                if older[2] == name:
+                    continue
+            found[key] = (st.st_mtime_ns, st.st_size, name)
+        for key, (_, size, name) in sorted(found.items(), key=lambda kv: kv[1][0]):
+            if size > self.capacity:
+                self._path(key, name).unlink(missing_ok=True)
+                continue
+            m = _NAME_RE.match(name)
+            assert m is not None
+            expires_at = int(m.group(2)) / 1000 if m.group(2) else None
+            _, evicted = self._index.insert(key, Entry(size, name, expires_at))
+            self._unlink(evicted)
+            self.stats.evictions += len(evicted)
+        logger.info("disk tier %s: %d blobs, %d bytes", self.root, len(self._index), self._index.used)
+
+    def _unlink(self, entries: list[tuple[str, Entry[str]]]) -> None:
+        for key, entry in entries:
+            try:
+                self._path(key, entry.value).unlink(missing_ok=True)
+            except OSError as e:
+                self.stats.errors += 1
+                logger.warning("disk tier: cannot delete %s: %s", key, e)
+
+    def _make_shard(self, shard: Path) -> None:
+        if shard in self._shards_made:
+            return
+        if not shard.is_dir():
+            shard.mkdir(parents=True, exist_ok=True)
+            if self.fsync:
+                _fsync_dir(shard.parent)
+                _fsync_dir(shard.parent.parent)
+        self._shards_made.add(shard)
+
+    # -- the Tier protocol -------------------------------------------------------------------------
+
+    def _live_entry(self, key: str, touch: bool) -> Entry[str] | None:
+        """Under the lock: the entry, or None (an expired one is removed)."""
+        entry = self._index.peek(key)
+        if entry is None:
+            return None
+        if entry.expired(time.time()):
+            self._index.pop(key)
+            self._unlink([(key, entry)])
+            self.stats.expired += 1
+            return None
+        if touch:
+            self._index.touch(key)
+        return entry
+
+    def get(self, key: str) -> Blob | None:
+        with self._lock:
+            entry = self._live_entry(key, touch=True)
+            if entry is None:
+                return None
+            path = self._path(key, entry.value)
+        try:
+            with open(path, "rb", buffering=0) as f:
+                data = f.readall()
+                os.utime(f.fileno())  # mtime = last use: the LRU order a restart rebuilds
+        except FileNotFoundError:
+            return None  # deleted or evicted since we looked
+        except OSError as e:
+            self.stats.errors += 1
+            logger.warning("disk tier: cannot read %s: %s", path, e)
+            return None
+        return data
+
+    def put(self, key: str, blob: Blob, ttl_s: float | None = None) -> list[str]:
+        validate_key(key)  # the key becomes a file name
+        view = memoryview(blob).cast("B")
+        size = len(view)
+        if size > self.capacity:
+            self.delete(key)
+            return []
+        shard = self._shard(key)
+        tmp = shard / f"{TMP_PREFIX}{key}-{os.getpid()}-{next(self._tmp_ids)}"
+        expires_at = None if ttl_s is None else time.time() + ttl_s
+        fname = key if expires_at is None else f"{key}.x{int(expires_at * 1000)}"
+        try:
+            self._make_shard(shard)
+            self._write_file(tmp, view)
+            with self._lock:
+                os.rename(tmp, shard / fname)
+                old, evicted = self._index.insert(key, Entry(size, fname, expires_at))
+                if old is not None and old.value != fname:
+                    self._unlink([(key, old)])
+                self._unlink(evicted)
+                self.stats.evictions += len(evicted)
+            if self.fsync:
+                _fsync_dir(shard)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            self.stats.errors += 1
+            self.stats.dropped_puts += 1
+            logger.warning("disk tier: cannot write %s: %s", key, e)
+            return []
+        return [k for k, _ in evicted]
+
+    def _write_file(self, tmp: Path, view: memoryview) -> None:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            written = 0
+            while written < len(view):
+                written += os.write(fd, view[written:])
+            if self.fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def contains(self, key: str) -> bool:
+        with self._lock:
+            return self._live_entry(key, touch=False) is not None
+
+    def delete(self, key: str) -> bool:
+        with self._lock:
+            entry = self._index.pop(key)
+            if entry is not None:
+                self._unlink([(key, entry)])
+        return entry is not None
+
+    def keys(self) -> Iterator[str]:
+        now = time.time()
+        with self._lock:
+            return iter([k for k, e in self._index.items() if not e.expired(now)])
+
+    def usage(self) -> int:
+        return self._index.used
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def get_many(self, keys: Sequence[str]) -> list[Blob | None]:
+        return [self.get(k) for k in keys]
+
+    def put_many(self, items: Sequence[tuple[str, Blob]], ttl_s: float | None = None) -> list[str]:
+        evicted: list[str] = []
+        for key, blob in items:
+            evicted.extend(self.put(key, blob, ttl_s))
+        return evicted
+
+    def close(self) -> None:
+        with self._lock:
+            if self._lock_fd >= 0:
+                os.close(self._lock_fd)  # releases the flock
+                self._lock_fd = -1
