@@ -1,0 +1,204 @@
+"""Continuous batching with chunked prefill and preemption by recompute (vLLM V1's scheduler).
+
+Each step has a token budget (`max_num_batched_tokens`). Running sequences are served first, oldest
+first: a decode takes one token, an unfinished prefill takes the next chunk that fits. When blocks
+run out, the newest running sequence is preempted: its blocks are freed (they keep their hashes, so
+the prefix cache often revives them) and it goes back to the front of the waiting queue to be
+recomputed. Waiting sequences are admitted while budget, `max_num_seqs` and blocks allow.
+
+Where a KV connector (DESIGN.md, Spec 5) plugs in, marked below: `get_num_new_matched_tokens` after
+the local prefix lookup, `update_state_after_alloc` after allocation, `build_connector_meta` at the
+end of `schedule`, and `request_finished` in `_finish` before blocks are freed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.errors import EngineError
+from engine.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    max_model_len: int = 2048
+
+
+@dataclass
+class ScheduledSequence:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the end of the sequence, so its last logits are sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(
+        self, config: SchedulerConfig, block_manager: BlockManager, eos_token_ids: set[int] | None = None
+    ) -> None:
+        assert config.max_num_batched_tokens > 0 and config.max_num_seqs > 0
+        self.config = config
+        self.block_manager = block_manager
+        self.eos_token_ids = set(eos_token_ids or ())
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add_sequence(self, seq: Sequence) -> None:
+        assert seq.status is SequenceStatus.WAITING and not seq.block_table
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ---- scheduling ---------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        bm = self.block_manager
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            assert num_new > 0, "a running sequence always has a token to compute"
+            while not bm.allocate_slots(seq, num_new):
+                victim = self.running.pop()  # the newest; never one already scheduled this step
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append(ScheduledSequence(seq, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            break
+
+        # No admissions in a step that had to preempt: memory is the bottleneck.
+        while (
+            self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not out.preempted
+        ):
+            seq = self.waiting[0]
+            computed = bm.get_computed_blocks(seq)
+            num_computed = len(computed) * bm.block_size
+            # connector: num_external, load_async = connector.get_num_new_matched_tokens(seq, num_computed)
+            num_new = min(seq.num_tokens - num_computed, budget)
+            if not bm.allocate_slots(seq, num_new, computed):
+                break
+            # connector: connector.update_state_after_alloc(seq, seq.block_table, num_external)
+            self.waiting.popleft()
+            bm.record_prefix_lookup(seq, num_computed)
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = num_computed
+            seq.num_computed_tokens = num_computed
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSequence(seq, num_new))
+            budget -= num_new
+
+        if out.is_empty and self.waiting and not self.running:
+            seq = self.waiting[0]
+            raise EngineError(
+                f"request {seq.request_id} ({seq.num_tokens} tokens) does not fit in the KV cache "
+                f"({bm.num_blocks} blocks of {bm.block_size}); raise the KV cache size or lower max_model_len"
+            )
+        # connector: out.kv_connector_metadata = connector.build_connector_meta(out)
+        return out
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        logger.debug("preempted %s (%d tokens) for recompute", seq.request_id, seq.num_tokens)
+
+    # ---- results ------------------------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Sequence]:
+        """Advance every scheduled sequence; append sampled tokens where a chunk reached the end.
+        Returns the sequences that got a new token (finished ones included)."""
+        assert len(sampled) == len(out.scheduled)
+        updated = []
+        for sched, token in zip(out.scheduled, sampled, strict=True):
+            seq = sched.seq
+            reached_end = sched.samples
+            seq.num_computed_tokens += sched.num_new_tokens
+            self.block_manager.cache_full_blocks(seq)
+            if not reached_end:
+                continue  # a prefill chunk that is not the last one: its sample is meaningless
+            assert token is not None
+            seq.append_token(token)
+            updated.append(seq)
+            status = self._check_stop(seq, token)
+            if status is not None:
+                self._finish(seq, status)
+        return updated
+
+    def _check_stop(self, seq: Sequence, token: int) -> SequenceStatus | None:
+        p = seq.sampling_params
+        if seq.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                seq.stop_reason = None
+                return SequenceStatus.FINISHED_STOPPED
+            if token in p.stop_token_ids:
+                seq.stop_reason = token
+                return SequenceStatus.FINISHED_STOPPED
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH
+        return None
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """Finish a sequence from outside (stop strings, aborts). Idempotent."""
+        if not seq.is_finished:
+            self._finish(seq, status)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        for seq in [*self.running, *self.waiting]:
+            if seq.request_id == request_id:
+                self._finish(seq, SequenceStatus.FINISHED_ABORTED)
+                return seq
+        return None
+
+    def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        assert status.finished
+        # connector: connector.request_finished(seq, seq.block_table) (delays freeing while a save runs)
+        self.block_manager.free(seq)
+        seq.status = status
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)

@@ -1,0 +1,92 @@
+"""Sampler: greedy, temperature, top-k, top-p, per-request seeds; bad parameters are rejected."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.errors import InvalidRequest
+from engine.sampler import Sampler, apply_top_k_top_p
+from engine.sampling_params import SamplingParams
+
+
+def logits_for(probs: list[float]) -> torch.Tensor:
+    return torch.tensor([probs]).log()
+
+
+def draw(params: SamplingParams, logits: torch.Tensor, n: int, seed: int = 0) -> torch.Tensor:
+    torch.manual_seed(seed)
+    sampler = Sampler()
+    tokens = [sampler(logits, [f"r{i}"], [params])[0] for i in range(n)]
+    return torch.bincount(torch.tensor(tokens), minlength=logits.shape[-1]).float() / n
+
+
+def test_greedy_is_argmax_per_row() -> None:
+    logits = torch.randn(5, 100)
+    params = [SamplingParams(temperature=0.0)] * 5
+    assert Sampler()(logits, list("abcde"), params) == logits.argmax(-1).tolist()
+
+
+def test_temperature_sampling_follows_the_distribution() -> None:
+    p = [0.5, 0.3, 0.15, 0.05]
+    freq = draw(SamplingParams(temperature=1.0), logits_for(p), 4000)
+    assert torch.allclose(freq, torch.tensor(p), atol=0.03)
+    # Low temperature sharpens towards the argmax.
+    sharp = draw(SamplingParams(temperature=0.3), logits_for(p), 1000)
+    assert sharp[0] > 0.8
+
+
+def test_top_k_and_top_p_restrict_the_support() -> None:
+    p = [0.4, 0.3, 0.2, 0.1]
+    assert draw(SamplingParams(top_k=2), logits_for(p), 1000)[2:].sum() == 0
+    # Nucleus 0.6: 0.4 < 0.6, 0.4 + 0.3 >= 0.6 -> tokens 0 and 1 survive.
+    freq = draw(SamplingParams(top_p=0.6), logits_for(p), 2000)
+    assert freq[2:].sum() == 0 and torch.allclose(freq[:2], torch.tensor([4 / 7, 3 / 7]), atol=0.04)
+    # A tiny top_p still keeps the most likely token.
+    assert draw(SamplingParams(top_p=0.01), logits_for(p), 50)[0] == 1
+
+
+def test_top_k_top_p_mask_is_per_row() -> None:
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0], [4.0, 3.0, 2.0, 1.0]])
+    out = apply_top_k_top_p(logits, torch.tensor([1, 0]), torch.tensor([1.0, 1.0]))
+    assert torch.isinf(out[0, 1:]).all() and out[0, 0] == 4.0
+    assert torch.equal(out[1], logits[1])
+
+
+def test_seeded_requests_do_not_depend_on_the_batch() -> None:
+    logits = torch.randn(1, 1000)
+    params = SamplingParams(temperature=1.0, seed=1234)
+    alone = Sampler()
+    seq_alone = [alone(logits, ["x"], [params])[0] for _ in range(20)]
+    batched = Sampler()
+    other = SamplingParams(temperature=1.0)
+    seq_batched = [
+        batched(torch.cat([torch.randn(1, 1000), logits]), ["y", "x"], [other, params])[1] for _ in range(20)
+    ]
+    assert seq_alone == seq_batched
+    assert len(set(seq_alone)) > 1, "a seeded request still samples, it does not repeat one token"
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"temperature": -0.5},
+        {"top_p": 0.0},
+        {"top_p": 1.5},
+        {"top_k": -3},
+        {"max_tokens": 0},
+        {"max_tokens": 2.5},
+        {"min_tokens": 5, "max_tokens": 2},
+        {"stop": [""]},
+        {"stop_token_ids": [-1]},
+        {"seed": "abc"},
+        {"temperature": float("nan")},
+    ],
+)
+def test_invalid_sampling_params_raise_invalid_request(kwargs: dict) -> None:
+    with pytest.raises(InvalidRequest, match="invalid sampling parameter"):
+        SamplingParams(**kwargs)
+
+
+def test_stop_accepts_a_single_string() -> None:
+    assert SamplingParams(stop="\n").stop == ["\n"]

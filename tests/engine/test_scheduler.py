@@ -1,0 +1,211 @@
+"""Scheduler invariants, driven by a deterministic stand-in for the model: the next token is a hash
+of the whole token history, so any scheduling bug (lost tokens, wrong order, a sample taken from a
+partial prefill) changes the outputs."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+
+from engine.block_manager import BlockManager
+from engine.errors import EngineError
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.sequence import Sequence, SequenceStatus
+
+BS = 4
+EOS = 0
+
+
+def next_token(tokens: list[int]) -> int:
+    return 1 + zlib.crc32(bytes(str(tokens), "ascii")) % 97
+
+
+def make(num_blocks: int = 64, budget: int = 32, max_seqs: int = 8, max_len: int = 256, cache: bool = True):
+    bm = BlockManager(num_blocks, BS, enable_prefix_caching=cache)
+    return Scheduler(SchedulerConfig(budget, max_seqs, max_len), bm, eos_token_ids={EOS})
+
+
+def seq(rid: str, n: int, start: int = 1, **params) -> Sequence:
+    params.setdefault("max_tokens", 6)
+    params.setdefault("ignore_eos", True)
+    return Sequence(rid, [(start + i) % 90 + 1 for i in range(n)], SamplingParams(**params))
+
+
+def step(sched: Scheduler, log: list | None = None):
+    out = sched.schedule()
+    cfg = sched.config
+    assert out.num_batched_tokens <= cfg.max_num_batched_tokens
+    assert len(out.scheduled) <= cfg.max_num_seqs
+    assert len({id(s.seq) for s in out.scheduled}) == len(out.scheduled), "a sequence twice in a step"
+    sampled = []
+    for s in out.scheduled:
+        q = s.seq
+        assert q.num_computed_tokens + s.num_new_tokens <= q.num_tokens
+        assert len(q.block_table) * BS >= q.num_computed_tokens + s.num_new_tokens
+        sampled.append(next_token(q.all_token_ids) if s.samples else None)
+    if log is not None:
+        log.append(out)
+    sched.update_from_output(out, sampled)
+    sched.block_manager.check_invariants(sched.running)
+    return out
+
+
+def run(sched: Scheduler, seqs: list[Sequence], log: list | None = None, max_steps: int = 2000) -> None:
+    for s in seqs:
+        sched.add_sequence(s)
+    for _ in range(max_steps):
+        if not sched.has_unfinished():
+            break
+        step(sched, log)
+    assert not sched.has_unfinished()
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks, "leaked blocks"
+
+
+def reference(s: Sequence) -> list[int]:
+    tokens = list(s.prompt_token_ids)
+    for _ in range(s.sampling_params.max_tokens):
+        tokens.append(next_token(tokens))
+    return tokens[s.num_prompt_tokens :]
+
+
+def test_continuous_batching_matches_sequential_reference() -> None:
+    sched = make(budget=16, max_seqs=3)
+    seqs = [seq(f"r{i}", 3 + 5 * i, start=7 * i, max_tokens=4 + i) for i in range(6)]
+    log: list = []
+    run(sched, seqs, log)
+    for s in seqs:
+        assert s.output_token_ids == reference(s)
+        assert s.status is SequenceStatus.FINISHED_LENGTH
+    assert max(len(o.scheduled) for o in log) == 3
+    assert all(len(o.scheduled) <= 3 for o in log)
+
+
+def test_chunked_prefill_splits_a_long_prompt_and_mixes_with_decodes() -> None:
+    sched = make(budget=8)
+    short, long = seq("short", 3, max_tokens=10), seq("long", 30, start=40)
+    log: list = []
+    sched.add_sequence(short)
+    step(sched, log)  # short prefilled alone
+    run(sched, [long], log)
+    chunks = [x.num_new_tokens for o in log for x in o.scheduled if x.seq is long]
+    assert sum(chunks[: len(chunks) - long.sampling_params.max_tokens + 1]) == 30
+    assert max(chunks) <= 8 and len(chunks) >= 5
+    mixed = [o for o in log if {x.seq.request_id for x in o.scheduled} == {"short", "long"}]
+    assert any(
+        any(x.num_new_tokens == 1 for x in o.scheduled) and any(x.num_new_tokens > 1 for x in o.scheduled)
+        for o in mixed
+    )
+    assert long.output_token_ids == reference(long) and short.output_token_ids == reference(short)
+
+
+def test_preemption_recomputes_newest_and_outputs_do_not_change() -> None:
+    # 10 blocks of 4 = 40 slots; three sequences growing to 18 tokens each cannot all stay.
+    sched = make(num_blocks=10, budget=64, max_len=64)
+    seqs = [seq(f"r{i}", 10, start=20 * i, max_tokens=8) for i in range(3)]
+    log: list = []
+    run(sched, seqs, log)
+    preempted = [p.request_id for o in log for p in o.preempted]
+    assert preempted, "the test must actually preempt"
+    assert preempted[0] == "r2", "the newest running sequence is the victim"
+    assert sched.num_preemptions == len(preempted)
+    for s in seqs:
+        assert s.output_token_ids == reference(s)
+
+
+def test_preemption_frees_every_block() -> None:
+    sched = make(num_blocks=10, budget=64, max_len=64, cache=False)
+    for i in range(3):
+        sched.add_sequence(seq(f"r{i}", 10, start=20 * i, max_tokens=8))
+    while True:
+        out = step(sched)
+        if out.preempted:
+            break
+    for victim in out.preempted:
+        assert victim.block_table == [] and victim.num_computed_tokens == 0
+        assert (
+            victim.status is SequenceStatus.WAITING and sched.waiting[0] is victim or victim in sched.waiting
+        )
+    held = sum(len(s.block_table) for s in sched.running)
+    assert sched.block_manager.num_free_blocks == 10 - held
+
+
+def test_recomputed_tokens_are_not_counted_as_prefix_hits() -> None:
+    sched = make(num_blocks=10, budget=64, max_len=64)
+    run(sched, [seq(f"r{i}", 10, start=20 * i, max_tokens=8) for i in range(3)])
+    bm = sched.block_manager
+    assert sched.num_preemptions > 0
+    assert bm.prefix_cache_queries == 30 and bm.prefix_cache_hits == 0
+
+
+def test_prefix_hit_skips_full_blocks_but_recomputes_last_token() -> None:
+    sched = make()
+    a = seq("a", 12)
+    run(sched, [a])
+    b = seq("b", 12)  # same prompt: 3 full blocks, but the last token must be recomputed
+    log: list = []
+    run(sched, [b], log)
+    first = log[0].scheduled[0]
+    assert b.num_cached_tokens == 8 and first.num_new_tokens == 4
+    assert b.output_token_ids == a.output_token_ids
+    assert sched.block_manager.prefix_cache_hits == 8
+
+
+def test_abort_in_prefill_and_decode_leaks_nothing() -> None:
+    sched = make(budget=4)
+    a, b, c = seq("a", 20), seq("b", 3, max_tokens=50), seq("c", 5)
+    for s in (a, b, c):
+        sched.add_sequence(s)
+    step(sched)
+    step(sched)
+    assert a.status is SequenceStatus.RUNNING and a.num_computed_tokens < a.num_tokens
+    assert sched.abort("a") is a and a.status is SequenceStatus.FINISHED_ABORTED
+    for _ in range(6):
+        step(sched)
+    assert b.num_output_tokens > 0 and not b.is_finished
+    sched.abort("b")
+    sched.abort("c")
+    assert sched.abort("missing") is None
+    assert not sched.has_unfinished()
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
+    sched.block_manager.check_invariants([])
+
+
+@pytest.mark.parametrize(
+    ("params", "reason", "length"),
+    [
+        ({"max_tokens": 3}, SequenceStatus.FINISHED_LENGTH, 3),
+        ({"max_tokens": 20, "ignore_eos": False}, SequenceStatus.FINISHED_STOPPED, None),
+        ({"max_tokens": 20, "ignore_eos": False, "min_tokens": 20}, SequenceStatus.FINISHED_LENGTH, 20),
+        ({"max_tokens": 20, "stop_token_ids": ["STOP"]}, SequenceStatus.FINISHED_STOPPED, None),
+    ],
+)
+def test_stop_conditions(params: dict, reason: SequenceStatus, length: int | None) -> None:
+    s0 = seq("probe", 5, max_tokens=20)
+    stop_at = reference(s0)[1]
+    params = dict(params)
+    if params.get("stop_token_ids") == ["STOP"]:
+        params["stop_token_ids"] = [stop_at]
+    sched = make()
+    sched.eos_token_ids = {stop_at} if params.get("ignore_eos") is False else {EOS}
+    s = seq("s", 5, **params)
+    run(sched, [s])
+    assert s.status is reason
+    assert s.num_output_tokens == (length if length is not None else 2)
+    if reason is SequenceStatus.FINISHED_STOPPED and "stop_token_ids" in params:
+        assert s.stop_reason == stop_at
+
+
+def test_max_model_len_finishes_with_length() -> None:
+    sched = make(max_len=12)
+    s = seq("s", 10, max_tokens=50)
+    run(sched, [s])
+    assert s.status is SequenceStatus.FINISHED_LENGTH and s.num_tokens == 12
+
+
+def test_request_that_can_never_fit_raises_instead_of_hanging() -> None:
+    sched = make(num_blocks=2, max_len=64)
+    sched.add_sequence(seq("big", 20))
+    with pytest.raises(EngineError, match="does not fit"):
+        sched.schedule()
