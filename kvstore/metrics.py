@@ -1,0 +1,141 @@
+"""Store metrics: Prometheus series in a registry of the store's own, plus a JSON `stats()` snapshot.
+
+Counters the store drives (hits, misses, corrupt blobs, bytes moved, latency) are prometheus_client
+objects. Figures a tier keeps itself (usage, capacity, keys, evictions, errors, dropped puts) are read
+from the tiers at scrape time by a collector, so they can never drift from the tiers' own books.
+Never the global default registry: two stores in one process must not collide.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvstore.tiers.base import Tier
+
+LATENCY_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
+
+
+class _TierCollector(Collector):
+    def __init__(self, metrics: StoreMetrics) -> None:
+        self._m = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        m = self._m
+        usage = GaugeMetricFamily("kvstore_bytes", "Blob bytes held per tier", labels=["tier"])
+        cap = GaugeMetricFamily("kvstore_capacity_bytes", "Byte capacity per tier", labels=["tier"])
+        keys = GaugeMetricFamily("kvstore_keys", "Blobs held per tier", labels=["tier"])
+        ev = CounterMetricFamily("kvstore_evictions", "LRU evictions per tier", labels=["tier"])
+        exp = CounterMetricFamily("kvstore_expired", "Blobs dropped by TTL per tier", labels=["tier"])
+        err = CounterMetricFamily("kvstore_tier_errors", "Backend failures per tier", labels=["tier"])
+        drop = CounterMetricFamily(
+            "kvstore_dropped_writes",
+            "Writes to a tier dropped (full write-back queue, failed put)",
+            labels=["tier"],
+        )
+        for t in m.tiers:
+            usage.add_metric([t.name], t.usage())
+            cap.add_metric([t.name], t.capacity)
+            keys.add_metric([t.name], len(t))
+            ev.add_metric([t.name], t.stats.evictions)
+            exp.add_metric([t.name], t.stats.expired)
+            err.add_metric([t.name], t.stats.errors + m.store_errors[t.name])
+            drop.add_metric([t.name], t.stats.dropped_puts + m.store_drops[t.name])
+        yield from (usage, cap, keys, ev, exp, err, drop)
+
+
+class StoreMetrics:
+    """Everything a TieredStore counts. Thread-safe (prometheus_client objects lock themselves)."""
+
+    def __init__(self, tiers: Sequence[Tier]) -> None:
+        self.tiers = list(tiers)
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.hits = Counter(
+            "kvstore_hits", "Reads served, by the tier that had the blob", ["tier"], registry=r
+        )
+        self.tier_misses = Counter(
+            "kvstore_tier_misses", "Reads a tier could not serve", ["tier"], registry=r
+        )
+        self.misses = Counter("kvstore_misses", "Reads no tier could serve", registry=r)
+        self.corrupt = Counter(
+            "kvstore_corrupt_blobs", "Blobs that failed verification on read (deleted)", ["tier"], registry=r
+        )
+        self.read_bytes = Counter("kvstore_read_bytes", "Blob bytes served per tier", ["tier"], registry=r)
+        self.written_bytes = Counter(
+            "kvstore_written_bytes", "Blob bytes written per tier", ["tier"], registry=r
+        )
+        self.op_seconds = Histogram(
+            "kvstore_op_seconds", "Store operation latency", ["op"], buckets=LATENCY_BUCKETS, registry=r
+        )
+        self._lock = threading.Lock()
+        self.store_errors = {t.name: 0 for t in self.tiers}  # exceptions that escaped a tier
+        self.store_drops = {t.name: 0 for t in self.tiers}  # write-back queue overflow
+        for t in self.tiers:  # make every labelled series visible from the start, at 0
+            for c in (self.hits, self.tier_misses, self.corrupt, self.read_bytes, self.written_bytes):
+                c.labels(tier=t.name)
+        r.register(_TierCollector(self))
+
+    def count_error(self, tier: Tier) -> None:
+        with self._lock:
+            self.store_errors[tier.name] += 1
+
+    def count_drop(self, tier: Tier) -> None:
+        with self._lock:
+            self.store_drops[tier.name] += 1
+
+    @contextmanager
+    def time(self, op: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.op_seconds.labels(op=op).observe(time.perf_counter() - start)
+
+    def value(self, name: str, **labels: str) -> float:
+        """The current value of one sample (0 when absent), e.g. value("kvstore_hits_total", tier="cpu")."""
+        return self.registry.get_sample_value(name, labels) or 0.0
+
+    def stats(self) -> dict[str, Any]:
+        """A JSON-able snapshot: per tier and overall (served at /v1/stats)."""
+        samples: dict[tuple[str, str], float] = {}
+        for metric in self.registry.collect():
+            for s in metric.samples:
+                samples[(s.name, s.labels.get("tier", ""))] = s.value
+        tiers = []
+        for t in self.tiers:
+
+            def g(name: str, tier: str = t.name) -> int:
+                return int(samples.get((name, tier), 0))
+
+            tiers.append({
+                "name": t.name,
+                "hits": g("kvstore_hits_total"),
+                "misses": g("kvstore_tier_misses_total"),
+                "bytes": g("kvstore_bytes"),
+                "capacity": g("kvstore_capacity_bytes"),
+                "keys": g("kvstore_keys"),
+                "evictions": g("kvstore_evictions_total"),
+                "expired": g("kvstore_expired_total"),
+                "corrupt": g("kvstore_corrupt_blobs_total"),
+                "errors": g("kvstore_tier_errors_total"),
+                "dropped_writes": g("kvstore_dropped_writes_total"),
+                "read_bytes": g("kvstore_read_bytes_total"),
+                "written_bytes": g("kvstore_written_bytes_total"),
+            })  # fmt: skip
+        hits = sum(t["hits"] for t in tiers)
+        misses = int(samples.get(("kvstore_misses_total", ""), 0))
+        lookups = hits + misses
+        return {
+            "tiers": tiers,
+            "hits": hits,
+            "misses": misses,
+            "hit_rate": hits / lookups if lookups else 0.0,
+        }

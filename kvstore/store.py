@@ -1,0 +1,327 @@
+"""The tiered store: ordered tiers, promotion, write-through / write-back, admission, TTL (Spec 4).
+
+- Reads look the tiers up top-down. Every blob read is verified; one that fails is a miss for that
+  tier, is counted, is deleted from it, and the lookup goes on to the next tier. A hit in a lower tier
+  is promoted (copied) into every tier above it.
+- Writes go to the top tier at once. With `write_policy="through"` they also go to every lower tier
+  before `put_blob` returns; with "back" a background thread writes them from a bounded queue, and
+  when that queue is full the lower-tier write is dropped and counted (a put never blocks on it).
+- `admission_hits=N > 0`: a new blob lives only in the top tier until it has been read N times; then
+  it is written down like any other put. A blob evicted from the top tier before that is gone.
+- `ttl`: every tier drops a blob `ttl` seconds after it was written into that tier; a promotion is a
+  write, so an upper-tier copy lives `ttl` from its promotion.
+Tiers promise not to raise (Tier protocol); an exception that escapes one anyway is logged, counted
+in `kvstore_tier_errors_total` and treated as a miss / a dropped write, so one sick tier never takes
+the store down.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from kvstore.blob import verify_blob
+from kvstore.config import StoreConfig
+from kvstore.errors import ConfigError, CorruptBlob, InvalidArgument, TooLarge
+from kvstore.keys import validate_key
+from kvstore.metrics import StoreMetrics
+from kvstore.tiers import Blob, Tier, make_tier
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+MAX_PROBATION = 1 << 20  # keys waiting for admission that the store remembers
+
+
+class TieredStore:
+    """A key -> blob store over ordered tiers (fastest first). Thread-safe."""
+
+    def __init__(self, config: StoreConfig | None = None, tiers: list[Tier] | None = None) -> None:
+        self.config = config or StoreConfig()
+        self.tiers: list[Tier] = (
+            list(tiers) if tiers is not None else [make_tier(n, self.config) for n in self.config.tiers]
+        )
+        if not self.tiers:
+            raise ConfigError("a store needs at least one tier")
+        if len({t.name for t in self.tiers}) != len(self.tiers):
+            raise ConfigError(f"tier names must be unique, got {[t.name for t in self.tiers]}")
+        self.metrics = StoreMetrics(self.tiers)
+        self.registry = self.metrics.registry
+        self._ttl = self.config.ttl
+        self._admission = self.config.admission_hits
+        self._probation: OrderedDict[str, int] = OrderedDict()  # key -> reads so far
+        self._lock = threading.Lock()
+        self._wb_lock = threading.Lock()
+        self._closed = False
+        self._queue: queue.Queue[tuple[str, bytes, int] | None] | None = None
+        self._pending: dict[str, int] = {}  # key -> sequence number of its newest queued write-back
+        self._seq = 0
+        self._writer: threading.Thread | None = None
+        if self.config.write_policy == "back" and len(self.tiers) > 1:
+            self._queue = queue.Queue(maxsize=self.config.write_back_queue)
+            self._writer = threading.Thread(
+                target=self._write_back_loop, name="kvstore-write-back", daemon=True
+            )
+            self._writer.start()
+
+    # -- guarded tier calls --------------------------------------------------------------------------
+
+    def _call(self, tier: Tier, what: str, fn: Callable[..., T], *args: Any, default: T) -> T:
+        try:
+            return fn(*args)
+        except Exception:  # a tier broke its no-raise promise: count it, never let it take the store down
+            logger.exception("tier %s failed in %s", tier.name, what)
+            self.metrics.count_error(tier)
+            return default
+
+    def _put_tier(self, tier: Tier, items: Sequence[tuple[str, bytes]]) -> None:
+        evicted = self._call(tier, "put", tier.put_many, items, self._ttl, default=None)
+        if evicted is None:
+            for _ in items:
+                self.metrics.count_drop(tier)
+            return
+        self.metrics.written_bytes.labels(tier=tier.name).inc(sum(len(b) for _, b in items))
+        if evicted and self._admission and tier is self.tiers[0]:
+            with self._lock:
+                for key in evicted:
+                    self._probation.pop(key, None)
+
+    def _write_lower(self, items: Sequence[tuple[str, bytes]]) -> None:
+        """Write items to every tier below the top, by the write policy."""
+        lower = self.tiers[1:]
+        if not lower or not items:
+            return
+        if self._queue is None:
+            for tier in lower:
+                self._put_tier(tier, items)
+            return
+        for key, blob in items:
+            with self._lock:
+                self._seq += 1
+                seq = self._seq
+                self._pending[key] = seq
+            try:
+                self._queue.put_nowait((key, blob, seq))
+            except queue.Full:
+                with self._lock:
+                    if self._pending.get(key) == seq:
+                        del self._pending[key]
+                for tier in lower:
+                    self.metrics.count_drop(tier)
+
+    def _write_back_loop(self) -> None:
+        assert self._queue is not None
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                key, blob, seq = item
+                with self._wb_lock:  # a delete waits for this write, then removes what it wrote
+                    with self._lock:
+                        current = self._pending.get(key) == seq  # not deleted or overwritten since
+                    if current:
+                        for tier in self.tiers[1:]:
+                            self._put_tier(tier, [(key, blob)])
+                        with self._lock:
+                            if self._pending.get(key) == seq:
+                                del self._pending[key]
+            finally:
+                self._queue.task_done()
+
+    # -- reads -----------------------------------------------------------------------------------------
+
+    def _verified(self, tier: Tier, key: str, blob: Blob) -> bool:
+        try:
+            verify_blob(blob)
+            return True
+        except CorruptBlob as e:
+            logger.warning("corrupt blob %s in tier %s (%s): deleted", key, tier.name, e)
+            self.metrics.corrupt.labels(tier=tier.name).inc()
+            self._call(tier, "delete", tier.delete, key, default=False)
+            return False
+
+    def _lookup(self, keys: Sequence[str]) -> list[Blob | None]:
+        out: list[Blob | None] = [None] * len(keys)
+        pending = list(range(len(keys)))
+        for level, tier in enumerate(self.tiers):
+            if not pending:
+                break
+            blobs = self._call(tier, "get", tier.get_many, [keys[j] for j in pending], default=None)
+            if blobs is None:
+                blobs = [None] * len(pending)
+            still: list[int] = []
+            promote: list[tuple[str, bytes]] = []
+            for j, blob in zip(pending, blobs, strict=True):
+                if blob is None or not self._verified(tier, keys[j], blob):
+                    still.append(j)
+                    continue
+                out[j] = blob
+                self.metrics.hits.labels(tier=tier.name).inc()
+                self.metrics.read_bytes.labels(tier=tier.name).inc(len(blob))
+                if level > 0:
+                    promote.append((keys[j], blob if isinstance(blob, bytes) else bytes(blob)))
+            if len(still) < len(pending) and level == 0 and self._admission:
+                self._count_reads([keys[j] for j in pending if out[j] is not None])
+            if len(still):
+                self.metrics.tier_misses.labels(tier=tier.name).inc(len(still))
+            for upper in self.tiers[:level]:
+                if promote:
+                    self._put_tier(upper, promote)
+            pending = still
+        if pending:
+            self.metrics.misses.inc(len(pending))
+        return out
+
+    def _count_reads(self, keys: list[str]) -> None:
+        """Admission: count top-tier reads of probationary blobs; admit those that reached the bar."""
+        admitted: list[str] = []
+        with self._lock:
+            for key in keys:
+                n = self._probation.get(key)
+                if n is None:
+                    continue
+                if n + 1 >= self._admission:
+                    del self._probation[key]
+                    admitted.append(key)
+                else:
+                    self._probation[key] = n + 1
+        if admitted:
+            top = self.tiers[0]
+            blobs = self._call(top, "get", top.get_many, admitted, default=[None] * len(admitted))
+            items = [
+                (k, b if isinstance(b, bytes) else bytes(b))
+                for k, b in zip(admitted, blobs, strict=True)
+                if b is not None
+            ]
+            self._write_lower(items)
+
+    def get_blob(self, key: str) -> Blob | None:
+        """The verified blob stored under `key`, or None. Never mutate the returned buffer."""
+        validate_key(key)
+        with self.metrics.time("get"):
+            return self._lookup([key])[0]
+
+    def batch_get(self, keys: Sequence[str]) -> list[Blob | None]:
+        for key in keys:
+            validate_key(key)
+        with self.metrics.time("batch_get"):
+            return self._lookup(list(keys))
+
+    def _present(self, keys: Sequence[str]) -> list[bool]:
+        found = [False] * len(keys)
+        for tier in self.tiers:
+            todo = [j for j, f in enumerate(found) if not f]
+            if not todo:
+                break
+            many = getattr(tier, "contains_many", None)  # optional: one round trip for remote tiers
+            if many is not None:
+                hits = self._call(
+                    tier, "contains", many, [keys[j] for j in todo], default=[False] * len(todo)
+                )
+            else:
+                hits = [self._call(tier, "contains", tier.contains, keys[j], default=False) for j in todo]
+            for j, hit in zip(todo, hits, strict=True):
+                found[j] = bool(hit)
+        return found
+
+    def exists(self, key: str) -> bool:
+        validate_key(key)
+        with self.metrics.time("exists"):
+            return self._present([key])[0]
+
+    def batch_exists(self, keys: Sequence[str]) -> list[bool]:
+        for key in keys:
+            validate_key(key)
+        with self.metrics.time("batch_exists"):
+            return self._present(list(keys))
+
+    def lookup_prefix(self, keys: Sequence[str]) -> int:
+        """How many leading `keys` are stored (in any tier): the first gap ends the run."""
+        for key in keys:
+            validate_key(key)
+        with self.metrics.time("lookup_prefix"):
+            found = self._present(list(keys))
+            return found.index(False) if False in found else len(found)
+
+    # -- writes ----------------------------------------------------------------------------------------
+
+    def _checked(self, key: str, blob: Blob) -> bytes:
+        validate_key(key)
+        if not isinstance(blob, (bytes, bytearray, memoryview)):
+            raise InvalidArgument(f"a blob is bytes-like, got {type(blob).__name__}")
+        size = memoryview(blob).nbytes
+        if size > self.config.max_blob_size:
+            raise TooLarge(f"blob of {size} bytes is over max_blob_size {self.config.max_blob_size}")
+        verify_blob(blob)  # raises CorruptBlob: nothing is stored
+        return blob if isinstance(blob, bytes) else bytes(blob)  # immutable: tiers and the queue keep it
+
+    def _store(self, items: list[tuple[str, bytes]]) -> None:
+        if self._closed:
+            raise InvalidArgument("the store is closed")
+        with self._lock:
+            for key, _ in items:
+                self._pending.pop(key, None)  # an older queued write-back of the key is now stale
+                if self._admission and len(self.tiers) > 1:
+                    self._probation[key] = 0
+                    self._probation.move_to_end(key)
+            while len(self._probation) > MAX_PROBATION:
+                self._probation.popitem(last=False)
+        self._put_tier(self.tiers[0], items)
+        if not self._admission:
+            self._write_lower(items)
+
+    def put_blob(self, key: str, blob: Blob) -> None:
+        """Store a blob (verified first; CorruptBlob / TooLarge / InvalidKey and nothing stored)."""
+        item = (key, self._checked(key, blob))
+        with self.metrics.time("put"):
+            self._store([item])
+
+    def batch_put(self, items: Sequence[tuple[str, Blob]]) -> None:
+        """Store several blobs; every one is checked before any is stored."""
+        checked = [(key, self._checked(key, blob)) for key, blob in items]
+        with self.metrics.time("batch_put"):
+            self._store(checked)
+
+    def delete(self, key: str) -> bool:
+        """Remove `key` from every tier (and any queued write-back of it). True if any tier had it."""
+        validate_key(key)
+        with self.metrics.time("delete"):
+            with self._lock:
+                self._pending.pop(key, None)
+                self._probation.pop(key, None)
+            with self._wb_lock:
+                return any([self._call(t, "delete", t.delete, key, default=False) for t in self.tiers])
+
+    # -- lifecycle ---------------------------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Wait until every queued write-back has reached the lower tiers."""
+        if self._queue is not None:
+            self._queue.join()
+
+    def stats(self) -> dict[str, Any]:
+        s = self.metrics.stats()
+        s["write_policy"] = self.config.write_policy
+        s["write_back_queued"] = self._queue.qsize() if self._queue is not None else 0
+        return s
+
+    def close(self) -> None:
+        """Drain write-back, stop its thread and close the tiers. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._queue is not None and self._writer is not None:
+            self._queue.put(None)
+            self._writer.join()
+        for tier in self.tiers:
+            self._call(tier, "close", tier.close, default=None)
+
+    def __enter__(self) -> TieredStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
