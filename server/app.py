@@ -1,0 +1,129 @@
+"""The aiohttp application: routes, middlewares, the stats sampler, and JSON errors even from the parser."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from importlib import resources
+from typing import Any
+
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+
+from kvstore import wire
+from kvstore.config import StoreConfig
+from server.config import ServerConfig
+from server.middleware import json_error, make_middlewares
+from server.routes import routes as data_routes
+from server.state import ServerState
+
+log = logging.getLogger(__name__)
+control = web.RouteTableDef()
+
+
+@control.get("/healthz", name="health")
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+@control.get(wire.STATS_PATH, name="stats")
+async def stats(request: web.Request) -> web.Response:
+    st: ServerState = request.app["state"]
+    data = await st.call(st.store.stats)
+    data = dict(
+        data, server={"requests": st.metrics.totals["requests"], "errors": st.metrics.totals["errors"]}
+    )
+    return web.json_response(data, dumps=lambda d: json.dumps(d, default=str))
+
+
+@control.get(wire.HISTORY_PATH, name="history")
+async def history(request: web.Request) -> web.Response:
+    st: ServerState = request.app["state"]
+    since = request.query.get("since")
+    try:
+        since_t = float(since) if since is not None else None
+    except ValueError:
+        raise web.HTTPBadRequest(text="since must be a unix timestamp") from None
+    assert st.history is not None
+    return web.json_response({"interval": st.config.sample_interval, "samples": st.history.as_list(since_t)})
+
+
+@control.get("/metrics", name="metrics")
+async def metrics(request: web.Request) -> web.Response:
+    st: ServerState = request.app["state"]
+    body = st.metrics.render(getattr(st.store, "registry", None))
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+@control.get("/dashboard", name="dashboard")
+async def dashboard(request: web.Request) -> web.Response:
+    html = resources.files("server").joinpath("static/dashboard.html").read_bytes()
+    return web.Response(body=html, content_type="text/html", charset="utf-8")
+
+
+@control.get("/", name="index")
+async def index(request: web.Request) -> web.Response:
+    raise web.HTTPFound("/dashboard")
+
+
+async def _start_sampler(app: web.Application) -> None:
+    st: ServerState = app["state"]
+    assert st.history is not None
+
+    async def sample() -> Any:
+        return await st.call(st.store.stats)
+
+    app["sampler"] = asyncio.create_task(
+        st.history.run(st.config.sample_interval, sample, lambda: dict(st.metrics.totals))
+    )
+
+
+async def _stop_sampler(app: web.Application) -> None:
+    task = app.get("sampler")
+    if task is not None:
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+
+
+def make_app(store: Any, store_config: StoreConfig, config: ServerConfig) -> web.Application:
+    """The application over an open store. The caller owns the store (flush/close on shutdown)."""
+    state = ServerState(store, store_config, config)
+    app = web.Application(
+        middlewares=make_middlewares(config.token(), state.metrics, config.metrics_auth),
+        client_max_size=config.max_request_size,
+    )
+    app["state"] = state
+    app.add_routes(data_routes)
+    app.add_routes(control)
+    app.on_startup.append(_start_sampler)
+    app.on_shutdown.append(_stop_sampler)
+    return app
+
+
+class _JsonErrorHandler(RequestHandler):
+    """Requests the HTTP parser rejects (bad request line, bad Content-Length...) never reach the
+    middlewares; aiohttp answers them with text. This answers them with our JSON error body instead."""
+
+    def handle_error(self, request, status=500, exc=None, message=None):  # type: ignore[no-untyped-def]
+        super().handle_error(request, status, exc, message)  # logs; raises if a response already started
+        type_name = "InvalidArgument" if 400 <= status < 500 else "KVStoreError"
+        text = message or (f"bad HTTP request: {exc}" if exc else f"HTTP {status}")
+        resp = json_error(status, text, type_name)
+        resp.force_close()
+        return resp
+
+
+class JsonErrorAppRunner(web.AppRunner):
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        # aiohttp builds one RequestHandler per connection in Server.__call__; swap in ours.
+        server.__class__ = type("JsonErrorServer", (web.Server,), {"__call__": _make_handler})
+        return server
+
+
+def _make_handler(self: web.Server) -> RequestHandler:
+    return _JsonErrorHandler(self, loop=self._loop, **self._kwargs)

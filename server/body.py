@@ -1,0 +1,97 @@
+"""Reading a request body whole, within a size limit and a deadline, joined once into bytes."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from aiohttp import web
+
+from kvstore import wire
+from kvstore.errors import InvalidArgument, TooLarge
+
+
+def declared_length(request: web.BaseRequest, limit: int) -> int | None:
+    """The Content-Length, checked against `limit` before a byte of the body is read."""
+    if request.content_length is None:
+        return None
+    if request.content_length > limit:
+        raise TooLarge(f"body of {request.content_length} bytes is over the {limit}-byte limit")
+    return request.content_length
+
+
+async def read_body(request: web.BaseRequest, limit: int, timeout: float) -> bytes:
+    """The whole body, or InvalidArgument (truncated / stalled) or TooLarge. Never a partial body."""
+    expected = declared_length(request, limit)
+    try:
+        return await asyncio.wait_for(_read(request, expected, limit), timeout)
+    except asyncio.TimeoutError:
+        raise InvalidArgument(
+            f"truncated body: not all of the declared {expected} bytes arrived within {timeout:g} s"
+            if expected is not None
+            else f"body did not finish within {timeout:g} s"
+        ) from None
+
+
+async def _read(request: web.BaseRequest, expected: int | None, limit: int) -> bytes:
+    # Chunks joined once into `bytes`: the one copy, and a type tiers keep without copying again.
+    stream = request.content
+    chunks: list[bytes] = []
+    size = 0
+    cap = limit if expected is None else expected
+    while True:
+        chunk = await stream.readany()
+        if not chunk:
+            break
+        size += len(chunk)
+        if size > cap:  # only a chunked body can get here: the parser stops at Content-Length
+            raise TooLarge(f"chunked body is over the {limit}-byte limit")
+        chunks.append(chunk)
+    if expected is not None and size != expected:
+        raise InvalidArgument(f"truncated body: {size} of the declared {expected} bytes")
+    return b"".join(chunks)
+
+
+async def read_frame(
+    request: web.BaseRequest, limit: int, blob_limit: int, timeout: float
+) -> tuple[list[str], list[bytes]]:
+    """A batch frame (kvstore.wire) read into one bytes object per blob, so that a stored blob
+    never pins the memory of the whole request. Any malformation raises before a blob is returned."""
+    expected = declared_length(request, limit)
+    try:
+        return await asyncio.wait_for(_read_frame(request, expected, limit, blob_limit), timeout)
+    except asyncio.TimeoutError:
+        raise InvalidArgument(f"truncated batch body: it did not arrive within {timeout:g} s") from None
+
+
+async def _read_exactly(stream: Any, n: int) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while size < n:
+        chunk = await stream.read(n - size)
+        if not chunk:
+            raise InvalidArgument(f"truncated batch body: a part ended after {size} of {n} bytes")
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
+
+
+async def _read_frame(
+    request: web.BaseRequest, expected: int | None, limit: int, blob_limit: int
+) -> tuple[list[str], list[bytes]]:
+    stream = request.content
+    preamble = await _read_exactly(stream, wire.PREAMBLE_SIZE)
+    hlen = wire.parse_preamble(preamble)
+    header = wire.parse_frame_header(preamble + await _read_exactly(stream, hlen))
+    total = header.payload_offset + header.payload_bytes
+    if expected is not None and total != expected:
+        raise InvalidArgument(f"batch frame describes {total} bytes but Content-Length is {expected}")
+    if total > limit:
+        raise TooLarge(f"batch of {total} bytes is over the {limit}-byte limit")
+    for key, n in zip(header.keys, header.lens, strict=True):
+        if n > blob_limit:
+            raise TooLarge(f"blob for {key} is {n} bytes, over the {blob_limit}-byte limit")
+    blobs = [await _read_exactly(stream, n) for n in header.lens]
+    if expected is None and await stream.read(1):
+        raise InvalidArgument("batch body is longer than its frame")
+    return header.keys, blobs

@@ -1,0 +1,58 @@
+"""The server's own Prometheus metrics, kept in their own registry next to the store's."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+# Latency buckets from 100 µs (a small HEAD) to 10 s (a large batch over a slow link).
+_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10)
+
+
+class ServerMetrics:
+    """Request latency per operation, requests by operation and status, bytes in and out."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.request_seconds = Histogram(
+            "kvstore_request_seconds",
+            "Time to serve an HTTP request, by operation",
+            ["op"],
+            buckets=_BUCKETS,
+            registry=self.registry,
+        )
+        self.requests = Counter(
+            "kvstore_http_requests",
+            "HTTP requests by operation and status",
+            ["op", "status"],
+            registry=self.registry,
+        )
+        self.bytes_in = Counter(
+            "kvstore_http_received_bytes",
+            "Request body bytes received, by operation",
+            ["op"],
+            registry=self.registry,
+        )
+        self.bytes_out = Counter(
+            "kvstore_http_sent_bytes",
+            "Response body bytes sent, by operation",
+            ["op"],
+            registry=self.registry,
+        )
+        self.totals: dict[str, int] = {"requests": 0, "errors": 0}  # cheap totals for the history sampler
+
+    def observe(self, op: str, status: int, seconds: float, bytes_in: int, bytes_out: int) -> None:
+        self.request_seconds.labels(op).observe(seconds)
+        self.requests.labels(op, str(status)).inc()
+        if bytes_in:
+            self.bytes_in.labels(op).inc(bytes_in)
+        if bytes_out:
+            self.bytes_out.labels(op).inc(bytes_out)
+        self.totals["requests"] += 1
+        if status >= 400:
+            self.totals["errors"] += 1
+
+    def render(self, *registries: CollectorRegistry | None) -> bytes:
+        """Prometheus text of the given registries (the store's) followed by the server's own."""
+        parts = [generate_latest(r) for r in registries if r is not None]
+        parts.append(generate_latest(self.registry))
+        return b"".join(parts)

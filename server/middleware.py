@@ -1,0 +1,94 @@
+"""Middlewares: JSON errors for everything, bearer-token auth, request metrics."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import aiohttp
+from aiohttp import web
+
+from kvstore import wire
+from kvstore.errors import KVStoreError, Unauthorized
+from server.metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+OPEN_PATHS = frozenset({"/healthz", "/dashboard", "/"})  # no data behind them
+_HTTP_TYPES = {404: "NotFound", 405: "MethodNotAllowed", 411: "InvalidArgument", 413: "TooLarge"}
+
+
+def json_error(
+    status: int, message: str, type_name: str, headers: dict[str, str] | None = None
+) -> web.Response:
+    body = json.dumps({"error": message, "type": type_name}).encode()
+    resp = web.Response(status=status, body=body, content_type=wire.JSON_CONTENT_TYPE, headers=headers)
+    return resp
+
+
+def error_response(exc: BaseException) -> web.Response:
+    """The JSON response for any exception a handler raised. Only a bug in the server gives a 500."""
+    if isinstance(exc, KVStoreError):
+        headers = {"WWW-Authenticate": 'Bearer realm="kvstore"'} if isinstance(exc, Unauthorized) else None
+        resp = json_error(exc.status, str(exc), type(exc).__name__, headers)
+    elif isinstance(exc, web.HTTPException):
+        type_name = _HTTP_TYPES.get(exc.status, "InvalidArgument" if exc.status < 500 else "KVStoreError")
+        headers = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
+        resp = json_error(exc.status, exc.reason if exc.text is None else exc.text, type_name, headers)
+    elif isinstance(exc, (aiohttp.ClientPayloadError, aiohttp.http_exceptions.HttpProcessingError)):
+        resp = json_error(400, f"malformed request body: {exc}", "InvalidArgument")
+    else:
+        log.exception("unexpected error while serving a request", exc_info=exc)
+        resp = json_error(500, f"internal error: {type(exc).__name__}", "KVStoreError")
+    if resp.status in (400, 408, 411, 413):
+        resp.force_close()  # the rest of the body may still be on the wire; never parse it as a request
+    return resp
+
+
+def make_middlewares(token: str | None, metrics: ServerMetrics, metrics_auth: bool) -> list:
+    expected = f"Bearer {token}".encode() if token else None
+
+    @web.middleware
+    async def observe(request: web.Request, handler: Handler) -> web.StreamResponse:
+        start = time.perf_counter()
+        route = request.match_info.route
+        op = route.name or "unmatched"
+        status = 500
+        try:
+            resp = await handler(request)
+            status = resp.status
+            return resp
+        except web.HTTPException as e:
+            status = e.status
+            raise
+        finally:
+            sent = request.get("bytes_out", 0)
+            metrics.observe(op, status, time.perf_counter() - start, request.get("bytes_in", 0), sent)
+
+    @web.middleware
+    async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+            raise  # the client is gone; there is nobody to answer
+        except Exception as e:  # every error becomes JSON; a non-KVStoreError one is logged as a bug
+            return error_response(e)
+
+    @web.middleware
+    async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if (
+            expected is None
+            or request.path in OPEN_PATHS
+            or (request.path == "/metrics" and not metrics_auth)
+        ):
+            return await handler(request)
+        given = request.headers.get("Authorization", "").encode()
+        if not hmac.compare_digest(given, expected):
+            raise Unauthorized("missing bearer token" if not given else "wrong bearer token")
+        return await handler(request)
+
+    return [observe, errors, auth]

@@ -1,0 +1,129 @@
+"""The data-plane handlers: single chunks, batches, prefix lookup (DESIGN.md, Spec 6)."""
+
+from __future__ import annotations
+
+import json
+
+from aiohttp import web
+
+from kvstore import wire
+from kvstore.errors import InvalidArgument
+from kvstore.keys import validate_key
+from server.body import read_body, read_frame
+from server.state import ServerState
+
+routes = web.RouteTableDef()
+
+
+def _state(request: web.Request) -> ServerState:
+    return request.app["state"]
+
+
+def _blob_headers(blob_len: int) -> dict[str, str]:
+    return {wire.WIRE_VERSION_HEADER: wire.WIRE_VERSION}
+
+
+@routes.put(wire.CHUNKS_PATH + "/{key}", name="put")
+async def put_chunk(request: web.Request) -> web.Response:
+    st = _state(request)
+    key = validate_key(request.match_info["key"])
+    body = await read_body(request, st.store_config.max_blob_size, st.config.body_timeout)
+    request["bytes_in"] = len(body)
+    # The store verifies the blob (CorruptBlob -> 422) and its size before storing anything.
+    await st.call(st.store.put_blob, key, body)
+    return web.Response(status=201, headers=_blob_headers(0))
+
+
+@routes.get(wire.CHUNKS_PATH + "/{key}", name="get")
+async def get_chunk(request: web.Request) -> web.Response:
+    st = _state(request)
+    key = validate_key(request.match_info["key"])
+    blob = await st.call(st.store.get_blob, key)
+    if blob is None:
+        raise web.HTTPNotFound(text=f"no chunk {key}")
+    request["bytes_out"] = len(blob)
+    return web.Response(body=blob, content_type=wire.BLOB_CONTENT_TYPE, headers=_blob_headers(len(blob)))
+
+
+@routes.head(wire.CHUNKS_PATH + "/{key}", name="head")
+async def head_chunk(request: web.Request) -> web.Response:
+    st = _state(request)
+    key = validate_key(request.match_info["key"])
+    if not await st.call(st.store.exists, key):
+        return web.Response(status=404)  # HEAD responses carry no body, not even a JSON error
+    return web.Response(status=200, headers=_blob_headers(0))
+
+
+@routes.delete(wire.CHUNKS_PATH + "/{key}", name="delete")
+async def delete_chunk(request: web.Request) -> web.Response:
+    st = _state(request)
+    key = validate_key(request.match_info["key"])
+    if not await st.call(st.store.delete, key):
+        raise web.HTTPNotFound(text=f"no chunk {key}")
+    return web.Response(status=204)
+
+
+async def _json_keys(request: web.Request) -> list[str]:
+    st = _state(request)
+    body = await read_body(request, min(st.config.max_request_size, 1 << 24), st.config.body_timeout)
+    request["bytes_in"] = len(body)
+    try:
+        data = json.loads(body)
+    except ValueError:
+        raise InvalidArgument('body must be JSON {"keys": [...]}') from None
+    return wire.parse_keys(data)
+
+
+@routes.post(wire.BATCH_GET_PATH, name="batch_get")
+async def batch_get(request: web.Request) -> web.StreamResponse:
+    st = _state(request)
+    keys = await _json_keys(request)
+    blobs = await st.call(st.store.batch_get, keys)
+    parts = wire.encode_frame(keys, blobs)
+    total = sum(memoryview(p).nbytes for p in parts)
+    resp = web.StreamResponse(headers={wire.WIRE_VERSION_HEADER: wire.WIRE_VERSION})
+    resp.content_type = wire.BATCH_CONTENT_TYPE
+    resp.content_length = total
+    await resp.prepare(request)
+    for part in parts:  # header, then each blob as is: no join, no copy on our side
+        await resp.write(part)
+    await resp.write_eof()
+    request["bytes_out"] = total
+    return resp
+
+
+@routes.post(wire.BATCH_PUT_PATH, name="batch_put")
+async def batch_put(request: web.Request) -> web.Response:
+    st = _state(request)
+    keys, blobs = await read_frame(
+        request, st.config.max_request_size, st.store_config.max_blob_size, st.config.body_timeout
+    )
+    request["bytes_in"] = sum(len(b) for b in blobs)
+    # The store verifies every blob before it stores the first one: a bad batch stores nothing.
+    await st.call(st.store.batch_put, list(zip(keys, blobs, strict=True)))
+    return web.json_response({"stored": len(keys)}, status=201)
+
+
+@routes.post(wire.BATCH_EXISTS_PATH, name="batch_exists")
+async def batch_exists(request: web.Request) -> web.Response:
+    st = _state(request)
+    keys = await _json_keys(request)
+    found = await st.call(st.store.batch_exists, keys)
+    return web.json_response({"exists": [bool(f) for f in found]})
+
+
+@routes.post(wire.BATCH_DELETE_PATH, name="batch_delete")
+async def batch_delete(request: web.Request) -> web.Response:
+    st = _state(request)
+    keys = await _json_keys(request)
+    deleted = await st.call(lambda: sum(bool(st.store.delete(k)) for k in keys))
+    return web.json_response({"deleted": deleted})
+
+
+@routes.post(wire.LOOKUP_PATH, name="lookup")
+async def lookup(request: web.Request) -> web.Response:
+    """The number of leading keys that are present (Spec 1: the first gap ends the prefix)."""
+    st = _state(request)
+    keys = await _json_keys(request)
+    n = await st.call(st.store.lookup_prefix, keys)
+    return web.json_response({"prefix": int(n), "keys": len(keys)})

@@ -1,0 +1,170 @@
+"""Starting and stopping the server: a foreground `serve()` with graceful shutdown on SIGTERM/SIGINT,
+and `ServerThread` for running one inside another process (tests, benchmarks, notebooks)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+from kvstore.config import StoreConfig
+from server.app import JsonErrorAppRunner, make_app
+from server.config import ServerConfig
+
+log = logging.getLogger(__name__)
+
+
+def open_store(store_config: StoreConfig) -> Any:
+    from kvstore.store import TieredStore  # noqa: PLC0415 (imports torch; keep `--help` fast)
+
+    return TieredStore(store_config)
+
+
+class RunningServer:
+    """An app listening on a socket. `url` has the bound port (useful with port 0)."""
+
+    def __init__(self, store: Any, store_config: StoreConfig, config: ServerConfig) -> None:
+        self.store = store
+        self.store_config = store_config
+        self.config = config
+        self.app = make_app(store, store_config, config)
+        self.runner = JsonErrorAppRunner(
+            self.app, access_log=log if config.access_log else None, shutdown_timeout=config.shutdown_timeout
+        )
+        self.port: int | None = None
+
+    @property
+    def url(self) -> str:
+        host = self.config.host if ":" not in self.config.host else f"[{self.config.host}]"
+        return f"{self.config.scheme}://{host}:{self.port}"
+
+    async def start(self) -> str:
+        await self.runner.setup()
+        site = web.TCPSite(
+            self.runner,
+            self.config.host,
+            self.config.port,
+            ssl_context=self.config.ssl_context(),
+            backlog=1024,
+        )
+        await site.start()
+        server = site._server  # the asyncio Server: the only place the port bound for port 0 is known
+        assert server is not None and server.sockets
+        self.port = server.sockets[0].getsockname()[1]
+        log.info("kvstore-server listening on %s (tiers %s)", self.url, ",".join(self.store_config.tiers))
+        return self.url
+
+    async def stop(self) -> None:
+        """Stop accepting, let in-flight requests finish, then flush and close the store."""
+        await self.runner.cleanup()
+        self.app["state"].close()
+        try:
+            self.store.flush()
+        finally:
+            self.store.close()
+        log.info("kvstore-server stopped; store flushed and closed")
+
+
+def install_uvloop() -> None:
+    try:
+        import uvloop  # noqa: PLC0415
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    except ImportError:  # uvloop is a dependency, but the server still works on the stock loop
+        log.warning("uvloop not available; using the default asyncio event loop")
+
+
+async def serve(
+    store_config: StoreConfig, config: ServerConfig, on_ready: Callable[[str], None] | None = None
+) -> None:
+    """Run until SIGTERM or SIGINT, then shut down gracefully."""
+    store = open_store(store_config)
+    server = RunningServer(store, store_config, config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        url = await server.start()
+        if on_ready is not None:
+            on_ready(url)
+        await stop.wait()
+        log.info("signal received; shutting down")
+    finally:
+        await server.stop()
+
+
+class ServerThread:
+    """A server on its own thread and event loop, over a store the caller owns or one it opens.
+
+    with ServerThread(store, store_config, ServerConfig(port=0)) as srv:
+        Store.connect(srv.url)
+    """
+
+    def __init__(
+        self, store: Any, store_config: StoreConfig, config: ServerConfig, close_store: bool = False
+    ):
+        self.server = RunningServer(store, store_config, config)
+        self.close_store = close_store
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="kvstore-server", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    @property
+    def state(self) -> Any:
+        return self.server.app["state"]
+
+    def _run(self) -> None:
+        try:
+            import uvloop  # noqa: PLC0415
+
+            self.loop = uvloop.new_event_loop()
+        except ImportError:
+            self.loop = asyncio.new_event_loop()
+        try:
+            self.loop.run_until_complete(self.server.start())
+        except BaseException as e:  # reported to the starting thread
+            self._error = e
+            self._ready.set()
+            return
+        self._ready.set()
+        self.loop.run_forever()
+
+    def start(self) -> ServerThread:
+        self._thread.start()
+        self._ready.wait(30)
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def stop(self) -> None:
+        if self.loop is None or not self._thread.is_alive():
+            return
+        fut = asyncio.run_coroutine_threadsafe(self._shutdown(), self.loop)
+        fut.result(timeout=self.server.config.shutdown_timeout + 30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.loop.close()
+
+    async def _shutdown(self) -> None:
+        if self.close_store:
+            await self.server.stop()
+        else:
+            await self.server.runner.cleanup()
+            self.server.app["state"].close()
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,47 @@
+"""What every handler shares: the store, the configs, metrics, history, and how store calls run."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from kvstore.config import StoreConfig
+from server.config import ServerConfig
+from server.history import StatsHistory
+from server.metrics import ServerMetrics
+
+T = TypeVar("T")
+MEMORY_TIERS = frozenset({"cpu", "gpu"})
+
+
+@dataclass
+class ServerState:
+    store: Any  # kvstore.store.TieredStore (typed loosely: the server only needs its methods)
+    store_config: StoreConfig
+    config: ServerConfig
+    metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    history: StatsHistory | None = None
+    executor: ThreadPoolExecutor | None = None
+
+    def __post_init__(self) -> None:
+        if self.history is None:
+            self.history = StatsHistory(self.config.history_size)
+        # Memory-only stores answer in microseconds: calling them inline beats a thread hop. A store with
+        # disk or Redis tiers may block, so its calls run on threads and the event loop keeps serving.
+        self.inline = set(self.store_config.tiers) <= MEMORY_TIERS
+        if not self.inline and self.executor is None:
+            self.executor = ThreadPoolExecutor(self.config.store_threads, thread_name_prefix="kvstore-store")
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        if self.inline:
+            return fn(*args)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, functools.partial(fn, *args))
+
+    def close(self) -> None:
+        if self.executor is not None:
+            self.executor.shutdown(wait=True)
