@@ -31,6 +31,7 @@ import torch
 import xxhash
 
 from kvstore.codecs import get_codec
+from kvstore.codecs.raw import RawCodec
 from kvstore.errors import CodecError, CorruptBlob, InvalidArgument
 
 MAGIC = b"KVSB"
@@ -132,10 +133,28 @@ def verify_blob(data: bytes | bytearray | memoryview) -> BlobHeader:
     return BlobHeader(codec_id, compression, DTYPES[dtype_id], shape, params, payload_offset, nlen)
 
 
-def decode_blob(data: bytes | bytearray | memoryview) -> torch.Tensor:
-    """Verify and decode a blob into its KV tensor (always a fresh CPU tensor)."""
+def decode_blob(data: bytes | bytearray | memoryview, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Verify and decode a blob into its KV tensor: a fresh CPU tensor, or `out` when given.
+
+    `out` (the header's shape and dtype, any device) skips the fresh allocation, whose page faults
+    cost more than the copy itself; a raw, uncompressed blob is then copied straight into it.
+    """
     header = verify_blob(data)
+    if out is not None and (tuple(out.shape) != header.shape or out.dtype != header.dtype):
+        raise InvalidArgument(
+            f"out is {tuple(out.shape)} {out.dtype}, the blob holds {header.shape} {header.dtype}"
+        )
     payload = memoryview(data).cast("B")[header.payload_offset :]
+    if (
+        out is not None
+        and header.codec_id == RawCodec.codec_id
+        and header.compression == COMPRESSION_NONE
+        and out.device.type == "cpu"
+        and out.is_contiguous()
+        and len(payload) == header.raw_nbytes
+    ):
+        out.view(torch.uint8).view(-1).numpy()[:] = payload
+        return out
     try:
         if header.compression == COMPRESSION_LZ4:
             from kvstore.codecs.lz4 import decompress  # noqa: PLC0415
@@ -147,4 +166,6 @@ def decode_blob(data: bytes | bytearray | memoryview) -> torch.Tensor:
         raise CorruptBlob(f"blob does not decode: {e}") from None
     if tuple(kv.shape) != header.shape or kv.dtype != header.dtype:
         raise CorruptBlob("decoded tensor does not match the header")
+    if out is not None:
+        return out.copy_(kv)
     return kv
