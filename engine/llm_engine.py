@@ -1,0 +1,221 @@
+"""The engine loop: requests in, one scheduled model step per `step()`, RequestOutputs out."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.engine_args import EngineArgs
+from engine.errors import InvalidRequest, KVBackendUnavailable
+from engine.metrics import EngineMetrics
+from engine.model_runner import ModelRunner, kv_bytes_per_block
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.sequence import Sequence, SequenceStatus
+from kvstore.keys import KVLayout, root_key
+
+logger = logging.getLogger(__name__)
+_MAX_DEFAULT_MODEL_LEN = 8192
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop", "length", "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def resolve_model_dir(model: str) -> Path:
+    if model.lower() == "smollm2":
+        from engine.convert import ensure_smollm2
+
+        return ensure_smollm2()
+    return Path(model).expanduser()
+
+
+def default_num_threads() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:
+        return max(1, os.cpu_count() or 1)
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        from engine.loader import load_model
+        from engine.tokenizer import Tokenizer
+
+        if args.kv_backend == "kvstore":
+            raise KVBackendUnavailable(
+                "--kv-backend kvstore is not available yet (the KV connector lands with connectors/); use none"
+            )
+        self.args = args
+        torch.set_num_threads(args.num_threads or default_num_threads())
+        self.model_dir = resolve_model_dir(args.model)
+        self.device = torch.device(args.device)
+        dtype = None if args.dtype == "auto" else args.dtype
+        self.model, self.model_config = load_model(self.model_dir, dtype, self.device)
+        self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
+        cfg = self.model_config
+        self.dtype = next(self.model.parameters()).dtype
+        self.model_name = args.served_model_name or cfg.model_name
+        self.max_model_len = args.max_model_len or min(cfg.max_position_embeddings, _MAX_DEFAULT_MODEL_LEN)
+        bs = args.block_size
+        per_block = kv_bytes_per_block(
+            cfg.num_hidden_layers, bs, cfg.num_key_value_heads, cfg.head_dim, self.dtype
+        )
+        num_blocks = args.num_kv_blocks or args.kv_cache_memory // per_block
+        if num_blocks * bs < self.max_model_len:
+            raise InvalidRequest(
+                f"a KV cache of {num_blocks} blocks x {bs} tokens cannot hold one sequence of max_model_len "
+                f"{self.max_model_len}; give it more memory (kv_cache_memory) or lower max_model_len"
+            )
+        self.runner = ModelRunner(
+            self.model, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, bs, num_blocks,
+            self.dtype, self.device,
+        )  # fmt: skip
+        layout = KVLayout(
+            cfg.model_name, cfg.config_hash, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
+            str(self.dtype).removeprefix("torch."), chunk_size=bs,
+        )  # fmt: skip
+        self.block_manager = BlockManager(num_blocks, bs, args.enable_prefix_caching, root_key(layout))
+        eos = set(cfg.eos_token_ids) | set(getattr(self.tokenizer, "eos_token_ids", ()) or ())
+        sched_cfg = SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, self.max_model_len)
+        self.scheduler = Scheduler(sched_cfg, self.block_manager, eos)
+        self.metrics = EngineMetrics(self.model_name)
+        self.requests: dict[str, Sequence] = {}
+        self._next_id = 0
+
+    # ---- requests -----------------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt))
+        if not isinstance(prompt, (list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            raise InvalidRequest("a prompt is a string or a list of token ids")
+        return list(prompt)
+
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
+    ) -> Sequence:
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequest(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        if request_id is None:
+            request_id = f"req-{self._next_id}"
+            self._next_id += 1
+        if request_id in self.requests:
+            raise InvalidRequest(f"request id {request_id!r} is already in use")
+        token_ids = self.tokenize(prompt)
+        if not token_ids:
+            raise InvalidRequest("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
+            raise InvalidRequest(f"prompt token ids must be in [0, {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise InvalidRequest(
+                f"the prompt has {len(token_ids)} tokens; this model allows at most {self.max_model_len - 1} "
+                f"(max_model_len {self.max_model_len}, one position is needed for the first generated token)"
+            )
+        seq = Sequence(request_id, token_ids, params, prompt=prompt if isinstance(prompt, str) else None)
+        self.requests[request_id] = seq
+        self.scheduler.add_sequence(seq)
+        return seq
+
+    def abort_request(self, request_id: str) -> None:
+        seq = self.scheduler.abort(request_id)
+        if seq is not None:
+            self._release(seq, time.monotonic())
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the loop -----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched_out = self.scheduler.schedule()
+        outputs = []
+        if not sched_out.is_empty:
+            sampled = self.runner.execute_model(sched_out)
+            now = time.monotonic()
+            for seq in self.scheduler.update_from_output(sched_out, sampled):
+                self._on_new_token(seq, now)
+                outputs.append(self.make_output(seq))
+        bm = self.block_manager
+        self.metrics.update_scheduler_state(
+            self.scheduler.num_running, self.scheduler.num_waiting, bm.usage,
+            bm.prefix_cache_queries, bm.prefix_cache_hits, self.scheduler.num_preemptions,
+        )  # fmt: skip
+        return outputs
+
+    def _on_new_token(self, seq: Sequence, now: float) -> None:
+        m = self.metrics
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+            m.time_to_first_token.observe(now - seq.arrival_time)
+            m.prompt_tokens.inc(seq.num_prompt_tokens)
+        else:
+            m.inter_token_latency.observe(now - seq.last_token_time)
+        seq.last_token_time = now
+        m.generation_tokens.inc()
+        self._detokenize(seq)
+        if seq.is_finished:
+            self._release(seq, now)
+
+    def _detokenize(self, seq: Sequence) -> None:
+        p = seq.sampling_params
+        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=p.skip_special_tokens)
+        if p.stop:
+            # Only the tail can hold a new match: earlier text was checked in earlier steps.
+            start = max(0, len(seq.output_text) - max(len(s) for s in p.stop))
+            hits = [(i, s) for s in p.stop if (i := text.find(s, start)) != -1]
+            if hits:
+                index, stop = min(hits)
+                text = text[:index]
+                seq.stop_reason = stop
+                if seq.is_finished:
+                    seq.status = SequenceStatus.FINISHED_STOPPED
+                else:
+                    self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
+        seq.output_text = text
+
+    def _release(self, seq: Sequence, now: float) -> None:
+        seq.finished_time = now
+        self.requests.pop(seq.request_id, None)
+        self.runner.sampler.release(seq.request_id)
+        if seq.status is not SequenceStatus.FINISHED_ABORTED:
+            self.metrics.e2e_request_latency.observe(now - seq.arrival_time)
+            self.metrics.request_success.inc()
+
+    def make_output(self, seq: Sequence) -> RequestOutput:
+        metrics = {"arrival_time": seq.arrival_time}
+        if seq.first_token_time is not None:
+            metrics["time_to_first_token"] = seq.first_token_time - seq.arrival_time
+        if seq.finished_time is not None:
+            metrics["e2e_latency"] = seq.finished_time - seq.arrival_time
+        completion = CompletionOutput(
+            0, seq.output_text, list(seq.output_token_ids), seq.finish_reason, seq.stop_reason
+        )
+        return RequestOutput(
+            seq.request_id, seq.prompt, list(seq.prompt_token_ids), [completion], seq.is_finished,
+            seq.num_cached_tokens, metrics,
+        )  # fmt: skip

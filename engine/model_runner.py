@@ -1,0 +1,114 @@
+"""Runs one scheduled step: builds the varlen-paged inputs, calls the model, samples.
+
+The KV cache is ONE tensor `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`; each
+attention module's `kv_cache` is a view of its layer (the store connector reads and writes blocks
+through the same views).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from engine.attention_metadata import AttentionMetadata
+from engine.errors import EngineError
+from engine.sampler import Sampler
+from engine.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+def kv_bytes_per_block(
+    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        num_blocks: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.device = device
+        self.sampler = Sampler()
+        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        try:
+            self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+        except (RuntimeError, MemoryError) as e:
+            raise EngineError(f"cannot allocate a KV cache of {num_blocks} blocks: {e}") from e
+        attn_modules = [m for m in model.modules() if hasattr(m, "kv_cache")]
+        if len(attn_modules) != num_layers:
+            raise EngineError(
+                f"found {len(attn_modules)} attention modules with a kv_cache, expected {num_layers}"
+            )
+        for layer, module in enumerate(attn_modules):
+            module.kv_cache = self.kv_cache[layer]
+        logger.info(
+            "KV cache: %d blocks x %d tokens, %.1f MiB",
+            num_blocks,
+            block_size,
+            self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
+        )
+
+    def prepare_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions = []
+        slots = []
+        cu_seqlens = [0]
+        context_lens = []
+        max_blocks = max(len(s.seq.block_table) for s in out.scheduled)
+        block_tables = np.full((len(out.scheduled), max_blocks), -1, dtype=np.int32)
+        for i, sched in enumerate(out.scheduled):
+            seq = sched.seq
+            start = seq.num_computed_tokens
+            end = start + sched.num_new_tokens
+            input_ids.extend(seq.all_token_ids[start:end])
+            table = np.asarray(seq.block_table, dtype=np.int64)
+            block_tables[i, : len(table)] = table
+            pos = np.arange(start, end, dtype=np.int64)
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            cu_seqlens.append(cu_seqlens[-1] + sched.num_new_tokens)
+            context_lens.append(end)
+        dev = self.device
+        meta = AttentionMetadata(
+            cu_seqlens_q=torch.tensor(cu_seqlens, dtype=torch.int32, device=dev),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
+            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
+            block_tables=torch.from_numpy(block_tables).to(dev),
+            max_q_len=max(s.num_new_tokens for s in out.scheduled),
+            max_context_len=max(context_lens),
+            block_size=bs,
+        )
+        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
+        return ids, torch.from_numpy(np.concatenate(positions)).to(dev), meta
+
+    @torch.inference_mode()
+    def execute_model(self, out: SchedulerOutput) -> list[int | None]:
+        """One forward over every scheduled token; a token for each sequence whose chunk ends it."""
+        assert not out.is_empty
+        input_ids, positions, meta = self.prepare_inputs(out)
+        hidden = self.model(input_ids, positions, meta)
+        rows = [i for i, s in enumerate(out.scheduled) if s.samples]
+        sampled: list[int | None] = [None] * len(out.scheduled)
+        if rows:
+            last = meta.cu_seqlens_q[1:].long() - 1
+            logits = self.model.compute_logits(hidden[last[rows]])
+            seqs = [out.scheduled[i].seq for i in rows]
+            tokens = self.sampler(logits, [s.request_id for s in seqs], [s.sampling_params for s in seqs])
+            for i, tok in zip(rows, tokens, strict=True):
+                sampled[i] = tok
+        return sampled
