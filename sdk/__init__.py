@@ -1,1 +1,6 @@
-"""kvstore sdk room (see DESIGN.md)."""
+"""The kvstore SDK: one `Store` class, in-process (`Store.local`) or remote (`Store.connect`)."""
+
+from sdk.backend import Backend
+from sdk.store import Store
+
+__all__ = ["Backend", "Store"]

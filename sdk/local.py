@@ -1,0 +1,79 @@
+"""`LocalBackend`: the SDK's in-process mode, a `kvstore.store.TieredStore` behind the Backend protocol.
+
+The async twins run the blocking store calls in a worker thread (`asyncio.to_thread`), so an event
+loop is never blocked by a disk read or a Redis round trip.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from kvstore.store import TieredStore
+from kvstore.tiers.base import Blob
+
+
+class LocalBackend:
+    def __init__(self, store: TieredStore) -> None:
+        self.store = store
+
+    def get_blob(self, key: str) -> Blob | None:
+        return self.store.get_blob(key)
+
+    def put_blob(self, key: str, blob: Blob) -> None:
+        self.store.put_blob(key, blob)
+
+    def exists(self, key: str) -> bool:
+        return self.store.exists(key)
+
+    def delete(self, key: str) -> bool:
+        return self.store.delete(key)
+
+    def batch_get(self, keys: Sequence[str]) -> list[Blob | None]:
+        return self.store.batch_get(keys)
+
+    def batch_put(self, items: Sequence[tuple[str, Blob]]) -> None:
+        self.store.batch_put(items)
+
+    def batch_exists(self, keys: Sequence[str]) -> list[bool]:
+        return self.store.batch_exists(keys)
+
+    def lookup_prefix(self, keys: Sequence[str]) -> int:
+        return self.store.lookup_prefix(keys)
+
+    def stats(self) -> dict[str, Any]:
+        return self.store.stats()
+
+    def close(self) -> None:
+        self.store.close()
+
+    async def aget_blob(self, key: str) -> Blob | None:
+        return await asyncio.to_thread(self.store.get_blob, key)
+
+    async def aput_blob(self, key: str, blob: Blob) -> None:
+        await asyncio.to_thread(self.store.put_blob, key, blob)
+
+    async def aexists(self, key: str) -> bool:
+        return await asyncio.to_thread(self.store.exists, key)
+
+    async def adelete(self, key: str) -> bool:
+        return await asyncio.to_thread(self.store.delete, key)
+
+    async def abatch_get(self, keys: Sequence[str]) -> list[Blob | None]:
+        return await asyncio.to_thread(self.store.batch_get, keys)
+
+    async def abatch_put(self, items: Sequence[tuple[str, Blob]]) -> None:
+        await asyncio.to_thread(self.store.batch_put, items)
+
+    async def abatch_exists(self, keys: Sequence[str]) -> list[bool]:
+        return await asyncio.to_thread(self.store.batch_exists, keys)
+
+    async def alookup_prefix(self, keys: Sequence[str]) -> int:
+        return await asyncio.to_thread(self.store.lookup_prefix, keys)
+
+    async def astats(self) -> dict[str, Any]:
+        return await asyncio.to_thread(self.store.stats)
+
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self.store.close)

@@ -1,0 +1,190 @@
+"""`Store`: the one SDK class, in-process (`Store.local`) or against a server (`Store.connect`).
+
+    from sdk import Store
+    with Store.local(tiers=["cpu", "disk"], cpu_capacity="1GiB") as store:
+        store.put(key, kv)                 # a [2, layers, tokens, kv_heads, head_dim] tensor, or a blob
+        kv2 = store.get(key)               # a tensor, or None
+        n = store.lookup_prefix(keys)      # leading chunks present
+
+Tensors are encoded (codec, lz4) and decoded here, on the client; backends only move verified blobs.
+Every call has an async twin with an `a` prefix (`aput`, `aget`, ...). Errors are kvstore.errors types.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from pydantic import ValidationError
+
+from kvstore.blob import decode_blob, encode_blob, verify_blob
+from kvstore.config import StoreConfig
+from kvstore.errors import ConfigError, CorruptBlob, InvalidArgument
+from kvstore.store import TieredStore
+from sdk.backend import Backend, Blob
+from sdk.local import LocalBackend
+
+logger = logging.getLogger(__name__)
+KVOrBlob = torch.Tensor | bytes | bytearray | memoryview
+
+
+class Store:
+    """Put and get KV chunks by key. Use `Store.local(...)` or `Store.connect(url)` to make one."""
+
+    def __init__(
+        self, backend: Backend, codec: str = "raw", lz4: bool = False, codec_options: dict | None = None
+    ) -> None:
+        self.backend = backend
+        self.codec = codec
+        self.lz4 = lz4
+        self.codec_options = dict(codec_options or {})
+
+    @classmethod
+    def local(
+        cls, tiers: Sequence[str] | None = None, config: StoreConfig | None = None, **overrides: Any
+    ) -> Store:
+        """An in-process tiered store. `tiers` and `overrides` (any StoreConfig field) win over `config`,
+        which defaults to `StoreConfig.load()` (defaults < KVSTORE_* environment)."""
+        if tiers is not None:
+            overrides["tiers"] = list(tiers)
+        if config is None:
+            config = StoreConfig.load(**overrides)
+        elif overrides:
+            try:
+                config = StoreConfig(**{**config.model_dump(), **overrides})
+            except ValidationError as e:
+                raise ConfigError(f"invalid StoreConfig: {e}") from None
+        return cls(LocalBackend(TieredStore(config)), codec=config.codec, lz4=config.lz4)
+
+    @classmethod
+    def connect(
+        cls,
+        url: str,
+        token: str | None = None,
+        codec: str = "raw",
+        lz4: bool = False,
+        codec_options: dict | None = None,
+        **options: Any,
+    ) -> Store:
+        """A store served by `kvstore-server` at `url`; `options` go to `sdk.remote.RemoteBackend`."""
+        from sdk.remote import RemoteBackend  # noqa: PLC0415 (the HTTP client is only needed here)
+
+        return cls(
+            RemoteBackend(url, token=token, **options), codec=codec, lz4=lz4, codec_options=codec_options
+        )
+
+    # -- encoding (client side) -------------------------------------------------------------------------
+
+    def encode(self, kv_or_blob: KVOrBlob) -> Blob:
+        """A tensor becomes a blob with this store's codec; a bytes-like must already be a valid blob."""
+        if isinstance(kv_or_blob, torch.Tensor):
+            return encode_blob(kv_or_blob, codec=self.codec, lz4=self.lz4, **self.codec_options)
+        if isinstance(kv_or_blob, (bytes, bytearray, memoryview)):
+            verify_blob(kv_or_blob)
+            return kv_or_blob
+        raise InvalidArgument(f"put takes a KV tensor or a blob, got {type(kv_or_blob).__name__}")
+
+    def decode(self, key: str, blob: Blob | None, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        if blob is None:
+            return None
+        try:
+            return decode_blob(blob, out=out)
+        except CorruptBlob as e:  # cannot happen locally (the store verifies); remote: damaged in transit
+            logger.warning("blob %s does not decode (%s): treated as a miss", key, e)
+            return None
+
+    # -- sync --------------------------------------------------------------------------------------------
+
+    def put(self, key: str, kv_or_blob: KVOrBlob) -> None:
+        self.backend.put_blob(key, self.encode(kv_or_blob))
+
+    def get(self, key: str, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The KV tensor under `key` or None; `out` (right shape and dtype) receives it without allocating."""
+        return self.decode(key, self.backend.get_blob(key), out)
+
+    def get_blob(self, key: str) -> Blob | None:
+        return self.backend.get_blob(key)
+
+    def exists(self, key: str) -> bool:
+        return self.backend.exists(key)
+
+    def delete(self, key: str) -> bool:
+        return self.backend.delete(key)
+
+    def batch_put(self, items: Sequence[tuple[str, KVOrBlob]]) -> None:
+        self.backend.batch_put([(key, self.encode(x)) for key, x in items])
+
+    def batch_get(self, keys: Sequence[str]) -> list[torch.Tensor | None]:
+        return [self.decode(k, b) for k, b in zip(keys, self.backend.batch_get(keys), strict=True)]
+
+    def batch_get_blobs(self, keys: Sequence[str]) -> list[Blob | None]:
+        return self.backend.batch_get(keys)
+
+    def batch_exists(self, keys: Sequence[str]) -> list[bool]:
+        return self.backend.batch_exists(keys)
+
+    def lookup_prefix(self, keys: Sequence[str]) -> int:
+        return self.backend.lookup_prefix(keys)
+
+    def stats(self) -> dict[str, Any]:
+        return self.backend.stats()
+
+    def close(self) -> None:
+        self.backend.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- async -------------------------------------------------------------------------------------------
+    # encoding and decoding move whole chunks (and lossy codecs are slow), so they leave the event loop
+
+    async def aput(self, key: str, kv_or_blob: KVOrBlob) -> None:
+        await self.backend.aput_blob(key, await asyncio.to_thread(self.encode, kv_or_blob))
+
+    async def aget(self, key: str, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        blob = await self.backend.aget_blob(key)
+        return None if blob is None else await asyncio.to_thread(self.decode, key, blob, out)
+
+    async def aget_blob(self, key: str) -> Blob | None:
+        return await self.backend.aget_blob(key)
+
+    async def aexists(self, key: str) -> bool:
+        return await self.backend.aexists(key)
+
+    async def adelete(self, key: str) -> bool:
+        return await self.backend.adelete(key)
+
+    async def abatch_put(self, items: Sequence[tuple[str, KVOrBlob]]) -> None:
+        blobs = await asyncio.to_thread(lambda: [(key, self.encode(x)) for key, x in items])
+        await self.backend.abatch_put(blobs)
+
+    async def abatch_get(self, keys: Sequence[str]) -> list[torch.Tensor | None]:
+        blobs = await self.backend.abatch_get(keys)
+        return await asyncio.to_thread(lambda: [self.decode(k, b) for k, b in zip(keys, blobs, strict=True)])
+
+    async def abatch_get_blobs(self, keys: Sequence[str]) -> list[Blob | None]:
+        return await self.backend.abatch_get(keys)
+
+    async def abatch_exists(self, keys: Sequence[str]) -> list[bool]:
+        return await self.backend.abatch_exists(keys)
+
+    async def alookup_prefix(self, keys: Sequence[str]) -> int:
+        return await self.backend.alookup_prefix(keys)
+
+    async def astats(self) -> dict[str, Any]:
+        return await self.backend.astats()
+
+    async def aclose(self) -> None:
+        await self.backend.aclose()
+
+    async def __aenter__(self) -> Store:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
