@@ -1,0 +1,1 @@
+"""Building blocks of the Llama family: norms, rotary embeddings, fused linears, paged attention."""

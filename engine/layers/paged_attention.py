@@ -1,0 +1,180 @@
+"""The torch path of paged attention: write new K/V to their slots, then attend over the paged cache.
+
+Works on any device; it is what runs on CPU. No per-token Python loop: the decode rows of a step form
+one padded batch (their blocks gathered with one `index_select`, one SDPA call, a key-padding mask);
+each prefill chunk gets one SDPA over its gathered blocks (plain causal when it starts at position 0
+without a window, an explicit mask otherwise). GQA never copies K/V (`enable_gqa` or a
+[kv_heads, group] view of q).
+
+What depends only on the step (which rows decode, block ids, masks) is planned once per
+`AttentionMetadata` and reused by every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention_metadata import AttentionMetadata
+
+_PLAN_ATTR = "_torch_attention_plan"
+
+
+def store_kvcache(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """key/value: [N, num_kv_heads, head_dim]; kv_cache: [2, num_blocks, block_size, num_kv_heads,
+    head_dim]; a negative slot means "do not write" (e.g. a token whose KV is already cached)."""
+    num_slots = kv_cache.shape[1] * kv_cache.shape[2]
+    k_flat = kv_cache[0].view(num_slots, *kv_cache.shape[3:])
+    v_flat = kv_cache[1].view(num_slots, *kv_cache.shape[3:])
+    slots = slot_mapping
+    if slots.numel() and bool((slots < 0).any()):
+        keep = slots >= 0
+        slots, key, value = slots[keep], key[keep], value[keep]
+    k_flat.index_copy_(0, slots, key.to(kv_cache.dtype))
+    v_flat.index_copy_(0, slots, value.to(kv_cache.dtype))
+
+
+@dataclass
+class _Prefill:
+    row: int  # first row of this sequence's tokens in q
+    q_len: int
+    context_len: int
+    block_ids: torch.Tensor  # [num_blocks] long
+
+
+@dataclass
+class _Decode:
+    rows: torch.Tensor | None  # [B] long, rows of q (None when every row decodes, in order)
+    block_ids: torch.Tensor  # [B * blocks] long, padding mapped to block 0 and masked out
+    num_blocks: int
+    context_lens: torch.Tensor  # [B] long
+
+
+@dataclass
+class AttentionPlan:
+    decode: _Decode | None
+    prefills: list[_Prefill]
+    block_size: int
+    _masks: dict = field(default_factory=dict)
+
+    def decode_mask(self, window: int | None) -> torch.Tensor:
+        """[B, 1, 1, L] True where the key may be attended."""
+        key = ("decode", window)
+        if key not in self._masks:
+            d = self.decode
+            assert d is not None
+            pos = torch.arange(d.num_blocks * self.block_size, device=d.context_lens.device)
+            ctx = d.context_lens[:, None]
+            mask = pos[None, :] < ctx
+            if window is not None:
+                mask &= pos[None, :] >= ctx - window
+            self._masks[key] = mask[:, None, None, :]
+        return self._masks[key]
+
+    def prefill_mask(self, i: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+        """[q_len, context_len] causal (+ window) mask; None when plain `is_causal` is exact."""
+        p = self.prefills[i]
+        if window is None and p.q_len == p.context_len:
+            return None
+        key = ("prefill", i, window)
+        if key not in self._masks:
+            q_pos = torch.arange(p.context_len - p.q_len, p.context_len, device=device)[:, None]
+            k_pos = torch.arange(p.context_len, device=device)[None, :]
+            mask = k_pos <= q_pos
+            if window is not None:
+                mask &= k_pos > q_pos - window
+            self._masks[key] = mask
+        return self._masks[key]
+
+
+def build_plan(meta: AttentionMetadata) -> AttentionPlan:
+    bs = meta.block_size
+    cu = meta.cu_seqlens_q.tolist()
+    ctx = meta.context_lens.tolist()
+    q_lens = [cu[i + 1] - cu[i] for i in range(len(ctx))]
+    tables = meta.block_tables
+    decode_idx = [i for i, n in enumerate(q_lens) if n == 1]
+    decode = None
+    if decode_idx:
+        num_blocks = (max(ctx[i] for i in decode_idx) + bs - 1) // bs
+        all_rows = len(decode_idx) == len(ctx)
+        idx = None if all_rows else torch.tensor(decode_idx, dtype=torch.long, device=tables.device)
+        sub = tables if idx is None else tables.index_select(0, idx)
+        block_ids = sub[:, :num_blocks].long().clamp(min=0).reshape(-1)
+        rows = None if all_rows else torch.tensor([cu[i] for i in decode_idx], device=tables.device)
+        lens = torch.tensor([ctx[i] for i in decode_idx], dtype=torch.long, device=tables.device)
+        decode = _Decode(rows=rows, block_ids=block_ids, num_blocks=num_blocks, context_lens=lens)
+    prefills = []
+    for i, n in enumerate(q_lens):
+        if n > 1:
+            nb = (ctx[i] + bs - 1) // bs
+            prefills.append(_Prefill(row=cu[i], q_len=n, context_len=ctx[i], block_ids=tables[i, :nb].long()))
+    return AttentionPlan(decode=decode, prefills=prefills, block_size=bs)
+
+
+def get_plan(meta: AttentionMetadata) -> AttentionPlan:
+    """The plan of this step, built by the first layer that asks and cached on the metadata."""
+    plan = getattr(meta, _PLAN_ATTR, None)
+    if plan is None:
+        plan = build_plan(meta)
+        setattr(meta, _PLAN_ATTR, plan)
+    return plan
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """cache: [num_blocks, block_size, H, D] -> [len(block_ids) * block_size, H, D]."""
+    return cache.index_select(0, block_ids).view(-1, *cache.shape[2:])
+
+
+def paged_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """q: [N, num_heads, head_dim] for the step's new tokens (their K/V already stored).
+    Returns [N, num_heads, head_dim]."""
+    plan = get_plan(meta)
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+
+    d = plan.decode
+    if d is not None:
+        b = d.context_lens.shape[0]
+        qd = q if d.rows is None else q.index_select(0, d.rows)
+        qd = qd.view(b, num_kv_heads, group, head_dim)  # the group acts as the query length
+        k = _gather(k_cache, d.block_ids).view(b, -1, num_kv_heads, head_dim).transpose(1, 2)
+        v = _gather(v_cache, d.block_ids).view(b, -1, num_kv_heads, head_dim).transpose(1, 2)
+        o = F.scaled_dot_product_attention(
+            qd, k.to(q.dtype), v.to(q.dtype), attn_mask=plan.decode_mask(sliding_window), scale=scale
+        )
+        o = o.reshape(b, num_heads, head_dim)
+        if d.rows is None:
+            out.copy_(o)
+        else:
+            out.index_copy_(0, d.rows, o)
+
+    for i, p in enumerate(plan.prefills):
+        qp = q[p.row : p.row + p.q_len].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
+        k = _gather(k_cache, p.block_ids)[: p.context_len].transpose(0, 1).unsqueeze(0)
+        v = _gather(v_cache, p.block_ids)[: p.context_len].transpose(0, 1).unsqueeze(0)
+        mask = plan.prefill_mask(i, sliding_window, q.device)
+        o = F.scaled_dot_product_attention(
+            qp,
+            k.to(q.dtype),
+            v.to(q.dtype),
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+            enable_gqa=group > 1,
+        )
+        out[p.row : p.row + p.q_len] = o[0].transpose(0, 1)
+    return out

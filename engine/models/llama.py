@@ -1,0 +1,147 @@
+"""Llama / Qwen2 / Mistral for the paged engine (nano-vllm style).
+
+All tokens of a step (prefill chunks and decode tokens of many sequences) travel as one flat batch
+[N, hidden]; `AttentionMetadata` tells attention where each sequence's tokens and cached KV are.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.attention_metadata import AttentionMetadata
+from engine.config import ModelConfig
+from engine.layers.activation import SiluAndMul
+from engine.layers.attention import Attention
+from engine.layers.layernorm import RMSNorm
+from engine.layers.linear import MergedLinear, QKVLinear, RowLinear
+from engine.layers.rotary_embedding import RotaryEmbedding
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = QKVLinear(
+            config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, bias=config.attention_bias
+        )
+        self.o_proj = RowLinear(self.q_size, config.hidden_size)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, config.rope_theta)
+        self.attn = Attention(
+            self.num_heads,
+            self.head_dim,
+            self.head_dim**-0.5,
+            self.num_kv_heads,
+            sliding_window=config.sliding_windows[layer_idx],
+        )
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        n = hidden_states.shape[0]
+        q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary_emb(
+            positions, q.view(n, self.num_heads, self.head_dim), k.view(n, self.num_kv_heads, self.head_dim)
+        )
+        o = self.attn(q.reshape(n, -1), k.reshape(n, -1), v.contiguous(), attn_metadata)
+        return self.o_proj(o)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], bias=config.mlp_bias)
+        self.down_proj = RowLinear(size, config.hidden_size, bias=config.mlp_bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        attn_metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, attn_metadata)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList([LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual, attn_metadata)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint name -> (fused parameter name, shard id); how the loader fills fused weights
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.config.num_key_value_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.config.head_dim
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """input_ids, positions: [N] -> hidden states [N, hidden_size]."""
+        return self.model(input_ids, positions, attn_metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[n, hidden_size] -> fp32 logits [n, vocab_size]."""
+        return self.lm_head(hidden_states).float()
