@@ -71,8 +71,8 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
         except (OSError, SafetensorError) as e:
             raise ModelLoadError(f"cannot read {path}: {e}") from e
     expected = set()
-    for pname, param in params.items():
-        shards = [sid for ckpt, (fused, sid) in packed.items() if f".{fused}." in f".{pname}"]
+    for pname in params:
+        shards = [sid for fused, sid in packed.values() if f".{fused}." in f".{pname}"]
         expected |= {f"{pname}#{sid}" for sid in shards} if shards else {f"{pname}#None"}
     missing = sorted(expected - loaded)
     if missing:
