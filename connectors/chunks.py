@@ -1,0 +1,109 @@
+"""Engine blocks <-> store chunks.
+
+The engine keeps KV per layer in paged caches `[2, num_blocks, block_size, kv_heads, head_dim]`; the
+store keeps one blob per `chunk_size` tokens holding every layer, `[2, num_layers, chunk_size,
+kv_heads, head_dim]` (DESIGN.md, Spec 2). A chunk is `chunk_size // block_size` consecutive blocks of
+a request's block table. `gather_chunk` copies a chunk out of the cache (the copy is what makes an
+asynchronous save safe: the blocks may be freed the moment it returns); `scatter_chunk` writes a
+loaded chunk, or a block-aligned part of it, back into the request's blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvstore.errors import InvalidArgument
+from kvstore.keys import KVLayout, hash_block, root_key
+
+
+@dataclass(frozen=True)
+class CacheGeometry:
+    """The paged cache as registered by the engine."""
+
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, kv_caches: Sequence[torch.Tensor]) -> CacheGeometry:
+        if not kv_caches:
+            raise InvalidArgument("register_kv_caches needs at least one layer")
+        first = kv_caches[0]
+        if first.dim() != 5 or first.shape[0] != 2:
+            raise InvalidArgument(
+                f"a layer's KV cache must be [2, num_blocks, block_size, kv_heads, head_dim], got {tuple(first.shape)}"
+            )
+        for i, c in enumerate(kv_caches):
+            if c.shape != first.shape or c.dtype != first.dtype or c.device != first.device:
+                raise InvalidArgument(f"layer {i} KV cache {tuple(c.shape)} {c.dtype} differs from layer 0")
+        _, nb, bs, h, d = first.shape
+        return cls(len(kv_caches), nb, bs, h, d, first.dtype)
+
+    def chunk_shape(self, num_tokens: int) -> tuple[int, int, int, int, int]:
+        return (2, self.num_layers, num_tokens, self.num_kv_heads, self.head_dim)
+
+
+def _index(block_ids: Sequence[int], device: torch.device) -> torch.Tensor:
+    return torch.as_tensor(list(block_ids), dtype=torch.long, device=device)
+
+
+def gather_chunk(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int]) -> torch.Tensor:
+    """A fresh CPU tensor `[2, L, len(block_ids) * block_size, H, D]` holding those blocks, in order."""
+    first = kv_caches[0]
+    _, _, bs, h, d = first.shape
+    n = len(block_ids)
+    out = torch.empty((2, len(kv_caches), n, bs, h, d), dtype=first.dtype, device=first.device)
+    idx = _index(block_ids, first.device)
+    for layer, cache in enumerate(kv_caches):
+        out[:, layer].copy_(cache.index_select(1, idx))
+    return out.view(2, len(kv_caches), n * bs, h, d).cpu()
+
+
+def scatter_chunk(
+    kv_caches: Sequence[torch.Tensor], chunk: torch.Tensor, block_ids: Sequence[int], first_block: int = 0
+) -> None:
+    """Write blocks `first_block .. first_block + len(block_ids)` of `chunk` into `block_ids`."""
+    first = kv_caches[0]
+    _, _, bs, h, d = first.shape
+    n = len(block_ids)
+    lo, hi = first_block * bs, (first_block + n) * bs
+    if chunk.dim() != 5 or chunk.shape[1] != len(kv_caches) or chunk.shape[2] < hi:
+        raise InvalidArgument(
+            f"chunk {tuple(chunk.shape)} does not cover blocks {first_block}..{first_block + n}"
+        )
+    src = chunk[:, :, lo:hi].to(device=first.device, dtype=first.dtype)
+    idx = _index(block_ids, first.device)
+    for layer, cache in enumerate(kv_caches):
+        cache.index_copy_(1, idx, src[:, layer].reshape(2, n, bs, h, d))
+
+
+class ChunkKeys:
+    """Chained chunk keys of one growing token sequence (Spec 1), extended as chunks fill up.
+
+    Equal to `kvstore.keys.chunk_keys(tokens, layout, namespace)` for every prefix; each new chunk
+    costs one hash, so calling `update` every engine step stays cheap.
+    """
+
+    def __init__(self, layout: KVLayout, namespace: str = "") -> None:
+        self.chunk_size = layout.chunk_size
+        self._parent = root_key(layout, namespace)
+        self._last_chunk: list[int] = []
+        self.keys: list[str] = []
+
+    def update(self, tokens: Sequence[int]) -> list[str]:
+        n = self.chunk_size
+        have = len(self.keys)
+        assert list(tokens[(have - 1) * n : have * n]) == self._last_chunk if have else True, (
+            "a request's tokens never change, they only grow"
+        )
+        for i in range(have, len(tokens) // n):
+            self._last_chunk = list(tokens[i * n : (i + 1) * n])
+            self._parent = hash_block(self._parent, self._last_chunk)
+            self.keys.append(self._parent.hex())
+        return self.keys

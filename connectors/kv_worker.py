@@ -1,0 +1,255 @@
+"""The worker side of the kvstore connector: moves KV between the paged cache and the store.
+
+Loads: the step's chunks are fetched, verified, decoded and scattered into their blocks by a small
+thread pool (each thread decodes into its own reusable chunk buffer, and chunks own disjoint blocks,
+so threads never write the same memory). The first chunk that is missing, corrupt, mismatched or
+unreachable ends the load of its request: every block from there on is reported by
+`get_block_ids_with_load_errors`, and the engine recomputes from it. A blob holds every layer of its
+chunk, so no layer is ready before its whole chunk is: the load completes in `start_load_kv` and
+`wait_for_layer_load` has nothing left to wait for (loads with `load_async` finish in the background
+and are reported by `get_finished` instead).
+
+Saves: `save_kv_layer` only checks its arguments (a chunk needs every layer); `wait_for_save` copies
+each newly full chunk out of the cache — after it returns the engine may free or reuse the blocks —
+and hands the copies to a background thread that skips chunks the store already has, encodes the rest
+with the configured codec and puts them in one batch. A request's save is "in flight" until that
+thread is done with it; `get_finished` reports finished requests once none of theirs is.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from connectors.chunks import CacheGeometry, gather_chunk, scatter_chunk
+from connectors.config import KVTransferConfig
+from connectors.meta import LoadSpec, SaveSpec, StepTransfers
+from connectors.store_handle import StoreHandle, is_unreachable
+from kvstore.blob import decode_blob, encode_blob
+from kvstore.codecs import get_codec
+from kvstore.errors import CorruptBlob, InvalidArgument, KVStoreError
+
+logger = logging.getLogger(__name__)
+
+
+class _ChunkLoadError(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class KVStoreWorker:
+    def __init__(self, config: KVTransferConfig, handle: StoreHandle) -> None:
+        assert config.layout is not None, "KVTransferConfig.for_engine(...) sets the layout"
+        get_codec(config.codec)  # unknown or unregistered codec: CodecError now, not at the first save
+        self.config = config
+        self.handle = handle
+        self.metrics = handle.metrics
+        self.kv_caches: list[torch.Tensor] = []
+        self.geometry: CacheGeometry | None = None
+        self._load_pool = ThreadPoolExecutor(config.load_threads, thread_name_prefix="kv-load")
+        self._save_pool = ThreadPoolExecutor(config.save_threads, thread_name_prefix="kv-save")
+        self._async_loads = ThreadPoolExecutor(1, thread_name_prefix="kv-load-async")
+        self._buffers = threading.local()
+        self._lock = threading.Lock()
+        self._inflight: dict[str, int] = defaultdict(int)  # request -> chunks not yet saved
+        self._pending = 0
+        self._finishing: set[str] = set()
+        self._finished_loads: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._save_futures: list[Future] = []
+
+    # ---- setup --------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: Sequence[torch.Tensor]) -> None:
+        geo = CacheGeometry.of(kv_caches)
+        lay = self.config.layout
+        want = (lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.kv_dtype, self.config.block_size)
+        have = (
+            geo.num_layers,
+            geo.num_kv_heads,
+            geo.head_dim,
+            str(geo.dtype).removeprefix("torch."),
+            geo.block_size,
+        )
+        if want != have:
+            raise InvalidArgument(
+                f"KV caches (layers, kv_heads, head_dim, dtype, block_size)={have} != config {want}"
+            )
+        self.kv_caches = list(kv_caches)
+        self.geometry = geo
+
+    # ---- loads --------------------------------------------------------------------------------
+    def start_load_kv(self, step: StepTransfers) -> None:
+        if not step.loads:
+            return
+        assert self.geometry is not None, "register_kv_caches() first"
+        if self.config.load_async:
+            for spec in step.loads:
+                self._async_loads.submit(self._load_async, spec)
+            return
+        t0 = time.perf_counter()
+        for spec in step.loads:
+            self._load(spec)
+        self.metrics.load_seconds.observe(time.perf_counter() - t0)
+
+    def _load_async(self, spec: LoadSpec) -> None:
+        t0 = time.perf_counter()
+        self._load(spec)
+        self.metrics.load_seconds.observe(time.perf_counter() - t0)
+        with self._lock:
+            self._finished_loads.add(spec.request_id)
+
+    def _load(self, spec: LoadSpec) -> None:
+        """Load every chunk of `spec`; on the first failure, report its blocks and all later ones."""
+        bs, cs = self.config.block_size, self.config.chunk_size
+        if not self.handle.reachable():
+            return self._fail(spec, spec.first_chunk, "unreachable")
+        try:
+            blobs = self.handle.batch_get_blobs(spec.keys)
+        except KVStoreError as e:
+            if is_unreachable(e):
+                self.handle.mark_unreachable(e)
+            return self._fail(spec, spec.first_chunk, "unreachable" if is_unreachable(e) else "corrupt")
+        futures = []
+        for c, blob in zip(spec.chunk_indices(), blobs, strict=True):
+            lo, hi = max(spec.start_token, c * cs), min(spec.end_token, (c + 1) * cs)
+            blocks = spec.block_ids[lo // bs : hi // bs]
+            futures.append((c, self._load_pool.submit(self._load_chunk, blob, blocks, (lo - c * cs) // bs)))
+        failed_at: tuple[int, str] | None = None
+        for c, fut in futures:
+            try:
+                nbytes, ntokens = fut.result()
+            except _ChunkLoadError as e:
+                failed_at = failed_at or (c, e.reason)
+                continue
+            self.metrics.load_bytes.inc(nbytes)
+            self.metrics.loaded_tokens.inc(ntokens)
+        if failed_at is not None:
+            self._fail(spec, *failed_at)
+
+    def _load_chunk(self, blob: object, block_ids: Sequence[int], first_block: int) -> tuple[int, int]:
+        if blob is None:
+            raise _ChunkLoadError("evicted")
+        geo = self.geometry
+        buf = getattr(self._buffers, "chunk", None)
+        if buf is None:
+            buf = self._buffers.chunk = torch.empty(geo.chunk_shape(self.config.chunk_size), dtype=geo.dtype)
+        try:
+            kv = decode_blob(blob, out=buf)
+        except (CorruptBlob, InvalidArgument) as e:  # InvalidArgument: a valid blob of another shape/dtype
+            logger.warning("corrupt or mismatched chunk from the store: %s", e)
+            raise _ChunkLoadError("corrupt") from None
+        scatter_chunk(self.kv_caches, kv, block_ids, first_block)
+        return len(blob), len(block_ids) * self.config.block_size
+
+    def _fail(self, spec: LoadSpec, chunk: int, reason: str) -> None:
+        bs, cs = self.config.block_size, self.config.chunk_size
+        start = max(spec.start_token, chunk * cs)
+        bad = spec.block_ids[start // bs : spec.end_token // bs]
+        chunks_lost = spec.first_chunk + len(spec.keys) - chunk
+        logger.info(
+            "request %s: chunk %d %s; %d blocks will be recomputed", spec.request_id, chunk, reason, len(bad)
+        )
+        self.metrics.miss(reason, chunks_lost)
+        self.metrics.load_errors.inc(len(bad))
+        with self._lock:
+            self._load_errors.update(bad)
+
+    def wait_for_layer_load(self, layer: int) -> None:
+        assert 0 <= layer < len(self.kv_caches), layer
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        with self._lock:
+            bad, self._load_errors = self._load_errors, set()
+        return bad
+
+    # ---- saves --------------------------------------------------------------------------------
+    def save_kv_layer(self, layer: int, kv_layer: torch.Tensor, attn_metadata: object) -> None:
+        assert 0 <= layer < len(self.kv_caches), layer
+        assert kv_layer is self.kv_caches[layer] or kv_layer.shape == self.kv_caches[layer].shape
+
+    def wait_for_save(self, step: StepTransfers) -> None:
+        if not step.saves:
+            return
+        assert self.geometry is not None, "register_kv_caches() first"
+        t0 = time.perf_counter()
+        batch: list[tuple[SaveSpec, torch.Tensor]] = []
+        for spec in step.saves:
+            with self._lock:
+                full = self._pending >= self.config.max_pending_saves
+                if not full:
+                    self._pending += 1
+                    self._inflight[spec.request_id] += 1
+            if full:
+                self.metrics.dropped_saves.labels("queue_full").inc()
+                continue
+            batch.append((spec, gather_chunk(self.kv_caches, spec.block_ids)))
+        self.metrics.copy_out_seconds.observe(time.perf_counter() - t0)
+        self.metrics.pending_saves.set(self._pending)
+        n = max(1, -(-len(batch) // self.config.save_threads))
+        for i in range(0, len(batch), n):
+            fut = self._save_pool.submit(self._save, batch[i : i + n])
+            self._save_futures.append(fut)
+        self._save_futures = [f for f in self._save_futures if not f.done()]
+
+    def _save(self, batch: list[tuple[SaveSpec, torch.Tensor]]) -> None:
+        t0 = time.perf_counter()
+        try:
+            if not self.handle.reachable():
+                self.metrics.dropped_saves.labels("store_error").inc(len(batch))
+                return
+            keys = [spec.key for spec, _ in batch]
+            present = self.handle.batch_exists(keys)
+            items = [
+                (spec.key, encode_blob(kv, codec=self.config.codec))
+                for (spec, kv), have in zip(batch, present, strict=True)
+                if not have
+            ]
+            if items:
+                self.handle.batch_put_blobs(items)
+            self.metrics.saved_chunks.inc(len(items))
+            self.metrics.skipped_saves.inc(len(batch) - len(items))
+            self.metrics.save_bytes.inc(sum(len(b) for _, b in items))
+            self.metrics.save_seconds.observe(time.perf_counter() - t0)
+        except KVStoreError as e:
+            if is_unreachable(e):
+                self.handle.mark_unreachable(e)
+            else:
+                logger.error("saving %d chunks failed: %r", len(batch), e)
+            self.metrics.dropped_saves.labels("store_error").inc(len(batch))
+        except Exception:  # a background thread that dies silently would hold requests forever
+            logger.exception("saving %d chunks failed", len(batch))
+            self.metrics.dropped_saves.labels("store_error").inc(len(batch))
+        finally:
+            with self._lock:
+                for spec, _ in batch:
+                    self._inflight[spec.request_id] -= 1
+                    if self._inflight[spec.request_id] == 0:
+                        del self._inflight[spec.request_id]
+                self._pending -= len(batch)
+                self.metrics.pending_saves.set(self._pending)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        with self._lock:
+            self._finishing |= finished_req_ids
+            sent = {r for r in self._finishing if r not in self._inflight}
+            self._finishing -= sent
+            recved, self._finished_loads = self._finished_loads, set()
+        return sent or None, recved or None
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every save handed out so far has reached the store (or failed)."""
+        for fut in list(self._save_futures):
+            fut.result(timeout=timeout)
+        self._save_futures = [f for f in self._save_futures if not f.done()]
+
+    def shutdown(self) -> None:
+        self._async_loads.shutdown(wait=True)
+        self._save_pool.shutdown(wait=True)
+        self._load_pool.shutdown(wait=True)
