@@ -15,8 +15,10 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -108,12 +110,20 @@ class ValkeyProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"valkey-server exited with {self.proc.returncode}: {self.log_tail()}")
-            with contextlib.suppress(redis.RedisError, OSError), self.client() as c:
-                if c.ping():
-                    return self
+            if self._answers():
+                return self
             time.sleep(0.02)
         self.stop()
         raise RuntimeError(f"valkey-server on port {self.port} did not answer PING in {timeout}s")
+
+    def _answers(self) -> bool:
+        try:
+            with self.client() as c:
+                return bool(c.ping())
+        except (redis.AuthenticationError, redis.ResponseError):  # up, but wants a password
+            return True
+        except (redis.RedisError, OSError):
+            return False
 
     def kill(self) -> None:
         """SIGKILL: a crash, nothing flushed. The port is free again when this returns."""
@@ -239,6 +249,68 @@ class ValkeyCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def self_signed_cert(directory: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 (openssl CLI), usable as its own CA."""
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    return cert, key
+
+
+class TlsProxy:
+    """A TLS terminator (what stunnel does in front of a Redis without TLS) for 127.0.0.1:target."""
+
+    def __init__(self, target_port: int, cert: Path, key: Path) -> None:
+        self.target_port = target_port
+        self.ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        self.ctx.load_cert_chain(cert, key)
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self._conns: list[socket.socket] = []
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+    def _serve(self, client: socket.socket) -> None:
+        try:
+            tls = self.ctx.wrap_socket(client, server_side=True)
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+        except OSError:
+            client.close()
+            return
+        self._conns += [tls, upstream]
+        threading.Thread(target=self._pump, args=(upstream, tls), daemon=True).start()
+        self._pump(tls, upstream)
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(1 << 20):
+                dst.sendall(data)
+        for s in (src, dst):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+    def __enter__(self) -> TlsProxy:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.sock.close()
+        for conn in self._conns:
+            with contextlib.suppress(OSError):
+                conn.close()
 
 
 @contextlib.contextmanager

