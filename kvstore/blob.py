@@ -118,6 +118,8 @@ def verify_blob(data: bytes | bytearray | memoryview) -> BlobHeader:
         raise CorruptBlob(f"unsupported blob format version {version}")
     if ndim != 5 or dtype_id not in DTYPES or compression not in (COMPRESSION_NONE, COMPRESSION_LZ4):
         raise CorruptBlob("bad header fields")
+    if shape[0] != 2 or 0 in shape:
+        raise CorruptBlob(f"bad KV shape {shape}: [2, layers, tokens, kv_heads, head_dim], none empty")
     if plen > MAX_PARAMS or HEADER_SIZE + plen + nlen != len(view):
         raise CorruptBlob(f"blob length {len(view)} does not match header ({HEADER_SIZE}+{plen}+{nlen})")
     (check,) = _CHECK.unpack_from(view, _HEAD.size)
