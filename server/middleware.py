@@ -44,8 +44,8 @@ def error_response(exc: BaseException) -> web.Response:
     else:
         log.exception("unexpected error while serving a request", exc_info=exc)
         resp = json_error(500, f"internal error: {type(exc).__name__}", "KVStoreError")
-    if resp.status in (400, 408, 411, 413):
-        resp.force_close()  # the rest of the body may still be on the wire; never parse it as a request
+    # An unread request body is left to aiohttp: it reads and drops it for up to `lingering_time`, so a
+    # client still sending gets this answer instead of a reset, then closes the connection if it must.
     return resp
 
 

@@ -19,8 +19,25 @@ def _state(request: web.Request) -> ServerState:
     return request.app["state"]
 
 
-def _blob_headers(blob_len: int) -> dict[str, str]:
-    return {wire.WIRE_VERSION_HEADER: wire.WIRE_VERSION}
+_WIRE_HEADERS = {wire.WIRE_VERSION_HEADER: wire.WIRE_VERSION}
+_SMALL = 64 * 1024
+
+
+async def send_buffers(request: web.Request, parts: list, content_type: str) -> web.StreamResponse:
+    """Send `parts` back to back as the body. Large bodies go out as the headers, then each buffer as
+    is: aiohttp's Response would join headers and body into one new bytes first (a full copy)."""
+    total = sum(memoryview(p).nbytes for p in parts)
+    request["bytes_out"] = total
+    if total <= _SMALL:
+        return web.Response(body=b"".join(parts), content_type=content_type, headers=_WIRE_HEADERS)
+    resp = web.StreamResponse(headers=_WIRE_HEADERS)
+    resp.content_type = content_type
+    resp.content_length = total
+    await resp.prepare(request)
+    for part in parts:
+        await resp.write(part)
+    await resp.write_eof()
+    return resp
 
 
 @routes.put(wire.CHUNKS_PATH + "/{key}", name="put")
@@ -31,18 +48,17 @@ async def put_chunk(request: web.Request) -> web.Response:
     request["bytes_in"] = len(body)
     # The store verifies the blob (CorruptBlob -> 422) and its size before storing anything.
     await st.call(st.store.put_blob, key, body)
-    return web.Response(status=201, headers=_blob_headers(0))
+    return web.Response(status=201, headers=_WIRE_HEADERS)
 
 
 @routes.get(wire.CHUNKS_PATH + "/{key}", name="get")
-async def get_chunk(request: web.Request) -> web.Response:
+async def get_chunk(request: web.Request) -> web.StreamResponse:
     st = _state(request)
     key = validate_key(request.match_info["key"])
     blob = await st.call(st.store.get_blob, key)
     if blob is None:
         raise web.HTTPNotFound(text=f"no chunk {key}")
-    request["bytes_out"] = len(blob)
-    return web.Response(body=blob, content_type=wire.BLOB_CONTENT_TYPE, headers=_blob_headers(len(blob)))
+    return await send_buffers(request, [blob], wire.BLOB_CONTENT_TYPE)
 
 
 @routes.head(wire.CHUNKS_PATH + "/{key}", name="head")
@@ -51,7 +67,7 @@ async def head_chunk(request: web.Request) -> web.Response:
     key = validate_key(request.match_info["key"])
     if not await st.call(st.store.exists, key):
         return web.Response(status=404)  # HEAD responses carry no body, not even a JSON error
-    return web.Response(status=200, headers=_blob_headers(0))
+    return web.Response(status=200, headers=_WIRE_HEADERS)
 
 
 @routes.delete(wire.CHUNKS_PATH + "/{key}", name="delete")
@@ -79,17 +95,7 @@ async def batch_get(request: web.Request) -> web.StreamResponse:
     st = _state(request)
     keys = await _json_keys(request)
     blobs = await st.call(st.store.batch_get, keys)
-    parts = wire.encode_frame(keys, blobs)
-    total = sum(memoryview(p).nbytes for p in parts)
-    resp = web.StreamResponse(headers={wire.WIRE_VERSION_HEADER: wire.WIRE_VERSION})
-    resp.content_type = wire.BATCH_CONTENT_TYPE
-    resp.content_length = total
-    await resp.prepare(request)
-    for part in parts:  # header, then each blob as is: no join, no copy on our side
-        await resp.write(part)
-    await resp.write_eof()
-    request["bytes_out"] = total
-    return resp
+    return await send_buffers(request, wire.encode_frame(keys, blobs), wire.BATCH_CONTENT_TYPE)
 
 
 @routes.post(wire.BATCH_PUT_PATH, name="batch_put")
