@@ -14,7 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kvstore.config import StoreConfig, TierName, default_data_dir, load_layers, parse_size
-from kvstore.errors import ConfigError
+from kvstore.errors import ConfigError, InvalidArgument
 from kvstore.keys import KVLayout
 
 KVRole = Literal["both", "prefill", "decode"]
@@ -113,15 +113,18 @@ class KVTransferConfig(BaseModel):
         block_size: int,
     ) -> KVTransferConfig:
         """A copy that knows the engine's cache layout (every chunk key depends on it)."""
-        layout = KVLayout(
-            model_name=model_name,
-            model_config_hash=model_config_hash,
-            num_layers=num_layers,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            kv_dtype=kv_dtype,
-            chunk_size=self.chunk_size,
-        )
+        try:
+            layout = KVLayout(
+                model_name=model_name,
+                model_config_hash=model_config_hash,
+                num_layers=num_layers,
+                num_kv_heads=num_kv_heads,
+                head_dim=head_dim,
+                kv_dtype=kv_dtype,
+                chunk_size=self.chunk_size,
+            )
+        except InvalidArgument as e:
+            raise ConfigError(f"the engine's KV layout is invalid: {e}") from None
         return KVTransferConfig(**{**self.model_dump(), "layout": layout, "block_size": block_size})
 
     @classmethod

@@ -105,6 +105,9 @@ class MiniEngine:
 
     # -- one engine step: loads, forward (writes truth KV), saves --------------------------------
     def step(self, work: list[tuple[Req, int]]) -> set[int]:
+        for r, n in work:  # blocks for the new tokens (a decode step may cross into a new block)
+            need = -(-(r.num_computed_tokens + n) // self.bs) - len(r.block_table)
+            r.block_table += [self.free.pop() for _ in range(max(0, need))]
         out = SchedulerOutput([Scheduled(r, n) for r, n in work])
         meta = self.scheduler.build_connector_meta(out)
         self.worker.bind_connector_metadata(meta)

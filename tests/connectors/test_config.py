@@ -1,0 +1,74 @@
+"""KVTransferConfig: validation, engine layout, YAML and environment layers."""
+
+from __future__ import annotations
+
+import pytest
+
+from connectors.base import KVConnectorRole, create_connector
+from connectors.config import KVTransferConfig
+from kvstore.errors import ConfigError
+
+
+def test_defaults_and_sizes() -> None:
+    c = KVTransferConfig(local_cpu_capacity="1GiB")
+    assert (c.store_url, c.codec, c.kv_role, c.chunk_size, c.block_size) == ("local", "raw", "both", 256, 16)
+    assert c.local_cpu_capacity == 2**30 and c.is_local and c.saves
+    assert not KVTransferConfig(kv_role="decode").saves
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"codec": "zip"},
+        {"kv_role": "proxy"},
+        {"store_url": "redis://x"},
+        {"chunk_size": 100},
+        {"chunk_size": 0},
+        {"save_threads": 0},
+        {"local_tiers": ["cpu", "cpu"]},
+        {"local_tiers": ["tape"]},
+        {"local_cpu_capacity": "lots"},
+        {"no_such_field": 1},
+    ],
+)
+def test_bad_values_are_config_errors(bad: dict) -> None:
+    with pytest.raises(ConfigError):
+        KVTransferConfig(**bad)
+
+
+def test_for_engine_sets_the_layout_and_checks_block_size() -> None:
+    c = KVTransferConfig(chunk_size=64, namespace="tenant-a")
+    e = c.for_engine(
+        model_name="m", model_config_hash="h", num_layers=2, num_kv_heads=1, head_dim=8,
+        kv_dtype="float16", block_size=32,
+    )  # fmt: skip
+    assert e.layout.chunk_size == 64 and e.layout.num_layers == 2 and e.block_size == 32
+    assert e.namespace == "tenant-a" and c.layout is None
+    with pytest.raises(ConfigError):
+        c.for_engine(
+            model_name="m", model_config_hash="h", num_layers=2, num_kv_heads=1, head_dim=8,
+            kv_dtype="float16", block_size=48,
+        )  # fmt: skip
+    with pytest.raises(ConfigError):
+        c.for_engine(
+            model_name="m", model_config_hash="h", num_layers=0, num_kv_heads=1, head_dim=8,
+            kv_dtype="float16", block_size=16,
+        )  # fmt: skip
+
+
+def test_yaml_then_env_then_overrides(tmp_path, monkeypatch) -> None:
+    f = tmp_path / "kv.yaml"
+    f.write_text("codec: fp8\nchunk_size: 128\nlocal_tiers: cpu,disk\n")
+    monkeypatch.setenv("KV_TRANSFER_CODEC", "int4")
+    c = KVTransferConfig.load(f, kv_role="prefill", namespace=None)
+    assert (c.codec, c.chunk_size, c.kv_role, c.local_tiers) == ("int4", 128, "prefill", ["cpu", "disk"])
+    with pytest.raises(ConfigError):
+        KVTransferConfig.load(tmp_path / "missing.yaml")
+
+
+def test_connector_without_layout_is_a_config_error() -> None:
+    with pytest.raises(ConfigError):
+        create_connector("kvstore", KVConnectorRole.SCHEDULER, KVTransferConfig())
+    with pytest.raises(ConfigError):
+        create_connector("kvstore", KVConnectorRole.WORKER, {"store_url": "local"})
+    assert create_connector("none", KVConnectorRole.WORKER, None) is None

@@ -1,0 +1,190 @@
+"""The kvstore connector against a real in-process store: what it matches, loads and saves."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvstore.codecs import get_codec
+from kvstore.errors import CodecError
+from tests.connectors.sim import Req, make_config, prompt, truth_kv
+
+
+def kv_equal(engine, req: Req, lo: int, hi: int) -> bool:
+    return torch.equal(engine.read(req, lo, hi), truth_kv(req.all_token_ids, lo, hi, engine.dtype))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_store_hit_in_another_engine_is_bit_exact(engines, dtype: str) -> None:
+    config = make_config(dtype, local_cpu_capacity="64MiB")
+    a, b = engines(config, seed=1), engines(config, seed=2)
+    tokens = prompt(600, seed=1)
+    assert a.prefill(Req("r1", tokens)) == 0
+    a.worker.flush()
+    req = Req("r2", tokens)
+    assert b.admit(req) == 512  # two full chunks; the 88-token tail is computed
+    assert b.step([(req, 600 - 512)]) == set()
+    assert kv_equal(b, req, 0, 600)
+    snap = b.worker.metrics.snapshot()  # one store, one set of metrics, shared by a and b
+    assert snap["vllm:external_prefix_cache_queries_total"] == 1200
+    assert snap["vllm:external_prefix_cache_hits_total"] == 512
+    assert snap["kvstore_connector_loaded_tokens_total"] == 512
+    assert snap["kvstore_connector_saved_chunks_total"] == 2
+    assert snap["kvstore_connector_chunk_misses_total{reason=not_stored}"] == 2  # a's cold lookup
+
+
+def test_match_is_block_aligned_and_leaves_the_last_token(engines) -> None:
+    config = make_config(local_cpu_capacity="64MiB")
+    a, b = engines(config, seed=1), engines(config, seed=2)
+    tokens = prompt(512, seed=2)
+    a.prefill(Req("r1", tokens))
+    a.worker.flush()
+    req = Req("r2", tokens)
+    # 512 tokens, both chunks stored: the last token is recomputed, so 511 -> 496 (31 blocks)
+    assert b.scheduler.get_num_new_matched_tokens(req, 0) == (496, False)
+    # the engine already holds 10 blocks itself: the store adds the rest of the capped range
+    assert b.scheduler.get_num_new_matched_tokens(req, 160) == (336, False)
+    assert b.admit(req, local_computed=160) == 336
+    b.write(req, 0, 160, truth_kv(tokens, 0, 160, b.dtype))  # the engine's own prefix-cache blocks
+    b.step([(req, 512 - 496)])
+    assert kv_equal(b, req, 0, 512) and not b.load_errors
+    short = Req("r3", tokens[:256])  # one chunk stored but the cap (255 -> 240) cuts into it
+    assert b.scheduler.get_num_new_matched_tokens(short, 0) == (240, False)
+    assert b.scheduler.get_num_new_matched_tokens(Req("r4", tokens[:200]), 0) == (0, False)
+
+
+def test_lookup_is_one_round_trip_without_side_effects(engines, spy_store) -> None:
+    config = make_config(local_cpu_capacity="64MiB")
+    a = engines(config)
+    spy = spy_store(a)
+    tokens = prompt(700, seed=3)
+    a.prefill(Req("r1", tokens))
+    a.worker.flush()
+    req = Req("r2", tokens)
+    before = a.scheduler.metrics.snapshot()
+    spy.calls.clear()
+    answers = [a.scheduler.get_num_new_matched_tokens(req, 0) for _ in range(3)]
+    assert answers == [(512, False)] * 3
+    assert spy.calls == {"lookup_prefix": 3}
+    after = a.scheduler.metrics.snapshot()
+    changed = {k for k in after if after[k] != before[k] and "lookup_seconds" not in k}
+    assert changed == set(), "asking is free of side effects: nothing is counted until allocation"
+    spy.calls.clear()
+    assert a.scheduler.get_num_new_matched_tokens(req, 512) == (0, False)
+    assert spy.calls == {}, "nothing to gain beyond the engine's own 512 tokens: no round trip"
+
+
+def test_generated_chunks_are_saved_and_a_preempted_request_reloads(engines) -> None:
+    config = make_config(local_cpu_capacity="64MiB")
+    eng = engines(config)
+    req = Req("r1", prompt(250, seed=4))
+    eng.prefill(req)
+    gen = prompt(300, seed=5)
+    while len(req.all_token_ids) < 530:  # decode: one new token per step, chunks fill at 256 and 512
+        req.all_token_ids.append(gen[len(req.all_token_ids) - 250])
+        eng.step([(req, 1)])
+    eng.worker.flush()
+    snap = eng.worker.metrics.snapshot()
+    assert snap["kvstore_connector_saved_chunks_total"] == 2
+    # preemption: blocks freed (here: dropped), KV recomputed from the store on resume
+    req.block_table, req.num_computed_tokens, req.num_preemptions = [], 0, 1
+    assert eng.admit(req) == 512
+    eng.step([(req, 530 - 512)])
+    assert kv_equal(eng, req, 0, 530)
+    snap = eng.worker.metrics.snapshot()
+    assert snap["kvstore_connector_preempted_hits_total"] == 512
+    assert snap["kvstore_connector_preempted_queries_total"] == 530
+    assert snap["vllm:external_prefix_cache_hits_total"] == 0, "a resumed request's own KV is no hit"
+    assert snap["kvstore_connector_saved_chunks_total"] == 2, "loaded chunks are not saved again"
+
+
+def test_finished_request_waits_for_its_save_which_reads_a_copy(engines, spy_store) -> None:
+    config = make_config(local_cpu_capacity="64MiB")
+    a, b = engines(config, seed=1), engines(config, seed=2)
+    spy = spy_store(a)
+    spy.release.clear()  # the store hangs on batch_put
+    tokens = prompt(300, seed=6)
+    req = Req("r1", tokens)
+    a.prefill(req)
+    assert a.finish(req) is True
+    assert a.worker.get_finished({"r1"}) == (None, None), "the save is still in flight"
+    for cache in a.caches:  # the engine reuses the blocks: the save must not see this
+        cache.fill_(float("nan"))
+    spy.release.set()
+    a.worker.flush()
+    assert a.worker.get_finished(set()) == ({"r1"}, None)
+    assert a.worker.get_finished(set()) == (None, None), "reported once"
+    req2 = Req("r2", tokens)
+    assert b.admit(req2) == 256
+    b.step([(req2, 300 - 256)])
+    assert kv_equal(b, req2, 0, 300)
+    idle = Req("r3", prompt(100, seed=7))  # never saved anything: nothing to wait for
+    a.admit(idle)
+    a.step([(idle, 100)])
+    assert a.finish(idle) is False
+
+
+def test_decode_role_loads_but_never_saves(engines, spy_store) -> None:
+    producer = engines(make_config(local_cpu_capacity="64MiB", kv_role="prefill"), seed=1)
+    consumer = engines(make_config(local_cpu_capacity="64MiB", kv_role="decode"), seed=2)
+    tokens = prompt(520, seed=8)
+    producer.prefill(Req("p", tokens))
+    producer.worker.flush()
+    spy = spy_store(consumer)
+    req = Req("d", tokens + [5])
+    assert consumer.prefill(req) == 512
+    consumer.worker.flush()
+    assert kv_equal(consumer, req, 0, 521)
+    assert "batch_put" not in spy.calls and "batch_exists" not in spy.calls
+    assert consumer.finish(req) is False
+
+
+def test_full_save_queue_drops_instead_of_blocking(engines, spy_store) -> None:
+    eng = engines(make_config(local_cpu_capacity="64MiB", max_pending_saves=1))
+    spy = spy_store(eng)
+    spy.release.clear()
+    req = Req("r1", prompt(800, seed=9))
+    eng.prefill(req)  # three chunks: one copied out and queued, two dropped; the step did not block
+    snap = eng.worker.metrics.snapshot()
+    assert snap["kvstore_connector_dropped_saves_total{reason=queue_full}"] == 2
+    assert snap["kvstore_connector_pending_saves"] == 1
+    assert eng.finish(req) is True
+    spy.release.set()
+    eng.worker.flush()
+    assert eng.worker.get_finished({"r1"}) == ({"r1"}, None)
+    assert eng.worker.metrics.snapshot()["kvstore_connector_saved_chunks_total"] == 1
+
+
+def test_chunks_already_stored_are_not_encoded_again(engines) -> None:
+    config = make_config(local_cpu_capacity="64MiB")
+    a, b = engines(config, seed=1), engines(config, seed=2)
+    tokens = prompt(600, seed=10)
+    a.prefill(Req("r1", tokens))
+    a.worker.flush()
+    req = Req("r2", tokens)
+    b.admit(req, use_external=False)  # b decides to recompute; its chunks then exist already
+    b.step([(req, 600)])
+    b.worker.flush()
+    snap = b.worker.metrics.snapshot()
+    assert snap["kvstore_connector_saved_chunks_total"] == 2
+    assert snap["kvstore_connector_skipped_saves_total"] == 0, "the lookup said stored: not even copied"
+
+
+@pytest.mark.parametrize("codec", ["fp8", "int4"])
+def test_lossy_codecs_round_trip_close(engines, codec: str) -> None:
+    try:
+        get_codec(codec)
+    except CodecError:
+        pytest.skip(f"codec {codec} is not registered in this checkout yet")
+    config = make_config("float16", local_cpu_capacity="64MiB", codec=codec)
+    a, b = engines(config, seed=1), engines(config, seed=2)
+    tokens = prompt(300, seed=11)
+    a.prefill(Req("r1", tokens))
+    a.worker.flush()
+    req = Req("r2", tokens)
+    assert b.prefill(req) == 256
+    got, want = b.read(req, 0, 256).float(), truth_kv(tokens, 0, 256, torch.float16).float()
+    assert not torch.equal(got, want), "a lossy codec that is bit-exact is not the codec asked for"
+    assert (got - want).abs().mean() < 0.1 * want.abs().mean()
+    snap = b.worker.metrics.snapshot()
+    assert snap["kvstore_connector_save_bytes_total"] < 256 * 2 * 3 * 2 * 8 * 2  # smaller than raw fp16
