@@ -20,10 +20,13 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 log = logging.getLogger(__name__)
 
@@ -97,8 +100,10 @@ class ValkeyProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def client(self, **kwargs: object) -> redis.Redis:
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=1, **kwargs)
+    def client(self, **kwargs: Any) -> redis.Redis:
+        """A plain redis-py client (no retries: a test wants to see a dead server at once)."""
+        options: dict[str, Any] = {"socket_connect_timeout": 1, "retry": Retry(NoBackoff(), 0), **kwargs}
+        return redis.Redis(host="127.0.0.1", port=self.port, **options)
 
     def start(self, timeout: float = 10.0) -> ValkeyProcess:
         assert not self.alive, "already running"
@@ -133,9 +138,19 @@ class ValkeyProcess:
             self.proc.wait(10)
         self.proc = None
 
+    def pause(self) -> None:
+        """SIGSTOP: a hung server (connections open, nothing answers)."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
+
     def stop(self) -> None:
         if self.alive:
             assert self.proc is not None
+            self.proc.send_signal(signal.SIGCONT)
             self.proc.terminate()
             try:
                 self.proc.wait(5)
@@ -311,6 +326,16 @@ class TlsProxy:
         for conn in self._conns:
             with contextlib.suppress(OSError):
                 conn.close()
+
+
+def wait_until(condition: Callable[[], object], timeout: float = 15.0, interval: float = 0.05) -> None:
+    """Poll until condition() is truthy; AssertionError after timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(interval)
+    raise AssertionError(f"condition not met within {timeout}s")
 
 
 @contextlib.contextmanager

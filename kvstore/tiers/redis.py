@@ -158,6 +158,8 @@ class RedisTier:
         self._n_ttl = 0
         self._touched: set[str] | None = None  # keys changed while a reconcile runs
         self._reconciling = False
+        self._reconciler: threading.Thread | None = None
+        self._socket_timeout_s = socket_timeout_s
         self._last_log: dict[str, float] = {}
         self._closed = False
         first_url, options, self._hosts = _split_url(url)
@@ -388,7 +390,8 @@ class RedisTier:
             finally:
                 self._reconciling = False
 
-        threading.Thread(target=run, name="redis-tier-reconcile", daemon=True).start()
+        self._reconciler = threading.Thread(target=run, name="redis-tier-reconcile", daemon=True)
+        self._reconciler.start()
 
     def _owner(self, key: str) -> str | None:
         if not self.cluster:
@@ -541,7 +544,9 @@ class RedisTier:
                     break
 
     def close(self) -> None:
-        self._closed = True
+        self._closed = True  # a running reconcile stops at its next call
+        if self._reconciler is not None and self._reconciler is not threading.current_thread():
+            self._reconciler.join(timeout=self._socket_timeout_s * 2 + 1)
         for ep in list(self._endpoints.values()):
             ep.client.connection_pool.disconnect()
         if self._rc is not None:

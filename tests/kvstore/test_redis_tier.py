@@ -10,12 +10,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
+from kvstore.blob import encode_blob
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError, InvalidArgument
+from kvstore.store import TieredStore
 from kvstore.tiers import Tier, make_tier
 from kvstore.tiers.redis import RedisTier
-from tests.valkey import TlsProxy, ValkeyProcess, free_port, self_signed_cert, supports_tls
+from tests.valkey import TlsProxy, ValkeyProcess, free_port, self_signed_cert, supports_tls, wait_until
 
 MiB = 2**20
 
@@ -252,3 +255,99 @@ def test_rediss_to_valkey_tls_port(valkey_factory, cert: tuple[Path, Path], pref
     t.put(key(1), b"native tls")
     assert t.get(key(1)) == b"native tls" and t.stats.errors == 0
     t.close()
+
+
+# ---- faults: the tier keeps answering while Valkey is gone, and comes back on its own ------------------
+
+
+def test_server_killed_then_restarted_on_the_same_port(valkey_factory) -> None:
+    server = valkey_factory()
+    t = RedisTier(server.url, prefix="f:")
+    t.put(key(1), b"before")
+    server.kill()
+    assert t.get(key(1)) is None  # a miss, not an exception
+    assert t.put(key(2), b"lost") == []
+    assert t.get_many([key(1), key(2)]) == [None, None]
+    t.put_many([(key(3), b"x"), (key(4), b"y")])
+    assert not t.contains(key(1)) and t.delete(key(1)) is False and list(t.keys()) == []
+    for _ in range(50):
+        t.get(key(1))
+    assert t.stats.errors >= 1 and t.stats.dropped_puts == 3
+    assert t.stats.extra["fast_fails"] > 0  # during the backoff nothing touched the network
+    assert t.stats.errors < 50
+
+    server.start()  # same port, empty: it persisted nothing
+
+    def healthy() -> bool:
+        t.put(key(5), b"after")
+        return t.get(key(5)) == b"after"
+
+    wait_until(healthy)
+    assert t.get(key(1)) is None
+    wait_until(lambda: t.usage() == 5 and len(t) == 1)  # accounting reconciled with the new server
+    t.close()
+
+
+def test_hung_server_times_out_fast_and_recovers(valkey_factory) -> None:
+    server = valkey_factory()
+    t = RedisTier(server.url, prefix="h:", socket_timeout_s=0.3)
+    t.put(key(1), b"v")
+    server.pause()
+    try:
+        assert t.get(key(1)) is None and t.stats.errors == 1
+        assert t.put(key(2), b"w") == [] and t.stats.dropped_puts == 1
+    finally:
+        server.resume()
+    wait_until(lambda: t.get(key(1)) == b"v")
+    t.close()
+
+
+def test_tier_starts_while_redis_is_down(valkey_factory) -> None:
+    server = valkey_factory()
+    server.kill()
+    t = RedisTier(server.url, prefix="late:")  # no exception: it connects when Redis appears
+    assert t.get(key(1)) is None and t.stats.errors >= 1
+    server.start()
+
+    def healthy() -> bool:
+        t.put(key(1), b"late")
+        return t.get(key(1)) == b"late"
+
+    wait_until(healthy)
+    t.close()
+
+
+def _blob(seed: int) -> bytes:
+    g = torch.Generator().manual_seed(seed)
+    return encode_blob(torch.randn(2, 2, 4, 2, 8, generator=g, dtype=torch.float32).half())
+
+
+def test_tiered_store_serves_from_cpu_while_redis_is_down(valkey_factory) -> None:
+    server = valkey_factory()
+    config = StoreConfig(
+        tiers=["cpu", "redis"], cpu_capacity="16MiB", redis_url=server.url, redis_prefix="ts:"
+    )
+    with TieredStore(config) as store:
+        redis_tier = store.tiers[1]
+        assert isinstance(redis_tier, RedisTier)
+        blobs = {key(i): _blob(i) for i in range(4)}
+        store.batch_put(list(blobs.items()))
+        assert sorted(redis_tier.keys()) == sorted(blobs)  # written through
+
+        server.kill()
+        assert store.batch_get(list(blobs)) == list(blobs.values())  # cpu hits
+        store.put_blob(key(9), _blob(9))  # cpu keeps it; the redis write is dropped and counted
+        assert store.get_blob(key(9)) == _blob(9)
+        assert store.get_blob(key(99)) is None  # a miss in both, no exception
+        assert redis_tier.stats.dropped_puts >= 1 and redis_tier.stats.errors >= 1
+
+        server.start()
+
+        def written_through() -> bool:
+            store.put_blob(key(10), _blob(10))
+            return redis_tier.get(key(10)) == _blob(10)
+
+        wait_until(written_through)
+        store.tiers[0].delete(key(10))
+        assert store.get_blob(key(10)) == _blob(10)  # served by redis again, promoted to cpu
+        assert store.tiers[0].get(key(10)) == _blob(10)
