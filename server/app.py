@@ -16,7 +16,7 @@ from kvstore.config import StoreConfig
 from server.config import ServerConfig
 from server.middleware import json_error, make_middlewares
 from server.routes import routes as data_routes
-from server.state import ServerState
+from server.state import SAMPLER, STATE, ServerState
 
 log = logging.getLogger(__name__)
 control = web.RouteTableDef()
@@ -29,7 +29,7 @@ async def healthz(request: web.Request) -> web.Response:
 
 @control.get(wire.STATS_PATH, name="stats")
 async def stats(request: web.Request) -> web.Response:
-    st: ServerState = request.app["state"]
+    st: ServerState = request.app[STATE]
     data = await st.call(st.store.stats)
     data = dict(
         data, server={"requests": st.metrics.totals["requests"], "errors": st.metrics.totals["errors"]}
@@ -39,7 +39,7 @@ async def stats(request: web.Request) -> web.Response:
 
 @control.get(wire.HISTORY_PATH, name="history")
 async def history(request: web.Request) -> web.Response:
-    st: ServerState = request.app["state"]
+    st: ServerState = request.app[STATE]
     since = request.query.get("since")
     try:
         since_t = float(since) if since is not None else None
@@ -51,7 +51,7 @@ async def history(request: web.Request) -> web.Response:
 
 @control.get("/metrics", name="metrics")
 async def metrics(request: web.Request) -> web.Response:
-    st: ServerState = request.app["state"]
+    st: ServerState = request.app[STATE]
     body = st.metrics.render(getattr(st.store, "registry", None))
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
@@ -68,19 +68,19 @@ async def index(request: web.Request) -> web.Response:
 
 
 async def _start_sampler(app: web.Application) -> None:
-    st: ServerState = app["state"]
+    st: ServerState = app[STATE]
     assert st.history is not None
 
     async def sample() -> Any:
         return await st.call(st.store.stats)
 
-    app["sampler"] = asyncio.create_task(
+    app[SAMPLER] = asyncio.create_task(
         st.history.run(st.config.sample_interval, sample, lambda: dict(st.metrics.totals))
     )
 
 
 async def _stop_sampler(app: web.Application) -> None:
-    task = app.get("sampler")
+    task = app.get(SAMPLER)
     if task is not None:
         task.cancel()
         try:
@@ -96,7 +96,7 @@ def make_app(store: Any, store_config: StoreConfig, config: ServerConfig) -> web
         middlewares=make_middlewares(config.token(), state.metrics, config.metrics_auth),
         client_max_size=config.max_request_size,
     )
-    app["state"] = state
+    app[STATE] = state
     app.add_routes(data_routes)
     app.add_routes(control)
     app.on_startup.append(_start_sampler)
@@ -112,6 +112,7 @@ class _JsonErrorHandler(RequestHandler):
         super().handle_error(request, status, exc, message)  # logs; raises if a response already started
         type_name = "InvalidArgument" if 400 <= status < 500 else "KVStoreError"
         text = message or (f"bad HTTP request: {exc}" if exc else f"HTTP {status}")
+        text = text if len(text) <= 300 else text[:300] + "..."  # parser messages quote the bad bytes
         resp = json_error(status, text, type_name)
         resp.force_close()
         return resp

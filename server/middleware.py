@@ -14,6 +14,7 @@ from aiohttp import web
 from kvstore import wire
 from kvstore.errors import KVStoreError, Unauthorized
 from server.metrics import ServerMetrics
+from server.state import BYTES_IN, BYTES_OUT
 
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -66,8 +67,8 @@ def make_middlewares(token: str | None, metrics: ServerMetrics, metrics_auth: bo
             status = e.status
             raise
         finally:
-            sent = request.get("bytes_out", 0)
-            metrics.observe(op, status, time.perf_counter() - start, request.get("bytes_in", 0), sent)
+            sent = request.get(BYTES_OUT, 0)
+            metrics.observe(op, status, time.perf_counter() - start, request.get(BYTES_IN, 0), sent)
 
     @web.middleware
     async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -75,6 +76,10 @@ def make_middlewares(token: str | None, metrics: ServerMetrics, metrics_auth: bo
             return await handler(request)
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
             raise  # the client is gone; there is nobody to answer
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise  # redirects are answers, not errors
+            return error_response(e)
         except Exception as e:  # every error becomes JSON; a non-KVStoreError one is logged as a bug
             return error_response(e)
 

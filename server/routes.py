@@ -10,13 +10,13 @@ from kvstore import wire
 from kvstore.errors import InvalidArgument
 from kvstore.keys import validate_key
 from server.body import read_body, read_frame
-from server.state import ServerState
+from server.state import BYTES_IN, BYTES_OUT, STATE, ServerState
 
 routes = web.RouteTableDef()
 
 
 def _state(request: web.Request) -> ServerState:
-    return request.app["state"]
+    return request.app[STATE]
 
 
 _WIRE_HEADERS = {wire.WIRE_VERSION_HEADER: wire.WIRE_VERSION}
@@ -27,7 +27,7 @@ async def send_buffers(request: web.Request, parts: list, content_type: str) -> 
     """Send `parts` back to back as the body. Large bodies go out as the headers, then each buffer as
     is: aiohttp's Response would join headers and body into one new bytes first (a full copy)."""
     total = sum(memoryview(p).nbytes for p in parts)
-    request["bytes_out"] = total
+    request[BYTES_OUT] = total
     if total <= _SMALL:
         return web.Response(body=b"".join(parts), content_type=content_type, headers=_WIRE_HEADERS)
     resp = web.StreamResponse(headers=_WIRE_HEADERS)
@@ -45,7 +45,7 @@ async def put_chunk(request: web.Request) -> web.Response:
     st = _state(request)
     key = validate_key(request.match_info["key"])
     body = await read_body(request, st.store_config.max_blob_size, st.config.body_timeout)
-    request["bytes_in"] = len(body)
+    request[BYTES_IN] = len(body)
     # The store verifies the blob (CorruptBlob -> 422) and its size before storing anything.
     await st.call(st.store.put_blob, key, body)
     return web.Response(status=201, headers=_WIRE_HEADERS)
@@ -82,7 +82,7 @@ async def delete_chunk(request: web.Request) -> web.Response:
 async def _json_keys(request: web.Request) -> list[str]:
     st = _state(request)
     body = await read_body(request, min(st.config.max_request_size, 1 << 24), st.config.body_timeout)
-    request["bytes_in"] = len(body)
+    request[BYTES_IN] = len(body)
     try:
         data = json.loads(body)
     except ValueError:
@@ -104,7 +104,7 @@ async def batch_put(request: web.Request) -> web.Response:
     keys, blobs = await read_frame(
         request, st.config.max_request_size, st.store_config.max_blob_size, st.config.body_timeout
     )
-    request["bytes_in"] = sum(len(b) for b in blobs)
+    request[BYTES_IN] = sum(len(b) for b in blobs)
     # The store verifies every blob before it stores the first one: a bad batch stores nothing.
     await st.call(st.store.batch_put, list(zip(keys, blobs, strict=True)))
     return web.json_response({"stored": len(keys)}, status=201)

@@ -15,6 +15,7 @@ from aiohttp import web
 from kvstore.config import StoreConfig
 from server.app import JsonErrorAppRunner, make_app
 from server.config import ServerConfig
+from server.state import STATE
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ class RunningServer:
     async def stop(self) -> None:
         """Stop accepting, let in-flight requests finish, then flush and close the store."""
         await self.runner.cleanup()
-        self.app["state"].close()
+        self.app[STATE].close()
         try:
             self.store.flush()
         finally:
@@ -122,7 +123,7 @@ class ServerThread:
 
     @property
     def state(self) -> Any:
-        return self.server.app["state"]
+        return self.server.app[STATE]
 
     def _run(self) -> None:
         try:
@@ -161,7 +162,7 @@ class ServerThread:
             await self.server.stop()
         else:
             await self.server.runner.cleanup()
-            self.server.app["state"].close()
+            self.server.app[STATE].close()
 
     def __enter__(self) -> ServerThread:
         return self.start()

@@ -9,6 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from aiohttp import web
+
 from kvstore.config import StoreConfig
 from server.config import ServerConfig
 from server.history import StatsHistory
@@ -45,3 +47,9 @@ class ServerState:
     def close(self) -> None:
         if self.executor is not None:
             self.executor.shutdown(wait=True)
+
+
+STATE = web.AppKey("state", ServerState)
+SAMPLER = web.AppKey("sampler", asyncio.Task)
+BYTES_IN = web.RequestKey("bytes_in", int)  # body bytes received / sent, for the metrics middleware
+BYTES_OUT = web.RequestKey("bytes_out", int)

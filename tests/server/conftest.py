@@ -1,0 +1,112 @@
+"""Server fixtures: in-process servers on free ports (always stopped), blobs, raw HTTP helpers."""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from kvstore.blob import encode_blob
+from kvstore.config import StoreConfig
+from kvstore.store import TieredStore
+from server.config import ServerConfig
+from server.runner import ServerThread
+
+
+def make_blob(seed: int = 0, tokens: int = 16) -> bytes:
+    g = torch.Generator().manual_seed(seed)
+    return encode_blob(torch.randn(2, 2, tokens, 2, 8, generator=g).half())
+
+
+def key(i: int) -> str:
+    return f"{i:032x}"
+
+
+@dataclass
+class RawResponse:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+def read_response(sock: socket.socket, head_only: bool = False) -> RawResponse:
+    """Parse one HTTP/1.1 response from a raw socket (Content-Length bodies only)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise ConnectionError(f"connection closed before a full response: {data!r}")
+        data += chunk
+    head, body = data.split(b"\r\n\r\n", 1)
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
+    n = 0 if head_only else int(headers.get("content-length", 0))
+    while len(body) < n:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return RawResponse(status, headers, body[:n])
+
+
+class Server:
+    """A running in-process server and the store behind it."""
+
+    def __init__(self, thread: ServerThread, store: TieredStore) -> None:
+        self.thread = thread
+        self.store = store
+        self.url = thread.url
+        self.port = thread.server.port
+        assert self.port is not None
+
+    def raw(self, payload: bytes, timeout: float = 10.0, head_only: bool = False) -> RawResponse:
+        """Send bytes as they are on a fresh connection and read one response."""
+        with socket.create_connection(("127.0.0.1", self.port), timeout=timeout) as s:
+            s.sendall(payload)
+            return read_response(s, head_only)
+
+    def request(
+        self, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None
+    ) -> RawResponse:
+        lines = [f"{method} {path} HTTP/1.1", f"Host: 127.0.0.1:{self.port}", f"Content-Length: {len(body)}"]
+        lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
+        return self.raw(("\r\n".join(lines) + "\r\n\r\n").encode() + body, head_only=method == "HEAD")
+
+    def usage(self) -> tuple[int, int]:
+        """(keys, bytes) over every tier: what 'the store is unchanged' compares."""
+        return sum(len(t) for t in self.store.tiers), sum(t.usage() for t in self.store.tiers)
+
+
+@pytest.fixture
+def server_factory(tmp_path) -> Iterator[Callable[..., Server]]:
+    """Start servers with any StoreConfig / ServerConfig fields; every one is stopped afterwards."""
+    started: list[Server] = []
+
+    def start(store: dict | None = None, **server_fields: Any) -> Server:
+        fields = {"tiers": ["cpu"], "cpu_capacity": "64MiB", "disk_path": tmp_path / "disk"}
+        fields.update(store or {})
+        store_config = StoreConfig(**fields)
+        config = ServerConfig(**{"port": 0, "sample_interval": 0.2, **server_fields})
+        tiered = TieredStore(store_config)
+        thread = ServerThread(tiered, store_config, config, close_store=True).start()
+        srv = Server(thread, tiered)
+        started.append(srv)
+        return srv
+
+    yield start
+    for srv in started:
+        srv.thread.stop()
+
+
+@pytest.fixture
+def server(server_factory) -> Server:
+    return server_factory()
