@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -36,8 +37,9 @@ class ServerProcess:
             if not line:
                 break
             lines.append(line)
-            if "listening on" in line:
-                self.url = line.rsplit(" ", 1)[-1].strip()
+            m = re.search(r"listening on (https?://\S+)", line)
+            if m:
+                self.url = m.group(1)
                 threading.Thread(target=self._drain, daemon=True).start()
                 return self
         self.stop()
