@@ -88,3 +88,86 @@ def smollm2_dir() -> Path:
     from engine.convert import ensure_smollm2
 
     return ensure_smollm2()
+
+
+class PagedKV:
+    """A hand-built stand-in for the runner in model-level tests: one KV cache tensor, blocks handed
+    out from a shuffled free list (so block tables are never contiguous), and `step()` building the
+    varlen-paged inputs for a batch of `(seq_id, new_token_ids)`."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_blocks: int = 64,
+        block_size: int = 4,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        seed: int = 0,
+    ) -> None:
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.kv_cache = torch.zeros(
+            num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device
+        )
+        gen = torch.Generator().manual_seed(seed)
+        self.free = torch.randperm(num_blocks, generator=gen).tolist()
+        self.tables: dict[int, list[int]] = {}
+        self.lens: dict[int, int] = {}
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, **kw) -> PagedKV:
+        cfg = model.config
+        kv = cls(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, **kw)
+        kv.attach(model)
+        return kv
+
+    def attach(self, model: torch.nn.Module) -> None:
+        modules = [m for m in model.modules() if hasattr(m, "kv_cache")]
+        assert len(modules) == self.kv_cache.shape[0]
+        for layer, m in enumerate(modules):
+            m.kv_cache = self.kv_cache[layer]
+
+    def step(self, batch: list[tuple[int, list[int]]]):
+        from engine.attention_metadata import AttentionMetadata
+
+        bs = self.block_size
+        ids, positions, slots, cu, ctx = [], [], [], [0], []
+        for seq_id, tokens in batch:
+            start = self.lens.get(seq_id, 0)
+            end = start + len(tokens)
+            table = self.tables.setdefault(seq_id, [])
+            while len(table) * bs < end:
+                table.append(self.free.pop())
+            self.lens[seq_id] = end
+            ids += tokens
+            for p in range(start, end):
+                positions.append(p)
+                slots.append(table[p // bs] * bs + p % bs)
+            cu.append(cu[-1] + len(tokens))
+            ctx.append(end)
+        width = max(len(self.tables[s]) for s, _ in batch) + 1  # one extra -1 column of padding
+        tables = torch.full((len(batch), width), -1, dtype=torch.int32)
+        for i, (s, _) in enumerate(batch):
+            tables[i, : len(self.tables[s])] = torch.tensor(self.tables[s], dtype=torch.int32)
+        dev = self.device
+        meta = AttentionMetadata(
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+            context_lens=torch.tensor(ctx, dtype=torch.int32, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=tables.to(dev),
+            max_q_len=max(len(t) for _, t in batch),
+            max_context_len=max(ctx),
+            block_size=bs,
+        )
+        return (
+            torch.tensor(ids, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
+            meta,
+        )
+
+
+@pytest.fixture
+def paged_kv() -> type[PagedKV]:
+    return PagedKV
