@@ -1,7 +1,8 @@
 """The redis tier: blobs in Redis or Valkey, standalone or Cluster (DESIGN.md, Spec 4).
 
 - One key per blob, `{redis_prefix}{chunk key}` -> the blob bytes: a header and its payload can never
-  drift apart. Two prefixes (namespaces) never see each other's keys. Optional TTL per key (`SET .. PX`).
+  drift apart. Two prefixes (namespaces) never see each other's keys unless one starts with the other
+  (`a:` and `a:b:` overlap). Optional TTL per key (`SET .. PX`).
 - URLs: `redis://[user:password@]host:port/db`, `rediss://` for TLS (`?ssl_ca_certs=/path/ca.pem`,
   `ssl_certfile`, `ssl_keyfile`, `ssl_cert_reqs=none|optional|required`). Cluster (`redis_cluster`):
   keys spread over the hash slots of all primaries; list several startup nodes as
