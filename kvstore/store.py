@@ -54,7 +54,8 @@ class TieredStore:
         self._admission = self.config.admission_hits
         self._probation: OrderedDict[str, int] = OrderedDict()  # key -> reads so far
         self._lock = threading.Lock()
-        self._wb_lock = threading.Lock()
+        self._inflight: str | None = None  # the key the write-back thread is writing now
+        self._inflight_deleted = False
         self._closed = False
         self._queue: queue.Queue[tuple[str, bytes, int] | None] | None = None
         self._pending: dict[str, int] = {}  # key -> sequence number of its newest queued write-back
@@ -120,15 +121,19 @@ class TieredStore:
                 if item is None:
                     return
                 key, blob, seq = item
-                with self._wb_lock:  # a delete waits for this write, then removes what it wrote
-                    with self._lock:
-                        current = self._pending.get(key) == seq  # not deleted or overwritten since
-                    if current:
-                        for tier in self.tiers[1:]:
-                            self._put_tier(tier, [(key, blob)])
-                        with self._lock:
-                            if self._pending.get(key) == seq:
-                                del self._pending[key]
+                with self._lock:
+                    if self._pending.get(key) != seq:  # deleted or overwritten since it was queued
+                        continue
+                    self._inflight, self._inflight_deleted = key, False
+                for tier in self.tiers[1:]:
+                    self._put_tier(tier, [(key, blob)])
+                with self._lock:
+                    self._inflight = None
+                    undo = self._inflight_deleted  # deleted while we wrote: take it back out
+                    if self._pending.get(key) == seq:
+                        del self._pending[key]
+                for tier in self.tiers[1:] if undo else ():
+                    self._call(tier, "delete", tier.delete, key, default=False)
             finally:
                 self._queue.task_done()
 
@@ -293,8 +298,9 @@ class TieredStore:
             with self._lock:
                 self._pending.pop(key, None)
                 self._probation.pop(key, None)
-            with self._wb_lock:
-                return any([self._call(t, "delete", t.delete, key, default=False) for t in self.tiers])
+                if self._inflight == key:
+                    self._inflight_deleted = True
+            return any([self._call(t, "delete", t.delete, key, default=False) for t in self.tiers])
 
     # -- lifecycle ---------------------------------------------------------------------------------------
 
