@@ -39,6 +39,12 @@ class ServerConfig(BaseModel):
     metrics_auth: bool = True  # /metrics needs the token too (Prometheus supports bearer tokens)
     access_log: bool = False
 
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as e:  # one error type for every bad setting, as StoreConfig.load gives
+            raise ConfigError(f"invalid ServerConfig: {e}") from None
+
     @field_validator("max_request_size", mode="before")
     @classmethod
     def _size(cls, v: Any) -> int:

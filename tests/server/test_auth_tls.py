@@ -1,0 +1,128 @@
+"""Bearer-token auth (constant-time compare, 401 JSON + WWW-Authenticate) and TLS."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+
+from kvstore import wire
+from kvstore.errors import ConfigError, Unauthorized, Unavailable
+from sdk.remote import RemoteBackend
+from sdk.store import Store
+from server.config import ServerConfig
+from tests.server.conftest import key, make_blob
+
+TOKEN = "s3cret-token"
+
+
+@pytest.fixture
+def secured(server_factory):
+    return server_factory(auth_token=TOKEN)
+
+
+def _auth(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+@pytest.mark.parametrize(
+    "method,path",
+    [("GET", wire.chunk_path(key(1))), ("PUT", wire.chunk_path(key(1))), ("HEAD", wire.chunk_path(key(1))),
+     ("DELETE", wire.chunk_path(key(1))), ("POST", wire.BATCH_GET_PATH), ("POST", wire.BATCH_PUT_PATH),
+     ("POST", wire.BATCH_EXISTS_PATH), ("POST", wire.LOOKUP_PATH), ("GET", wire.STATS_PATH),
+     ("GET", wire.HISTORY_PATH), ("GET", "/metrics"), ("GET", "/no/such/route")],
+)  # fmt: skip
+@pytest.mark.parametrize(
+    "headers", [{}, _auth("wrong"), _auth(TOKEN + "x"), {"Authorization": TOKEN}], ids=str
+)
+def test_every_protected_route_needs_the_token(secured, method, path, headers):
+    before = secured.usage()
+    r = secured.request(method, path, make_blob(1) if method == "PUT" else b"", headers)
+    assert r.status == 401
+    assert r.headers["www-authenticate"].startswith("Bearer")
+    if method != "HEAD":
+        assert r.json()["type"] == "Unauthorized"
+    assert secured.usage() == before
+
+
+def test_the_right_token_opens_everything(secured):
+    h = _auth(TOKEN)
+    assert secured.request("PUT", wire.chunk_path(key(1)), make_blob(1), h).status == 201
+    assert secured.request("GET", wire.chunk_path(key(1)), headers=h).body == make_blob(1)
+    assert secured.request("GET", "/metrics", headers=h).status == 200
+    assert secured.request("GET", wire.STATS_PATH, headers=h).json()["tiers"][0]["keys"] == 1
+
+
+def test_open_routes(secured):
+    assert secured.request("GET", "/healthz").status == 200
+    r = secured.request("GET", "/dashboard")  # the page holds no data; it asks for the token itself
+    assert r.status == 200 and b"#token=" in r.body
+
+
+def test_metrics_can_be_left_open(server_factory):
+    srv = server_factory(auth_token=TOKEN, metrics_auth=False)
+    assert srv.request("GET", "/metrics").status == 200
+    assert srv.request("GET", wire.STATS_PATH).status == 401
+
+
+def test_token_file(server_factory, tmp_path):
+    path = tmp_path / "token"
+    path.write_text(TOKEN + "\n")
+    srv = server_factory(auth_token_file=path)
+    assert srv.request("GET", wire.STATS_PATH).status == 401
+    assert srv.request("GET", wire.STATS_PATH, headers=_auth(TOKEN)).status == 200
+    path.write_text("   \n")
+    with pytest.raises(ConfigError):
+        ServerConfig(auth_token_file=path).token()
+    with pytest.raises(ConfigError):
+        ServerConfig(auth_token="a", auth_token_file=path)
+
+
+async def test_sdk_gets_typed_unauthorized(secured):
+    k = key(1)
+    anonymous = Store.connect(secured.url, retries=0)
+    with pytest.raises(Unauthorized):
+        anonymous.get(k)
+    with pytest.raises(Unauthorized):
+        anonymous.put(k, make_blob(1, tokens=4096))  # 256 KiB body: the 401 arrives while it is being sent
+    with pytest.raises(Unauthorized):
+        await anonymous.aexists(k)
+    await anonymous.aclose()
+    with Store.connect(secured.url, token=TOKEN) as good:
+        good.put(k, make_blob(1))
+        assert bytes(good.get_blob(k)) == make_blob(1)
+
+
+@pytest.fixture(scope="module")
+def cert(tmp_path_factory):
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl CLI not found: cannot make a test certificate")
+    d = tmp_path_factory.mktemp("tls")
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(d / "key.pem"),
+         "-out", str(d / "cert.pem"), "-days", "1", "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return d / "cert.pem", d / "key.pem"
+
+
+async def test_tls(server_factory, cert):
+    cert_path, key_path = cert
+    srv = server_factory(tls_cert=cert_path, tls_key=key_path, auth_token=TOKEN)
+    assert srv.url.startswith("https://")
+    with Store.connect(srv.url, token=TOKEN, verify_tls=str(cert_path)) as s:
+        s.put(key(1), make_blob(1))
+        assert bytes(s.get_blob(key(1))) == make_blob(1)
+        assert s.batch_exists([key(1), key(2)]) == [True, False]
+    s = Store.connect(srv.url, token=TOKEN, verify_tls=str(cert_path))
+    assert await s.aexists(key(1))
+    await s.aclose()
+    with pytest.raises(Unavailable):  # an unknown certificate is refused
+        RemoteBackend(srv.url, token=TOKEN, retries=0).get_blob(key(1))
+    plain = f"http://127.0.0.1:{srv.port}"
+    with pytest.raises(Unavailable):  # plain HTTP to the TLS port
+        RemoteBackend(plain, token=TOKEN, retries=0, timeout=3).get_blob(key(1))
+    with pytest.raises(ConfigError):
+        ServerConfig(tls_cert=cert_path)
