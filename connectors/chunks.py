@@ -53,16 +53,27 @@ def _index(block_ids: Sequence[int], device: torch.device) -> torch.Tensor:
     return torch.as_tensor(list(block_ids), dtype=torch.long, device=device)
 
 
-def gather_chunk(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int]) -> torch.Tensor:
-    """A fresh CPU tensor `[2, L, len(block_ids) * block_size, H, D]` holding those blocks, in order."""
+def gather_chunk(
+    kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int], out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Blocks `block_ids` of every layer, in order, as `[2, L, len(block_ids) * block_size, H, D]`.
+
+    A copy: into `out` when given (a reused buffer saves the page faults of a fresh one, which cost
+    more than the copy itself), else into a fresh tensor on the caches' device.
+    """
     first = kv_caches[0]
     _, _, bs, h, d = first.shape
     n = len(block_ids)
-    out = torch.empty((2, len(kv_caches), n, bs, h, d), dtype=first.dtype, device=first.device)
+    shape = (2, len(kv_caches), n * bs, h, d)
+    if out is None:
+        out = torch.empty(shape, dtype=first.dtype, device=first.device)
+    assert tuple(out.shape) == shape and out.dtype == first.dtype and out.is_contiguous(), out.shape
     idx = _index(block_ids, first.device)
+    blocks = out.view(2, len(kv_caches), n, bs, h, d)
     for layer, cache in enumerate(kv_caches):
-        out[:, layer].copy_(cache.index_select(1, idx))
-    return out.view(2, len(kv_caches), n * bs, h, d).cpu()
+        for kv in (0, 1):  # cache[kv] and blocks[kv, layer] are contiguous: one gather, no temporary
+            torch.index_select(cache[kv], 0, idx, out=blocks[kv, layer])
+    return out
 
 
 def scatter_chunk(
@@ -73,14 +84,19 @@ def scatter_chunk(
     _, _, bs, h, d = first.shape
     n = len(block_ids)
     lo, hi = first_block * bs, (first_block + n) * bs
-    if chunk.dim() != 5 or chunk.shape[1] != len(kv_caches) or chunk.shape[2] < hi:
+    if chunk.dim() != 5 or chunk.shape[:2] != (2, len(kv_caches)) or chunk.shape[2] < hi:
         raise InvalidArgument(
             f"chunk {tuple(chunk.shape)} does not cover blocks {first_block}..{first_block + n}"
         )
-    src = chunk[:, :, lo:hi].to(device=first.device, dtype=first.dtype)
+    if chunk.shape[3:] != (h, d):
+        raise InvalidArgument(
+            f"chunk {tuple(chunk.shape)} does not match the cache's heads/head_dim {(h, d)}"
+        )
+    src = chunk.to(device=first.device, dtype=first.dtype)
     idx = _index(block_ids, first.device)
     for layer, cache in enumerate(kv_caches):
-        cache.index_copy_(1, idx, src[:, layer].reshape(2, n, bs, h, d))
+        for kv in (0, 1):
+            cache[kv].index_copy_(0, idx, src[kv, layer, lo:hi].view(n, bs, h, d))
 
 
 class ChunkKeys:

@@ -64,6 +64,7 @@ class KVStoreWorker:
         self._finished_loads: set[str] = set()
         self._load_errors: set[int] = set()
         self._save_futures: list[Future] = []
+        self._spare: list[torch.Tensor] = []  # chunk buffers of finished saves, reused for copy-out
 
     # ---- setup --------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: Sequence[torch.Tensor]) -> None:
@@ -80,6 +81,10 @@ class KVStoreWorker:
         if want != have:
             raise InvalidArgument(
                 f"KV caches (layers, kv_heads, head_dim, dtype, block_size)={have} != config {want}"
+            )
+        if self.config.saves:  # a codec that cannot encode this layout fails now, not on every save
+            encode_blob(
+                torch.zeros(geo.chunk_shape(self.config.chunk_size), dtype=geo.dtype), self.config.codec
             )
         self.kv_caches = list(kv_caches)
         self.geometry = geo
@@ -189,7 +194,9 @@ class KVStoreWorker:
             if full:
                 self.metrics.dropped_saves.labels("queue_full").inc()
                 continue
-            batch.append((spec, gather_chunk(self.kv_caches, spec.block_ids)))
+            with self._lock:
+                buf = self._spare.pop() if self._spare else None
+            batch.append((spec, gather_chunk(self.kv_caches, spec.block_ids, out=buf)))
         self.metrics.copy_out_seconds.observe(time.perf_counter() - t0)
         self.metrics.pending_saves.set(self._pending)
         n = max(1, -(-len(batch) // self.config.save_threads))
@@ -211,6 +218,7 @@ class KVStoreWorker:
                 for (spec, kv), have in zip(batch, present, strict=True)
                 if not have
             ]
+            self._recycle([kv for _, kv in batch])
             if items:
                 self.handle.batch_put_blobs(items)
             self.metrics.saved_chunks.inc(len(items))
@@ -234,6 +242,12 @@ class KVStoreWorker:
                         del self._inflight[spec.request_id]
                 self._pending -= len(batch)
                 self.metrics.pending_saves.set(self._pending)
+
+    def _recycle(self, buffers: list[torch.Tensor]) -> None:
+        """Encoding copied them into blobs: the buffers can take the next copy-out."""
+        with self._lock:
+            room = self.config.max_pending_saves - len(self._spare)
+            self._spare.extend(buffers[: max(0, room)])
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         with self._lock:

@@ -17,7 +17,7 @@ from connectors.base import KVConnectorRole
 from connectors.config import KVTransferConfig
 from connectors.kvstore import KVStoreConnector
 
-LAYERS, KV_HEADS, HEAD_DIM, VOCAB = 3, 2, 8, 1000
+LAYERS, KV_HEADS, HEAD_DIM, VOCAB = 3, 2, 64, 1000
 BLOCK = 16
 
 

@@ -7,7 +7,7 @@ import socket
 import torch
 
 from kvstore.blob import encode_blob
-from tests.connectors.sim import KV_HEADS, LAYERS, Req, make_config, prompt, truth_kv
+from tests.connectors.sim import HEAD_DIM, KV_HEADS, LAYERS, Req, make_config, prompt, truth_kv
 
 
 def recompute_from_errors(engine, req: Req) -> int:
@@ -61,7 +61,7 @@ def test_valid_blob_of_the_wrong_shape_is_corrupt(engines) -> None:
     a.prefill(Req("r1", tokens))
     a.worker.flush()
     key0 = a.scheduler.scheduler._keys["r1"].keys[0]
-    wrong = encode_blob(torch.zeros(2, LAYERS, 128, KV_HEADS, 8))  # a real blob, but half a chunk
+    wrong = encode_blob(torch.zeros(2, LAYERS, 128, KV_HEADS, HEAD_DIM))  # a real blob, but half a chunk
     a.scheduler.handle.store.put(key0, wrong)
     req = Req("r2", tokens)
     assert b.admit(req) == 512

@@ -5,9 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from connectors.base import KVConnectorRole
+from connectors.config import KVTransferConfig
+from connectors.kvstore import KVStoreConnector
 from kvstore.codecs import get_codec
-from kvstore.errors import CodecError
-from tests.connectors.sim import Req, make_config, prompt, truth_kv
+from kvstore.errors import CodecError, InvalidArgument
+from tests.connectors.sim import HEAD_DIM, KV_HEADS, LAYERS, Req, make_config, prompt, truth_kv
 
 
 def kv_equal(engine, req: Req, lo: int, hi: int) -> bool:
@@ -187,4 +190,23 @@ def test_lossy_codecs_round_trip_close(engines, codec: str) -> None:
     assert not torch.equal(got, want), "a lossy codec that is bit-exact is not the codec asked for"
     assert (got - want).abs().mean() < 0.1 * want.abs().mean()
     snap = b.worker.metrics.snapshot()
-    assert snap["kvstore_connector_save_bytes_total"] < 256 * 2 * 3 * 2 * 8 * 2  # smaller than raw fp16
+    assert snap["kvstore_connector_save_bytes_total"] < 256 * 2 * LAYERS * KV_HEADS * HEAD_DIM * 2 * 0.6
+
+
+def test_a_codec_that_cannot_encode_the_layout_fails_at_registration() -> None:
+    try:
+        get_codec("int4")
+    except CodecError:
+        pytest.skip("codec int4 is not registered in this checkout yet")
+    config = KVTransferConfig(codec="int4", local_cpu_capacity="16MiB").for_engine(
+        model_name="m", model_config_hash="h", num_layers=2, num_kv_heads=1, head_dim=8,
+        kv_dtype="float16", block_size=16,
+    )  # fmt: skip
+    worker = KVStoreConnector(KVConnectorRole.WORKER, config)
+    try:
+        with pytest.raises(CodecError):  # int4 groups of 64 channels cannot split head_dim 8
+            worker.register_kv_caches([torch.zeros(2, 32, 16, 1, 8, dtype=torch.float16)] * 2)
+        with pytest.raises(InvalidArgument):  # and a cache that is not the configured layout
+            worker.register_kv_caches([torch.zeros(2, 32, 16, 1, 8)] * 3)
+    finally:
+        worker.shutdown()
