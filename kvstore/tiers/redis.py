@@ -209,6 +209,7 @@ class RedisTier:
         except _BACKEND_ERRORS as e:
             if isinstance(e, AuthenticationError):
                 self._auth_error = e
+            self.stats.errors += 1
             self._cluster_breaker.failure(time.monotonic())
             self._warn("cluster", "redis cluster %s unreachable: %s", self.url, e)
             return None

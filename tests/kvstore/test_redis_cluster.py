@@ -124,3 +124,13 @@ def test_one_node_down_costs_only_its_keys(
 
     wait_until(healthy)
     assert all(tier.get(k) == b"new" for k in set(items) - on_victim)
+
+
+def test_cluster_tier_starts_while_no_node_answers(prefix: str) -> None:
+    t = RedisTier("redis://127.0.0.1:1,127.0.0.1:2", prefix=prefix, cluster=True)  # nothing listens there
+    assert (
+        t.get(key(1)) is None and t.put(key(1), b"x") == [] and t.get_many([key(1), key(2)]) == [None, None]
+    )
+    assert list(t.keys()) == [] and t.usage() == 0
+    assert t.stats.dropped_puts == 1 and t.stats.errors >= 1
+    t.close()
