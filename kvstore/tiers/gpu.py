@@ -59,11 +59,11 @@ class GpuTier:
             raise InvalidArgument(f"gpu tier capacity must be positive, got {capacity}")
         if staging_bytes <= 0:
             raise InvalidArgument(f"staging_bytes must be positive, got {staging_bytes}")
-        self.device = (
-            torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-        )
+        self.device = torch.device("cuda") if device is None else torch.device(device)
         if self.device.type != "cuda":
             raise ConfigError(f"the gpu tier lives on a CUDA device, got {self.device}")
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.capacity = capacity
         self.stats = TierStats()
         free, total = torch.cuda.mem_get_info(self.device)
