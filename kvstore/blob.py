@@ -135,13 +135,18 @@ def verify_blob(data: bytes | bytearray | memoryview) -> BlobHeader:
     return BlobHeader(codec_id, compression, DTYPES[dtype_id], shape, params, payload_offset, nlen)
 
 
-def decode_blob(data: bytes | bytearray | memoryview, out: torch.Tensor | None = None) -> torch.Tensor:
+def decode_blob(
+    data: bytes | bytearray | memoryview, out: torch.Tensor | None = None, header: BlobHeader | None = None
+) -> torch.Tensor:
     """Verify and decode a blob into its KV tensor: a fresh CPU tensor, or `out` when given.
 
     `out` (the header's shape and dtype, any device) skips the fresh allocation, whose page faults
     cost more than the copy itself; a raw, uncompressed blob is then copied straight into it.
+    `header`: what `verify_blob(data)` returned for this very, immutable buffer, when the caller has
+    just verified it (the store does on every read); skips a second checksum pass.
     """
-    header = verify_blob(data)
+    if header is None:
+        header = verify_blob(data)
     if out is not None and (tuple(out.shape) != header.shape or out.dtype != header.dtype):
         raise InvalidArgument(
             f"out is {tuple(out.shape)} {out.dtype}, the blob holds {header.shape} {header.dtype}"

@@ -24,7 +24,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from kvstore.blob import verify_blob
+from kvstore.blob import BlobHeader, verify_blob
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError, CorruptBlob, InvalidArgument, TooLarge
 from kvstore.keys import validate_key
@@ -33,6 +33,7 @@ from kvstore.tiers import Blob, Tier, make_tier
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+Verified = tuple[Blob, BlobHeader]  # a blob and the header its checksum pass parsed
 MAX_PROBATION = 1 << 20  # keys waiting for admission that the store remembers
 
 
@@ -139,18 +140,17 @@ class TieredStore:
 
     # -- reads -----------------------------------------------------------------------------------------
 
-    def _verified(self, tier: Tier, key: str, blob: Blob) -> bool:
+    def _verified(self, tier: Tier, key: str, blob: Blob) -> BlobHeader | None:
         try:
-            verify_blob(blob)
-            return True
+            return verify_blob(blob)
         except CorruptBlob as e:
             logger.warning("corrupt blob %s in tier %s (%s): deleted", key, tier.name, e)
             self.metrics.corrupt.labels(tier=tier.name).inc()
             self._call(tier, "delete", tier.delete, key, default=False)
-            return False
+            return None
 
-    def _lookup(self, keys: Sequence[str]) -> list[Blob | None]:
-        out: list[Blob | None] = [None] * len(keys)
+    def _lookup(self, keys: Sequence[str]) -> list[Verified | None]:
+        out: list[Verified | None] = [None] * len(keys)
         pending = list(range(len(keys)))
         for level, tier in enumerate(self.tiers):
             if not pending:
@@ -159,53 +159,53 @@ class TieredStore:
             if blobs is None:
                 blobs = [None] * len(pending)
             still: list[int] = []
-            promote: list[tuple[str, bytes]] = []
+            found: list[tuple[str, Blob]] = []
             for j, blob in zip(pending, blobs, strict=True):
-                if blob is None or not self._verified(tier, keys[j], blob):
+                header = None if blob is None else self._verified(tier, keys[j], blob)
+                if header is None:
                     still.append(j)
                     continue
-                out[j] = blob
+                out[j] = (blob, header)
+                found.append((keys[j], blob))
                 self.metrics.hits.labels(tier=tier.name).inc()
                 self.metrics.read_bytes.labels(tier=tier.name).inc(len(blob))
-                if level > 0:
-                    promote.append((keys[j], blob if isinstance(blob, bytes) else bytes(blob)))
-            if len(still) < len(pending) and level == 0 and self._admission:
-                self._count_reads([keys[j] for j in pending if out[j] is not None])
-            if len(still):
+            if still:
                 self.metrics.tier_misses.labels(tier=tier.name).inc(len(still))
-            for upper in self.tiers[:level]:
-                if promote:
-                    self._put_tier(upper, promote)
+            if found and level == 0 and self._admission:
+                self._count_reads(found)
+            if found and level > 0:  # promote into every tier above
+                items = [(k, b if isinstance(b, bytes) else bytes(b)) for k, b in found]
+                for upper in self.tiers[:level]:
+                    self._put_tier(upper, items)
             pending = still
         if pending:
             self.metrics.misses.inc(len(pending))
         return out
 
-    def _count_reads(self, keys: list[str]) -> None:
+    def _count_reads(self, found: list[tuple[str, Blob]]) -> None:
         """Admission: count top-tier reads of probationary blobs; admit those that reached the bar."""
-        admitted: list[str] = []
+        admitted: list[tuple[str, bytes]] = []
         with self._lock:
-            for key in keys:
+            for key, blob in found:
                 n = self._probation.get(key)
                 if n is None:
                     continue
                 if n + 1 >= self._admission:
                     del self._probation[key]
-                    admitted.append(key)
+                    admitted.append((key, blob if isinstance(blob, bytes) else bytes(blob)))
                 else:
                     self._probation[key] = n + 1
-        if admitted:
-            top = self.tiers[0]
-            blobs = self._call(top, "get", top.get_many, admitted, default=[None] * len(admitted))
-            items = [
-                (k, b if isinstance(b, bytes) else bytes(b))
-                for k, b in zip(admitted, blobs, strict=True)
-                if b is not None
-            ]
-            self._write_lower(items)
+        self._write_lower(admitted)
 
     def get_blob(self, key: str) -> Blob | None:
         """The verified blob stored under `key`, or None. Never mutate the returned buffer."""
+        validate_key(key)
+        with self.metrics.time("get"):
+            hit = self._lookup([key])[0]
+        return None if hit is None else hit[0]
+
+    def get_verified(self, key: str) -> Verified | None:
+        """`get_blob` plus the header its verification parsed, for `decode_blob(blob, header=...)`."""
         validate_key(key)
         with self.metrics.time("get"):
             return self._lookup([key])[0]
@@ -214,7 +214,7 @@ class TieredStore:
         for key in keys:
             validate_key(key)
         with self.metrics.time("batch_get"):
-            return self._lookup(list(keys))
+            return [None if hit is None else hit[0] for hit in self._lookup(list(keys))]
 
     def _present(self, keys: Sequence[str]) -> list[bool]:
         found = [False] * len(keys)

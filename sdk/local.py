@@ -10,6 +10,7 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
+from kvstore.blob import BlobHeader
 from kvstore.store import TieredStore
 from kvstore.tiers.base import Blob
 
@@ -20,6 +21,10 @@ class LocalBackend:
 
     def get_blob(self, key: str) -> Blob | None:
         return self.store.get_blob(key)
+
+    def get_verified(self, key: str) -> tuple[Blob, BlobHeader] | None:
+        """The blob and its parsed header: the store has just verified it, so decoding need not again."""
+        return self.store.get_verified(key)
 
     def put_blob(self, key: str, blob: Blob) -> None:
         self.store.put_blob(key, blob)
@@ -50,6 +55,9 @@ class LocalBackend:
 
     async def aget_blob(self, key: str) -> Blob | None:
         return await asyncio.to_thread(self.store.get_blob, key)
+
+    async def aget_verified(self, key: str) -> tuple[Blob, BlobHeader] | None:
+        return await asyncio.to_thread(self.store.get_verified, key)
 
     async def aput_blob(self, key: str, blob: Blob) -> None:
         await asyncio.to_thread(self.store.put_blob, key, blob)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from pydantic import ValidationError
 
-from kvstore.blob import decode_blob, encode_blob, verify_blob
+from kvstore.blob import BlobHeader, decode_blob, encode_blob, verify_blob
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError, CorruptBlob, InvalidArgument
 from kvstore.store import TieredStore
@@ -87,11 +87,13 @@ class Store:
             return kv_or_blob
         raise InvalidArgument(f"put takes a KV tensor or a blob, got {type(kv_or_blob).__name__}")
 
-    def decode(self, key: str, blob: Blob | None, out: torch.Tensor | None = None) -> torch.Tensor | None:
+    def decode(
+        self, key: str, blob: Blob | None, out: torch.Tensor | None = None, header: BlobHeader | None = None
+    ) -> torch.Tensor | None:
         if blob is None:
             return None
         try:
-            return decode_blob(blob, out=out)
+            return decode_blob(blob, out=out, header=header)
         except CorruptBlob as e:  # cannot happen locally (the store verifies); remote: damaged in transit
             logger.warning("blob %s does not decode (%s): treated as a miss", key, e)
             return None
@@ -103,6 +105,9 @@ class Store:
 
     def get(self, key: str, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """The KV tensor under `key` or None; `out` (right shape and dtype) receives it without allocating."""
+        if isinstance(self.backend, LocalBackend):  # verified in this process just now: skip a 2nd pass
+            hit = self.backend.get_verified(key)
+            return None if hit is None else self.decode(key, hit[0], out, header=hit[1])
         return self.decode(key, self.backend.get_blob(key), out)
 
     def get_blob(self, key: str) -> Blob | None:
@@ -148,6 +153,9 @@ class Store:
         await self.backend.aput_blob(key, await asyncio.to_thread(self.encode, kv_or_blob))
 
     async def aget(self, key: str, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        if isinstance(self.backend, LocalBackend):
+            hit = await self.backend.aget_verified(key)
+            return None if hit is None else await asyncio.to_thread(self.decode, key, hit[0], out, hit[1])
         blob = await self.backend.aget_blob(key)
         return None if blob is None else await asyncio.to_thread(self.decode, key, blob, out)
 

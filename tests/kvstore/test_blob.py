@@ -43,6 +43,8 @@ def test_round_trip_bit_exact(dtype: torch.dtype, shape: tuple[int, ...]) -> Non
     pre = torch.empty_like(kv)
     assert decode_blob(blob, out=pre) is pre
     assert torch.equal(pre.view(torch.uint8), kv.view(torch.uint8))
+    again = decode_blob(blob, header=header)  # already verified: no second checksum pass
+    assert torch.equal(again.view(torch.uint8), kv.view(torch.uint8))
 
 
 def test_non_contiguous_input_and_decoded_tensor_owns_its_memory() -> None:
