@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -210,3 +212,23 @@ def test_a_codec_that_cannot_encode_the_layout_fails_at_registration() -> None:
             worker.register_kv_caches([torch.zeros(2, 32, 16, 1, 8)] * 3)
     finally:
         worker.shutdown()
+
+
+def test_async_load_is_reported_by_get_finished(engines) -> None:
+    config = make_config(local_cpu_capacity="64MiB", load_async=True)
+    a, b = engines(config, seed=1), engines(config, seed=2)
+    tokens = prompt(600, seed=12)
+    a.prefill(Req("r1", tokens))
+    a.worker.flush()
+    req = Req("r2", tokens)
+    assert b.scheduler.get_num_new_matched_tokens(req, 0) == (512, True)
+    b.admit(req)
+    b.step([])  # the load step: nothing is computed for r2 until its KV has arrived
+    deadline = time.monotonic() + 30
+    received = None
+    while received is None and time.monotonic() < deadline:
+        _, received = b.worker.get_finished(set())
+        time.sleep(0.01)
+    assert received == {"r2"}
+    b.step([(req, 600 - 512)])
+    assert kv_equal(b, req, 0, 600) and not b.load_errors
