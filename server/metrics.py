@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 # Latency buckets from 100 µs (a small HEAD) to 10 s (a large batch over a slow link).
 _BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10)
@@ -39,6 +39,10 @@ class ServerMetrics:
             registry=self.registry,
         )
         self.totals: dict[str, int] = {"requests": 0, "errors": 0}  # cheap totals for the history sampler
+        self.in_flight = 0  # requests inside the handlers now; graceful shutdown waits for 0
+        Gauge(
+            "kvstore_http_in_flight_requests", "Requests being served", registry=self.registry
+        ).set_function(lambda: self.in_flight)
 
     def observe(self, op: str, status: int, seconds: float, bytes_in: int, bytes_out: int) -> None:
         self.request_seconds.labels(op).observe(seconds)

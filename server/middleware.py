@@ -59,6 +59,7 @@ def make_middlewares(token: str | None, metrics: ServerMetrics, metrics_auth: bo
         route = request.match_info.route
         op = route.name or "unmatched"
         status = 500
+        metrics.in_flight += 1
         try:
             resp = await handler(request)
             status = resp.status
@@ -67,6 +68,7 @@ def make_middlewares(token: str | None, metrics: ServerMetrics, metrics_auth: bo
             status = e.status
             raise
         finally:
+            metrics.in_flight -= 1
             sent = request.get(BYTES_OUT, 0)
             metrics.observe(op, status, time.perf_counter() - start, request.get(BYTES_IN, 0), sent)
 

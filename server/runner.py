@@ -60,9 +60,25 @@ class RunningServer:
         log.info("kvstore-server listening on %s (tiers %s)", self.url, ",".join(self.store_config.tiers))
         return self.url
 
+    async def drain(self) -> None:
+        """Stop accepting connections and wait (up to shutdown_timeout) until no request is in flight.
+
+        aiohttp's own cleanup stops reading from every connection at once, which would cut off an
+        upload still arriving; so the listening sockets close first and the uploads get to finish."""
+        for site in list(self.runner.sites):
+            await site.stop()
+        metrics = self.app[STATE].metrics
+        deadline = asyncio.get_running_loop().time() + self.config.shutdown_timeout
+        while metrics.in_flight > 0 and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.02)
+        if metrics.in_flight:
+            log.warning("%d requests still in flight after %.0f s; closing them", metrics.in_flight,
+                        self.config.shutdown_timeout)  # fmt: skip
+        await self.runner.cleanup()
+
     async def stop(self) -> None:
         """Stop accepting, let in-flight requests finish, then flush and close the store."""
-        await self.runner.cleanup()
+        await self.drain()
         self.app[STATE].close()
         try:
             self.store.flush()
@@ -161,7 +177,7 @@ class ServerThread:
         if self.close_store:
             await self.server.stop()
         else:
-            await self.server.runner.cleanup()
+            await self.server.drain()
             self.server.app[STATE].close()
 
     def __enter__(self) -> ServerThread:
