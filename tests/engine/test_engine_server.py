@@ -1,0 +1,192 @@
+"""The OpenAI-compatible server on the real SmolLM2: completions, chat, SSE streaming, metrics,
+bad input as 400 JSON while the server keeps serving, aborts on client disconnect."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine.engine_args import EngineArgs
+from engine.llm_engine import LLMEngine
+from engine.server import build_app
+
+pytestmark = pytest.mark.slow
+VLLM_NAMES = {
+    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+    "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions",
+    "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
+    "vllm:e2e_request_latency_seconds", "vllm:prompt_tokens", "vllm:generation_tokens",
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_dir: Path) -> LLMEngine:
+    return LLMEngine(EngineArgs(model=str(smollm2_dir), max_model_len=256, kv_cache_memory="48MiB"))
+
+
+@pytest.fixture
+async def base_url(engine: LLMEngine):
+    runner = web.AppRunner(build_app(engine))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+@pytest.fixture
+async def http():
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+        yield session
+
+
+async def sse_events(resp: aiohttp.ClientResponse) -> list[str]:
+    assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
+    events = []
+    async for line in resp.content:
+        line = line.decode().strip()
+        if line:
+            assert line.startswith("data: ")
+            events.append(line.removeprefix("data: "))
+    return events
+
+
+async def test_models_and_health(base_url: str, http: aiohttp.ClientSession, engine: LLMEngine) -> None:
+    async with http.get(f"{base_url}/health") as r:
+        assert r.status == 200
+    async with http.get(f"{base_url}/v1/models") as r:
+        body = await r.json()
+    assert body["object"] == "list" and body["data"][0]["id"] == engine.model_name
+
+
+async def test_completion_and_its_stream_agree(base_url: str, http: aiohttp.ClientSession) -> None:
+    req = {"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0}
+    async with http.post(f"{base_url}/v1/completions", json=req) as r:
+        assert r.status == 200
+        body = await r.json()
+    choice = body["choices"][0]
+    assert body["object"] == "text_completion" and "Paris" in choice["text"]
+    assert choice["finish_reason"] in ("stop", "length")
+    assert body["usage"]["completion_tokens"] <= 12 and body["usage"]["prompt_tokens"] > 0
+    async with http.post(f"{base_url}/v1/completions", json={**req, "stream": True}) as r:
+        events = await sse_events(r)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == choice["text"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == choice["finish_reason"]
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+
+
+async def test_chat_completion_and_stream(base_url: str, http: aiohttp.ClientSession) -> None:
+    req = {
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "max_tokens": 20,
+        "temperature": 0,
+    }
+    async with http.post(f"{base_url}/v1/chat/completions", json=req) as r:
+        assert r.status == 200
+        body = await r.json()
+    message = body["choices"][0]["message"]
+    assert (
+        body["object"] == "chat.completion"
+        and message["role"] == "assistant"
+        and "Paris" in message["content"]
+    )
+    stream_req = {**req, "stream": True, "stream_options": {"include_usage": True}}
+    async with http.post(f"{base_url}/v1/chat/completions", json=stream_req) as r:
+        events = await sse_events(r)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert (
+        "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+        == message["content"]
+    )
+    assert chunks[-1]["usage"] == body["usage"]
+
+
+async def test_concurrent_requests_batch_and_match_sequential(
+    base_url: str, http: aiohttp.ClientSession
+) -> None:
+    prompts = ["def fibonacci(n):", "The three primary colors are", "Once upon a time"]
+
+    async def complete(p: str) -> str:
+        req = {"prompt": p, "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+        async with http.post(f"{base_url}/v1/completions", json=req) as r:
+            assert r.status == 200
+            return (await r.json())["choices"][0]["text"]
+
+    together = await asyncio.gather(*(complete(p) for p in prompts))
+    alone = [await complete(p) for p in prompts]
+    assert together == alone
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "match"),
+    [
+        ("/v1/completions", {"prompt": "word " * 400, "max_tokens": 4}, 400, "at most 255"),
+        ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
+        ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+        ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n=1"),
+        ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
+        ("/v1/completions", {"prompt": "hi", "model": "gpt-9"}, 404, "does not exist"),
+        ("/v1/completions", {"prompt": "word " * 400, "stream": True}, 400, "at most 255"),
+        ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400, "top_p"),
+    ],
+)
+async def test_bad_requests_get_4xx_json_and_server_keeps_serving(
+    base_url: str, http: aiohttp.ClientSession, path: str, body: dict, status: int, match: str
+) -> None:
+    async with http.post(f"{base_url}{path}", json=body) as r:
+        assert r.status == status
+        err = (await r.json())["error"]
+    assert match in err["message"] and err["code"] == status
+    async with http.post(f"{base_url}/v1/completions", data=b"{not json") as r:
+        assert r.status == 400 and "JSON" in (await r.json())["error"]["message"]
+    async with http.post(f"{base_url}/v1/completions", json={"prompt": "Hello", "max_tokens": 2}) as r:
+        assert r.status == 200
+
+
+async def test_client_disconnect_aborts_and_frees_blocks(
+    base_url: str, http: aiohttp.ClientSession, engine: LLMEngine
+) -> None:
+    req = {"prompt": "Count from one to one hundred:", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    async with http.post(f"{base_url}/v1/completions", json=req) as r:
+        await r.content.readline()  # the first token arrived; hang up
+    for _ in range(200):
+        if not engine.has_unfinished_requests():
+            break
+        await asyncio.sleep(0.05)
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+async def test_metrics_parse_and_carry_vllm_names(base_url: str, http: aiohttp.ClientSession) -> None:
+    async with http.post(f"{base_url}/v1/completions", json={"prompt": "Hello there", "max_tokens": 3}) as r:
+        assert r.status == 200
+    async with http.get(f"{base_url}/metrics") as r:
+        assert r.status == 200
+        text = await r.text()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert VLLM_NAMES <= families.keys()
+
+    def value(name: str, sample: str) -> float:
+        return sum(s.value for s in families[name].samples if s.name == sample)
+
+    assert value("vllm:generation_tokens", "vllm:generation_tokens_total") >= 3
+    assert value("vllm:prompt_tokens", "vllm:prompt_tokens_total") >= 2
+    assert value("vllm:time_to_first_token_seconds", "vllm:time_to_first_token_seconds_count") >= 1
+    assert value("vllm:num_requests_running", "vllm:num_requests_running") == 0
