@@ -51,6 +51,17 @@ class _TierCollector(Collector):
         yield from (usage, cap, keys, ev, exp, err, drop)
 
 
+class TierCounters:
+    """The store-driven counters of one tier (prometheus children, so incrementing is cheap)."""
+
+    def __init__(self, m: StoreMetrics, tier: str) -> None:
+        self.hits = m.hits.labels(tier=tier)
+        self.misses = m.tier_misses.labels(tier=tier)
+        self.corrupt = m.corrupt.labels(tier=tier)
+        self.read_bytes = m.read_bytes.labels(tier=tier)
+        self.written_bytes = m.written_bytes.labels(tier=tier)
+
+
 class StoreMetrics:
     """Everything a TieredStore counts. Thread-safe (prometheus_client objects lock themselves)."""
 
@@ -78,9 +89,9 @@ class StoreMetrics:
         self._lock = threading.Lock()
         self.store_errors = {t.name: 0 for t in self.tiers}  # exceptions that escaped a tier
         self.store_drops = {t.name: 0 for t in self.tiers}  # write-back queue overflow
-        for t in self.tiers:  # make every labelled series visible from the start, at 0
-            for c in (self.hits, self.tier_misses, self.corrupt, self.read_bytes, self.written_bytes):
-                c.labels(tier=t.name)
+        # labelled children resolved once: `.labels()` costs microseconds on every read otherwise
+        self.tier = {t.name: TierCounters(self, t.name) for t in self.tiers}
+        self._op: dict[str, Any] = {}
         r.register(_TierCollector(self))
 
     def count_error(self, tier: Tier) -> None:
@@ -97,7 +108,10 @@ class StoreMetrics:
         try:
             yield
         finally:
-            self.op_seconds.labels(op=op).observe(time.perf_counter() - start)
+            child = self._op.get(op)
+            if child is None:
+                child = self._op[op] = self.op_seconds.labels(op=op)
+            child.observe(time.perf_counter() - start)
 
     def value(self, name: str, **labels: str) -> float:
         """The current value of one sample (0 when absent), e.g. value("kvstore_hits_total", tier="cpu")."""

@@ -85,7 +85,7 @@ class TieredStore:
             for _ in items:
                 self.metrics.count_drop(tier)
             return
-        self.metrics.written_bytes.labels(tier=tier.name).inc(sum(len(b) for _, b in items))
+        self.metrics.tier[tier.name].written_bytes.inc(sum(len(b) for _, b in items))
         if evicted and self._admission and tier is self.tiers[0]:
             with self._lock:
                 for key in evicted:
@@ -145,7 +145,7 @@ class TieredStore:
             return verify_blob(blob)
         except CorruptBlob as e:
             logger.warning("corrupt blob %s in tier %s (%s): deleted", key, tier.name, e)
-            self.metrics.corrupt.labels(tier=tier.name).inc()
+            self.metrics.tier[tier.name].corrupt.inc()
             self._call(tier, "delete", tier.delete, key, default=False)
             return None
 
@@ -158,6 +158,7 @@ class TieredStore:
             blobs = self._call(tier, "get", tier.get_many, [keys[j] for j in pending], default=None)
             if blobs is None:
                 blobs = [None] * len(pending)
+            counters = self.metrics.tier[tier.name]
             still: list[int] = []
             found: list[tuple[str, Blob]] = []
             for j, blob in zip(pending, blobs, strict=True):
@@ -167,10 +168,10 @@ class TieredStore:
                     continue
                 out[j] = (blob, header)
                 found.append((keys[j], blob))
-                self.metrics.hits.labels(tier=tier.name).inc()
-                self.metrics.read_bytes.labels(tier=tier.name).inc(len(blob))
+                counters.hits.inc()
+                counters.read_bytes.inc(len(blob))
             if still:
-                self.metrics.tier_misses.labels(tier=tier.name).inc(len(still))
+                counters.misses.inc(len(still))
             if found and level == 0 and self._admission:
                 self._count_reads(found)
             if found and level > 0:  # promote into every tier above
