@@ -34,6 +34,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -160,6 +161,7 @@ class RedisTier:
         self._touched: set[str] | None = None  # keys changed while a reconcile runs
         self._reconciling = False
         self._reconciler: threading.Thread | None = None
+        self._pool: ThreadPoolExecutor | None = None  # concurrent batches over Cluster primaries
         self._socket_timeout_s = socket_timeout_s
         self._last_log: dict[str, float] = {}
         self._closed = False
@@ -457,15 +459,33 @@ class RedisTier:
 
     def get_many(self, keys: Sequence[str]) -> list[Blob | None]:
         out: list[Blob | None] = [None] * len(keys)
-        for ep, idx in self._group(keys).items():
+
+        def fetch(ep: _Endpoint | None, idx: list[int]) -> None:
             rkeys = [self._rk(keys[i]) for i in idx]
             if self.cluster:
-                values = self._call(ep, lambda c, rkeys=rkeys: _pipelined(c, [("get", rk) for rk in rkeys]))
+                values = self._call(ep, lambda c: _pipelined(c, [("get", rk) for rk in rkeys]))
             else:
-                values = self._call(ep, lambda c, rkeys=rkeys: c.mget(rkeys))
+                values = self._call(ep, lambda c: c.mget(rkeys))
             for j, i in enumerate(idx):
                 out[i] = self._seen(keys[i], _FAIL if values is _FAIL else values[j])
+
+        self._per_node(self._group(keys), fetch)
         return out
+
+    def _per_node(
+        self, groups: dict[_Endpoint | None, list[int]], work: Callable[[Any, list[int]], None]
+    ) -> None:
+        """work(endpoint, indices) for each group; Cluster primaries are asked concurrently."""
+        if len(groups) <= 1 or self._closed:
+            for ep, idx in groups.items():
+                work(ep, idx)
+            return
+        if self._pool is None:
+            with self._lock:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="redis-tier")
+        for f in [self._pool.submit(work, ep, idx) for ep, idx in groups.items()]:
+            f.result()
 
     def _seen(self, key: str, value: Any) -> Blob | None:
         if value is _FAIL:
@@ -490,19 +510,22 @@ class RedisTier:
         px = _px(ttl_s)
         keys = [k for k, _ in items]
         values = [_value(blob) for _, blob in items]
-        for ep, idx in self._group(keys).items():
+
+        def store(ep: _Endpoint | None, idx: list[int]) -> None:
             fits = [i for i in idx if values[i][1] <= self.capacity]
             for i in set(idx) - set(fits):  # larger than the whole server: not stored, old blob gone
                 self.delete(keys[i])
             if not fits:
-                continue
+                return
             cmds = [("set", self._rk(keys[i]), values[i][0], px) for i in fits]
             if len(cmds) == 1:
-                res = self._call(ep, lambda c, cmd=cmds[0]: [c.set(cmd[1], cmd[2], px=cmd[3])])
+                res = self._call(ep, lambda c: [c.set(cmds[0][1], cmds[0][2], px=px)])
             else:
-                res = self._call(ep, lambda c, cmds=cmds: _pipelined(c, cmds))
+                res = self._call(ep, lambda c: _pipelined(c, cmds))
             for j, i in enumerate(fits):
                 self._stored(keys[i], values[i][1], _FAIL if res is _FAIL else res[j], ttl_s)
+
+        self._per_node(self._group(keys), store)
         return []  # the server evicts on its own; see the module docstring
 
     def _stored(self, key: str, size: int, reply: Any, ttl_s: float | None) -> None:
@@ -551,6 +574,8 @@ class RedisTier:
             self._reconciler.join(timeout=self._socket_timeout_s * 2 + 1)
         for ep in list(self._endpoints.values()):
             ep.client.connection_pool.disconnect()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
         if self._rc is not None:
             self._rc.close()
 
