@@ -277,3 +277,11 @@ def test_close_is_idempotent_and_final(tmp_path: Path) -> None:
     again = make_store(tmp_path)  # the write-back was drained into the disk tier before close
     assert again.tiers[1].contains(key(0))
     again.close()
+
+
+def test_demo_store_round_trip(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvstore.demo import store_round_trip
+
+    store_round_trip(tmp_path)
+    out = capsys.readouterr().out
+    assert "read back bit-exact" in out and "lookup_prefix = 4/4" in out

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import torch
 
 from kvstore.blob import decode_blob, encode_blob, verify_blob
 from kvstore.config import StoreConfig
-from kvstore.errors import ConfigError, InvalidKey
+from kvstore.errors import ConfigError, InvalidArgument, InvalidKey
 from kvstore.tiers import make_tier
 from kvstore.tiers.base import Tier
 from kvstore.tiers.cpu import CpuTier
@@ -116,6 +117,29 @@ def test_cpu_get_is_zero_copy_for_bytes() -> None:
     tier.put(key(1), buf)
     buf[60] ^= 1  # the tier copied a mutable buffer
     assert tier.get(key(1)) == b
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only machine")
+def test_cpu_tier_without_cuda_uses_plain_memory() -> None:
+    assert not CpuTier(100).pinned
+    with pytest.raises(InvalidArgument):
+        CpuTier(100, pinned=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cpu_tier_pins_host_memory_with_cuda() -> None:
+    tier = CpuTier(10 * SIZE)
+    assert tier.pinned
+    b = blob(1)
+    tier.put(key(0), b)
+    got = tier.get(key(0))
+    assert isinstance(got, memoryview) and got.readonly and bytes(got) == b
+    assert tier.get(key(0)).obj is got.obj  # the same pinned buffer every time, no copy
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # frombuffer warns about read-only buffers
+        assert torch.frombuffer(got, dtype=torch.uint8).is_pinned()
+    assert tier.usage() == len(b)
 
 
 def test_make_tier(tmp_path: Path) -> None:
