@@ -108,6 +108,20 @@ def bench_size(
     }
 
 
+class ManagedRedisTier(RedisTier):
+    """A redis tier on a valkey-server of its own, started here and stopped by close()."""
+
+    def __init__(self, maxmemory: int = 2**30, prefix: str = "bench:") -> None:
+        self.server = ValkeyProcess().start()
+        super().__init__(self.server.url, prefix=prefix, server_maxmemory=maxmemory)
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self.server.close()
+
+
 def run(
     sizes_kib: tuple[int, ...] = (256, 1024, 4096),
     rounds: int = 5,

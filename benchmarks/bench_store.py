@@ -29,6 +29,13 @@ from kvstore.tiers.cpu import CpuTier
 from kvstore.tiers.disk import DiskTier
 from sdk import Store
 
+try:  # run as a script, benchmarks/ is on sys.path
+    from bench_redis import ManagedRedisTier
+    from bench_redis import run as bench_redis_vs_raw
+except ImportError:  # imported as benchmarks.bench_store
+    from benchmarks.bench_redis import ManagedRedisTier
+    from benchmarks.bench_redis import run as bench_redis_vs_raw
+
 GB = 1e9
 TOTAL_BYTES = 32 * 2**20  # data moved per run and size
 
@@ -129,6 +136,7 @@ TIER_FACTORIES: dict[str, Callable[[Path], Tier]] = {
     "cpu": lambda tmp: CpuTier(2 * TOTAL_BYTES + 2**26, pinned=False),
     "disk": lambda tmp: DiskTier(tmp / "disk", 2 * TOTAL_BYTES + 2**26),
     "disk-nofsync": lambda tmp: DiskTier(tmp / "disk-nofsync", 2 * TOTAL_BYTES + 2**26, fsync=False),
+    "redis": lambda tmp: ManagedRedisTier(),  # its own valkey-server, stopped by close()
 }
 
 
@@ -162,7 +170,11 @@ def main() -> None:
             finally:
                 tier.close()
     print("cpu: put keeps and get returns the caller's immutable bytes object (zero-copy), so no bytes move.")
-    print("disk: put = write + fsync(file) + rename + fsync(dir); get = read from the page cache.\n")
+    print("disk: put = write + fsync(file) + rename + fsync(dir); get = read from the page cache.")
+    print("redis: a local valkey-server over loopback TCP (get = GET, put = SET of the whole blob).\n")
+    if "redis" in args.tiers.split(","):
+        bench_redis_vs_raw(tuple(s // 1024 for s in sizes), rounds=max(3, args.reps))
+        print()
 
     print("store level, cpu tier, through the SDK (GB/s of KV payload):")
     print(f"{'chunk':>8}{'get_blob':>10}{'get':>10}{'get(out=)':>11}{'memcpy':>8}{'get(out=)/memcpy':>18}")
