@@ -60,6 +60,19 @@ class AttentionPlan:
     prefills: list[_Prefill]
     block_size: int
     _masks: dict = field(default_factory=dict)
+    _buffers: dict = field(default_factory=dict)
+
+    def gather(self, cache: torch.Tensor, block_ids: torch.Tensor, which: str) -> torch.Tensor:
+        """cache: [num_blocks, block_size, H, D] -> [len(block_ids) * block_size, H, D], copied into a
+        buffer that every layer of the step reuses (a fresh allocation per layer costs more than the
+        copy itself on a busy CPU)."""
+        shape = (block_ids.shape[0], *cache.shape[1:])
+        key = (which, shape, cache.dtype, cache.device)
+        buf = self._buffers.get(key)
+        if buf is None:
+            buf = self._buffers[key] = torch.empty(shape, dtype=cache.dtype, device=cache.device)
+        torch.index_select(cache, 0, block_ids, out=buf)
+        return buf.view(-1, *cache.shape[2:])
 
     def decode_mask(self, window: int | None) -> torch.Tensor:
         """[B, 1, 1, L] True where the key may be attended."""
@@ -125,11 +138,6 @@ def get_plan(meta: AttentionMetadata) -> AttentionPlan:
     return plan
 
 
-def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """cache: [num_blocks, block_size, H, D] -> [len(block_ids) * block_size, H, D]."""
-    return cache.index_select(0, block_ids).view(-1, *cache.shape[2:])
-
-
 def paged_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -151,8 +159,8 @@ def paged_attention(
         b = d.context_lens.shape[0]
         qd = q if d.rows is None else q.index_select(0, d.rows)
         qd = qd.view(b, num_kv_heads, group, head_dim)  # the group acts as the query length
-        k = _gather(k_cache, d.block_ids).view(b, -1, num_kv_heads, head_dim).transpose(1, 2)
-        v = _gather(v_cache, d.block_ids).view(b, -1, num_kv_heads, head_dim).transpose(1, 2)
+        k = plan.gather(k_cache, d.block_ids, "k").view(b, -1, num_kv_heads, head_dim).transpose(1, 2)
+        v = plan.gather(v_cache, d.block_ids, "v").view(b, -1, num_kv_heads, head_dim).transpose(1, 2)
         o = F.scaled_dot_product_attention(
             qd, k.to(q.dtype), v.to(q.dtype), attn_mask=plan.decode_mask(sliding_window), scale=scale
         )
@@ -164,8 +172,8 @@ def paged_attention(
 
     for i, p in enumerate(plan.prefills):
         qp = q[p.row : p.row + p.q_len].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
-        k = _gather(k_cache, p.block_ids)[: p.context_len].transpose(0, 1).unsqueeze(0)
-        v = _gather(v_cache, p.block_ids)[: p.context_len].transpose(0, 1).unsqueeze(0)
+        k = plan.gather(k_cache, p.block_ids, f"k{i}")[: p.context_len].transpose(0, 1).unsqueeze(0)
+        v = plan.gather(v_cache, p.block_ids, f"v{i}")[: p.context_len].transpose(0, 1).unsqueeze(0)
         mask = plan.prefill_mask(i, sliding_window, q.device)
         o = F.scaled_dot_product_attention(
             qp,
