@@ -372,7 +372,11 @@ class RedisTier:
         finally:
             with self._lock:
                 touched, self._touched = self._touched or set(), None
-                keep = {k: v for k, v in self._index.items() if k in touched or self._owner(k) not in scanned}
+                keep = {  # what we knew about servers we could not scan stays as it was
+                    k: v
+                    for k, v in self._index.items()
+                    if not scanned or k in touched or self._owner(k) not in scanned
+                }
                 found = {k: v for k, v in found.items() if k not in touched}
                 self._index = {**found, **keep}
                 self._bytes = sum(size for size, _ in self._index.values())
