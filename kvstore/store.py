@@ -42,6 +42,12 @@ class TieredStore:
 
     def __init__(self, config: StoreConfig | None = None, tiers: list[Tier] | None = None) -> None:
         self.config = config or StoreConfig()
+        c = self.config
+        if c.write_back_queue < 1 or c.admission_hits < 0 or (c.ttl is not None and c.ttl <= 0):
+            raise ConfigError(
+                f"need write_back_queue >= 1, admission_hits >= 0, ttl > 0 or None; got "
+                f"{c.write_back_queue}, {c.admission_hits}, {c.ttl}"
+            )
         self.tiers: list[Tier] = (
             list(tiers) if tiers is not None else [make_tier(n, self.config) for n in self.config.tiers]
         )

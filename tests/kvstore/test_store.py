@@ -14,7 +14,7 @@ from prometheus_client import generate_latest
 
 from kvstore.blob import encode_blob
 from kvstore.config import StoreConfig
-from kvstore.errors import CorruptBlob, InvalidArgument, InvalidKey, TooLarge
+from kvstore.errors import ConfigError, CorruptBlob, InvalidArgument, InvalidKey, TooLarge
 from kvstore.store import TieredStore
 from kvstore.tiers.base import Blob
 from kvstore.tiers.cpu import CpuTier
@@ -285,3 +285,9 @@ def test_demo_store_round_trip(tmp_path: Path, capsys: pytest.CaptureFixture[str
     store_round_trip(tmp_path)
     out = capsys.readouterr().out
     assert "read back bit-exact" in out and "lookup_prefix = 4/4" in out
+
+
+@pytest.mark.parametrize("bad", [{"write_back_queue": 0}, {"admission_hits": -1}, {"ttl": 0}])
+def test_config_that_cannot_work_is_refused(bad: dict) -> None:
+    with pytest.raises(ConfigError):
+        TieredStore(StoreConfig(**bad), [CpuTier(1000)])
