@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -84,6 +85,26 @@ def test_batches_keep_order_and_report_misses(tier: RedisTier) -> None:
     assert tier.get_many([]) == []
     assert sorted(tier.keys()) == sorted(k for k, _ in items)
     assert tier.usage() == sum(len(b) for _, b in items) and len(tier) == 20
+
+
+def test_threads_share_one_tier(tier: RedisTier) -> None:
+    blobs = {key(i): os.urandom(10_000 + i) for i in range(32)}
+    failures: list[str] = []
+
+    def worker(ks: list[str]) -> None:
+        for _ in range(5):
+            tier.put_many([(k, blobs[k]) for k in ks])
+            for k, got in zip(ks, tier.get_many(ks), strict=True):
+                if got != blobs[k] or tier.get(k) != blobs[k]:
+                    failures.append(k)
+
+    threads = [threading.Thread(target=worker, args=(list(blobs)[i::4],)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failures == [] and tier.stats.errors == 0
+    assert tier.usage() == sum(len(b) for b in blobs.values()) and len(tier) == 32
 
 
 def test_one_redis_key_per_blob_with_the_prefix(
