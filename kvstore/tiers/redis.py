@@ -21,9 +21,11 @@
 - Faults never raise out of the tier: a get is a miss, a put is dropped and counted (`stats.errors`,
   `stats.dropped_puts`), errors are logged once per outage. Each server (each Cluster primary) has a
   circuit breaker: after a failure it is skipped without touching the network for a backoff that
-  doubles from 0.1 s to 5 s, then one caller probes it; the tier reconnects on its own.
+  doubles from 0.1 s to 5 s (those calls count in `stats.extra["fast_fails"]`), then one caller
+  probes it; the tier reconnects on its own. Timeouts: connect 0.5 s, each socket operation 2 s.
 - Speed: values are sent as they are (redis-py's hiredis packer copies each one) and hiredis' replies
-  are returned as they are; batches are one MGET (standalone) or one pipeline per primary (Cluster).
+  are returned as they are; a batch is one MGET (standalone) or one pipeline per primary, the
+  primaries asked concurrently (Cluster).
 """
 
 from __future__ import annotations
