@@ -48,10 +48,12 @@ class AsyncEngine:
                 await self._task
             except asyncio.CancelledError:
                 pass
-        async with self._lock:
-            for rid in list(self.engine.requests):
-                self.engine.abort_request(rid)
-        self._executor.shutdown(wait=True)
+        # A step may still be running in the worker thread: let it end before touching the engine.
+        await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown, True)
+        for q in list(self._queues.values()):
+            q.put_nowait(EngineError("the server is shutting down"))
+        for rid in list(self.engine.requests):
+            self.engine.abort_request(rid)
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
