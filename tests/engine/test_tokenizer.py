@@ -1,0 +1,95 @@
+"""engine.tokenizer against transformers' own fast tokenizer on the converted SmolLM2 directory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from engine.errors import TokenizerError
+from engine.tokenizer import Tokenizer
+
+TEXTS = [
+    "Hello world, what is the capital of France?",
+    "  leading spaces and\ttabs\nnewlines",
+    "numbers 2024 and 3.14159, emoji 🙂 and ünïcödé",
+    "<|im_start|>user\nspecial tokens inline<|im_end|>",
+    "",
+]
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "What is 2+2?"},
+    {"role": "assistant", "content": "4"},
+    {"role": "user", "content": "And 3+3?"},
+]
+
+
+@pytest.fixture(scope="module")
+def ours(smollm2_dir: Path) -> Tokenizer:
+    return Tokenizer.from_pretrained(smollm2_dir)
+
+
+@pytest.fixture(scope="module")
+def theirs(smollm2_dir: Path):
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(smollm2_dir)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_encode_decode_match_transformers(ours: Tokenizer, theirs, text: str) -> None:
+    ids = ours.encode(text)
+    assert ids == theirs.encode(text)
+    assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
+    assert ours.decode(ids, skip_special_tokens=False) == theirs.decode(ids)
+
+
+def test_digits_are_split_one_by_one(ours: Tokenizer) -> None:
+    ids = ours.encode("12345")
+    assert len(ids) == 5 and ours.decode(ids) == "12345"
+
+
+def test_chat_template_matches_transformers(ours: Tokenizer, theirs) -> None:
+    for messages in (MESSAGES, MESSAGES[1:2]):
+        for gen in (True, False):
+            text = ours.apply_chat_template(messages, add_generation_prompt=gen)
+            assert text == theirs.apply_chat_template(messages, add_generation_prompt=gen, tokenize=False)
+            ids = ours.apply_chat_template(messages, add_generation_prompt=gen, tokenize=True)
+            ref = theirs.apply_chat_template(messages, add_generation_prompt=gen, tokenize=True)
+            ref = ref["input_ids"] if isinstance(ref, dict) or hasattr(ref, "keys") else ref
+            assert ids == list(ref)
+    text = ours.apply_chat_template(MESSAGES[1:2])
+    assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
+
+
+def test_special_ids(ours: Tokenizer, smollm2_dir: Path) -> None:
+    assert ours.eos_token_ids == (2,)
+    assert ours.token_to_id("<|im_end|>") == 2 and ours.bos_token_id == 1
+    assert ours.vocab_size == json.loads((smollm2_dir / "config.json").read_text())["vocab_size"]
+    assert ours.encode("<|im_end|>") == [2]
+
+
+def test_errors(tmp_path: Path, ours: Tokenizer) -> None:
+    with pytest.raises(TokenizerError):
+        Tokenizer.from_pretrained(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(TokenizerError):
+        Tokenizer.from_pretrained(tmp_path)
+    with pytest.raises(TokenizerError):
+        ours.apply_chat_template([{"content": "no role"}])
+    with pytest.raises(TokenizerError):
+        ours.encode(123)  # type: ignore[arg-type]
+
+
+def test_template_errors_are_typed(smollm2_dir: Path, tmp_path: Path) -> None:
+    for name in ("tokenizer.json", "generation_config.json"):
+        (tmp_path / name).write_bytes((smollm2_dir / name).read_bytes())
+    config = {"chat_template": "{{ raise_exception('only user messages') }}", "eos_token": "<|im_end|>"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = Tokenizer.from_pretrained(tmp_path)
+    with pytest.raises(TokenizerError, match="only user messages"):
+        tok.apply_chat_template(MESSAGES)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    with pytest.raises(TokenizerError, match="no chat template"):
+        Tokenizer.from_pretrained(tmp_path).apply_chat_template(MESSAGES)
