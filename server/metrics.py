@@ -6,6 +6,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 # Latency buckets from 100 µs (a small HEAD) to 10 s (a large batch over a slow link).
 _BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10)
+_MISS_OPS = frozenset({"get", "head", "delete"})  # a 404 there is a cache miss, not an error
 
 
 class ServerMetrics:
@@ -52,7 +53,7 @@ class ServerMetrics:
         if bytes_out:
             self.bytes_out.labels(op).inc(bytes_out)
         self.totals["requests"] += 1
-        if status >= 400:
+        if status >= 400 and not (status == 404 and op in _MISS_OPS):
             self.totals["errors"] += 1
 
     def render(self, *registries: CollectorRegistry | None) -> bytes:
