@@ -178,3 +178,79 @@ def test_smollm2_prefill_and_greedy_match_hf(smollm2_dir, paged_kv) -> None:
 
     text = Tokenizer.from_file(str(smollm2_dir / "tokenizer.json")).decode(ours)
     assert text.startswith("The capital of France is Paris."), text
+
+
+# ---- the loader ----------------------------------------------------------------------------------
+
+
+def _copy_checkpoint(src, dst, edit=None):
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir()
+    for name in ("config.json", "generation_config.json"):
+        (dst / name).write_bytes((src / name).read_bytes())
+    tensors = load_file(src / "model.safetensors")
+    if edit:
+        tensors = edit(tensors)
+    save_file(tensors, dst / "model.safetensors")
+    return dst
+
+
+def test_sharded_checkpoint_loads_identically(tiny_checkpoints, tmp_path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    src = tiny_checkpoints["llama"]
+    AutoModelForCausalLM.from_pretrained(src).save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    a, _ = load_model(src)
+    b, _ = load_model(tmp_path / "sharded")
+    for (name, pa), (_, pb) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        torch.testing.assert_close(pa, pb, atol=0, rtol=0, msg=name)
+
+
+def test_tied_checkpoint_with_lm_head_copy(tiny_checkpoints, tmp_path) -> None:
+    src = tiny_checkpoints["qwen2"]
+
+    def add_lm_head(t):
+        return t | {"lm_head.weight": t["model.embed_tokens.weight"].clone()}
+
+    model, config = load_model(_copy_checkpoint(src, tmp_path / "m", add_lm_head))
+    assert config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda t: {k: v for k, v in t.items() if "layers.1.self_attn.k_proj" not in k}, "lacks"),
+        (lambda t: {k: v for k, v in t.items() if k != "lm_head.weight"}, "lacks"),
+        (lambda t: t | {"model.layers.0.mystery.weight": torch.zeros(2)}, "unexpected"),
+        (lambda t: t | {"model.layers.0.mlp.up_proj.weight": torch.zeros(3, 3)}, "shape"),
+    ],
+)
+def test_broken_checkpoints_raise(tiny_checkpoints, tmp_path, edit, match) -> None:
+    from engine.errors import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match=match):
+        load_model(_copy_checkpoint(tiny_checkpoints["llama"], tmp_path / "m", edit))
+
+
+def test_missing_directory_and_weights(tmp_path, tiny_checkpoints) -> None:
+    from engine.errors import ModelLoadError
+
+    with pytest.raises(ModelLoadError):
+        load_model(tmp_path / "nope")
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_bytes((tiny_checkpoints["llama"] / "config.json").read_bytes())
+    with pytest.raises(ModelLoadError, match="safetensors"):
+        load_model(tmp_path / "m")
+    (tmp_path / "m" / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(ModelLoadError):
+        load_model(tmp_path / "m")
+
+
+def test_model_helpers(tiny_checkpoints) -> None:
+    model, config = load_model(tiny_checkpoints["llama"])
+    assert (model.num_layers, model.num_kv_heads, model.head_dim) == (2, 2, 32)
+    attn = [m for m in model.modules() if hasattr(m, "kv_cache")]
+    assert len(attn) == config.num_layers  # exactly one kv_cache holder per layer (the runner relies on it)
+    assert not model.training
