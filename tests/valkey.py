@@ -20,7 +20,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,12 +46,14 @@ def valkey_bin(name: str = "valkey-server") -> str:
     )
 
 
-def free_port(bus_offset: int | None = None) -> int:
+def free_port(bus_offset: int | None = None, exclude: Collection[int] = ()) -> int:
     """A free loopback port; with bus_offset, port+bus_offset (the cluster bus) is free as well."""
     for _ in range(200):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
+        if port in exclude or (bus_offset is not None and port + bus_offset in exclude):
+            continue
         if bus_offset is None:
             return port
         if port + bus_offset < 65536 and _port_free(port + bus_offset):
@@ -188,10 +190,13 @@ class ValkeyCluster:
     def __init__(self, n: int = 3, node_timeout_ms: int = 2000) -> None:
         assert n >= 3, "valkey-cli --cluster create needs at least 3 primaries"
         self.nodes: list[ValkeyProcess] = []
+        taken: set[int] = set()  # a node's port must not be another node's bus port
         for _ in range(n):
             args = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                     "--cluster-node-timeout", str(node_timeout_ms), "--cluster-require-full-coverage", "no"]  # fmt: skip
-            self.nodes.append(ValkeyProcess(port=free_port(bus_offset=10000), extra_args=args))
+            port = free_port(bus_offset=10000, exclude=taken)
+            taken |= {port, port + 10000}
+            self.nodes.append(ValkeyProcess(port=port, extra_args=args))
 
     @property
     def url(self) -> str:
