@@ -183,7 +183,8 @@ def main() -> None:
             f"{_size(size):>8}{g_blob:10.2f}{g_fresh:10.2f}{g_out:11.2f}{memcpy:8.2f}{g_out / memcpy:17.0%}"
         )
     print("get_blob = lookup + xxh3 checksum of the blob; get = that + decode into a fresh tensor;")
-    print("get(out=) = into a preallocated tensor (one checksum pass + one memcpy: ~50% is the ceiling).")
+    print("get(out=) = into a preallocated tensor: two passes over the data (checksum, then copy), so about")
+    print("half of memcpy is the ceiling when chunks come from RAM rather than cache.")
 
 
 if __name__ == "__main__":
