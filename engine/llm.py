@@ -60,7 +60,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"}) or a list of them, via the chat template."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.engine.tokenizer.apply_chat_template(c) for c in convs]
+        prompts = [self.engine.tokenizer.apply_chat_template(c, tokenize=True) for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _check_prompt(self, prompt: Prompt) -> None:

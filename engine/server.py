@@ -20,7 +20,7 @@ from contextlib import aclosing
 from aiohttp import web
 from pydantic import ValidationError
 
-from engine.errors import EngineError, InvalidRequest
+from engine.errors import EngineError, InvalidRequest, TokenizerError
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.protocol import ChatCompletionRequest, CompletionRequest, sampling_params_from
 
@@ -224,8 +224,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = ChatCompletionRequest.model_validate(await _json_body(request))
     engine = _check_model(request, req.model)
     aengine: AsyncEngine = request.app[ENGINE_KEY]
-    prompt = engine.tokenizer.apply_chat_template(req.plain_messages())
-    n_prompt = len(engine.tokenize(prompt))
+    try:
+        prompt = engine.tokenizer.apply_chat_template(req.plain_messages(), tokenize=True)
+    except TokenizerError as e:
+        raise InvalidRequest(str(e)) from e
+    n_prompt = len(prompt)
     params = sampling_params_from(req, default_max_tokens=max(1, engine.max_model_len - n_prompt))
     base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": engine.model_name}
     if req.stream:
