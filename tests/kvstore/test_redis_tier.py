@@ -10,6 +10,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -62,6 +63,11 @@ def test_put_get_roundtrip_of_every_bytes_like(tier: RedisTier) -> None:
     assert tier.get(key(3)) == payload[1000:2000]
     assert tier.get(key(4)) == b""
     assert tier.get(key(5)) is None
+    arr = np.arange(2000, dtype=np.float16).reshape(20, 100)
+    tier.put(key(6), memoryview(arr))  # a typed, 2-D buffer: stored as its raw bytes
+    tier.put(key(7), memoryview(arr[:, ::2]))  # not contiguous: copied once
+    assert tier.get(key(6)) == arr.tobytes() and tier.get(key(7)) == arr[:, ::2].tobytes()
+    assert tier.usage() == 2 * len(payload) + 1000 + arr.nbytes + arr.nbytes // 2
 
 
 def test_replace_contains_delete(tier: RedisTier) -> None:
