@@ -223,7 +223,11 @@ class TieredStore:
         with self.metrics.time("batch_get"):
             return [None if hit is None else hit[0] for hit in self._lookup(list(keys))]
 
+    def _contains(self, tier: Tier, key: str) -> bool:
+        return self._call(tier, "contains", tier.contains, key, default=False)
+
     def _present(self, keys: Sequence[str]) -> list[bool]:
+        """Which keys some tier holds: tier by tier, batched where a tier offers `contains_many`."""
         found = [False] * len(keys)
         for tier in self.tiers:
             todo = [j for j, f in enumerate(found) if not f]
@@ -235,7 +239,7 @@ class TieredStore:
                     tier, "contains", many, [keys[j] for j in todo], default=[False] * len(todo)
                 )
             else:
-                hits = [self._call(tier, "contains", tier.contains, keys[j], default=False) for j in todo]
+                hits = [self._contains(tier, keys[j]) for j in todo]
             for j, hit in zip(todo, hits, strict=True):
                 found[j] = bool(hit)
         return found
@@ -256,8 +260,13 @@ class TieredStore:
         for key in keys:
             validate_key(key)
         with self.metrics.time("lookup_prefix"):
-            found = self._present(list(keys))
-            return found.index(False) if False in found else len(found)
+            if any(hasattr(t, "contains_many") for t in self.tiers):  # round trips matter: batch
+                found = self._present(list(keys))
+                return found.index(False) if False in found else len(found)
+            n = 0  # key by key, top-down: the fewest calls, and nothing past the first gap
+            while n < len(keys) and any(self._contains(t, keys[n]) for t in self.tiers):
+                n += 1
+            return n
 
     # -- writes ----------------------------------------------------------------------------------------
 

@@ -133,6 +133,26 @@ def test_lookup_prefix_stops_at_the_first_gap(store: TieredStore) -> None:
     assert store.lookup_prefix(keys) == 1
 
 
+def test_lookup_prefix_batches_through_contains_many() -> None:
+    class BatchingTier(CpuTier):
+        """A tier with one-round-trip membership, as a remote tier would offer."""
+
+        calls = 0
+
+        def contains_many(self, keys: Sequence[str]) -> list[bool]:
+            self.calls += 1
+            return [self.contains(k) for k in keys]
+
+    lower = BatchingTier(1 << 20, name="lower")
+    with TieredStore(StoreConfig(), [CpuTier(1 << 20), lower]) as s:
+        keys = [key(i) for i in range(6)]
+        for i in (0, 1, 2, 4):
+            s.put_blob(keys[i], blob(i))
+        s.tiers[0].delete(keys[1])
+        assert s.lookup_prefix(keys) == 3 and lower.calls == 1
+        assert s.batch_exists(keys) == [True, True, True, False, True, False] and lower.calls == 2
+
+
 def test_write_back_reaches_lower_tiers_on_flush(tmp_path: Path) -> None:
     with make_store(tmp_path, write_policy="back") as s:
         s.batch_put([(key(i), blob(i)) for i in range(20)])
