@@ -32,6 +32,8 @@ class Tier(Protocol):
     - `ttl_s`: seconds to live, None for no expiry.
     - Backend failures never raise out of get/put/contains: a get is a miss, a put is dropped and
       counted in `stats.errors` / `stats.dropped_puts`.
+    - Optional: `contains_many(keys) -> list[bool]`. A remote tier should offer it: the store then
+      answers `batch_exists` / `lookup_prefix` with one round trip instead of one per key.
     """
 
     name: str
