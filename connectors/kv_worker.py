@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import warnings
 from collections import defaultdict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -31,11 +32,20 @@ from connectors.chunks import CacheGeometry, gather_chunk, scatter_chunk
 from connectors.config import KVTransferConfig
 from connectors.meta import LoadSpec, SaveSpec, StepTransfers
 from connectors.store_handle import StoreHandle, is_unreachable
-from kvstore.blob import decode_blob, encode_blob
+from kvstore.blob import COMPRESSION_NONE, BlobHeader, decode_blob, encode_blob, verify_blob
 from kvstore.codecs import get_codec
+from kvstore.codecs.raw import RawCodec
 from kvstore.errors import CorruptBlob, InvalidArgument, KVStoreError
 
 logger = logging.getLogger(__name__)
+# torch warns that a tensor over an immutable bytes object could be written; raw_view's never is
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+
+
+def raw_view(blob: bytes | bytearray | memoryview, header: BlobHeader) -> torch.Tensor:
+    """The KV of a verified raw, uncompressed blob as a read-only tensor over the blob's own bytes."""
+    payload = memoryview(blob).cast("B")[header.payload_offset : header.payload_offset + header.payload_len]
+    return torch.frombuffer(payload, dtype=torch.uint8).view(header.dtype).view(header.shape)
 
 
 class _ChunkLoadError(Exception):
@@ -142,12 +152,21 @@ class KVStoreWorker:
         if blob is None:
             raise _ChunkLoadError("evicted")
         geo = self.geometry
-        buf = getattr(self._buffers, "chunk", None)
-        if buf is None:
-            buf = self._buffers.chunk = torch.empty(geo.chunk_shape(self.config.chunk_size), dtype=geo.dtype)
+        shape = geo.chunk_shape(self.config.chunk_size)
         try:
-            kv = decode_blob(blob, out=buf)
-        except (CorruptBlob, InvalidArgument) as e:  # InvalidArgument: a valid blob of another shape/dtype
+            header = verify_blob(blob)
+            if header.shape != shape or header.dtype != geo.dtype:
+                raise CorruptBlob(
+                    f"chunk holds {header.shape} {header.dtype}, this engine needs {shape} {geo.dtype}"
+                )
+            if header.codec_id == RawCodec.codec_id and header.compression == COMPRESSION_NONE:
+                kv = raw_view(blob, header)  # scatter straight from the verified blob: no copy
+            else:
+                buf = getattr(self._buffers, "chunk", None)
+                if buf is None:
+                    buf = self._buffers.chunk = torch.empty(shape, dtype=geo.dtype)
+                kv = decode_blob(blob, out=buf, header=header)
+        except (CorruptBlob, InvalidArgument) as e:
             logger.warning("corrupt or mismatched chunk from the store: %s", e)
             raise _ChunkLoadError("corrupt") from None
         scatter_chunk(self.kv_caches, kv, block_ids, first_block)
