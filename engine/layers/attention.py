@@ -32,7 +32,9 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.sliding_window = sliding_window
         self.kv_cache = torch.tensor([])
-        self.use_triton = True  # on CUDA only; tests switch it off to compare against the torch path
+        # None: the Triton kernels on CUDA, torch elsewhere. True/False force it (tests run the kernels
+        # on CPU under TRITON_INTERPRET=1, or the torch path on CUDA for comparison).
+        self.use_triton: bool | None = None
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_metadata: AttentionMetadata
@@ -46,7 +48,7 @@ class Attention(nn.Module):
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        if q.is_cuda and self.use_triton:
+        if self.use_triton or (self.use_triton is None and q.is_cuda):
             from engine.layers import triton_attention
 
             triton_attention.store_kvcache(k, v, self.kv_cache, attn_metadata.slot_mapping)

@@ -37,8 +37,8 @@ def _store_kvcache_kernel(
         mask = offs < ROW
         k = tl.load(key_ptr + token * key_stride + offs, mask=mask)
         v = tl.load(value_ptr + token * value_stride + offs, mask=mask)
-        tl.store(k_cache_ptr + slot * ROW + offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_cache_ptr + slot * ROW + offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(k_cache_ptr + slot * ROW + offs, k, mask=mask)
+        tl.store(v_cache_ptr + slot * ROW + offs, v, mask=mask)
 
 
 def store_kvcache(
@@ -55,8 +55,10 @@ def store_kvcache(
     assert kv_cache.is_contiguous() and kv_cache.shape[3:] == (heads, dim), kv_cache.shape
     if n == 0:
         return
-    key = key.reshape(n, heads * dim)
-    value = value.reshape(n, heads * dim)
+    # Cast on the host side: torch's rounding, identical on every backend (and a no-op when the
+    # model and the cache share a dtype, the usual case).
+    key = key.to(kv_cache.dtype).reshape(n, heads * dim)
+    value = value.to(kv_cache.dtype).reshape(n, heads * dim)
     assert key.stride(1) == 1 and value.stride(1) == 1
     row = heads * dim
     _store_kvcache_kernel[(n,)](
