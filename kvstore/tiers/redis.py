@@ -173,6 +173,7 @@ class RedisTier:
         tls = options.pop("connection_class", redis.Connection) is redis.SSLConnection
         self._endpoints: dict[str, _Endpoint] = {}
         self._rc: RedisCluster | None = None
+        self._slot_eps: dict[int, _Endpoint] = {}  # hash slot -> its primary, until the topology changes
         if cluster:
             if options.get("db", 0) != 0:
                 raise ConfigError("Redis Cluster has only db 0; drop the /db from redis_url")
@@ -230,14 +231,19 @@ class RedisTier:
     def _endpoint(self, rkey: bytes) -> _Endpoint | None:
         if not self.cluster:
             return next(iter(self._endpoints.values()))
+        slot = key_slot(rkey)
+        ep = self._slot_eps.get(slot)
+        if ep is not None:
+            return ep
         rc = self._cluster_client()
         if rc is None:
             return None
         try:
-            node = rc.nodes_manager.get_node_from_slot(key_slot(rkey))
+            node = rc.nodes_manager.get_node_from_slot(slot)
         except _BACKEND_ERRORS:
             return None
-        return self._endpoint_named(node.host, node.port, rc.get_redis_connection(node))
+        ep = self._slot_eps[slot] = self._endpoint_named(node.host, node.port, rc.get_redis_connection(node))
+        return ep
 
     def _primaries(self) -> list[_Endpoint]:
         if not self.cluster:
@@ -283,6 +289,7 @@ class RedisTier:
         return result
 
     def _refresh_topology(self) -> None:
+        self._slot_eps = {}
         if self._rc is not None:
             try:
                 self._rc.nodes_manager.initialize()
