@@ -48,6 +48,7 @@ class CpuTier:
         self._index: LRUIndex[Blob] = LRUIndex(capacity)
         self._lock = threading.Lock()
         self._clock = time.monotonic
+        self._ttl_seen = False  # sweep expired blobs on put only once some blob has a TTL
 
     @classmethod
     def from_config(cls, config: StoreConfig) -> CpuTier:
@@ -86,7 +87,8 @@ class CpuTier:
         value = self._own(blob)
         expires_at = None if ttl_s is None else self._clock() + ttl_s
         with self._lock:
-            expired = self._index.pop_expired(self._clock())
+            self._ttl_seen = self._ttl_seen or expires_at is not None
+            expired = self._index.pop_expired(self._clock()) if self._ttl_seen else []
             _, evicted = self._index.insert(key, Entry(size, value, expires_at))
             self.stats.expired += len(expired)
             self.stats.evictions += len(evicted)

@@ -61,6 +61,7 @@ class DiskTier:
         self._index: LRUIndex[str] = LRUIndex(capacity)  # value: file name inside the shard dir
         self._tmp_ids = itertools.count()
         self._shards_made: set[Path] = set()
+        self._ttl_seen = False  # sweep expired blobs on put only once some blob has a TTL
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             self._lock_fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
@@ -117,6 +118,7 @@ class DiskTier:
             m = _NAME_RE.match(name)
             assert m is not None
             expires_at = int(m.group(2)) / 1000 if m.group(2) else None
+            self._ttl_seen = self._ttl_seen or expires_at is not None
             _, evicted = self._index.insert(key, Entry(size, name, expires_at))
             self._unlink(evicted)
             self.stats.evictions += len(evicted)
@@ -189,6 +191,11 @@ class DiskTier:
             self._make_shard(shard)
             self._write_file(tmp, view)
             with self._lock:
+                self._ttl_seen = self._ttl_seen or expires_at is not None
+                if self._ttl_seen:  # a cheap sweep of the oldest entries
+                    expired = self._index.pop_expired(time.time())
+                    self._unlink(expired)
+                    self.stats.expired += len(expired)
                 os.rename(tmp, shard / fname)
                 old, evicted = self._index.insert(key, Entry(size, fname, expires_at))
                 if old is not None and old.value != fname:

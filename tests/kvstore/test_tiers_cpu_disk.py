@@ -103,9 +103,13 @@ def test_ttl_expiry(make: Callable[[int], Tier]) -> None:
     tier.put(key(2), blob(1))
     assert tier.contains(key(0)) and tier.get(key(0)) is not None
     time.sleep(0.4)
+    assert len(tier) == 3 and sorted(tier.keys()) == [key(1), key(2)]  # expired, not yet swept
+    tier.put(key(3), blob(1))  # a put sweeps expired blobs
+    assert len(tier) == 3 and tier.usage() == 3 * SIZE and tier.stats.expired == 1
     assert tier.get(key(0)) is None and not tier.contains(key(0))
-    assert sorted(tier.keys()) == [key(1), key(2)]
-    assert tier.usage() == 2 * SIZE and tier.stats.expired >= 1
+    tier.put(key(4), blob(1), ttl_s=0.01)
+    time.sleep(0.05)
+    assert tier.get(key(4)) is None and tier.stats.expired == 2  # a read drops it too
 
 
 def test_cpu_get_is_zero_copy_for_bytes() -> None:
