@@ -127,7 +127,7 @@ class GpuTier:
     # ---- the Tier protocol ------------------------------------------------------------------------
 
     def _live(self, key: str) -> Entry[torch.Tensor] | None:
-        """The entry, most recently used now; None (and dropped) when missing or expired. Holds no lock."""
+        """The entry, now most recently used; None (and dropped) when missing or expired."""
         with self._lock:
             entry = self._index.peek(key)
             if entry is None:
@@ -163,7 +163,7 @@ class GpuTier:
         return self._insert(key, src.size, ttl_s, lambda: self._to_device(src))
 
     def put_tensor(self, key: str, tensor: torch.Tensor, ttl_s: float | None = None) -> list[str]:
-        """Store a contiguous uint8 device tensor (copied on the side stream, never via the host)."""
+        """Store a 1-D uint8 CUDA tensor (copied on the side stream, never through the host)."""
         if tensor.dtype != torch.uint8 or tensor.dim() != 1 or tensor.device.type != "cuda":
             raise InvalidArgument(
                 f"put_tensor takes a 1-D uint8 CUDA tensor, got {tensor.dtype} {tensor.device}"
@@ -172,7 +172,8 @@ class GpuTier:
         def copy() -> torch.Tensor:
             self._stream.wait_stream(torch.cuda.current_stream(tensor.device))
             with torch.cuda.stream(self._stream):
-                dev = tensor.to(self.device, copy=True)
+                dev = torch.empty(tensor.numel(), dtype=torch.uint8, device=self.device)
+                dev.copy_(tensor, non_blocking=True)
             self._stream.synchronize()
             return dev
 
