@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,14 +45,17 @@ class Store:
 
     @classmethod
     def local(
-        cls, tiers: Sequence[str] | None = None, config: StoreConfig | None = None, **overrides: Any
+        cls,
+        tiers: Sequence[str] | None = None,
+        config: StoreConfig | str | Path | None = None,
+        **overrides: Any,
     ) -> Store:
-        """An in-process tiered store. `tiers` and `overrides` (any StoreConfig field) win over `config`,
-        which defaults to `StoreConfig.load()` (defaults < KVSTORE_* environment)."""
+        """An in-process tiered store. `tiers` and `overrides` (any StoreConfig field) win over `config`:
+        a StoreConfig, or a YAML file / None for `StoreConfig.load` (defaults < YAML < KVSTORE_* env)."""
         if tiers is not None:
             overrides["tiers"] = list(tiers)
-        if config is None:
-            config = StoreConfig.load(**overrides)
+        if config is None or isinstance(config, (str, Path)):
+            config = StoreConfig.load(config, **overrides)
         elif overrides:
             try:
                 config = StoreConfig(**{**config.model_dump(), **overrides})

@@ -120,6 +120,10 @@ def test_config_layers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         tiers = s.backend.store.tiers
         assert [t.name for t in tiers] == ["cpu"] and tiers[0].capacity == 3 * 2**20
     monkeypatch.delenv("KVSTORE_TIERS")
+    with Store.local(config=yaml_file) as s:  # a YAML path: YAML < env
+        tiers = s.backend.store.tiers
+        assert [t.name for t in tiers] == ["cpu", "disk"] and tiers[0].capacity == 3 * 2**20
+        assert tiers[1].root == tmp_path / "d"
     config = StoreConfig.load(yaml_file)  # env (3MiB) over YAML (2MiB)
     with Store.local(config=config, max_blob_size=4096) as s:  # explicit overrides over config
         store = s.backend.store
