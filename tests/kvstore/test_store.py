@@ -311,3 +311,47 @@ def test_demo_store_round_trip(tmp_path: Path, capsys: pytest.CaptureFixture[str
 def test_config_that_cannot_work_is_refused(bad: dict) -> None:
     with pytest.raises(ConfigError):
         TieredStore(StoreConfig(**bad), [CpuTier(1000)])
+
+
+def test_threads_sharing_a_write_back_store(tmp_path: Path) -> None:
+    import random
+    import time
+
+    blobs = {i: blob(i) for i in range(24)}
+    cpu_cap = 6 * len(blobs[0])
+    s = TieredStore(
+        StoreConfig(write_policy="back", write_back_queue=8, admission_hits=1),
+        [CpuTier(cpu_cap), DiskTier(tmp_path, 1 << 20, fsync=False)],
+    )
+    errors: list[BaseException] = []
+    stop = time.monotonic() + 1.5
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            while time.monotonic() < stop:
+                i = rng.randrange(len(blobs))
+                op = rng.random()
+                if op < 0.4:
+                    s.put_blob(key(i), blobs[i])
+                elif op < 0.9:
+                    got = s.get_blob(key(i))
+                    assert got is None or got == blobs[i]
+                else:
+                    s.delete(key(i))
+                assert s.tiers[0].usage() <= cpu_cap
+        except BaseException as e:  # collected and re-raised in the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    s.flush()
+    assert not errors, errors[0]
+    for tier in s.tiers:
+        for k in tier.keys():
+            assert tier.get(k) == blobs[int(k, 16)]
+    assert s.stats()["tiers"][1]["errors"] == 0
+    s.close()
