@@ -26,7 +26,8 @@ class ServerProcess:
 
     def start(self, port: int = 0) -> ServerProcess:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        cmd = [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port), *self.args]
+        cmd = [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port)]
+        cmd += ["--shutdown-timeout", "3", *self.args]
         self.proc = subprocess.Popen(
             cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
@@ -70,7 +71,18 @@ class ServerProcess:
 
 @pytest.fixture
 def kv_server() -> Iterator[ServerProcess]:
+    """A server of this test's own (it may kill it)."""
     server = ServerProcess("--tiers", "cpu", "--cpu-capacity", "256MiB").start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def shared_server() -> Iterator[ServerProcess]:
+    """One server for the tests that only put and get (keys are content-addressed: no cross-talk)."""
+    server = ServerProcess("--tiers", "cpu", "--cpu-capacity", "1GiB").start()
     try:
         yield server
     finally:
