@@ -101,3 +101,21 @@ def test_large_batches_roundtrip(server):
     got = be.batch_get([k for k, _ in items])
     assert [bytes(g) for g in got] == [b for _, b in items]
     be.close()
+
+
+def test_pooled_receive_buffers_never_overwrite_a_held_blob(server):
+    be = RemoteBackend(server.url)
+    a, b = make_blob(1, tokens=2048), make_blob(2, tokens=2048)  # 128 KiB: pooled sizes
+    be.batch_put([(key(1), a), (key(2), b)])
+    held = be.get_blob(key(1))
+    held_slice = be.batch_get([key(1)])[0]  # a slice of a pooled frame buffer
+    for _ in range(5):
+        assert bytes(be.get_blob(key(2))) == b
+        assert bytes(be.batch_get([key(2)])[0]) == b
+    assert bytes(held) == a and bytes(held_slice) == a
+    pooled = be._buffers._buffers
+    assert len(pooled) <= 4  # the two held, plus the ones released and reused across 10 responses
+    again = be.get_blob(key(1))
+    assert any(again.obj is buf for buf in pooled)  # a reused buffer: no fresh allocation per response
+    assert bytes(again) == a
+    be.close()
