@@ -202,14 +202,18 @@ class DiskTier:
                     self._unlink([(key, old)])
                 self._unlink(evicted)
                 self.stats.evictions += len(evicted)
-            if self.fsync:
-                _fsync_dir(shard)
         except OSError as e:
             tmp.unlink(missing_ok=True)
             self.stats.errors += 1
             self.stats.dropped_puts += 1
             logger.warning("disk tier: cannot write %s: %s", key, e)
             return []
+        if self.fsync:
+            try:
+                _fsync_dir(shard)  # makes the rename durable
+            except OSError as e:  # stored and readable, only its durability is in doubt
+                self.stats.errors += 1
+                logger.warning("disk tier: cannot fsync %s: %s", shard, e)
         return [k for k, _ in evicted]
 
     def _write_file(self, tmp: Path, view: memoryview) -> None:
