@@ -206,6 +206,7 @@ class RemoteBackend:
         self._buffers = BufferPool()
         self._lock = threading.Lock()
         self._session: Any = None  # aiohttp.ClientSession, created on first async call
+        self._session_loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
 
     # -- sync transport ------------------------------------------------------------------------------
@@ -338,7 +339,11 @@ class RemoteBackend:
     ) -> tuple[int, bytes]:
         import aiohttp  # noqa: PLC0415 (only async users pay for it)
 
+        loop = asyncio.get_running_loop()
+        if self._session is not None and self._session_loop is not loop:
+            self._session = None  # a session belongs to one event loop; this is a new one (asyncio.run again)
         if self._session is None or self._session.closed:
+            self._session_loop = loop
             ssl_arg: Any = self._tls if self._tls is not None else None
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=self.pool_size, ssl=ssl_arg),

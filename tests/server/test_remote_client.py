@@ -119,3 +119,13 @@ def test_pooled_receive_buffers_never_overwrite_a_held_blob(server):
     assert any(again.obj is buf for buf in pooled)  # a reused buffer: no fresh allocation per response
     assert bytes(again) == a
     be.close()
+
+
+def test_async_calls_from_successive_event_loops(server):
+    import asyncio
+
+    be = RemoteBackend(server.url)
+    asyncio.run(be.aput_blob(key(1), make_blob(1)))
+    assert asyncio.run(be.aexists(key(1)))  # a new loop: the session of the first one is not reused
+    assert bytes(asyncio.run(be.aget_blob(key(1)))) == make_blob(1)
+    asyncio.run(be.aclose())
