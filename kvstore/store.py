@@ -218,10 +218,13 @@ class TieredStore:
             return self._lookup([key])[0]
 
     def batch_get(self, keys: Sequence[str]) -> list[Blob | None]:
+        return [None if hit is None else hit[0] for hit in self.batch_get_verified(keys)]
+
+    def batch_get_verified(self, keys: Sequence[str]) -> list[Verified | None]:
         for key in keys:
             validate_key(key)
         with self.metrics.time("batch_get"):
-            return [None if hit is None else hit[0] for hit in self._lookup(list(keys))]
+            return self._lookup(list(keys))
 
     def _contains(self, tier: Tier, key: str) -> bool:
         return self._call(tier, "contains", tier.contains, key, default=False)

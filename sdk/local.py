@@ -26,6 +26,9 @@ class LocalBackend:
         """The blob and its parsed header: the store has just verified it, so decoding need not again."""
         return self.store.get_verified(key)
 
+    def batch_get_verified(self, keys: Sequence[str]) -> list[tuple[Blob, BlobHeader] | None]:
+        return self.store.batch_get_verified(keys)
+
     def put_blob(self, key: str, blob: Blob) -> None:
         self.store.put_blob(key, blob)
 
@@ -58,6 +61,9 @@ class LocalBackend:
 
     async def aget_verified(self, key: str) -> tuple[Blob, BlobHeader] | None:
         return await asyncio.to_thread(self.store.get_verified, key)
+
+    async def abatch_get_verified(self, keys: Sequence[str]) -> list[tuple[Blob, BlobHeader] | None]:
+        return await asyncio.to_thread(self.store.batch_get_verified, keys)
 
     async def aput_blob(self, key: str, blob: Blob) -> None:
         await asyncio.to_thread(self.store.put_blob, key, blob)

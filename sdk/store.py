@@ -127,7 +127,16 @@ class Store:
         self.backend.batch_put([(key, self.encode(x)) for key, x in items])
 
     def batch_get(self, keys: Sequence[str]) -> list[torch.Tensor | None]:
+        if isinstance(self.backend, LocalBackend):
+            return self._decode_verified(keys, self.backend.batch_get_verified(keys))
         return [self.decode(k, b) for k, b in zip(keys, self.backend.batch_get(keys), strict=True)]
+
+    def _decode_verified(
+        self, keys: Sequence[str], hits: list[tuple[Blob, BlobHeader] | None]
+    ) -> list[torch.Tensor | None]:
+        return [
+            None if h is None else self.decode(k, h[0], header=h[1]) for k, h in zip(keys, hits, strict=True)
+        ]
 
     def batch_get_blobs(self, keys: Sequence[str]) -> list[Blob | None]:
         return self.backend.batch_get(keys)
@@ -177,6 +186,9 @@ class Store:
         await self.backend.abatch_put(blobs)
 
     async def abatch_get(self, keys: Sequence[str]) -> list[torch.Tensor | None]:
+        if isinstance(self.backend, LocalBackend):
+            hits = await self.backend.abatch_get_verified(keys)
+            return await asyncio.to_thread(self._decode_verified, keys, hits)
         blobs = await self.backend.abatch_get(keys)
         return await asyncio.to_thread(lambda: [self.decode(k, b) for k, b in zip(keys, blobs, strict=True)])
 
