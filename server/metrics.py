@@ -40,18 +40,26 @@ class ServerMetrics:
             registry=self.registry,
         )
         self.totals: dict[str, int] = {"requests": 0, "errors": 0}  # cheap totals for the history sampler
+        self._children: dict[tuple[str, int], tuple] = {}
         self.in_flight = 0  # requests inside the handlers now; graceful shutdown waits for 0
         Gauge(
             "kvstore_http_in_flight_requests", "Requests being served", registry=self.registry
         ).set_function(lambda: self.in_flight)
 
     def observe(self, op: str, status: int, seconds: float, bytes_in: int, bytes_out: int) -> None:
-        self.request_seconds.labels(op).observe(seconds)
-        self.requests.labels(op, str(status)).inc()
+        children = self._children.get((op, status))
+        if children is None:  # labels() costs a lock and a dict walk per call: resolve each pair once
+            children = self._children[(op, status)] = (
+                self.request_seconds.labels(op), self.requests.labels(op, str(status)),
+                self.bytes_in.labels(op), self.bytes_out.labels(op),
+            )  # fmt: skip
+        seconds_h, count, received, sent = children
+        seconds_h.observe(seconds)
+        count.inc()
         if bytes_in:
-            self.bytes_in.labels(op).inc(bytes_in)
+            received.inc(bytes_in)
         if bytes_out:
-            self.bytes_out.labels(op).inc(bytes_out)
+            sent.inc(bytes_out)
         self.totals["requests"] += 1
         if status >= 400 and not (status == 404 and op in _MISS_OPS):
             self.totals["errors"] += 1
