@@ -171,3 +171,13 @@ class PagedKV:
 @pytest.fixture
 def paged_kv() -> type[PagedKV]:
     return PagedKV
+
+
+@pytest.fixture
+def single_thread():
+    """One intra-op thread for the duration of a test: on the shared 2-core box, two threads
+    contending with other processes make torch ops 10x slower or worse (NOTES.md)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -14,6 +14,8 @@ from engine.errors import EngineError
 from engine.layers.attention import Attention
 from engine.layers.paged_attention import get_plan, paged_attention, store_kvcache
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 
 def make_case(
     q_lens: list[int],

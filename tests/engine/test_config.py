@@ -12,6 +12,8 @@ from engine.config import ModelConfig, parse_dtype
 from engine.errors import EngineError, ModelLoadError, UnsupportedModel
 from kvstore.keys import config_hash
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 LLAMA = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",

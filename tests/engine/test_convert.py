@@ -13,6 +13,8 @@ from safetensors.numpy import load_file
 from engine.convert import SMOLLM2_NAME, convert_gguf, ensure_smollm2, is_complete, smollm2_gguf_path
 from engine.errors import ConversionError
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN, FFN, VOCAB = 4, 2, 8, 32, 48, 6
 
 

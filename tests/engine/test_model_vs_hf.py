@@ -15,6 +15,8 @@ import torch
 
 from engine.loader import load_model
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 TOL = 1e-4
 
 

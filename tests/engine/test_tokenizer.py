@@ -10,6 +10,8 @@ import pytest
 from engine.errors import TokenizerError
 from engine.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 TEXTS = [
     "Hello world, what is the capital of France?",
     "  leading spaces and\ttabs\nnewlines",
