@@ -51,7 +51,7 @@ async def put_chunk(request: web.Request) -> web.Response:
     return web.Response(status=201, headers=_WIRE_HEADERS)
 
 
-@routes.get(wire.CHUNKS_PATH + "/{key}", name="get")
+@routes.get(wire.CHUNKS_PATH + "/{key}", name="get", allow_head=False)  # HEAD has its own handler
 async def get_chunk(request: web.Request) -> web.StreamResponse:
     st = _state(request)
     key = validate_key(request.match_info["key"])

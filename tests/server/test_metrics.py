@@ -32,7 +32,9 @@ def test_metrics_parse_and_count(server):
     server.request("GET", wire.chunk_path(key(2)))  # a miss: 404
     server.request("GET", wire.chunk_path("bad"))  # 400
     server.request("GET", "/nope")  # unmatched route
+    server.request("HEAD", wire.chunk_path(key(1)))
     f = scrape(server)
+    assert value(f, "kvstore_http_requests_total", op="head", status="200") == 1  # not served as a get
     # the server's own series
     assert value(f, "kvstore_request_seconds_count", op="get") == 5
     assert value(f, "kvstore_request_seconds_count", op="put") == 1
