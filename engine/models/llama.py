@@ -15,7 +15,7 @@ from engine.layers.activation import SiluAndMul
 from engine.layers.attention import Attention
 from engine.layers.layernorm import RMSNorm
 from engine.layers.linear import MergedLinear, QKVLinear, RowLinear
-from engine.layers.rotary_embedding import RotaryEmbedding
+from engine.layers.rotary_embedding import RotaryEmbedding, apply_rotary_emb
 
 
 class LlamaAttention(nn.Module):
@@ -30,7 +30,6 @@ class LlamaAttention(nn.Module):
             config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, bias=config.attention_bias
         )
         self.o_proj = RowLinear(self.q_size, config.hidden_size)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, config.rope_theta)
         self.attn = Attention(
             self.num_heads,
             self.head_dim,
@@ -40,12 +39,15 @@ class LlamaAttention(nn.Module):
         )
 
     def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, attn_metadata: AttentionMetadata
+        self,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        hidden_states: torch.Tensor,
+        attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         n = hidden_states.shape[0]
         q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.rotary_emb(
-            positions, q.view(n, self.num_heads, self.head_dim), k.view(n, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary_emb(
+            q.view(n, self.num_heads, self.head_dim), k.view(n, self.num_kv_heads, self.head_dim), *rope
         )
         o = self.attn(q.reshape(n, -1), k.reshape(n, -1), v.contiguous(), attn_metadata)
         return self.o_proj(o)
@@ -73,7 +75,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self,
-        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
         hidden_states: torch.Tensor,
         residual: torch.Tensor | None,
         attn_metadata: AttentionMetadata,
@@ -83,7 +85,7 @@ class LlamaDecoderLayer(nn.Module):
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, attn_metadata)
+        hidden_states = self.self_attn(rope, hidden_states, attn_metadata)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
@@ -94,14 +96,17 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList([LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # One table for all layers (as in HF); its positions are looked up once per step.
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
     ) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
+        rope = self.rotary_emb(positions)
         residual = None
         for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual, attn_metadata)
+            hidden_states, residual = layer(rope, hidden_states, residual, attn_metadata)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
