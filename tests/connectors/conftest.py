@@ -145,3 +145,13 @@ def engines():
     yield make
     for engine in reversed(made):
         engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def off():
+    """SmolLM2 without the store: the reference every store-on output must equal token for token."""
+    from tests.connectors.engine_util import llm  # noqa: PLC0415 (engine tests only)
+
+    engine = llm()
+    yield engine
+    engine.engine.shutdown()

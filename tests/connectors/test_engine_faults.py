@@ -1,0 +1,67 @@
+"""A corrupt blob, and a store server killed between the lookup and the load, both end in a
+recompute with output identical to the engine without the store."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstore.keys import chunk_keys
+from tests.connectors.conftest import ServerProcess
+from tests.connectors.engine_util import doc, generate, llm, store_metrics
+
+pytestmark = pytest.mark.slow
+
+
+def test_corrupt_blob_then_killed_server_fall_back_to_recompute(off, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("KV_TRANSFER_RETRIES", "0")  # KVTransferConfig's environment layer
+    prompt = doc(530, 40)
+    want = generate(off, [prompt])
+    server = ServerProcess("--tiers", "disk", "--disk-path", str(tmp_path / "disk")).start()
+    engine = llm(kv_backend="kvstore", kv_store_url=server.url)
+    try:
+        assert generate(engine, [prompt]) == want
+        store_metrics(engine)  # waits for the saves
+        layout = engine.engine.scheduler.connector.config.layout
+        key = chunk_keys(prompt, layout)[1]
+        (path,) = [p for p in (tmp_path / "disk").rglob(f"*{key}*") if p.is_file()]
+        data = bytearray(path.read_bytes())
+        data[-100] ^= 0x01  # one bit of chunk 1's payload
+        path.write_bytes(bytes(data))
+
+        engine.engine.block_manager.reset_prefix_cache()  # only the store can help now
+        before = store_metrics(engine)
+        assert generate(engine, [prompt]) == want
+        after = store_metrics(engine)
+        assert (
+            after["kvstore_connector_load_error_blocks_total"]
+            - before["kvstore_connector_load_error_blocks_total"]
+            == 16
+        )
+        assert (
+            after["vllm:external_prefix_cache_hits_total"] - before["vllm:external_prefix_cache_hits_total"]
+            == 512
+        )
+
+        # the lookup succeeds, then the server dies before the load
+        engine.engine.block_manager.reset_prefix_cache()
+        runner = engine.engine.runner
+        execute = runner.execute_model
+
+        def kill_then_execute(out):
+            server.kill()
+            return execute(out)
+
+        runner.execute_model = kill_then_execute
+        before = store_metrics(engine)
+        assert generate(engine, [prompt]) == want
+        runner.execute_model = execute
+        after = store_metrics(engine)
+        lost = "kvstore_connector_chunk_misses_total{reason=unreachable}"
+        assert after[lost] > before[lost]
+        assert (
+            after["kvstore_connector_load_error_blocks_total"]
+            > before["kvstore_connector_load_error_blocks_total"]
+        )
+    finally:
+        engine.engine.shutdown()
+        server.stop()

@@ -1,0 +1,111 @@
+"""Prefill/decode disaggregation: `kvstore-engine proxy` sends a request to a `--kv-role prefill`
+engine (first token only; its prompt KV goes to the store) and then to a `--kv-role decode` engine
+(loads it, continues). The answer equals a single engine's, and the decode engine hit the store."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.connectors.engine_util import ENGINE, GREEDY, doc, free_port
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def http_json(url: str, body: dict | None = None, timeout: float = 300) -> dict:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def metric(url: str, name: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == name)
+
+
+class Proc:
+    def __init__(self, args: list[str]) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "engine", *args], cwd=ROOT, env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+
+    def wait_line(self, pattern: str, timeout: float = 300) -> re.Match:
+        deadline = time.monotonic() + timeout
+        seen = []
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            seen.append(line)
+            m = re.search(pattern, line)
+            if m:
+                return m
+        raise RuntimeError("process did not get ready:\n" + "".join(seen[-30:]))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+def engine_server(store_url: str, role: str) -> tuple[Proc, str]:
+    port = free_port()
+    args = ["serve", "--port", str(port), "--kv-backend", "kvstore", "--kv-store-url", store_url]
+    args += ["--kv-role", role, "--max-model-len", str(ENGINE["max_model_len"])]
+    args += ["--kv-cache-memory", ENGINE["kv_cache_memory"], "--num-threads", "1", "--log-level", "INFO"]
+    proc = Proc(args)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.proc.poll() is not None:
+            raise RuntimeError(f"engine ({role}) exited: {proc.proc.stdout.read()[-3000:]}")
+        try:
+            http_json(url + "/health", timeout=2)
+            return proc, url
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            time.sleep(0.5)
+    proc.stop()
+    raise RuntimeError(f"engine ({role}) did not start")
+
+
+def test_pd_handoff_through_the_proxy_gives_a_single_engines_tokens(off, shared_server) -> None:
+    prompt = doc(560, 50)
+    (want,) = off.generate([prompt], GREEDY)
+    procs = []
+    try:
+        prefill, prefill_url = engine_server(shared_server.url, "prefill")
+        procs.append(prefill)
+        decode, decode_url = engine_server(shared_server.url, "decode")
+        procs.append(decode)
+        proxy = Proc(["proxy", "--prefill", prefill_url, "--decode", decode_url, "--port", "0"])
+        procs.append(proxy)
+        proxy_url = proxy.wait_line(r"listening on (http://\S+)").group(1)
+
+        body = {"prompt": prompt, "max_tokens": GREEDY.max_tokens, "temperature": 0, "ignore_eos": True}
+        got = http_json(proxy_url + "/v1/completions", body)
+        assert got["choices"][0]["text"] == want.outputs[0].text
+        # the decode engine took every full chunk below the last prompt token from the store
+        assert metric(decode_url, "vllm:external_prefix_cache_hits_total") == 512
+        assert metric(prefill_url, "vllm:generation_tokens_total") == 1, "prefill stops after one token"
+    finally:
+        for p in reversed(procs):
+            p.stop()
