@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.connectors.engine_util import ENGINE, GREEDY, doc, free_port
+from tests.connectors.engine_util import ENGINE, GREEDY, doc, free_port, requires_kv_engine
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, requires_kv_engine]
 ROOT = Path(__file__).resolve().parents[2]
 
 
