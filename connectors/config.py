@@ -67,6 +67,15 @@ class KVTransferConfig(BaseModel):
             v = [t.strip() for t in v.split(",") if t.strip()]
         return v
 
+    @model_validator(mode="before")
+    @classmethod
+    def _layout_chunk_size(cls, data: Any) -> Any:
+        """A layout given as a mapping without chunk_size gets the config's (the engine cannot know it)."""
+        layout = data.get("layout") if isinstance(data, dict) else None
+        if isinstance(layout, dict) and "chunk_size" not in layout:
+            data = {**data, "layout": {**layout, "chunk_size": data.get("chunk_size", 256)}}
+        return data
+
     @model_validator(mode="after")
     def _check(self) -> KVTransferConfig:
         if self.store_url != "local" and not self.store_url.startswith(("http://", "https://")):

@@ -5,12 +5,13 @@
 One instance per role, like vLLM: `KVConnectorRole.SCHEDULER` decides what to load and save
 (`connectors.kv_scheduler`), `KVConnectorRole.WORKER` moves the bytes (`connectors.kv_worker`). Both
 share one store connection per process (`connectors.store_handle`). `config` is a
-`KVTransferConfig` whose `layout` the engine has filled in (`KVTransferConfig.for_engine`).
+`KVTransferConfig` whose `layout` the engine has filled in (`KVTransferConfig.for_engine`), or
+the same fields as a plain mapping (`layout` a mapping of `kvstore.keys.KVLayout` fields).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -28,7 +29,9 @@ _TRANSFERS = "kvstore_transfers"
 
 
 class KVStoreConnector(KVConnectorBase):
-    def __init__(self, role: KVConnectorRole, config: KVTransferConfig) -> None:
+    def __init__(self, role: KVConnectorRole, config: KVTransferConfig | Mapping[str, Any]) -> None:
+        if isinstance(config, Mapping):  # from an engine that only knows connectors.base: plain fields
+            config = KVTransferConfig.load(**config)  # (under them: KV_TRANSFER_* environment)
         if not isinstance(config, KVTransferConfig):
             raise ConfigError(f"KVStoreConnector needs a KVTransferConfig, got {type(config).__name__}")
         if config.layout is None:

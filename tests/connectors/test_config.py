@@ -72,3 +72,19 @@ def test_connector_without_layout_is_a_config_error() -> None:
     with pytest.raises(ConfigError):
         create_connector("kvstore", KVConnectorRole.WORKER, {"store_url": "local"})
     assert create_connector("none", KVConnectorRole.WORKER, None) is None
+
+
+def test_an_engine_passes_plain_fields_and_the_environment_fills_in(monkeypatch) -> None:
+    monkeypatch.setenv("KV_TRANSFER_CHUNK_SIZE", "128")
+    monkeypatch.setenv("KV_TRANSFER_RETRIES", "0")
+    layout = {"model_name": "m", "model_config_hash": "h", "num_layers": 2, "num_kv_heads": 1, "head_dim": 8}
+    connector = create_connector(
+        "kvstore", KVConnectorRole.SCHEDULER, {"store_url": "local", "codec": "raw", "layout": layout}
+    )
+    try:
+        assert connector.config.chunk_size == connector.config.layout.chunk_size == 128
+        assert connector.config.retries == 0 and connector.config.layout.kv_dtype == "float16"
+    finally:
+        connector.shutdown()
+    with pytest.raises(ConfigError):
+        create_connector("kvstore", KVConnectorRole.WORKER, {"store_url": "local", "bogus": 1})
