@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from kvstore.codecs.base import Codec
+from kvstore.codecs.fp8 import Fp8Codec
+from kvstore.codecs.int4 import Int4Codec
 from kvstore.codecs.raw import RawCodec
 from kvstore.errors import CodecError
 
@@ -30,5 +32,7 @@ def codec_names() -> list[str]:
 
 
 register(RawCodec())
+register(Fp8Codec())
+register(Int4Codec())
 
 __all__ = ["Codec", "register", "get_codec", "codec_names"]

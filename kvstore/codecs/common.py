@@ -1,0 +1,80 @@
+"""Helpers the lossy codecs share: tensor checks, option parsing, raw-bit views, payload slicing."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvstore.codecs.cpu_bits import KIND_BF16, KIND_F16, KIND_F32
+from kvstore.errors import CodecError
+
+KINDS = {torch.float16: KIND_F16, torch.bfloat16: KIND_BF16, torch.float32: KIND_F32}
+_BITS = {torch.float16: (torch.int16, np.uint16), torch.bfloat16: (torch.int16, np.uint16),
+         torch.float32: (torch.int32, np.uint32)}  # fmt: skip
+
+
+def check_kv(kv: Any, codec: str) -> torch.Tensor:
+    """A `[2, L, T, H, D]` float16/bfloat16/float32 tensor, or CodecError."""
+    if not isinstance(kv, torch.Tensor):
+        raise CodecError(f"{codec}: kv must be a torch.Tensor, got {type(kv).__name__}")
+    if kv.dtype not in KINDS:
+        raise CodecError(f"{codec}: KV dtype must be float16, bfloat16 or float32, got {kv.dtype}")
+    if kv.dim() != 5 or kv.shape[0] != 2 or kv.numel() == 0:
+        raise CodecError(
+            f"{codec}: kv must have shape [2, layers, tokens, kv_heads, head_dim], got {tuple(kv.shape)}"
+        )
+    return kv.detach()
+
+
+def check_shape(shape: tuple[int, ...], dtype: torch.dtype, codec: str) -> tuple[int, int, int, int, int]:
+    if len(shape) != 5 or shape[0] != 2 or dtype not in KINDS or math.prod(shape) == 0:
+        raise CodecError(f"{codec}: cannot decode shape {tuple(shape)} of {dtype}")
+    return tuple(int(s) for s in shape)  # type: ignore[return-value]
+
+
+def take_options(codec: str, options: dict, defaults: dict) -> dict:
+    """Merge options over defaults; an unknown option is a CodecError naming the known ones."""
+    unknown = sorted(set(options) - set(defaults))
+    if unknown:
+        raise CodecError(f"{codec}: unknown option(s) {unknown}; known: {sorted(defaults)}")
+    return {**defaults, **options}
+
+
+def bits(t: torch.Tensor) -> np.ndarray:
+    """A contiguous CPU float tensor as a numpy array of its raw bits (uint16 or uint32), no copy."""
+    tview, npdt = _BITS[t.dtype]
+    return t.view(tview).numpy().view(npdt)
+
+
+def empty_bits(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, np.ndarray]:
+    """A fresh CPU tensor and the numpy bits view the kernels write into."""
+    out = torch.empty(shape, dtype=dtype)
+    return out, bits(out)
+
+
+class Cursor:
+    """Cuts consecutive typed arrays out of one payload buffer (encode: writable; decode: read-only)."""
+
+    def __init__(self, buf: np.ndarray) -> None:
+        assert buf.dtype == np.uint8 and buf.ndim == 1
+        self.buf, self.pos = buf, 0
+
+    def take(self, dtype: type, shape: tuple[int, ...]) -> np.ndarray:
+        n = math.prod(shape) * np.dtype(dtype).itemsize
+        if self.pos + n > self.buf.size:
+            raise CodecError(f"payload of {self.buf.size} bytes is too short for its shape")
+        arr = self.buf[self.pos : self.pos + n].view(dtype).reshape(shape)
+        self.pos += n
+        # a blob's payload starts wherever its header and params end: realign the (small) scale arrays
+        return arr if arr.ctypes.data % arr.itemsize == 0 else arr.copy()
+
+    def finish(self) -> None:
+        if self.pos != self.buf.size:
+            raise CodecError(f"payload is {self.buf.size} bytes, its shape needs {self.pos}")
+
+
+def payload_array(payload: bytes | bytearray | memoryview) -> np.ndarray:
+    return np.frombuffer(memoryview(payload).cast("B"), dtype=np.uint8)
