@@ -16,7 +16,7 @@ import pytest
 from kvstore import wire
 from kvstore.errors import ConfigError
 from sdk.remote import RemoteBackend
-from server.cli import build_parser
+from server.cli import build_parser, main
 from server.config import load_configs
 from tests.server.conftest import key, make_blob, read_response
 
@@ -61,16 +61,23 @@ def cli_servers() -> Iterator[list[CliServer]]:
         s.stop(signal.SIGKILL)
 
 
-def test_help_and_bad_flags():
+def test_help_runs_as_a_module():
     run = subprocess.run([sys.executable, "-m", "server", "--help"], capture_output=True, text=True,
                          env=_env(), cwd=ROOT, timeout=60)  # fmt: skip
     assert run.returncode == 0 and "--auth-token-file" in run.stdout and "--tiers" in run.stdout
-    for bad in (["--tiers", "cpu,cpu"], ["--tiers", "tape"], ["--port", "99999"], ["--tls-cert", "x.pem"],
-                ["--cpu-capacity", "lots"], ["--auth-token-file", "/nonexistent/token"]):  # fmt: skip
-        run = subprocess.run([sys.executable, "-m", "server", *bad], capture_output=True, text=True,
-                             env=_env(), cwd=ROOT, timeout=60)  # fmt: skip
-        assert run.returncode == 2, (bad, run.stderr)
-        assert run.stderr.startswith("kvstore-server: ") and "Traceback" not in run.stderr
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [["--tiers", "cpu,cpu"], ["--tiers", "tape"], ["--port", "99999"], ["--tls-cert", "x.pem"],
+     ["--cpu-capacity", "lots"], ["--auth-token-file", "/nonexistent/token"], ["--max-request-size", "-1"]],
+)  # fmt: skip
+def test_bad_flags_exit_2_with_one_line(bad, capsys, monkeypatch):
+    for name in [k for k in os.environ if k.startswith("KVSTORE_")]:
+        monkeypatch.delenv(name)
+    assert main(bad) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvstore-server: ") and "Traceback" not in err
 
 
 @pytest.mark.slow
