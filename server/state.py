@@ -51,5 +51,7 @@ class ServerState:
 
 STATE = web.AppKey("state", ServerState)
 SAMPLER = web.AppKey("sampler", asyncio.Task)
-BYTES_IN = web.RequestKey("bytes_in", int)  # body bytes received / sent, for the metrics middleware
-BYTES_OUT = web.RequestKey("bytes_out", int)
+# Body bytes received / sent, for the metrics middleware (typed keys since aiohttp 3.12; plain before).
+_RequestKey = getattr(web, "RequestKey", None)
+BYTES_IN: Any = _RequestKey("bytes_in", int) if _RequestKey else "kvstore_bytes_in"
+BYTES_OUT: Any = _RequestKey("bytes_out", int) if _RequestKey else "kvstore_bytes_out"
