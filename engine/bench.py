@@ -53,6 +53,7 @@ def run_latency(
     ttft: list[float] = []
     itl: list[float] = []
     e2e: list[float] = []
+    wall = 0.0
     for it in range(warmup + num_iters):
         prompts = random_prompts(engine.model_config.vocab_size, batch_size, input_len, seed + it)
         start = time.perf_counter()
@@ -64,6 +65,7 @@ def run_latency(
                 stamps[out.request_id].append(time.perf_counter())
         if it < warmup:
             continue
+        wall += time.perf_counter() - start
         for times in stamps.values():
             ttft.append(times[0] - start)
             itl.extend(np.diff(times).tolist())
@@ -72,7 +74,7 @@ def run_latency(
     print(_percentiles("inter-token latency", itl))
     print(_percentiles("end-to-end latency", e2e))
     tokens = batch_size * output_len * num_iters
-    print(f"decode throughput {tokens / sum(e2e) * batch_size:8.1f} tokens/s (batch {batch_size})")
+    print(f"output throughput {tokens / wall:8.1f} tokens/s (batch {batch_size})")
     return {
         "ttft_p50": float(np.median(ttft)),
         "itl_p50": float(np.median(itl)),
@@ -80,10 +82,12 @@ def run_latency(
     }
 
 
-def _run_hf(model_dir: str, prompts: list[list[int]], output_len: int) -> tuple[float, int]:
+def _run_hf(
+    model_dir: str, prompts: list[list[int]], output_len: int, dtype: torch.dtype
+) -> tuple[float, int]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     ids = torch.tensor(prompts)
     mask = torch.ones_like(ids)
     gen_kwargs = dict(do_sample=False, max_new_tokens=output_len, min_new_tokens=output_len,
@@ -121,7 +125,7 @@ def run_throughput(
     print(f"kvstore-engine : {generated} tokens in {elapsed:6.2f} s = {generated / elapsed:8.1f} output tokens/s "
           f"({(generated + num_prompts * input_len) / elapsed:8.1f} total tokens/s)")  # fmt: skip
     if compare_hf:
-        hf_elapsed, hf_generated = _run_hf(str(engine.model_dir), prompts, output_len)
+        hf_elapsed, hf_generated = _run_hf(str(engine.model_dir), prompts, output_len, engine.dtype)
         assert hf_generated == generated, (hf_generated, generated)
         result.update(hf_tokens_per_s=hf_generated / hf_elapsed, hf_seconds=hf_elapsed)
         print(f"transformers   : {hf_generated} tokens in {hf_elapsed:6.2f} s = "
