@@ -75,12 +75,15 @@ def llm(smollm2_dir: Path) -> LLM:
     "engine_args",
     [
         pytest.param({}, id="concurrent-batch"),
-        pytest.param({"max_num_batched_tokens": 16}, id="chunked-prefill-16"),
+        # 16-token steps: prompts prefill in chunks next to other sequences' decodes; 8 blocks of 16
+        # cannot hold the four sequences, so the newest is preempted and recomputed.
         pytest.param(
-            {"max_num_batched_tokens": 16, "num_kv_blocks": 8, "max_model_len": 128}, id="preemption"
+            {"max_num_batched_tokens": 16, "num_kv_blocks": 8, "max_model_len": 128},
+            id="chunked-16-preemption",
         ),
     ],
 )
+@pytest.mark.timeout(600)
 def test_greedy_matches_transformers(smollm2_dir: Path, hf_greedy, llm: LLM, engine_args: dict) -> None:
     engine = llm if not engine_args else LLM(str(smollm2_dir), **engine_args)
     outputs = engine.generate(PROMPTS, GREEDY)
@@ -90,6 +93,7 @@ def test_greedy_matches_transformers(smollm2_dir: Path, hf_greedy, llm: LLM, eng
         "too many early EOS to compare"
     )
     if "num_kv_blocks" in engine_args:
+        assert max(len(o.prompt_token_ids) for o in outputs) > 16, "a prompt must need several chunks"
         assert engine.engine.scheduler.num_preemptions > 0, "the small KV cache must force preemption"
         assert metric_value(engine, "vllm:num_preemptions") == engine.engine.scheduler.num_preemptions
     bm = engine.engine.block_manager
