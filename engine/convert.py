@@ -103,10 +103,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
 
 def _field(reader, key: str, default=None):
     field = reader.fields.get(key)
-    if field is None:
-        return default
-    value = field.contents()
-    return value
+    return default if field is None else field.contents()
 
 
 def _round_f32(x: float) -> float:
@@ -206,8 +203,11 @@ def _write_tokenizer(gguf_path: Path, reader, out: Path, config: dict) -> None:
     from tokenizers import pre_tokenizers
     from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
 
-    arch, tokenizer_dict, tokenizer_cfg = get_gguf_tokenizer(str(gguf_path))
-    fast, _ = convert_gguf_tokenizer(arch, tokenizer_dict)
+    try:
+        arch, tokenizer_dict, tokenizer_cfg = get_gguf_tokenizer(str(gguf_path))
+        fast, _ = convert_gguf_tokenizer(arch, tokenizer_dict)
+    except (KeyError, ValueError, NotImplementedError) as e:
+        raise ConversionError(f"cannot convert the tokenizer of {gguf_path}: {e!r}") from e
     if tokenizer_dict.get("pre_tokenizer_type") == "smollm":
         # The original SmolLM2 tokenizer splits digits one by one before the byte-level step.
         fast.pre_tokenizer = pre_tokenizers.Sequence(
