@@ -25,7 +25,8 @@
   probes it; the tier reconnects on its own. Timeouts: connect 0.5 s, each socket operation 2 s.
 - Speed: values are sent as they are (redis-py's hiredis packer copies each one) and hiredis' replies
   are returned as they are; a batch is one MGET (standalone) or one pipeline per primary, the
-  primaries asked concurrently (Cluster).
+  primaries asked concurrently (Cluster). `contains_many` is one pipeline of EXISTS per server, so a
+  prefix lookup through the store costs one round trip, not one per key.
 """
 
 from __future__ import annotations
@@ -551,12 +552,32 @@ class RedisTier:
 
     def contains(self, key: str) -> bool:
         rkey = self._rk(key)
-        n = self._call(self._endpoint(rkey), lambda c: c.exists(rkey))
-        if n is _FAIL:
+        return self._exists(key, self._call(self._endpoint(rkey), lambda c: c.exists(rkey)))
+
+    def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        """`contains` for each key in one round trip per server (pipelined EXISTS); down => False."""
+        out = [False] * len(keys)
+
+        def check(ep: _Endpoint | None, idx: list[int]) -> None:
+            cmds = [("exists", self._rk(keys[i])) for i in idx]
+            replies = self._call(ep, lambda c: _pipelined(c, cmds))
+            for j, i in enumerate(idx):
+                out[i] = self._exists(keys[i], _FAIL if replies is _FAIL else replies[j])
+
+        self._per_node(self._group(keys), check)
+        return out
+
+    def _exists(self, key: str, reply: Any) -> bool:
+        if reply is _FAIL:
             return False
-        if not n:
+        if isinstance(reply, Exception):
+            self._count_error(type(reply).__name__, "redis exists %s: %s", key, reply)
+            if isinstance(reply, AskError):
+                self._refresh_topology()
+            return False
+        if not reply:
             self._forget(key, missed=True)
-        return bool(n)
+        return bool(reply)
 
     def delete(self, key: str) -> bool:
         rkey = self._rk(key)
@@ -599,6 +620,8 @@ def _pipelined(client: redis.Redis, cmds: Sequence[tuple[Any, ...]]) -> list[Any
     for cmd in cmds:
         if cmd[0] == "get":
             pipe.get(cmd[1])
+        elif cmd[0] == "exists":
+            pipe.exists(cmd[1])
         else:
             pipe.set(cmd[1], cmd[2], px=cmd[3])
     return pipe.execute(raise_on_error=False)

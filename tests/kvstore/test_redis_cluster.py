@@ -13,6 +13,7 @@ import pytest
 from kvstore.config import StoreConfig
 from kvstore.tiers import make_tier
 from kvstore.tiers.redis import RedisTier
+from tests.kvstore.test_redis_tier import RoundTrips, command_calls
 from tests.valkey import ValkeyCluster, wait_until
 
 
@@ -55,6 +56,22 @@ def test_single_and_batch_ops_across_nodes(tier: RedisTier) -> None:
     assert all(tier.get(k) == b for k, b in items)
     assert tier.contains(key(3)) and tier.delete(key(3)) and not tier.contains(key(3))
     assert tier.stats.errors == 0 and tier.stats.dropped_puts == 0
+
+
+def test_contains_many_is_one_pipeline_per_primary(
+    tier: RedisTier, valkey_cluster: ValkeyCluster, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    keys = [key(i) for i in range(30)]
+    tier.put_many([(k, b"here") for i, k in enumerate(keys) if i != 13])  # a gap in the middle
+    owners = {valkey_cluster.node_of(prefix + k).port for k in keys}
+    assert len(owners) == 3
+    round_trips = RoundTrips(monkeypatch)
+    before = sum(command_calls(n, "exists") for n in valkey_cluster.nodes)
+    sent_before = round_trips.count
+    assert tier.contains_many(keys) == [i != 13 for i in range(30)]
+    assert round_trips.count - sent_before == 3  # one pipeline per primary, asked concurrently
+    assert sum(command_calls(n, "exists") for n in valkey_cluster.nodes) == before + 30
+    assert tier.stats.errors == 0
 
 
 def test_ttl_and_namespaces_in_the_cluster(
@@ -109,6 +126,7 @@ def test_one_node_down_costs_only_its_keys(
         for k, blob in items.items():
             assert got[k] == (None if k in on_victim else blob)
         assert all(tier.get(k) == (None if k in on_victim else b) for k, b in items.items())
+        assert tier.contains_many(list(items)) == [k not in on_victim for k in items]
         dropped = tier.stats.dropped_puts
         tier.put_many([(k, b"new") for k in items])
         assert tier.stats.dropped_puts == dropped + len(on_victim)

@@ -9,9 +9,11 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+import redis
 import torch
 
 from kvstore.blob import encode_blob
@@ -27,6 +29,31 @@ MiB = 2**20
 
 def key(i: int) -> str:
     return f"{i:032x}"
+
+
+class RoundTrips:
+    """Counts requests written to any redis-py connection (a pipeline is one); installed by the fixture."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.count = 0
+        send = redis.connection.AbstractConnection.send_packed_command
+
+        def counting(conn: Any, *args: Any, **kwargs: Any) -> Any:
+            self.count += 1
+            return send(conn, *args, **kwargs)
+
+        monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", counting)
+
+
+@pytest.fixture
+def round_trips(monkeypatch: pytest.MonkeyPatch) -> RoundTrips:
+    return RoundTrips(monkeypatch)
+
+
+def command_calls(server: ValkeyProcess, command: str) -> int:
+    """How many times the server ran `command` (INFO commandstats)."""
+    with server.client() as raw:
+        return int(raw.info("commandstats").get(f"cmdstat_{command}", {}).get("calls", 0))
 
 
 @pytest.fixture
@@ -91,6 +118,69 @@ def test_batches_keep_order_and_report_misses(tier: RedisTier) -> None:
     assert tier.get_many([]) == []
     assert sorted(tier.keys()) == sorted(k for k, _ in items)
     assert tier.usage() == sum(len(b) for _, b in items) and len(tier) == 20
+
+
+def test_contains_many_is_one_pipelined_exists(valkey_factory, round_trips: RoundTrips) -> None:
+    server = valkey_factory()
+    t = RedisTier(server.url, prefix="cm:")
+    t.put_many([(key(i), b"x" * (i + 1)) for i in range(10) if i != 5])  # a gap in the middle
+    wanted = [key(i) for i in range(12)]
+    exists_before, sent_before = command_calls(server, "exists"), round_trips.count
+    got = t.contains_many(wanted)
+    sent = round_trips.count - sent_before
+    assert got == [i < 10 and i != 5 for i in range(12)]
+    assert sent == 1 and command_calls(server, "exists") == exists_before + 12
+    assert t.contains_many([]) == []
+    with server.client() as raw:  # gone behind our back: the answer and the accounting follow the server
+        raw.delete(f"cm:{key(0)}")
+    assert t.contains_many([key(0), key(1)]) == [False, True]
+    assert t.stats.evictions == 1 and t.usage() == sum(i + 1 for i in range(1, 10) if i != 5)
+    assert t.stats.errors == 0
+    t.close()
+
+
+def test_contains_many_while_redis_is_down(valkey_factory) -> None:
+    server = valkey_factory()
+    t = RedisTier(server.url, prefix="cmd:")
+    t.put_many([(key(i), b"v") for i in range(4)])
+    server.kill()
+    assert t.contains_many([key(i) for i in range(4)]) == [False] * 4  # all False, no exception
+    assert t.stats.errors == 1
+    for _ in range(20):
+        assert t.contains_many([key(0), key(1)]) == [False, False]
+    assert t.stats.extra["fast_fails"] > 0 and t.stats.errors < 20  # the breaker spared the network
+    server.start()  # empty: it persisted nothing
+
+    def healthy() -> bool:
+        t.put(key(7), b"after")
+        return t.contains_many([key(0), key(7)]) == [False, True]
+
+    wait_until(healthy)
+    t.close()
+
+
+def test_store_lookup_prefix_over_redis_is_one_round_trip(valkey_factory, round_trips: RoundTrips) -> None:
+    server = valkey_factory()
+    config = StoreConfig(
+        tiers=["cpu", "redis"], cpu_capacity="16MiB", redis_url=server.url, redis_prefix="lp:"
+    )
+    with TieredStore(config) as store:
+        redis_tier = store.tiers[1]
+        keys = [key(i) for i in range(16)]
+        blobs = {keys[i]: _blob(i) for i in range(16) if i != 9}
+        redis_tier.put_many(list(blobs.items()))  # only in redis: the cpu tier never saw them
+        assert all(not store.tiers[0].contains(k) for k in keys)
+        exists_before, sent_before = command_calls(server, "exists"), round_trips.count
+        assert store.lookup_prefix(keys) == 9
+        assert round_trips.count - sent_before == 1
+        assert command_calls(server, "exists") == exists_before + 16
+        sent_before = round_trips.count
+        assert store.batch_exists(keys) == [i != 9 for i in range(16)]
+        assert round_trips.count - sent_before == 1
+        store.tiers[0].put(keys[0], blobs[keys[0]])  # a cpu hit is not asked of redis again
+        exists_before = command_calls(server, "exists")
+        assert store.lookup_prefix(keys[:9]) == 9
+        assert command_calls(server, "exists") == exists_before + 8
 
 
 def test_threads_share_one_tier(tier: RedisTier) -> None:
