@@ -2,8 +2,8 @@
 `TRITON_INTERPRET=1` on CPU tensors and small shapes.
 
 The interpreter must be switched on before triton is imported, and other test modules import triton
-without it, so the cases run in one subprocess (`python -m tests.engine.test_triton_kernels`) that
-prints one JSON line per case; each pytest test checks its line. On a CUDA machine the same cases
+without it, so the cases run in one subprocess (`python -m tests.engine.test_triton_kernels
+TINY_LLAMA_DIR`) that prints one JSON line per case; each pytest test checks its line. On a CUDA machine the same cases
 also run compiled, in-process (`-m gpu`).
 """
 
@@ -78,15 +78,12 @@ def _store_case(name: str, device: str) -> dict:
     return {"case": name, "max_err": 0.0, "ok": torch.equal(cache.cpu(), ref)}
 
 
-def _model_case(device: str) -> dict:
+def _model_case(device: str, model_dir: Path) -> dict:
     """A tiny Llama through prefill, chunked prefill and decode with the kernels on vs off."""
-    import tempfile
-
     from engine.loader import load_model
-    from tests.engine.conftest import PagedKV, make_tiny_checkpoint
+    from tests.engine.conftest import PagedKV
 
-    with tempfile.TemporaryDirectory() as tmp:
-        model, _ = load_model(make_tiny_checkpoint("llama", Path(tmp) / "llama"), device=device)
+    model, _ = load_model(model_dir, device=device)
     tokens = torch.randint(0, 320, (23,), generator=torch.Generator().manual_seed(5)).tolist()
     logits = {}
     for use_triton in (False, True):
@@ -106,8 +103,8 @@ def _model_case(device: str) -> dict:
     return {"case": "tiny_llama_model", "max_err": err, "ok": err <= 1e-4}
 
 
-def run_all(device: str = "cpu") -> list[dict]:
-    results = [_model_case(device)]
+def run_all(device: str, model_dir: Path) -> list[dict]:
+    results = [_model_case(device, model_dir)]
     for name in STORE_CASES:
         results.append(_store_case(name, device))
     for name in DECODE_CASES:
@@ -116,10 +113,10 @@ def run_all(device: str = "cpu") -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def interpreted() -> dict[str, dict]:
+def interpreted(tiny_checkpoints) -> dict[str, dict]:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.engine.test_triton_kernels"],
+        [sys.executable, "-m", "tests.engine.test_triton_kernels", str(tiny_checkpoints["llama"])],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -139,13 +136,14 @@ def test_kernel_matches_torch_path_interpreted(interpreted: dict[str, dict], cas
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_kernels_compiled_on_cuda() -> None:
-    failed = [r for r in run_all("cuda") if not r["ok"]]
+def test_kernels_compiled_on_cuda(tiny_checkpoints) -> None:
+    failed = [r for r in run_all("cuda", tiny_checkpoints["llama"]) if not r["ok"]]
     assert not failed, failed
 
 
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()
     torch.set_num_threads(1)
-    for row in run_all("cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"):
+    device = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+    for row in run_all(device, Path(sys.argv[1])):
         print(json.dumps(row), flush=True)
