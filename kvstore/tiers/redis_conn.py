@@ -1,0 +1,322 @@
+"""How the redis tier reaches its servers: URLs, zero-copy connections, routing, circuit breakers.
+
+- `split_url` turns `redis://[user:password@]h1:p1[,h2:p2...]/db` (or `rediss://...`) into redis-py
+  options and the list of hosts; anything malformed is a ConfigError.
+- Connections send values as they are (redis-py's hiredis packer copies each one into a new buffer).
+- `RedisServers` owns the clients (one pool standalone; one client per primary in a Cluster), maps a
+  key to the server that owns it (hash slot -> primary, cached until the topology changes) and runs
+  calls that never raise: `call` returns `FAIL` when the server is down, in backoff or refuses.
+- Each server has a `Breaker`: after a failure it is skipped without touching the network for a
+  backoff that doubles from 0.1 s to 5 s (counted in `stats.extra["fast_fails"]`), then one caller
+  probes it. redis-py's own retries are off: the breaker does the retrying and callers never wait.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+from redis.backoff import NoBackoff
+from redis.cluster import ClusterNode, RedisCluster
+from redis.connection import PythonRespSerializer, parse_url
+from redis.crc import key_slot
+from redis.exceptions import AskError, AuthenticationError, RedisClusterException
+from redis.retry import Retry
+
+from kvstore.errors import ConfigError
+from kvstore.tiers.base import TierStats
+
+log = logging.getLogger("kvstore.tiers.redis")  # the tier's warnings under one logger name
+
+CONNECT_TIMEOUT_S = 0.5
+SOCKET_TIMEOUT_S = 2.0
+BACKOFF_MIN_S, BACKOFF_MAX_S = 0.1, 5.0
+BACKEND_ERRORS = (redis.RedisError, RedisClusterException, OSError)
+NETWORK_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
+FAIL = object()  # a call that did not reach the server (or that the server refused)
+
+
+class ZeroCopyConnection(redis.Connection):
+    """Sends values as they are: redis-py's hiredis packer copies every value into one new buffer."""
+
+    def _construct_command_packer(self, packer: Any) -> Any:
+        return packer or PythonRespSerializer(self._buffer_cutoff, self.encoder.encode)
+
+
+class ZeroCopySSLConnection(redis.SSLConnection):
+    def _construct_command_packer(self, packer: Any) -> Any:
+        return packer or PythonRespSerializer(self._buffer_cutoff, self.encoder.encode)
+
+
+class Breaker:
+    """Closed while calls succeed; after a failure, open (callers fail fast) until one probe succeeds."""
+
+    def __init__(self) -> None:
+        self.down = False
+        self.delay = BACKOFF_MIN_S
+        self.until = 0.0
+
+    def allow(self, now: float) -> bool:
+        if not self.down:
+            return True
+        if now < self.until:
+            return False
+        self.until = now + self.delay  # this caller probes; the others keep failing fast meanwhile
+        return True
+
+    def failure(self, now: float) -> bool:
+        """Returns True when this failure starts an outage."""
+        started = not self.down
+        self.delay = BACKOFF_MIN_S if started else min(self.delay * 2, BACKOFF_MAX_S)
+        self.down, self.until = True, now + self.delay
+        return started
+
+    def success(self) -> bool:
+        """Returns True when this success ends an outage."""
+        ended, self.down, self.delay = self.down, False, BACKOFF_MIN_S
+        return ended
+
+
+class Endpoint:
+    """One server: its client and its breaker."""
+
+    def __init__(self, name: str, client: redis.Redis) -> None:
+        self.name, self.client, self.breaker = name, client, Breaker()
+
+
+def split_url(url: str) -> tuple[str, dict[str, Any], list[tuple[str, int]]]:
+    """The URL cut to its first host, redis-py connection options from it, and every host:port listed."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("redis", "rediss"):
+        raise ConfigError(f"redis_url must start with redis:// or rediss://, got {url!r}")
+    userinfo, _, hostlist = parts.netloc.rpartition("@")
+    hosts: list[tuple[str, int]] = []
+    for item in filter(None, hostlist.split(",")):
+        host, _, port = item.rpartition(":") if item.rpartition(":")[2].isdigit() else (item, "", "6379")
+        hosts.append((host.strip("[]") or "127.0.0.1", int(port)))
+    if not hosts:
+        raise ConfigError(f"redis_url names no host: {url!r}")
+    if not (parts.path.strip("/") or "0").isdigit():
+        raise ConfigError(f"redis_url path must be a db number, got {parts.path!r} in {url!r}")
+    first = f"{userinfo}@{hosts[0][0]}:{hosts[0][1]}" if userinfo else f"{hosts[0][0]}:{hosts[0][1]}"
+    first_url = urlunsplit(parts._replace(netloc=first))
+    try:
+        options = parse_url(first_url)
+    except ValueError as e:
+        raise ConfigError(f"bad redis_url {url!r}: {e}") from None
+    return first_url, options, hosts
+
+
+class RedisServers:
+    """The servers behind one URL. Thread-safe. Failures are counted in `stats`, logged once per
+    outage, and `on_recovered()` runs when a server answers again after an outage."""
+
+    def __init__(
+        self,
+        url: str,
+        cluster: bool,
+        stats: TierStats,
+        on_recovered: Callable[[], None],
+        connect_timeout_s: float = CONNECT_TIMEOUT_S,
+        socket_timeout_s: float = SOCKET_TIMEOUT_S,
+    ) -> None:
+        self.url, self.cluster, self.stats = url, cluster, stats
+        self.socket_timeout_s = socket_timeout_s
+        self.closed = False
+        self.auth_error: Exception | None = None
+        self._on_recovered = on_recovered
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None  # concurrent batches over Cluster primaries
+        self._last_log: dict[str, float] = {}
+        first_url, options, hosts = split_url(url)
+        timeouts = dict(socket_connect_timeout=connect_timeout_s, socket_timeout=socket_timeout_s)
+        no_retry = Retry(NoBackoff(), 0)  # our breaker does the retrying; callers never wait
+        tls = options.pop("connection_class", redis.Connection) is redis.SSLConnection
+        self._endpoints: dict[str, Endpoint] = {}
+        self._rc: RedisCluster | None = None
+        self._slot_eps: dict[int, Endpoint] = {}  # hash slot -> its primary, until the topology changes
+        if cluster:
+            if options.get("db", 0) != 0:
+                raise ConfigError("Redis Cluster has only db 0; drop the /db from redis_url")
+            self._cluster_args = dict(
+                url=first_url,
+                startup_nodes=[ClusterNode(h, p) for h, p in hosts[1:]],
+                retry=no_retry,
+                **timeouts,
+                **({} if tls else {"connection_class": ZeroCopyConnection}),
+            )
+            self._cluster_breaker = Breaker()
+        else:
+            if len(hosts) != 1:
+                raise ConfigError("several hosts in redis_url need redis_cluster: true")
+            cls = ZeroCopySSLConnection if tls else ZeroCopyConnection
+            pool = redis.ConnectionPool(connection_class=cls, retry=no_retry, **timeouts, **options)
+            name = "{}:{}".format(*hosts[0])
+            self._endpoints[name] = Endpoint(name, redis.Redis(connection_pool=pool))
+
+    # ---- routing --------------------------------------------------------------------------------
+
+    def _cluster_client(self) -> RedisCluster | None:
+        if self._rc is not None:
+            return self._rc
+        if not self._cluster_breaker.allow(time.monotonic()):
+            return None
+        try:
+            self._rc = RedisCluster(**self._cluster_args)
+        except BACKEND_ERRORS as e:
+            if isinstance(e, AuthenticationError):
+                self.auth_error = e
+            self.stats.errors += 1
+            self._cluster_breaker.failure(time.monotonic())
+            self.warn("cluster", "redis cluster %s unreachable: %s", self.url, e)
+            return None
+        self._cluster_breaker.success()
+        return self._rc
+
+    def _endpoint_named(self, host: str, port: int, client: redis.Redis) -> Endpoint:
+        name = f"{host}:{port}"
+        ep = self._endpoints.get(name)
+        if ep is None or ep.client is not client:
+            ep = self._endpoints[name] = Endpoint(name, client)
+        return ep
+
+    def endpoint(self, rkey: bytes) -> Endpoint | None:
+        """The server that owns `rkey`; None when the Cluster cannot be reached to ask."""
+        if not self.cluster:
+            return next(iter(self._endpoints.values()))
+        slot = key_slot(rkey)
+        ep = self._slot_eps.get(slot)
+        if ep is not None:
+            return ep
+        rc = self._cluster_client()
+        if rc is None:
+            return None
+        try:
+            node = rc.nodes_manager.get_node_from_slot(slot)
+        except BACKEND_ERRORS:
+            return None
+        ep = self._slot_eps[slot] = self._endpoint_named(node.host, node.port, rc.get_redis_connection(node))
+        return ep
+
+    def owner(self, rkey: bytes) -> str | None:
+        """The name of the server that owns `rkey`."""
+        if not self.cluster:
+            return next(iter(self._endpoints))
+        ep = self.endpoint(rkey)
+        return ep.name if ep is not None else None
+
+    def primaries(self) -> list[Endpoint]:
+        if not self.cluster:
+            return list(self._endpoints.values())
+        rc = self._cluster_client()
+        if rc is None:
+            return []
+        return [self._endpoint_named(n.host, n.port, rc.get_redis_connection(n)) for n in rc.get_primaries()]
+
+    def group(self, rkeys: Sequence[bytes]) -> dict[Endpoint | None, list[int]]:
+        """Indices of `rkeys` by the server that owns them."""
+        groups: dict[Endpoint | None, list[int]] = {}
+        for i, rkey in enumerate(rkeys):
+            groups.setdefault(self.endpoint(rkey), []).append(i)
+        return groups
+
+    def refresh_topology(self) -> None:
+        self._slot_eps = {}
+        if self._rc is not None:
+            try:
+                self._rc.nodes_manager.initialize()
+            except BACKEND_ERRORS as e:
+                log.debug("cluster topology refresh failed: %s", e)
+
+    # ---- calls ----------------------------------------------------------------------------------
+
+    def call(self, ep: Endpoint | None, fn: Callable[[redis.Redis], Any]) -> Any:
+        """fn(client), or FAIL (counted, logged) when the server is down, in backoff or refuses."""
+        if ep is None or self.closed:
+            return FAIL
+        if not ep.breaker.allow(time.monotonic()):
+            self.stats.extra["fast_fails"] = self.stats.extra.get("fast_fails", 0) + 1
+            return FAIL
+        try:
+            result = fn(ep.client)
+        except AskError as e:  # MOVED/ASK: the cluster was resharded under us
+            self.count_error("moved", "redis %s: %s; refreshing the slot map", ep.name, e)
+            self.refresh_topology()
+            return FAIL
+        except NETWORK_ERRORS as e:
+            if isinstance(e, AuthenticationError):
+                self.auth_error = e
+            self.stats.errors += 1
+            if ep.breaker.failure(time.monotonic()):
+                log.warning(
+                    "redis %s is down (%s: %s); failing fast and retrying with backoff",
+                    ep.name,
+                    type(e).__name__,
+                    e,
+                )
+            ep.client.connection_pool.disconnect(inuse_connections=False)
+            self.refresh_topology()
+            return FAIL
+        except BACKEND_ERRORS as e:
+            self.count_error(type(e).__name__, "redis %s: %s: %s", ep.name, type(e).__name__, e)
+            return FAIL
+        if ep.breaker.success():
+            log.warning("redis %s is back", ep.name)
+            self._on_recovered()
+        return result
+
+    def per_node(
+        self, groups: dict[Endpoint | None, list[int]], work: Callable[[Any, list[int]], None]
+    ) -> None:
+        """work(endpoint, indices) for each group; Cluster primaries are asked concurrently."""
+        if len(groups) <= 1 or self.closed:
+            for ep, idx in groups.items():
+                work(ep, idx)
+            return
+        if self._pool is None:
+            with self._lock:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="redis-tier")
+        for f in [self._pool.submit(work, ep, idx) for ep, idx in groups.items()]:
+            f.result()
+
+    def count_error(self, kind: str, msg: str, *args: object) -> None:
+        self.stats.errors += 1
+        self.warn(kind, msg, *args)
+
+    def warn(self, kind: str, msg: str, *args: object) -> None:
+        """log.warning, at most once per 10 s per kind."""
+        now = time.monotonic()
+        if now - self._last_log.get(kind, -math.inf) >= 10.0:
+            self._last_log[kind] = now
+            log.warning(msg, *args)
+
+    def close(self) -> None:
+        """Disconnect everything. Set `closed` (calls fail fast) earlier to stop users first."""
+        self.closed = True
+        for ep in list(self._endpoints.values()):
+            ep.client.connection_pool.disconnect()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        if self._rc is not None:
+            self._rc.close()
+
+
+def pipelined(client: redis.Redis, cmds: Sequence[tuple[Any, ...]]) -> list[Any]:
+    """One round trip; per-command errors come back as exception objects."""
+    pipe = client.pipeline(transaction=False)
+    for cmd in cmds:
+        if cmd[0] == "get":
+            pipe.get(cmd[1])
+        elif cmd[0] == "exists":
+            pipe.exists(cmd[1])
+        else:
+            pipe.set(cmd[1], cmd[2], px=cmd[3])
+    return pipe.execute(raise_on_error=False)
