@@ -69,7 +69,10 @@ class Cursor:
         arr = self.buf[self.pos : self.pos + n].view(dtype).reshape(shape)
         self.pos += n
         # a blob's payload starts wherever its header and params end: realign the (small) scale arrays
-        return arr if arr.ctypes.data % arr.itemsize == 0 else arr.copy()
+        if arr.ctypes.data % arr.itemsize:
+            arr = arr.copy()
+            arr.flags.writeable = self.buf.flags.writeable  # numba compiles read-only arrays separately
+        return arr
 
     def finish(self) -> None:
         if self.pos != self.buf.size:
@@ -77,4 +80,15 @@ class Cursor:
 
 
 def payload_array(payload: bytes | bytearray | memoryview) -> np.ndarray:
-    return np.frombuffer(memoryview(payload).cast("B"), dtype=np.uint8)
+    """A read-only uint8 view of a payload (always read-only: one numba specialisation for decode)."""
+    arr = np.frombuffer(memoryview(payload).cast("B"), dtype=np.uint8)
+    arr.flags.writeable = False
+    return arr
+
+
+def hadamard(d: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The orthonormal (Sylvester) Hadamard matrix of a power-of-two size, float32 (symmetric, its own inverse)."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h * (1 / math.sqrt(d))).to(device)

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvstore.codecs.common import hadamard
 from kvstore.codecs.int4 import Int4Layout
 
 _BLOCK_R = 16  # rows per program (tl.dot in the rotation needs >= 16)
@@ -231,14 +232,6 @@ def _int4_decode_channels(
     x = q * s[None, :] + z[None, :]
     tl.store(out_ptr + (layer * OT + t[:, None]) * C + ch[None, :], _out(x, BF16).to(out_ptr.dtype.element_ty),
              mask=cmask[None, :])  # fmt: skip
-
-
-def hadamard(d: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The orthonormal (Sylvester) Hadamard matrix of a power-of-two size, float32."""
-    h = torch.ones(1, 1)
-    while h.shape[0] < d:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return (h * (1 / math.sqrt(d))).to(device)
 
 
 _TORCH_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
