@@ -59,5 +59,6 @@ class Attention(nn.Module):
                 return o.view(n, -1)
         else:
             store_kvcache(k, v, self.kv_cache, attn_metadata.slot_mapping)
-        o = paged_attention(q, self.kv_cache, attn_metadata, self.scale, self.sliding_window)
+        key, value = (k, v) if k.dtype == self.kv_cache.dtype else (None, None)
+        o = paged_attention(q, self.kv_cache, attn_metadata, self.scale, self.sliding_window, key, value)
         return o.view(n, -1)

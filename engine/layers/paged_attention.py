@@ -144,9 +144,13 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [N, num_heads, head_dim] for the step's new tokens (their K/V already stored).
-    Returns [N, num_heads, head_dim]."""
+    Returns [N, num_heads, head_dim]. With the new tokens' `key`/`value` ([N, num_kv_heads,
+    head_dim]) a prefill that starts at position 0 attends to them directly instead of gathering
+    the same values back from the cache."""
     plan = get_plan(meta)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -172,8 +176,12 @@ def paged_attention(
 
     for i, p in enumerate(plan.prefills):
         qp = q[p.row : p.row + p.q_len].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
-        k = plan.gather(k_cache, p.block_ids, f"k{i}")[: p.context_len].transpose(0, 1).unsqueeze(0)
-        v = plan.gather(v_cache, p.block_ids, f"v{i}")[: p.context_len].transpose(0, 1).unsqueeze(0)
+        if key is not None and value is not None and p.q_len == p.context_len:
+            k = key[p.row : p.row + p.q_len].transpose(0, 1).unsqueeze(0)
+            v = value[p.row : p.row + p.q_len].transpose(0, 1).unsqueeze(0)
+        else:
+            k = plan.gather(k_cache, p.block_ids, f"k{i}")[: p.context_len].transpose(0, 1).unsqueeze(0)
+            v = plan.gather(v_cache, p.block_ids, f"v{i}")[: p.context_len].transpose(0, 1).unsqueeze(0)
         mask = plan.prefill_mask(i, sliding_window, q.device)
         o = F.scaled_dot_product_attention(
             qp,

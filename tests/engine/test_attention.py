@@ -97,14 +97,16 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("pass_new_kv", [False, True], ids=["cache-only", "new-kv"])
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("case", CASES, ids=[str(c[:2]) for c in CASES])
-def test_torch_path_matches_naive(case, window) -> None:
+def test_torch_path_matches_naive(case, window, pass_new_kv) -> None:
     q_lens, ctx, heads, kv_heads, dim, bs = case
     kv_cache, q, k, v, meta, (qs, ks, vs) = make_case(q_lens, ctx, heads, kv_heads, dim, bs)
     store_kvcache(k, v, kv_cache, meta.slot_mapping)
     scale = dim**-0.5
-    out = paged_attention(q, kv_cache, meta, scale, window)
+    extra = (k, v) if pass_new_kv else (None, None)
+    out = paged_attention(q, kv_cache, meta, scale, window, *extra)
     torch.testing.assert_close(out.double(), naive_attention(qs, ks, vs, scale, window), atol=1e-5, rtol=1e-5)
 
 
