@@ -39,7 +39,10 @@ def error_response(exc: BaseException) -> web.Response:
     elif isinstance(exc, web.HTTPException):
         type_name = _HTTP_TYPES.get(exc.status, "InvalidArgument" if exc.status < 500 else "KVStoreError")
         headers = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
-        resp = json_error(exc.status, exc.reason if exc.text is None else exc.text, type_name, headers)
+        message = exc.text or exc.reason
+        if isinstance(exc, web.HTTPMethodNotAllowed):
+            message = f"{exc.method} is not allowed here; allowed: {', '.join(sorted(exc.allowed_methods))}"
+        resp = json_error(exc.status, message, type_name, headers)
     elif isinstance(exc, (aiohttp.ClientPayloadError, aiohttp.http_exceptions.HttpProcessingError)):
         resp = json_error(400, f"malformed request body: {exc}", "InvalidArgument")
     else:
