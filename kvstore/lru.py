@@ -1,4 +1,4 @@
-"""An LRU index with exact byte accounting, shared by the tiers.
+"""An LRU index with exact byte accounting, and the TTL check, shared by the tiers.
 
 Not thread-safe by itself: a tier holds its own lock around every call. The index only does the
 book-keeping (order, sizes, expiry deadlines); what an entry's `value` means (a bytes object, a file
@@ -7,12 +7,29 @@ name, a device tensor) and what evicting it costs is the tier's business.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Iterator
 from itertools import islice
 from typing import Generic, TypeVar
 
+from kvstore.errors import InvalidArgument
+
 V = TypeVar("V")
+
+
+def check_ttl(ttl_s: float | None) -> float | None:
+    """`ttl_s` when it is None (no expiry) or a positive, finite number of seconds; every tier calls
+    this before it stores anything, so a bad TTL is an InvalidArgument whichever tier gets it."""
+    if ttl_s is None:
+        return None
+    if (
+        isinstance(ttl_s, bool)
+        or not isinstance(ttl_s, (int, float))
+        or not (math.isfinite(ttl_s) and ttl_s > 0)
+    ):
+        raise InvalidArgument(f"ttl_s must be a positive number of seconds or None, got {ttl_s!r}")
+    return ttl_s
 
 
 class Entry(Generic[V]):

@@ -28,6 +28,7 @@ from kvstore.blob import BlobHeader, verify_blob
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError, CorruptBlob, InvalidArgument, TooLarge
 from kvstore.keys import validate_key
+from kvstore.lru import check_ttl
 from kvstore.metrics import StoreMetrics
 from kvstore.tiers import Blob, Tier, make_tier
 
@@ -43,10 +44,14 @@ class TieredStore:
     def __init__(self, config: StoreConfig | None = None, tiers: list[Tier] | None = None) -> None:
         self.config = config or StoreConfig()
         c = self.config
-        if c.write_back_queue < 1 or c.admission_hits < 0 or (c.ttl is not None and c.ttl <= 0):
+        try:
+            check_ttl(c.ttl)
+        except InvalidArgument as e:
+            raise ConfigError(f"ttl: {e}") from None
+        if c.write_back_queue < 1 or c.admission_hits < 0:
             raise ConfigError(
-                f"need write_back_queue >= 1, admission_hits >= 0, ttl > 0 or None; got "
-                f"{c.write_back_queue}, {c.admission_hits}, {c.ttl}"
+                f"need write_back_queue >= 1 and admission_hits >= 0; got "
+                f"{c.write_back_queue}, {c.admission_hits}"
             )
         self.tiers: list[Tier] = (
             list(tiers) if tiers is not None else [make_tier(n, self.config) for n in self.config.tiers]

@@ -20,7 +20,7 @@ import torch
 
 from kvstore.config import StoreConfig
 from kvstore.errors import InvalidArgument
-from kvstore.lru import Entry, LRUIndex
+from kvstore.lru import Entry, LRUIndex, check_ttl
 from kvstore.tiers.base import Blob, TierStats
 
 logger = logging.getLogger(__name__)
@@ -80,6 +80,7 @@ class CpuTier:
             return entry.value
 
     def put(self, key: str, blob: Blob, ttl_s: float | None = None) -> list[str]:
+        check_ttl(ttl_s)
         size = memoryview(blob).nbytes
         if size > self.capacity:
             self.delete(key)
@@ -123,6 +124,7 @@ class CpuTier:
         return [self.get(k) for k in keys]
 
     def put_many(self, items: Sequence[tuple[str, Blob]], ttl_s: float | None = None) -> list[str]:
+        check_ttl(ttl_s)
         evicted: list[str] = []
         for key, blob in items:
             evicted.extend(self.put(key, blob, ttl_s))

@@ -30,7 +30,7 @@ from pathlib import Path
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError, InvalidArgument
 from kvstore.keys import validate_key
-from kvstore.lru import Entry, LRUIndex
+from kvstore.lru import Entry, LRUIndex, check_ttl
 from kvstore.tiers.base import Blob, TierStats
 
 logger = logging.getLogger(__name__)
@@ -178,6 +178,7 @@ class DiskTier:
 
     def put(self, key: str, blob: Blob, ttl_s: float | None = None) -> list[str]:
         validate_key(key)  # the key becomes a file name
+        check_ttl(ttl_s)
         view = memoryview(blob).cast("B")
         size = len(view)
         if size > self.capacity:
@@ -253,6 +254,7 @@ class DiskTier:
         return [self.get(k) for k in keys]
 
     def put_many(self, items: Sequence[tuple[str, Blob]], ttl_s: float | None = None) -> list[str]:
+        check_ttl(ttl_s)
         evicted: list[str] = []
         for key, blob in items:
             evicted.extend(self.put(key, blob, ttl_s))

@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -24,7 +23,7 @@ import torch
 
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError, InvalidArgument
-from kvstore.lru import Entry, LRUIndex
+from kvstore.lru import Entry, LRUIndex, check_ttl
 from kvstore.tiers.base import Blob, TierStats
 
 log = logging.getLogger(__name__)
@@ -182,8 +181,7 @@ class GpuTier:
     def _insert(
         self, key: str, size: int, ttl_s: float | None, copy: Callable[[], torch.Tensor]
     ) -> list[str]:
-        if ttl_s is not None and not (math.isfinite(ttl_s) and ttl_s > 0):
-            raise InvalidArgument(f"ttl_s must be a positive number of seconds or None, got {ttl_s!r}")
+        check_ttl(ttl_s)
         if size > self.capacity:
             self.delete(key)
             return []
@@ -239,6 +237,7 @@ class GpuTier:
         return [self.get(k) for k in keys]
 
     def put_many(self, items: Sequence[tuple[str, Blob]], ttl_s: float | None = None) -> list[str]:
+        check_ttl(ttl_s)
         evicted: list[str] = []
         for key, blob in items:
             evicted.extend(self.put(key, blob, ttl_s))

@@ -43,7 +43,8 @@ import redis
 from redis.exceptions import AskError
 
 from kvstore.config import StoreConfig
-from kvstore.errors import ConfigError, InvalidArgument
+from kvstore.errors import ConfigError
+from kvstore.lru import check_ttl
 from kvstore.tiers.base import Blob, TierStats
 from kvstore.tiers.redis_conn import (
     BACKEND_ERRORS,
@@ -399,10 +400,8 @@ def _value(blob: Blob) -> tuple[bytes | memoryview, int]:
 
 
 def _px(ttl_s: float | None) -> int | None:
-    if ttl_s is None:
+    if check_ttl(ttl_s) is None:
         return None
-    if not (isinstance(ttl_s, (int, float)) and math.isfinite(ttl_s) and ttl_s > 0):
-        raise InvalidArgument(f"ttl_s must be a positive number of seconds or None, got {ttl_s!r}")
     return max(1, math.ceil(ttl_s * 1000))
 
 

@@ -113,6 +113,20 @@ def test_ttl_and_batches(gpu) -> None:
 
 
 @cuda
+@pytest.mark.parametrize("bad", [0, -1, float("nan"), float("inf"), True, "1"])
+def test_bad_ttl_is_a_typed_error_and_changes_nothing(gpu, bad: object) -> None:
+    gpu.put(key(0), b"old")
+    with pytest.raises(InvalidArgument, match="ttl_s"):
+        gpu.put(key(0), b"new", ttl_s=bad)
+    with pytest.raises(InvalidArgument, match="ttl_s"):
+        gpu.put_many([(key(1), b"y")], ttl_s=bad)
+    with pytest.raises(InvalidArgument, match="ttl_s"):
+        gpu.put_tensor(key(2), torch.ones(4, dtype=torch.uint8, device="cuda"), ttl_s=bad)
+    assert bytes(gpu.get(key(0))) == b"old" and not gpu.contains(key(1)) and not gpu.contains(key(2))
+    assert gpu.usage() == 3 and len(gpu) == 1
+
+
+@cuda
 def test_put_tensor_stays_on_device(gpu) -> None:
     src = torch.randint(0, 256, (5000,), dtype=torch.uint8, device="cuda")
     gpu.put_tensor(key(1), src)

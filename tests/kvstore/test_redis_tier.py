@@ -233,11 +233,17 @@ def test_ttl_expiry_is_counted_without_a_read(tier: RedisTier) -> None:
     assert tier.usage() == 0 and tier.stats.expired == 1
 
 
-@pytest.mark.parametrize("bad", [0, -1, float("nan"), float("inf")])
+@pytest.mark.parametrize("bad", [0, -1, float("nan"), float("inf"), float("-inf"), True, "1"])
 def test_bad_ttl_is_a_typed_error(tier: RedisTier, bad: float) -> None:
     with pytest.raises(InvalidArgument):
         tier.put(key(1), b"x", ttl_s=bad)
     assert tier.get(key(1)) is None
+    tier.put(key(2), b"old")
+    with pytest.raises(InvalidArgument, match="ttl_s"):
+        tier.put(key(2), b"new", ttl_s=bad)
+    with pytest.raises(InvalidArgument, match="ttl_s"):
+        tier.put_many([(key(3), b"y")], ttl_s=bad)
+    assert tier.get(key(2)) == b"old" and not tier.contains(key(3)) and tier.usage() == 3
 
 
 def test_namespaces_are_isolated(valkey_server: ValkeyProcess) -> None:

@@ -307,7 +307,11 @@ def test_demo_store_round_trip(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert "read back bit-exact" in out and "lookup_prefix = 4/4" in out
 
 
-@pytest.mark.parametrize("bad", [{"write_back_queue": 0}, {"admission_hits": -1}, {"ttl": 0}])
+@pytest.mark.parametrize(
+    "bad",
+    [{"write_back_queue": 0}, {"admission_hits": -1}, {"ttl": 0}]
+    + [{"ttl": t} for t in (-1, float("nan"), float("inf"))],
+)
 def test_config_that_cannot_work_is_refused(bad: dict) -> None:
     with pytest.raises(ConfigError):
         TieredStore(StoreConfig(**bad), [CpuTier(1000)])

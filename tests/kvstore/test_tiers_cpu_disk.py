@@ -19,6 +19,7 @@ import torch
 from kvstore.blob import decode_blob, encode_blob, verify_blob
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError, InvalidArgument, InvalidKey
+from kvstore.lru import check_ttl
 from kvstore.tiers import make_tier
 from kvstore.tiers.base import Tier
 from kvstore.tiers.cpu import CpuTier
@@ -110,6 +111,33 @@ def test_ttl_expiry(make: Callable[[int], Tier]) -> None:
     tier.put(key(4), blob(1), ttl_s=0.01)
     time.sleep(0.05)
     assert tier.get(key(4)) is None and tier.stats.expired == 2  # a read drops it too
+
+
+BAD_TTLS = [0, -1, -0.5, float("nan"), float("inf"), float("-inf"), True, "1"]
+
+
+@pytest.mark.parametrize("bad", BAD_TTLS)
+def test_bad_ttl_is_a_typed_error_and_changes_nothing(make: Callable[[int], Tier], bad: object) -> None:
+    tier = make(10 * SIZE)
+    tier.put(key(0), blob(1, 0))
+    with pytest.raises(InvalidArgument, match="ttl_s"):
+        tier.put(key(0), blob(1, 1), ttl_s=bad)
+    with pytest.raises(InvalidArgument, match="ttl_s"):
+        tier.put(key(1), blob(20), ttl_s=bad)  # too big to store: still refused, not silently dropped
+    with pytest.raises(InvalidArgument, match="ttl_s"):
+        tier.put_many([(key(2), blob(1, 2))], ttl_s=bad)
+    with pytest.raises(InvalidArgument, match="ttl_s"):
+        tier.put_many([], ttl_s=bad)
+    assert tier.get(key(0)) == blob(1, 0) and not tier.contains(key(2))
+    assert tier.usage() == SIZE and len(tier) == 1 and sorted(tier.keys()) == [key(0)]
+
+
+def test_check_ttl_is_shared_by_every_tier() -> None:
+    for good in (None, 1e-3, 1, 30.5, 1e9):
+        assert check_ttl(good) == good
+    for bad in BAD_TTLS:
+        with pytest.raises(InvalidArgument):
+            check_ttl(bad)  # type: ignore[arg-type]
 
 
 def test_cpu_get_is_zero_copy_for_bytes() -> None:
