@@ -31,7 +31,7 @@ def json_error(
     return resp
 
 
-def error_response(exc: BaseException) -> web.Response:
+def error_response(exc: BaseException, request: web.BaseRequest | None = None) -> web.Response:
     """The JSON response for any exception a handler raised. Only a bug in the server gives a 500."""
     if isinstance(exc, KVStoreError):
         headers = {"WWW-Authenticate": 'Bearer realm="kvstore"'} if isinstance(exc, Unauthorized) else None
@@ -40,6 +40,8 @@ def error_response(exc: BaseException) -> web.Response:
         type_name = _HTTP_TYPES.get(exc.status, "InvalidArgument" if exc.status < 500 else "KVStoreError")
         headers = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
         message = exc.text or exc.reason
+        if exc.status == 404 and message == "404: Not Found" and request is not None:
+            message = f"no such route: {request.method} {request.path}"
         if isinstance(exc, web.HTTPMethodNotAllowed):
             message = f"{exc.method} is not allowed here; allowed: {', '.join(sorted(exc.allowed_methods))}"
         resp = json_error(exc.status, message, type_name, headers)
@@ -76,7 +78,7 @@ def make_middlewares(token: str | None, metrics: ServerMetrics, metrics_auth: bo
             if e.status < 400:
                 status = e.status
                 raise  # redirects are answers, not errors
-            resp = error_response(e)
+            resp = error_response(e, request)
         except Exception as e:  # every error becomes JSON; a non-KVStoreError one is logged as a bug
             resp = error_response(e)
         finally:
