@@ -242,8 +242,7 @@ def _sections(buf: torch.Tensor, lay: Int4Layout) -> dict[str, torch.Tensor]:
     for name, npdt, shape in lay.sections():
         n = math.prod(shape) * np.dtype(npdt).itemsize
         part = buf[pos : pos + n]
-        out[name] = part if n == 0 else part.view(_TORCH_BITS[np.dtype(npdt).itemsize])
-        out[name] = out[name].view(shape)
+        out[name] = part.view(_TORCH_BITS[np.dtype(npdt).itemsize]).view(shape)
         pos += n
     assert pos == buf.numel()
     return out
