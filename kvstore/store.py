@@ -4,8 +4,9 @@
   tier, is counted, is deleted from it, and the lookup goes on to the next tier. A hit in a lower tier
   is promoted (copied) into every tier above it.
 - Writes go to the top tier at once. With `write_policy="through"` they also go to every lower tier
-  before `put_blob` returns; with "back" a background thread writes them from a bounded queue, and
-  when that queue is full the lower-tier write is dropped and counted (a put never blocks on it).
+  before `put_blob` returns; with "back" a background thread writes them from a bounded queue
+  (kvstore/write_back.py), and when that queue is full the lower-tier write is dropped and counted
+  (a put never blocks on it).
 - `admission_hits=N > 0`: a new blob lives only in the top tier until it has been read N times; then
   it is written down like any other put. A blob evicted from the top tier before that is gone.
 - `ttl`: every tier drops a blob `ttl` seconds after it was written into that tier; a promotion is a
@@ -18,7 +19,6 @@ the store down.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -31,6 +31,7 @@ from kvstore.keys import validate_key
 from kvstore.lru import check_ttl
 from kvstore.metrics import StoreMetrics
 from kvstore.tiers import Blob, Tier, make_tier
+from kvstore.write_back import WriteBack
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -66,19 +67,12 @@ class TieredStore:
         self._admission = self.config.admission_hits
         self._probation: OrderedDict[str, int] = OrderedDict()  # key -> reads so far
         self._lock = threading.Lock()
-        self._inflight: str | None = None  # the key the write-back thread is writing now
-        self._inflight_deleted = False
         self._closed = False
-        self._queue: queue.Queue[tuple[str, bytes, int] | None] | None = None
-        self._pending: dict[str, int] = {}  # key -> sequence number of its newest queued write-back
-        self._seq = 0
-        self._writer: threading.Thread | None = None
+        self._write_back: WriteBack | None = None
         if self.config.write_policy == "back" and len(self.tiers) > 1:
-            self._queue = queue.Queue(maxsize=self.config.write_back_queue)
-            self._writer = threading.Thread(
-                target=self._write_back_loop, name="kvstore-write-back", daemon=True
+            self._write_back = WriteBack(
+                self.config.write_back_queue, self._write_down, self._delete_down, self._drop_down
             )
-            self._writer.start()
 
     # -- guarded tier calls --------------------------------------------------------------------------
 
@@ -102,52 +96,28 @@ class TieredStore:
                 for key in evicted:
                     self._probation.pop(key, None)
 
+    def _write_down(self, key: str, blob: bytes) -> None:
+        for tier in self.tiers[1:]:
+            self._put_tier(tier, [(key, blob)])
+
+    def _delete_down(self, key: str) -> None:
+        for tier in self.tiers[1:]:
+            self._call(tier, "delete", tier.delete, key, default=False)
+
+    def _drop_down(self, key: str) -> None:
+        for tier in self.tiers[1:]:
+            self.metrics.count_drop(tier)
+
     def _write_lower(self, items: Sequence[tuple[str, bytes]]) -> None:
         """Write items to every tier below the top, by the write policy."""
         lower = self.tiers[1:]
         if not lower or not items:
             return
-        if self._queue is None:
+        if self._write_back is None:
             for tier in lower:
                 self._put_tier(tier, items)
             return
-        for key, blob in items:
-            with self._lock:
-                self._seq += 1
-                seq = self._seq
-                self._pending[key] = seq
-            try:
-                self._queue.put_nowait((key, blob, seq))
-            except queue.Full:
-                with self._lock:
-                    if self._pending.get(key) == seq:
-                        del self._pending[key]
-                for tier in lower:
-                    self.metrics.count_drop(tier)
-
-    def _write_back_loop(self) -> None:
-        assert self._queue is not None
-        while True:
-            item = self._queue.get()
-            try:
-                if item is None:
-                    return
-                key, blob, seq = item
-                with self._lock:
-                    if self._pending.get(key) != seq:  # deleted or overwritten since it was queued
-                        continue
-                    self._inflight, self._inflight_deleted = key, False
-                for tier in self.tiers[1:]:
-                    self._put_tier(tier, [(key, blob)])
-                with self._lock:
-                    self._inflight = None
-                    undo = self._inflight_deleted  # deleted while we wrote: take it back out
-                    if self._pending.get(key) == seq:
-                        del self._pending[key]
-                for tier in self.tiers[1:] if undo else ():
-                    self._call(tier, "delete", tier.delete, key, default=False)
-            finally:
-                self._queue.task_done()
+        self._write_back.submit(items)
 
     # -- reads -----------------------------------------------------------------------------------------
 
@@ -293,7 +263,8 @@ class TieredStore:
             raise InvalidArgument("the store is closed")
         with self._lock:
             for key, _ in items:
-                self._pending.pop(key, None)  # an older queued write-back of the key is now stale
+                if self._write_back is not None:  # an older queued write-back of the key is now stale
+                    self._write_back.supersede(key)
                 if self._admission and len(self.tiers) > 1:
                     self._probation[key] = 0
                     self._probation.move_to_end(key)
@@ -319,24 +290,23 @@ class TieredStore:
         """Remove `key` from every tier (and any queued write-back of it). True if any tier had it."""
         validate_key(key)
         with self.metrics.time("delete"):
+            if self._write_back is not None:
+                self._write_back.cancel(key)
             with self._lock:
-                self._pending.pop(key, None)
                 self._probation.pop(key, None)
-                if self._inflight == key:
-                    self._inflight_deleted = True
             return any([self._call(t, "delete", t.delete, key, default=False) for t in self.tiers])
 
     # -- lifecycle ---------------------------------------------------------------------------------------
 
     def flush(self) -> None:
         """Wait until every queued write-back has reached the lower tiers."""
-        if self._queue is not None:
-            self._queue.join()
+        if self._write_back is not None:
+            self._write_back.flush()
 
     def stats(self) -> dict[str, Any]:
         s = self.metrics.stats()
         s["write_policy"] = self.config.write_policy
-        s["write_back_queued"] = self._queue.qsize() if self._queue is not None else 0
+        s["write_back_queued"] = self._write_back.queued() if self._write_back is not None else 0
         return s
 
     def close(self) -> None:
@@ -344,9 +314,8 @@ class TieredStore:
         if self._closed:
             return
         self._closed = True
-        if self._queue is not None and self._writer is not None:
-            self._queue.put(None)
-            self._writer.join()
+        if self._write_back is not None:
+            self._write_back.close()
         for tier in self.tiers:
             self._call(tier, "close", tier.close, default=None)
 

@@ -1,0 +1,100 @@
+"""Write-back for the tiered store: a bounded queue of blobs bound for the lower tiers, and the one
+thread that writes them (Spec 4, `write_policy="back"`).
+
+- `submit` never blocks: when the queue is full the blob is not queued and `on_drop(key)` is called
+  (the store counts a dropped write for every lower tier).
+- Only the newest queued write of a key is written: `cancel(key)` (a newer put reached the top tier,
+  or the key was deleted) makes every queued write of it stale. A delete that lands while its key is
+  being written is undone right after the write (`undo(key)`), so a deleted blob never stays below.
+- `flush` waits until the queue is empty and the writer idle; `close` drains it and stops the thread.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Sequence
+
+
+class WriteBack:
+    """A bounded write-back queue and its writer thread. Thread-safe."""
+
+    def __init__(
+        self,
+        maxsize: int,
+        write: Callable[[str, bytes], None],
+        undo: Callable[[str], None],
+        on_drop: Callable[[str], None],
+    ) -> None:
+        """`write(key, blob)` stores into the lower tiers, `undo(key)` deletes from them."""
+        assert maxsize >= 1, maxsize
+        self._write, self._undo, self._on_drop = write, undo, on_drop
+        self._queue: queue.Queue[tuple[str, bytes, int] | None] = queue.Queue(maxsize=maxsize)
+        self._lock = threading.Lock()
+        self._pending: dict[str, int] = {}  # key -> sequence number of its newest queued write-back
+        self._seq = 0
+        self._inflight: str | None = None  # the key the writer is writing now
+        self._inflight_deleted = False
+        self._writer = threading.Thread(target=self._loop, name="kvstore-write-back", daemon=True)
+        self._writer.start()
+
+    def submit(self, items: Sequence[tuple[str, bytes]]) -> None:
+        """Queue each blob for the lower tiers; a full queue drops it (`on_drop`), never waits."""
+        for key, blob in items:
+            with self._lock:
+                self._seq += 1
+                seq = self._seq
+                self._pending[key] = seq
+            try:
+                self._queue.put_nowait((key, blob, seq))
+            except queue.Full:
+                with self._lock:
+                    if self._pending.get(key) == seq:
+                        del self._pending[key]
+                self._on_drop(key)
+
+    def supersede(self, key: str) -> None:
+        """A newer blob of `key` was stored: its queued write-backs are stale."""
+        with self._lock:
+            self._pending.pop(key, None)
+
+    def cancel(self, key: str) -> None:
+        """`key` was deleted: skip its queued write-backs and undo the one being written, if any."""
+        with self._lock:
+            self._pending.pop(key, None)
+            if self._inflight == key:
+                self._inflight_deleted = True
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                key, blob, seq = item
+                with self._lock:
+                    if self._pending.get(key) != seq:  # deleted or overwritten since it was queued
+                        continue
+                    self._inflight, self._inflight_deleted = key, False
+                self._write(key, blob)
+                with self._lock:
+                    self._inflight = None
+                    undo = self._inflight_deleted  # deleted while we wrote: take it back out
+                    if self._pending.get(key) == seq:
+                        del self._pending[key]
+                if undo:
+                    self._undo(key)
+            finally:
+                self._queue.task_done()
+
+    def queued(self) -> int:
+        return self._queue.qsize()
+
+    def flush(self) -> None:
+        """Wait until every queued write-back has been written."""
+        self._queue.join()
+
+    def close(self) -> None:
+        """Write what is queued, then stop the writer thread."""
+        self._queue.put(None)
+        self._writer.join()
