@@ -47,7 +47,7 @@ def test_old_style_llama(tmp_path: Path) -> None:
     assert cfg.eos_token_ids == (7, 9) and cfg.bos_token_id == 5
     assert cfg.dtype == torch.bfloat16 and not cfg.attention_bias and not cfg.tie_word_embeddings
     assert cfg.sliding_windows == (None, None, None)
-    assert cfg.config_hash == config_hash(LLAMA)
+    assert cfg.config_hash == config_hash(LLAMA)  # kvstore.keys.config_hash of config.json
 
 
 def test_new_style_rope_and_generation_config(tmp_path: Path) -> None:
@@ -104,11 +104,13 @@ def test_smollm2(smollm2_dir) -> None:
     assert len(cfg.config_hash) == 32
 
 
-def test_config_hash_ignores_key_order() -> None:
+def test_config_hash_ignores_key_order_and_tool_metadata() -> None:
     a = ModelConfig.from_dict(LLAMA, "m")
     b = ModelConfig.from_dict(dict(reversed(list(LLAMA.items()))), "m")
     c = ModelConfig.from_dict(LLAMA | {"rms_norm_eps": 1e-5}, "m")
     assert a.config_hash == b.config_hash != c.config_hash
+    resaved = LLAMA | {"transformers_version": "9.9.9", "_name_or_path": "/elsewhere", "use_cache": False}
+    assert ModelConfig.from_dict(resaved, "m").config_hash == a.config_hash
 
 
 @pytest.mark.parametrize(
