@@ -140,6 +140,14 @@ TIER_FACTORIES: dict[str, Callable[[Path], Tier]] = {
 }
 
 
+TIER_NOTES: dict[str, str] = {
+    "cpu": "put keeps and get returns the caller's immutable bytes object (zero-copy), so no bytes move.",
+    "disk": "put = write + fsync(file) + rename + fsync(dir); get = read from the page cache.",
+    "disk-nofsync": "put = write + rename (no fsync); get = read from the page cache.",
+    "redis": "a local valkey-server over loopback TCP (get = GET, put = SET of the whole blob).",
+}
+
+
 def _size(n: int) -> str:
     return f"{n // 2**20} MiB" if n >= 2**20 else f"{n // 2**10} KiB"
 
@@ -152,6 +160,9 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
+    unknown = set(args.tiers.split(",")) - set(TIER_FACTORIES)
+    if unknown:
+        ap.error(f"unknown tiers {sorted(unknown)}; known: {', '.join(TIER_FACTORIES)}")
 
     print(
         f"median of {args.reps} runs, {TOTAL_BYTES >> 20} MiB per run; GB/s = 1e9 B/s; memcpy measured per row\n"
@@ -169,10 +180,12 @@ def main() -> None:
                           f"{r.put_gbps / r.memcpy_gbps:12.1f}x{r.get_gbps / r.memcpy_gbps:11.1f}x")  # fmt: skip
             finally:
                 tier.close()
-    print("cpu: put keeps and get returns the caller's immutable bytes object (zero-copy), so no bytes move.")
-    print("disk: put = write + fsync(file) + rename + fsync(dir); get = read from the page cache.")
-    print("redis: a local valkey-server over loopback TCP (get = GET, put = SET of the whole blob).\n")
-    if "redis" in args.tiers.split(","):
+    selected = args.tiers.split(",")
+    for name in selected:  # what each measured tier's row means; nothing about tiers not measured
+        if name in TIER_NOTES:
+            print(f"{name}: {TIER_NOTES[name]}")
+    print()
+    if "redis" in selected:
         bench_redis_vs_raw(tuple(s // 1024 for s in sizes), rounds=max(3, args.reps))
         print()
 
