@@ -6,7 +6,9 @@ Starts its own valkey-server (or a 3-node Valkey Cluster with --cluster) on loop
 For each blob size it times, interleaved round by round so that the noise of a shared box hits both
 alike: single-key put/get (tier.put/get vs SET/GET) and batches of 8 keys (tier.put_many/get_many vs
 a pipeline of 8 SETs / one MGET; on a Cluster, the cluster client's pipeline / mget_nonatomic).
-Prints medians in MB/s and the ours/raw ratio; writes JSON to ~/.cache/kvstore/bench/redis.json.
+Prints medians in MB/s and the ours/raw ratio. Then membership of 32 keys (what a prefix lookup
+asks): `contains` key by key vs `contains_many` (one pipeline of EXISTS per server) vs a raw
+pipeline of EXISTS, in µs per lookup. Writes JSON to ~/.cache/kvstore/bench/redis-<mode>.json.
 `run()` is what benchmarks/bench_store.py calls.
 """
 
@@ -108,6 +110,47 @@ def bench_size(
     }
 
 
+def bench_lookup(raw: Any, tier: RedisTier, rounds: int, n: int = 32) -> dict[str, float]:
+    """µs per membership check of `n` keys (half stored): key by key, batched, raw pipeline."""
+    keys = [f"{0xE0:016x}{i:016x}" for i in range(n)]  # not bench_size's keys
+    for k in keys[1::2]:
+        tier.delete(k)
+    tier.put_many([(k, b"x") for k in keys[::2]])
+    rkeys = [tier.prefix + k for k in keys]
+    want = [i % 2 == 0 for i in range(n)]
+
+    def one_by_one() -> None:
+        assert [tier.contains(k) for k in keys] == want
+
+    def batched() -> None:
+        assert tier.contains_many(keys) == want
+
+    def raw_pipeline() -> None:
+        if isinstance(raw, RedisCluster):  # the cluster client's pipeline groups by node itself
+            pipe = raw.pipeline()
+        else:
+            pipe = raw.pipeline(transaction=False)
+        for rk in rkeys:
+            pipe.exists(rk)
+        assert [bool(x) for x in pipe.execute()] == want
+
+    fns = {
+        "contains, key by key": one_by_one,
+        f"contains_many x{n}": batched,
+        f"raw EXISTS pipeline x{n}": raw_pipeline,
+    }
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(max(rounds, 5)):
+        for name, fn in fns.items():  # interleaved: the box's noise hits all three alike
+            t0 = time.perf_counter()
+            for _ in range(20):
+                fn()
+            times[name].append((time.perf_counter() - t0) / 20 * 1e6)
+    for k in keys[::2]:
+        tier.delete(k)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 class ManagedRedisTier(RedisTier):
     """A redis tier on a valkey-server of its own, started here and stopped by close()."""
 
@@ -151,6 +194,15 @@ def run(
                 ratio = f["ours_mb_s"] / f["raw_mb_s"]
                 f["ratio"] = ratio
                 print(f"{kib:>5}KiB {op:>9} {f['raw_mb_s']:>9.0f} {f['ours_mb_s']:>9.0f} {ratio:>9.2f}")
+        lookup = results["lookup_us"] = bench_lookup(raw, tier, rounds)
+        per_key, batched, raw_us = lookup.values()
+        print(
+            "membership of 32 keys (µs per lookup, medians): "
+            + ", ".join(f"{k} {v:.0f}" for k, v in lookup.items())
+        )
+        print(
+            f"  contains_many is {per_key / batched:.1f}x faster than key by key, {batched / raw_us:.2f}x raw's time"
+        )
     finally:
         tier.close()
         raw.close()
