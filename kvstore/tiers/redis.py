@@ -27,6 +27,8 @@
   are returned as they are; a batch is one MGET (standalone) or one pipeline per primary, the
   primaries asked concurrently (Cluster). `contains_many` is one pipeline of EXISTS per server, so a
   prefix lookup through the store costs one round trip, not one per key.
+- Files: this one is the Tier protocol; `redis_conn.py` reaches the servers (URLs, connections,
+  routing, breakers); `redis_index.py` keeps the byte accounting.
 """
 
 from __future__ import annotations
@@ -55,10 +57,10 @@ from kvstore.tiers.redis_conn import (
     RedisServers,
     pipelined,
 )
+from kvstore.tiers.redis_index import SCAN_BATCH, KeyIndex, Sizes, glob_escape, scan_sizes
 
 log = logging.getLogger(__name__)
 
-SCAN_BATCH = 1000
 UNBOUNDED = sys.maxsize
 
 
@@ -84,10 +86,7 @@ class RedisTier:
         self.capacity = UNBOUNDED
         self.stats = TierStats()
         self._lock = threading.Lock()
-        self._index: dict[str, tuple[int, float | None]] = {}  # key -> (size, monotonic expiry)
-        self._bytes = 0
-        self._n_ttl = 0
-        self._touched: set[str] | None = None  # keys changed while a reconcile runs
+        self._index = KeyIndex(self.stats)
         self._reconciling = False
         self._reconciler: threading.Thread | None = None
         self._servers = RedisServers(
@@ -112,61 +111,22 @@ class RedisTier:
 
     # ---- the index behind usage() and len() ---------------------------------------------------
 
-    def _remember(self, key: str, size: int, expires: float | None) -> None:
-        with self._lock:
-            old = self._index.get(key)
-            if old is not None:
-                self._bytes -= old[0]
-                self._n_ttl -= old[1] is not None
-            self._index[key] = (size, expires)
-            self._bytes += size
-            self._n_ttl += expires is not None
-            if self._touched is not None:
-                self._touched.add(key)
-
-    def _forget(self, key: str, missed: bool = False) -> None:
-        with self._lock:
-            old = self._index.pop(key, None)
-            if self._touched is not None:
-                self._touched.add(key)
-            if old is None:
-                return
-            self._bytes -= old[0]
-            self._n_ttl -= old[1] is not None
-        if missed:  # gone from the server without our delete
-            if old[1] is not None and old[1] <= time.monotonic():
-                self.stats.expired += 1
-            else:
-                self.stats.evictions += 1
-
-    def _purge_expired(self) -> None:
-        if not self._n_ttl:
-            return
-        now = time.monotonic()
-        with self._lock:
-            gone = [k for k, (_, exp) in self._index.items() if exp is not None and exp <= now]
-        for key in gone:
-            self._forget(key, missed=True)
-
     def usage(self) -> int:
         """Blob bytes this process knows to be in Redis (see the module docstring)."""
-        self._purge_expired()
-        return self._bytes
+        return self._index.usage()
 
     def __len__(self) -> int:
-        self._purge_expired()
         return len(self._index)
 
     def reconcile(self) -> None:
         """Rebuild the index from the servers (SCAN our prefix, STRLEN + PTTL) and refresh server stats."""
-        with self._lock:
-            self._touched = set()
-        found: dict[str, tuple[int, float | None]] = {}
+        self._index.begin_rebuild()
+        found: Sizes = {}
         scanned: set[str] = set()
         maxmemory: list[int] = []
         try:
             for ep in self._servers.primaries():
-                part = self._servers.call(ep, self._scan_sizes)
+                part = self._servers.call(ep, lambda c: scan_sizes(c, self._raw_prefix))
                 info = self._servers.call(ep, self._server_info) if part is not FAIL else FAIL
                 if part is FAIL or info is FAIL:
                     continue
@@ -174,17 +134,7 @@ class RedisTier:
                 found.update(part)
                 maxmemory.append(info)
         finally:
-            with self._lock:
-                touched, self._touched = self._touched or set(), None
-                keep = {  # what we knew about servers we could not scan stays as it was
-                    k: v
-                    for k, v in self._index.items()
-                    if not scanned or k in touched or self._owner(k) not in scanned
-                }
-                found = {k: v for k, v in found.items() if k not in touched}
-                self._index = {**found, **keep}
-                self._bytes = sum(size for size, _ in self._index.values())
-                self._n_ttl = sum(exp is not None for _, exp in self._index.values())
+            self._index.finish_rebuild(found, scanned, self._owner)
         if maxmemory:
             self.capacity = UNBOUNDED if 0 in maxmemory else sum(maxmemory)
 
@@ -207,36 +157,6 @@ class RedisTier:
 
     def _owner(self, key: str) -> str | None:
         return self._servers.owner(self._rk(key))
-
-    def _scan_sizes(self, client: redis.Redis) -> dict[str, tuple[int, float | None]]:
-        out: dict[str, tuple[int, float | None]] = {}
-        batch: list[bytes] = []
-        for rkey in client.scan_iter(match=_glob_escape(self._raw_prefix) + b"*", count=SCAN_BATCH):
-            batch.append(rkey)
-            if len(batch) == SCAN_BATCH:
-                self._sizes(client, batch, out)
-                batch = []
-        if batch:
-            self._sizes(client, batch, out)
-        return out
-
-    def _sizes(
-        self, client: redis.Redis, rkeys: list[bytes], out: dict[str, tuple[int, float | None]]
-    ) -> None:
-        pipe = client.pipeline(transaction=False)
-        for rkey in rkeys:
-            pipe.strlen(rkey)
-            pipe.pttl(rkey)
-        replies = pipe.execute()
-        now = time.monotonic()
-        for rkey, size, pttl in zip(rkeys, replies[::2], replies[1::2], strict=True):
-            if pttl == -2:  # gone since the SCAN
-                continue
-            try:
-                key = rkey[len(self._raw_prefix) :].decode()
-            except UnicodeDecodeError:
-                continue
-            out[key] = (size, now + pttl / 1000 if pttl >= 0 else None)
 
     def _server_info(self, client: redis.Redis) -> int:
         """Applies server_maxmemory if asked; records the server's counters; returns its maxmemory."""
@@ -288,11 +208,11 @@ class RedisTier:
                 self._servers.refresh_topology()
             return None
         if value is None:
-            self._forget(key, missed=True)
+            self._index.forget(key, missed=True)
             return None
         known = self._index.get(key)
         if known is None or known[0] != len(value):
-            self._remember(key, len(value), known[1] if known else None)
+            self._index.remember(key, len(value), known[1] if known else None)
         return value
 
     def put(self, key: str, blob: Blob, ttl_s: float | None = None) -> list[str]:
@@ -326,7 +246,7 @@ class RedisTier:
                 self._servers.count_error(type(reply).__name__, "redis put %s: %s", key, reply)
             self.stats.dropped_puts += 1
             return
-        self._remember(key, size, time.monotonic() + ttl_s if ttl_s else None)
+        self._index.remember(key, size, time.monotonic() + ttl_s if ttl_s else None)
 
     def contains(self, key: str) -> bool:
         rkey = self._rk(key)
@@ -354,7 +274,7 @@ class RedisTier:
                 self._servers.refresh_topology()
             return False
         if not reply:
-            self._forget(key, missed=True)
+            self._index.forget(key, missed=True)
         return bool(reply)
 
     def delete(self, key: str) -> bool:
@@ -362,12 +282,12 @@ class RedisTier:
         n = self._servers.call(self._servers.endpoint(rkey), lambda c: c.delete(rkey))
         if n is FAIL:
             return False
-        self._forget(key)
+        self._index.forget(key)
         return bool(n)
 
     def keys(self) -> Iterator[str]:
         """Our keys as the servers list them now (SCAN per primary; a primary that is down is skipped)."""
-        match = _glob_escape(self._raw_prefix) + b"*"
+        match = glob_escape(self._raw_prefix) + b"*"
         for ep in self._servers.primaries():
             cursor = 0
             while True:
@@ -403,9 +323,3 @@ def _px(ttl_s: float | None) -> int | None:
     if check_ttl(ttl_s) is None:
         return None
     return max(1, math.ceil(ttl_s * 1000))
-
-
-def _glob_escape(raw: bytes) -> bytes:
-    for ch in (b"\\", b"*", b"?", b"[", b"]"):
-        raw = raw.replace(ch, b"\\" + ch)
-    return raw
