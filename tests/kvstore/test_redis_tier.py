@@ -35,14 +35,18 @@ class RoundTrips:
     """Counts requests written to any redis-py connection (a pipeline is one); installed by the fixture."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.count = 0
+        self._sent: list[int] = []  # list.append is atomic: cluster batches send from several threads
         send = redis.connection.AbstractConnection.send_packed_command
 
         def counting(conn: Any, *args: Any, **kwargs: Any) -> Any:
-            self.count += 1
+            self._sent.append(1)
             return send(conn, *args, **kwargs)
 
         monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", counting)
+
+    @property
+    def count(self) -> int:
+        return len(self._sent)
 
 
 @pytest.fixture
