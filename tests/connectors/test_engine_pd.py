@@ -9,9 +9,11 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
+from collections import deque
 from pathlib import Path
 
 import pytest
@@ -44,6 +46,11 @@ class Proc:
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
 
+    def drain(self) -> None:
+        """Keep reading its output (a full pipe would block it); the last lines stay in `tail`."""
+        self.tail: deque[str] = deque(maxlen=50)
+        threading.Thread(target=lambda: self.tail.extend(self.proc.stdout), daemon=True).start()
+
     def wait_line(self, pattern: str, timeout: float = 300) -> re.Match:
         deadline = time.monotonic() + timeout
         seen = []
@@ -54,6 +61,7 @@ class Proc:
             seen.append(line)
             m = re.search(pattern, line)
             if m:
+                self.drain()
                 return m
         raise RuntimeError("process did not get ready:\n" + "".join(seen[-30:]))
 
@@ -71,13 +79,14 @@ def engine_server(store_url: str, role: str) -> tuple[Proc, str]:
     port = free_port()
     args = ["serve", "--port", str(port), "--kv-backend", "kvstore", "--kv-store-url", store_url]
     args += ["--kv-role", role, "--max-model-len", str(ENGINE["max_model_len"])]
-    args += ["--kv-cache-memory", ENGINE["kv_cache_memory"], "--num-threads", "1", "--log-level", "INFO"]
+    args += ["--kv-cache-memory", ENGINE["kv_cache_memory"], "--num-threads", "1"]
     proc = Proc(args)
+    proc.drain()
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if proc.proc.poll() is not None:
-            raise RuntimeError(f"engine ({role}) exited: {proc.proc.stdout.read()[-3000:]}")
+            raise RuntimeError(f"engine ({role}) exited: {''.join(proc.tail)[-3000:]}")
         try:
             http_json(url + "/health", timeout=2)
             return proc, url
