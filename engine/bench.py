@@ -13,15 +13,25 @@ import numpy as np
 import torch
 
 from engine.engine_args import EngineArgs
+from engine.errors import InvalidRequest
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 
 
-def random_prompts(vocab_size: int, n: int, length: int, seed: int) -> list[list[int]]:
+def random_prompts(
+    vocab_size: int, n: int, length: int, seed: int, range_ratio: float = 0.0
+) -> list[list[int]]:
+    """`n` prompts of random token ids; lengths uniform in length * [1 - range_ratio, 1 + range_ratio]."""
     rng = np.random.default_rng(seed)
+    lens = random_lengths(rng, n, length, range_ratio)
     # Stay clear of the special tokens at the start of the vocabulary.
-    return [rng.integers(100, vocab_size, size=length).tolist() for _ in range(n)]
+    return [rng.integers(100, vocab_size, size=k).tolist() for k in lens]
+
+
+def random_lengths(rng: np.random.Generator, n: int, length: int, range_ratio: float) -> list[int]:
+    lo, hi = max(1, round(length * (1 - range_ratio))), max(1, round(length * (1 + range_ratio)))
+    return rng.integers(lo, hi + 1, size=n).tolist()
 
 
 def _percentiles(name: str, values: list[float]) -> str:
@@ -83,50 +93,60 @@ def run_latency(
 
 
 def _run_hf(
-    model_dir: str, prompts: list[list[int]], output_len: int, dtype: torch.dtype
+    model_dir: str, prompts: list[list[int]], output_lens: list[int], dtype: torch.dtype
 ) -> tuple[float, int]:
+    """transformers `generate` on all prompts as one left-padded batch. One batch has one length, so
+    it runs to the longest output; only each request's own `output_lens[i]` tokens are counted."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-    ids = torch.tensor(prompts)
-    mask = torch.ones_like(ids)
-    gen_kwargs = dict(do_sample=False, max_new_tokens=output_len, min_new_tokens=output_len,
-                      pad_token_id=model.config.eos_token_id)  # fmt: skip
+    pad = model.config.eos_token_id
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    n_out = max(output_lens)
+    gen_kwargs = dict(do_sample=False, max_new_tokens=n_out, min_new_tokens=n_out, pad_token_id=pad)
     with torch.inference_mode():
-        model.generate(
-            input_ids=ids[:1, :8],
-            attention_mask=mask[:1, :8],
-            **{**gen_kwargs, "max_new_tokens": 2, "min_new_tokens": 2},
-        )  # fmt: skip  (warm-up)
+        warm = {**gen_kwargs, "max_new_tokens": 2, "min_new_tokens": 2}
+        model.generate(input_ids=ids[:1, -8:], attention_mask=mask[:1, -8:], **warm)
         start = time.perf_counter()
         out = model.generate(input_ids=ids, attention_mask=mask, **gen_kwargs)
         elapsed = time.perf_counter() - start
-    generated = int((out.shape[1] - ids.shape[1]) * ids.shape[0])
-    return elapsed, generated
+    assert out.shape[1] - width == n_out
+    return elapsed, sum(output_lens)
 
 
 def run_throughput(
-    args: EngineArgs, num_prompts: int, input_len: int, output_len: int, compare_hf: bool, seed: int
+    args: EngineArgs,
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    compare_hf: bool,
+    seed: int,
+    range_ratio: float = 0.0,
 ) -> dict[str, float]:
+    if not 0 <= range_ratio < 1:
+        raise InvalidRequest(f"--random-range-ratio must be in [0, 1), got {range_ratio}")
     llm = LLM(**asdict(args))
     engine = llm.engine
-    _print_config(
-        "bench throughput", args, engine, num_prompts=num_prompts, input_len=input_len, output_len=output_len
-    )
-    prompts = random_prompts(engine.model_config.vocab_size, num_prompts, input_len, seed)
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    _print_config("bench throughput", args, engine, num_prompts=num_prompts, input_len=input_len,
+                  output_len=output_len, range_ratio=range_ratio)  # fmt: skip
+    prompts = random_prompts(engine.model_config.vocab_size, num_prompts, input_len, seed, range_ratio)
+    output_lens = random_lengths(np.random.default_rng(seed + 1), num_prompts, output_len, range_ratio)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=2))  # warm-up
     engine.block_manager.reset_prefix_cache()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=True)
     elapsed = time.perf_counter() - start
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    assert generated == sum(output_lens)
+    n_in = sum(len(p) for p in prompts)
     result = {"engine_tokens_per_s": generated / elapsed, "engine_seconds": elapsed}
     print(f"kvstore-engine : {generated} tokens in {elapsed:6.2f} s = {generated / elapsed:8.1f} output tokens/s "
-          f"({(generated + num_prompts * input_len) / elapsed:8.1f} total tokens/s)")  # fmt: skip
+          f"({(generated + n_in) / elapsed:8.1f} total tokens/s)")  # fmt: skip
     if compare_hf:
-        hf_elapsed, hf_generated = _run_hf(str(engine.model_dir), prompts, output_len, engine.dtype)
-        assert hf_generated == generated, (hf_generated, generated)
+        hf_elapsed, hf_generated = _run_hf(str(engine.model_dir), prompts, output_lens, engine.dtype)
         result.update(hf_tokens_per_s=hf_generated / hf_elapsed, hf_seconds=hf_elapsed)
         print(f"transformers   : {hf_generated} tokens in {hf_elapsed:6.2f} s = "
               f"{hf_generated / hf_elapsed:8.1f} output tokens/s (generate, batch {num_prompts}, same prompts)")  # fmt: skip

@@ -56,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     thr.add_argument("--input-len", type=int, default=128)
     thr.add_argument("--output-len", type=int, default=64)
     thr.add_argument("--compare-hf", action="store_true", help="also run transformers generate, same prompts")
+    thr.add_argument("--random-range-ratio", type=float, default=0.0,
+                     help="input/output lengths uniform in len * [1 - r, 1 + r] (vLLM's random dataset)")  # fmt: skip
     for p in (lat, thr):
         p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
 
@@ -115,7 +117,9 @@ def _bench(ns: argparse.Namespace) -> None:
             args, ns.input_len, ns.output_len, ns.batch_size, ns.num_iters, ns.num_iters_warmup, ns.seed
         )
     else:
-        bench.run_throughput(args, ns.num_prompts, ns.input_len, ns.output_len, ns.compare_hf, ns.seed)
+        bench.run_throughput(
+            args, ns.num_prompts, ns.input_len, ns.output_len, ns.compare_hf, ns.seed, ns.random_range_ratio
+        )
 
 
 def _model(ns: argparse.Namespace) -> None:
