@@ -73,7 +73,7 @@ def _fp8_encode(x_ptr, codes_ptr, scales_ptr, R, D, PER_ROW: tl.constexpr, BLOCK
         tl.store(scales_ptr + rows, s, mask=rows < R)
     else:
         s = tl.zeros((BLOCK_R,), tl.float32) + tl.load(scales_ptr)
-    inv = tl.where(s > 0, tl.math.div_rn(1.0, s), 0.0)
+    inv = tl.where(s > 0, tl.math.div_rn(1.0, tl.where(s > 0, s, 1.0)), 0.0)
     y = tl.minimum(tl.maximum(x * inv[:, None], -448.0), 448.0)
     tl.store(codes_ptr + offs, _to_e4m3(y).to(tl.uint8), mask=mask)
 
@@ -131,7 +131,7 @@ def _int4_params(mn, mx, bad):
     s16 = tl.where(bad, float("nan"), tl.math.div_rn(mx - mn, 15.0)).to(tl.float16)
     z16 = tl.where(bad, float("nan"), mn).to(tl.float16)
     s = s16.to(tl.float32)
-    inv = tl.where(s > 0, tl.math.div_rn(1.0, s), 0.0)
+    inv = tl.where(s > 0, tl.math.div_rn(1.0, tl.where(s > 0, s, 1.0)), 0.0)
     return s16, z16, z16.to(tl.float32), inv
 
 
