@@ -212,6 +212,31 @@ def _v(a: np.ndarray, *shape: int) -> np.ndarray:
     return v
 
 
+def _c(a: np.ndarray) -> np.ndarray:
+    """A C-contiguous input for a kernel (a copy keeps the read-only flag). Every kernel argument is
+    C-contiguous so that numba compiles one specialisation per dtype, not one per memory layout."""
+    if a.flags.c_contiguous:
+        return a
+    b = np.ascontiguousarray(a)
+    b.flags.writeable = a.flags.writeable
+    return b
+
+
+class _Out:
+    """A C-contiguous output for a kernel, copied into the (strided) view on exit when needed."""
+
+    def __init__(self, view: np.ndarray) -> None:
+        self.view = view
+        self.buf = view if view.flags.c_contiguous else np.empty(view.shape, view.dtype)
+
+    def __enter__(self) -> np.ndarray:
+        return self.buf
+
+    def __exit__(self, *exc: object) -> None:
+        if self.buf is not self.view and exc[0] is None:
+            self.view[...] = self.buf
+
+
 def _row_jobs(lay: Int4Layout) -> list[tuple[int, slice, int, str]]:
     """(kv half, token slice, group, scale/zero section) for every part quantised per token."""
     nt, tf = lay.shape[2], lay.full_tokens
@@ -228,18 +253,12 @@ def _encode_cpu(x: np.ndarray, kind: int, lay: Int4Layout, p: dict[str, np.ndarr
     norm, tf, codes = np.float32(1 / math.sqrt(d)), lay.full_tokens, p["codes"]
     for half, ts, group, sz in _row_jobs(lay):
         rows = (ts.stop - ts.start) * nh
-        cpu_int4.encode_rows(
-            _v(x[half, :, ts], nl, rows, d), kind, group, lay.rotate, norm,
-            _v(codes[half, :, ts], nl, rows, d // 2), _v(p[sz], nl, rows, d // group, 2),
-        )  # fmt: skip
+        with _Out(_v(codes[half, :, ts], nl, rows, d // 2)) as c:
+            xs = _c(_v(x[half, :, ts], nl, rows, d))
+            cpu_int4.encode_rows(xs, kind, group, lay.rotate, norm, c, _v(p[sz], nl, rows, d // group, 2))
     if tf:
-        cpu_int4.encode_channels(
-            _v(x[0, :, :tf], nl, tf, nh * d),
-            kind,
-            lay.key_group,
-            _v(codes[0, :, :tf], nl, tf, nh * d // 2),
-            p["k_sz"],
-        )
+        with _Out(_v(codes[0, :, :tf], nl, tf, nh * d // 2)) as c:
+            cpu_int4.encode_channels(_c(_v(x[0, :, :tf], nl, tf, nh * d)), kind, lay.key_group, c, p["k_sz"])
 
 
 def _decode_cpu(p: dict[str, np.ndarray], kind: int, lay: Int4Layout, out: np.ndarray) -> None:
@@ -247,15 +266,11 @@ def _decode_cpu(p: dict[str, np.ndarray], kind: int, lay: Int4Layout, out: np.nd
     norm, tf, codes = np.float32(1 / math.sqrt(d)), lay.full_tokens, p["codes"]
     for half, ts, group, sz in _row_jobs(lay):
         rows = (ts.stop - ts.start) * nh
-        cpu_int4.decode_rows(
-            _v(codes[half, :, ts], nl, rows, d // 2), _v(p[sz], nl, rows, d // group, 2),
-            kind, group, lay.rotate, norm, _v(out[half, :, ts], nl, rows, d),
-        )  # fmt: skip
+        with _Out(_v(out[half, :, ts], nl, rows, d)) as o:
+            cs = _c(_v(codes[half, :, ts], nl, rows, d // 2))
+            cpu_int4.decode_rows(cs, _c(_v(p[sz], nl, rows, d // group, 2)), kind, group, lay.rotate, norm, o)
     if tf:
-        cpu_int4.decode_channels(
-            _v(codes[0, :, :tf], nl, tf, nh * d // 2),
-            p["k_sz"],
-            kind,
-            lay.key_group,
-            _v(out[0, :, :tf], nl, tf, nh * d),
-        )
+        with _Out(_v(out[0, :, :tf], nl, tf, nh * d)) as o:
+            cpu_int4.decode_channels(
+                _c(_v(codes[0, :, :tf], nl, tf, nh * d // 2)), p["k_sz"], kind, lay.key_group, o
+            )
