@@ -47,9 +47,14 @@ class LLM:
             raise InvalidRequest(f"{len(prompts)} prompts but {len(params)} sampling params")
         for p in prompts:  # validate everything before the first request is queued
             self._check_prompt(p)
-        ids = []
-        for prompt, sp in zip(prompts, params, strict=True):
-            ids.append(self.engine.add_request(prompt, sp).request_id)
+        ids: list[str] = []
+        try:
+            for prompt, sp in zip(prompts, params, strict=True):
+                ids.append(self.engine.add_request(prompt, sp).request_id)
+        except BaseException:
+            for rid in ids:  # all or nothing: no orphan keeps running after a bad prompt
+                self.engine.abort_request(rid)
+            raise
         return self._run(ids, use_tqdm)
 
     def chat(

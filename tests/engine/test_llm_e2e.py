@@ -150,7 +150,8 @@ def test_bad_input_raises_typed_errors_and_engine_keeps_working(llm: LLM, tmp_pa
     with pytest.raises(InvalidRequest, match="empty"):
         llm.generate("", GREEDY)
     with pytest.raises(InvalidRequest, match=r"token ids must be in"):
-        llm.generate([[5, 10**7]], GREEDY)
+        llm.generate([[5, 6], [5, 10**7]], GREEDY)
+    assert not llm.engine.has_unfinished_requests() and not llm.engine.requests
     for bad in ({"temperature": -1.0}, {"top_p": 1.5}, {"top_p": 0.0}, {"max_tokens": 0}):
         with pytest.raises(InvalidRequest):
             llm.generate("hello", SamplingParams(**bad))
