@@ -1,6 +1,7 @@
 """Codec throughput and size next to memcpy, measured side by side in one process.
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_codecs.py                 # CPU, numba kernels, 1 thread
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_codecs.py --threads 2     # K and V on 2 threads
     PYTHONPATH=. .venv/bin/python benchmarks/bench_codecs.py --model DIR     # lz4 ratios on real SmolLM2 KV
     PYTHONPATH=. python benchmarks/bench_codecs.py --cuda                    # Triton kernels on a GPU
 
@@ -14,6 +15,7 @@ memcpy GB/s (`np.copyto` of the same 5.9 MB into a prefaulted buffer) measured r
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -160,8 +162,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--model", type=Path, help="HF Llama dir: take the chunk's KV from a real prefill")
     ap.add_argument("--cuda", action="store_true", help="Triton kernels on the GPU vs device copy")
+    ap.add_argument(
+        "--threads", type=int, default=1, help="KVSTORE_CODEC_THREADS for the CPU kernels (1 or 2)"
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
+    os.environ["KVSTORE_CODEC_THREADS"] = str(args.threads)
     kv = model_kv(args.model, args.tokens) if args.model else synthetic_kv(args.tokens)
     if args.cuda:
         bench_cuda(kv, args.reps)

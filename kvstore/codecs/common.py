@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -92,3 +95,29 @@ def hadamard(d: int, device: torch.device | str = "cpu") -> torch.Tensor:
     while h.shape[0] < d:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     return (h * (1 / math.sqrt(d))).to(device)
+
+
+_POOL: ThreadPoolExecutor | None = None
+
+
+def codec_threads() -> int:
+    """Threads a CPU encode/decode may use: KVSTORE_CODEC_THREADS (default 1; the kernels release the
+    GIL, so 2 runs the keys and the values of a chunk side by side)."""
+    try:
+        return max(1, int(os.environ.get("KVSTORE_CODEC_THREADS", "1")))
+    except ValueError:
+        return 1
+
+
+def run_parts(parts: list[Callable[[], None]]) -> None:
+    """Run independent kernel calls, on up to codec_threads() threads."""
+    global _POOL
+    n = min(codec_threads(), len(parts))
+    if n <= 1:
+        for part in parts:
+            part()
+        return
+    if _POOL is None or _POOL._max_workers < n:
+        _POOL = ThreadPoolExecutor(max_workers=n, thread_name_prefix="kvstore-codec")
+    for f in [_POOL.submit(part) for part in parts]:
+        f.result()

@@ -69,13 +69,16 @@ class Fp8Codec:
             scales = cur.take(np.float32, (_nscales(shape, mode),))
             x = common.bits(kv.contiguous()).reshape(2, -1, shape[4])
             kind = common.KINDS[kv.dtype]
-            for half in range(2):  # keys, values
+
+            def encode_half(half: int) -> None:  # keys, values
                 if mode == "tensor":
                     scales[half] = cpu_fp8.amax(x[half], kind) / cpu_fp8.E4M3_MAX
                     part = scales[half : half + 1]
                 else:
                     part = scales.reshape(2, -1)[half]
                 cpu_fp8.encode_rows(x[half], kind, mode == "token", part, codes[half])
+
+            common.run_parts([lambda: encode_half(0), lambda: encode_half(1)])
             scales = torch.from_numpy(scales)
         if not bool(torch.isfinite(scales).all()):
             raise CodecError("fp8: KV contains NaN or Inf")
@@ -113,6 +116,11 @@ class Fp8Codec:
         obits = obits.reshape(2, -1, shape[4])
         per_row = mode == "token"
         sc = scales.reshape(2, -1)
-        for half in range(2):
-            cpu_fp8.decode_rows(codes[half], sc[half], per_row, _table(), common.KINDS[dtype], obits[half])
+        table, kind = _table(), common.KINDS[dtype]
+        common.run_parts(
+            [
+                lambda h=h: cpu_fp8.decode_rows(codes[h], sc[h], per_row, table, kind, obits[h])
+                for h in range(2)
+            ]
+        )
         return out

@@ -251,26 +251,36 @@ def _row_jobs(lay: Int4Layout) -> list[tuple[int, slice, int, str]]:
 def _encode_cpu(x: np.ndarray, kind: int, lay: Int4Layout, p: dict[str, np.ndarray]) -> None:
     _, nl, _, nh, d = lay.shape
     norm, tf, codes = np.float32(1 / math.sqrt(d)), lay.full_tokens, p["codes"]
-    for half, ts, group, sz in _row_jobs(lay):
+
+    def rows_job(half: int, ts: slice, group: int, sz: str) -> None:
         rows = (ts.stop - ts.start) * nh
         with _Out(_v(codes[half, :, ts], nl, rows, d // 2)) as c:
             xs = _c(_v(x[half, :, ts], nl, rows, d))
             cpu_int4.encode_rows(xs, kind, group, lay.rotate, norm, c, _v(p[sz], nl, rows, d // group, 2))
-    if tf:
+
+    def channels_job() -> None:
         with _Out(_v(codes[0, :, :tf], nl, tf, nh * d // 2)) as c:
             cpu_int4.encode_channels(_c(_v(x[0, :, :tf], nl, tf, nh * d)), kind, lay.key_group, c, p["k_sz"])
+
+    jobs = [lambda j=j: rows_job(*j) for j in _row_jobs(lay)] + ([channels_job] if tf else [])
+    common.run_parts(jobs)
 
 
 def _decode_cpu(p: dict[str, np.ndarray], kind: int, lay: Int4Layout, out: np.ndarray) -> None:
     _, nl, _, nh, d = lay.shape
     norm, tf, codes = np.float32(1 / math.sqrt(d)), lay.full_tokens, p["codes"]
-    for half, ts, group, sz in _row_jobs(lay):
+
+    def rows_job(half: int, ts: slice, group: int, sz: str) -> None:
         rows = (ts.stop - ts.start) * nh
         with _Out(_v(out[half, :, ts], nl, rows, d)) as o:
             cs = _c(_v(codes[half, :, ts], nl, rows, d // 2))
             cpu_int4.decode_rows(cs, _c(_v(p[sz], nl, rows, d // group, 2)), kind, group, lay.rotate, norm, o)
-    if tf:
+
+    def channels_job() -> None:
         with _Out(_v(out[0, :, :tf], nl, tf, nh * d)) as o:
             cpu_int4.decode_channels(
                 _c(_v(codes[0, :, :tf], nl, tf, nh * d // 2)), p["k_sz"], kind, lay.key_group, o
             )
+
+    jobs = [lambda j=j: rows_job(*j) for j in _row_jobs(lay)] + ([channels_job] if tf else [])
+    common.run_parts(jobs)
