@@ -250,3 +250,17 @@ def test_sdk_local_store_with_int4() -> None:
     assert math.isclose(
         torch.nn.functional.cosine_similarity(got.flatten().float(), kv.flatten().float(), 0), 1, abs_tol=0.01
     )
+
+
+def test_two_codec_threads_give_the_same_payload(monkeypatch: pytest.MonkeyPatch) -> None:
+    kv = make_kv((2, 2, 100, 3, 64))
+    for codec in ("fp8", "int4"):
+        one = bytes(get_codec(codec).encode(kv)[0])
+        monkeypatch.setenv("KVSTORE_CODEC_THREADS", "2")
+        p, params = get_codec(codec).encode(kv)
+        assert bytes(p) == one
+        assert torch.equal(
+            get_codec(codec).decode(p, params, tuple(kv.shape), kv.dtype),
+            decode_blob(encode_blob(kv, codec=codec)),
+        )
+        monkeypatch.delenv("KVSTORE_CODEC_THREADS")
