@@ -61,6 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     for p in (lat, thr):
         p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
 
+    proxy = sub.add_parser("proxy", help="disaggregated prefill/decode: route requests through two engines")
+    from engine.proxy import add_cli_args as add_proxy_args  # noqa: PLC0415
+
+    add_proxy_args(proxy)
+
     model = sub.add_parser("model", help="prepare a model directory").add_subparsers(
         dest="model_cmd", required=True
     )
@@ -85,6 +90,13 @@ def _generate(ns: argparse.Namespace) -> None:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in ns.prompt], params)
     else:
         outputs = llm.generate(ns.prompt, params)
+    llm.engine.shutdown()  # in-flight KV saves reach the store before the process exits
+    connector = llm.engine.scheduler.connector
+    if connector is not None and getattr(connector, "metrics", None) is not None:
+        snap = connector.metrics.snapshot()
+        hits = int(snap.get("vllm:external_prefix_cache_hits_total", 0))
+        queries = int(snap.get("vllm:external_prefix_cache_queries_total", 0))
+        print(f"kvstore: {hits} of {queries} prompt tokens came from the store", file=sys.stderr)
     for prompt, out in zip(ns.prompt, outputs, strict=True):
         c = out.outputs[0]
         if ns.json:
@@ -122,6 +134,12 @@ def _bench(ns: argparse.Namespace) -> None:
         )
 
 
+def _proxy(ns: argparse.Namespace) -> None:
+    from engine.proxy import run_proxy  # noqa: PLC0415
+
+    run_proxy(ns)
+
+
 def _model(ns: argparse.Namespace) -> None:
     from engine.convert import ensure_smollm2
 
@@ -131,7 +149,9 @@ def _model(ns: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    handler = {"generate": _generate, "serve": _serve, "bench": _bench, "model": _model}[ns.command]
+    handler = {"generate": _generate, "serve": _serve, "bench": _bench, "model": _model, "proxy": _proxy}[
+        ns.command
+    ]
     try:
         handler(ns)
     except EngineError as e:

@@ -9,6 +9,8 @@ from dataclasses import dataclass, fields
 from engine.errors import InvalidRequest
 
 KV_BACKENDS = ("none", "kvstore")
+KV_CODECS = ("raw", "fp8", "int4")
+KV_ROLES = ("both", "prefill", "decode")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
@@ -43,6 +45,9 @@ class EngineArgs:
     device: str = "cpu"
     enable_prefix_caching: bool = True
     kv_backend: str = "none"
+    kv_store_url: str = "local"  # with kv_backend kvstore: "local" (in-process store) or a kvstore-server URL
+    kv_codec: str = "raw"  # how saved KV is encoded: raw (bit-exact), fp8, int4
+    kv_role: str = "both"  # prefill: compute + save the prompt KV, stop after one token; decode: load only
     num_threads: int | None = None  # torch intra-op threads; default: the CPUs this process may use
     served_model_name: str | None = None
 
@@ -70,6 +75,12 @@ class EngineArgs:
             raise InvalidRequest(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.kv_backend not in KV_BACKENDS:
             raise InvalidRequest(f"kv_backend must be one of {KV_BACKENDS}, got {self.kv_backend!r}")
+        if self.kv_codec not in KV_CODECS:
+            raise InvalidRequest(f"kv_codec must be one of {KV_CODECS}, got {self.kv_codec!r}")
+        if self.kv_role not in KV_ROLES:
+            raise InvalidRequest(f"kv_role must be one of {KV_ROLES}, got {self.kv_role!r}")
+        if not isinstance(self.kv_store_url, str) or not self.kv_store_url:
+            raise InvalidRequest("kv_store_url must be 'local' or a kvstore-server URL")
         if not isinstance(self.model, (str, os.PathLike)) or not str(self.model):
             raise InvalidRequest("model must be a model directory or 'smollm2'")
         self.model = str(self.model)
@@ -87,7 +98,12 @@ class EngineArgs:
         p.add_argument("--dtype", choices=DTYPES, default="float32")
         p.add_argument("--device", default="cpu")
         p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
-        p.add_argument("--kv-backend", choices=KV_BACKENDS, default="none")
+        p.add_argument(
+            "--kv-backend", choices=KV_BACKENDS, default="none", help="kvstore: reuse KV via a store"
+        )
+        p.add_argument("--kv-store-url", default="local", help="'local' (in-process) or http://host:port")
+        p.add_argument("--kv-codec", choices=KV_CODECS, default="raw", help="encoding of saved KV")
+        p.add_argument("--kv-role", choices=KV_ROLES, default="both", help="prefill/decode disaggregation")
         p.add_argument("--num-threads", type=int, default=None)
         p.add_argument("--served-model-name", default=None)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -9,7 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from prometheus_client import generate_latest
 
+from connectors.base import KVConnectorBase, KVConnectorRole, create_connector
 from engine.block_manager import BlockManager
 from engine.config import ModelConfig, parse_dtype
 from engine.engine_args import EngineArgs
@@ -19,6 +22,7 @@ from engine.model_runner import ModelRunner, kv_bytes_per_block
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import Sequence, SequenceStatus
+from kvstore.errors import KVStoreError
 from kvstore.keys import KVLayout, root_key
 
 logger = logging.getLogger(__name__)
@@ -65,10 +69,6 @@ class LLMEngine:
         from engine.loader import load_model
         from engine.tokenizer import Tokenizer
 
-        if args.kv_backend == "kvstore":
-            raise KVBackendUnavailable(
-                "--kv-backend kvstore is not available yet (the KV connector lands with connectors/); use none"
-            )
         self.args = args
         torch.set_num_threads(args.num_threads or default_num_threads())
         self.model_dir = resolve_model_dir(args.model)
@@ -90,13 +90,20 @@ class LLMEngine:
                 f"a KV cache of {num_blocks} blocks x {bs} tokens cannot hold one sequence of max_model_len "
                 f"{self.max_model_len}; give it more memory (kv_cache_memory) or lower max_model_len"
             )
-        self.model, self.model_config = load_model(self.model_dir, self.dtype, self.device)
+        kv_scheduler, kv_worker = self._make_kv_connectors(args, cfg)  # bad KV settings fail before the load
+        try:
+            self.model, self.model_config = load_model(self.model_dir, self.dtype, self.device)
+        except BaseException:
+            for connector in (kv_worker, kv_scheduler):
+                if connector is not None:
+                    connector.shutdown()
+            raise
         self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
         cfg = self.model_config
         self.model_name = args.served_model_name or cfg.model_name
         self.runner = ModelRunner(
             self.model, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, bs, num_blocks,
-            self.dtype, self.device,
+            self.dtype, self.device, kv_worker,
         )  # fmt: skip
         layout = KVLayout(
             cfg.model_name, cfg.config_hash, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
@@ -105,7 +112,7 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, bs, args.enable_prefix_caching, root_key(layout))
         eos = set(cfg.eos_token_ids) | set(getattr(self.tokenizer, "eos_token_ids", ()) or ())
         sched_cfg = SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, self.max_model_len)
-        self.scheduler = Scheduler(sched_cfg, self.block_manager, eos)
+        self.scheduler = Scheduler(sched_cfg, self.block_manager, eos, kv_scheduler)
         self.metrics = EngineMetrics(self.model_name)
         self.requests: dict[str, Sequence] = {}
         self._next_id = 0
@@ -126,6 +133,8 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequest(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        if self.scheduler.connector is not None and self.args.kv_role == "prefill" and params.max_tokens != 1:
+            params = dataclasses.replace(params, max_tokens=1, min_tokens=0)  # the decode side continues
         if request_id is None:
             request_id = f"req-{self._next_id}"
             self._next_id += 1
@@ -155,6 +164,61 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    # ---- the KV connector (--kv-backend kvstore) -----------------------------------------------
+    def _make_kv_connectors(
+        self, args: EngineArgs, cfg: ModelConfig
+    ) -> tuple[KVConnectorBase | None, KVConnectorBase | None]:
+        """The scheduler-side and worker-side connectors, sharing one store connection."""
+        if args.kv_backend == "none":
+            return None, None
+        config = {
+            "store_url": args.kv_store_url, "codec": args.kv_codec, "kv_role": args.kv_role,
+            "block_size": args.block_size,
+            "layout": {
+                "model_name": cfg.model_name, "model_config_hash": cfg.config_hash,
+                "num_layers": cfg.num_hidden_layers, "num_kv_heads": cfg.num_key_value_heads,
+                "head_dim": cfg.head_dim, "kv_dtype": str(self.dtype).removeprefix("torch."),
+            },
+        }  # fmt: skip
+        try:
+            scheduler_side = create_connector(args.kv_backend, KVConnectorRole.SCHEDULER, config)
+            try:
+                worker_side = create_connector(args.kv_backend, KVConnectorRole.WORKER, config)
+            except BaseException:
+                scheduler_side.shutdown()
+                raise
+        except KVStoreError as e:
+            raise KVBackendUnavailable(f"--kv-backend {args.kv_backend}: {e}") from e
+        logger.info("KV connector: %s, store %s, codec %s, role %s", args.kv_backend, args.kv_store_url,
+                    args.kv_codec, args.kv_role)  # fmt: skip
+        return scheduler_side, worker_side
+
+    def _finish_kv_saves(self) -> None:
+        """Free the blocks of finished requests whose KV save the worker reports done."""
+        worker = self.runner.connector
+        if worker is None:
+            return
+        finished = self.scheduler.take_finished_req_ids()
+        if finished and self.args.kv_role == "prefill":
+            worker.flush()  # a prefill instance answers only once the decode instance can load the KV
+        done, _ = worker.get_finished(finished)
+        if done:
+            self.scheduler.finish_saves(done)
+
+    def render_metrics(self) -> bytes:
+        """Prometheus text: the engine's metrics, then the KV connector's."""
+        body = self.metrics.render()
+        connector = self.scheduler.connector
+        if connector is not None and getattr(connector, "metrics", None) is not None:
+            body += generate_latest(connector.metrics.registry)
+        return body
+
+    def shutdown(self) -> None:
+        """Wait for in-flight KV saves and close the store connection. Idempotent."""
+        for connector in (self.runner.connector, self.scheduler.connector):
+            if connector is not None:
+                connector.shutdown()
+
     # ---- the loop -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         sched_out = self.scheduler.schedule()
@@ -162,9 +226,11 @@ class LLMEngine:
         if not sched_out.is_empty:
             sampled = self.runner.execute_model(sched_out)
             now = time.monotonic()
-            for seq in self.scheduler.update_from_output(sched_out, sampled):
+            invalid = self.runner.invalid_block_ids
+            for seq in self.scheduler.update_from_output(sched_out, sampled, invalid):
                 self._on_new_token(seq, now)
                 outputs.append(self.make_output(seq))
+        self._finish_kv_saves()
         bm = self.block_manager
         self.metrics.update_scheduler_state(
             self.scheduler.num_running, self.scheduler.num_waiting, bm.usage,

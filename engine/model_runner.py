@@ -12,6 +12,7 @@ import logging
 import numpy as np
 import torch
 
+from connectors.base import KVConnectorBase
 from engine.attention_metadata import AttentionMetadata
 from engine.errors import EngineError
 from engine.sampler import Sampler
@@ -37,6 +38,7 @@ class ModelRunner:
         num_blocks: int,
         dtype: torch.dtype,
         device: torch.device,
+        connector: KVConnectorBase | None = None,
     ) -> None:
         self.model = model
         self.block_size = block_size
@@ -55,6 +57,10 @@ class ModelRunner:
             )
         for layer, module in enumerate(attn_modules):
             module.kv_cache = self.kv_cache[layer]
+        self.connector = connector  # worker side of the KV connector (--kv-backend), or None
+        self.invalid_block_ids: set[int] = set()  # blocks whose KV failed to load in the last step
+        if connector is not None:
+            connector.register_kv_caches([self.kv_cache[layer] for layer in range(num_layers)])
         logger.info(
             "KV cache: %d blocks x %d tokens, %.1f MiB",
             num_blocks,
@@ -101,7 +107,19 @@ class ModelRunner:
         """One forward over every scheduled token; a token for each sequence whose chunk ends it."""
         assert not out.is_empty
         input_ids, positions, meta = self.prepare_inputs(out)
+        connector = self.connector
+        if connector is not None:  # load this step's external KV into its blocks before the forward
+            connector.bind_connector_metadata(out.kv_connector_metadata)
+            connector.start_load_kv()
+            for layer in range(self.kv_cache.shape[0]):
+                connector.wait_for_layer_load(layer)
         hidden = self.model(input_ids, positions, meta)
+        if connector is not None:  # save newly full chunks; after wait_for_save the blocks may change
+            for layer in range(self.kv_cache.shape[0]):
+                connector.save_kv_layer(layer, self.kv_cache[layer], meta)
+            connector.wait_for_save()
+            self.invalid_block_ids = connector.get_block_ids_with_load_errors()
+            connector.clear_connector_metadata()
         rows = [i for i, s in enumerate(out.scheduled) if s.samples]
         sampled: list[int | None] = [None] * len(out.scheduled)
         if rows:

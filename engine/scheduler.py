@@ -16,7 +16,9 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
+from connectors.base import KVConnectorBase
 from engine.block_manager import BlockManager
 from engine.errors import EngineError
 from engine.sequence import Sequence, SequenceStatus
@@ -46,6 +48,7 @@ class ScheduledSequence:
 class SchedulerOutput:
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    kv_connector_metadata: Any = None  # what the KV connector's worker side loads and saves this step
 
     @property
     def num_batched_tokens(self) -> int:
@@ -58,7 +61,11 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, block_manager: BlockManager, eos_token_ids: set[int] | None = None
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        eos_token_ids: set[int] | None = None,
+        connector: KVConnectorBase | None = None,
     ) -> None:
         assert config.max_num_batched_tokens > 0 and config.max_num_seqs > 0
         self.config = config
@@ -67,6 +74,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.connector = connector  # scheduler side of the KV connector (--kv-backend), or None
+        self.saving: dict[str, Sequence] = {}  # finished, blocks held until their KV save is done
+        self._finished_saving: set[str] = set()  # finished since the last take_finished_req_ids()
 
     def add_sequence(self, seq: Sequence) -> None:
         assert seq.status is SequenceStatus.WAITING and not seq.block_table
@@ -114,16 +124,19 @@ class Scheduler:
             seq = self.waiting[0]
             computed = bm.get_computed_blocks(seq)
             num_computed = len(computed) * bm.block_size
-            # connector: num_external, load_async = connector.get_num_new_matched_tokens(seq, num_computed)
-            num_new = min(seq.num_tokens - num_computed, budget)
-            if not bm.allocate_slots(seq, num_new, computed):
+            num_external = 0  # tokens the KV store has beyond the engine's own prefix cache
+            if self.connector is not None:
+                num_external, _ = self.connector.get_num_new_matched_tokens(seq, num_computed)
+            num_new = min(seq.num_tokens - num_computed - num_external, budget)
+            if not bm.allocate_slots(seq, num_external + num_new, computed):
                 break
-            # connector: connector.update_state_after_alloc(seq, seq.block_table, num_external)
+            if self.connector is not None:  # loaded by the runner before this step's forward
+                self.connector.update_state_after_alloc(seq, seq.block_table, num_external)
             self.waiting.popleft()
             bm.record_prefix_lookup(seq, num_computed)
             if seq.num_preemptions == 0:
-                seq.num_cached_tokens = num_computed
-            seq.num_computed_tokens = num_computed
+                seq.num_cached_tokens = num_computed + num_external
+            seq.num_computed_tokens = num_computed + num_external
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(ScheduledSequence(seq, num_new))
@@ -135,7 +148,8 @@ class Scheduler:
                 f"request {seq.request_id} ({seq.num_tokens} tokens) does not fit in the KV cache "
                 f"({bm.num_blocks} blocks of {bm.block_size}); raise the KV cache size or lower max_model_len"
             )
-        # connector: out.kv_connector_metadata = connector.build_connector_meta(out)
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
 
     def _preempt(self, seq: Sequence) -> None:
@@ -148,14 +162,22 @@ class Scheduler:
         logger.debug("preempted %s (%d tokens) for recompute", seq.request_id, seq.num_tokens)
 
     # ---- results ------------------------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Sequence]:
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: list[int | None], invalid_block_ids: set[int] | None = None
+    ) -> list[Sequence]:
         """Advance every scheduled sequence; append sampled tokens where a chunk reached the end.
-        Returns the sequences that got a new token (finished ones included)."""
+        Returns the sequences that got a new token (finished ones included).
+
+        `invalid_block_ids`: blocks the KV connector failed to load this step. A sequence holding one
+        goes back to its first bad block and recomputes from there; this step's sample is void."""
         assert len(sampled) == len(out.scheduled)
         updated = []
         for sched, token in zip(out.scheduled, sampled, strict=True):
             seq = sched.seq
             reached_end = sched.samples
+            if invalid_block_ids and self._rewind_to_bad_block(seq, invalid_block_ids):
+                self.block_manager.cache_full_blocks(seq)
+                continue
             seq.num_computed_tokens += sched.num_new_tokens
             self.block_manager.cache_full_blocks(seq)
             if not reached_end:
@@ -167,6 +189,16 @@ class Scheduler:
             if status is not None:
                 self._finish(seq, status)
         return updated
+
+    def _rewind_to_bad_block(self, seq: Sequence, invalid_block_ids: set[int]) -> bool:
+        bad = next((i for i, b in enumerate(seq.block_table) if b in invalid_block_ids), None)
+        if bad is None or bad * self.block_manager.block_size >= seq.num_computed_tokens:
+            return False
+        good = bad * self.block_manager.block_size
+        logger.info("%s: KV load failed at token %d; recomputing from there", seq.request_id, good)
+        seq.num_computed_tokens = good
+        seq.num_cached_tokens = min(seq.num_cached_tokens, good)
+        return True
 
     def _check_stop(self, seq: Sequence, token: int) -> SequenceStatus | None:
         p = seq.sampling_params
@@ -195,10 +227,29 @@ class Scheduler:
 
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
         assert status.finished
-        # connector: connector.request_finished(seq, seq.block_table) (delays freeing while a save runs)
-        self.block_manager.free(seq)
+        delay = False
+        if self.connector is not None:
+            delay, _ = self.connector.request_finished(seq, seq.block_table)
+        if delay:  # a save of its KV is in flight: the blocks wait for finish_saves()
+            self.saving[seq.request_id] = seq
+            self._finished_saving.add(seq.request_id)
+        else:
+            self.block_manager.free(seq)
         seq.status = status
         if seq in self.running:
             self.running.remove(seq)
         else:
             self.waiting.remove(seq)
+
+    # ---- KV connector: finished requests whose save was in flight ------------------------------
+    def take_finished_req_ids(self) -> set[str]:
+        """Requests finished since the last call whose blocks wait for a save (for get_finished)."""
+        ids, self._finished_saving = self._finished_saving, set()
+        return ids
+
+    def finish_saves(self, request_ids: set[str]) -> None:
+        """The connector reports these saves done: their blocks can be freed now."""
+        for rid in request_ids:
+            seq = self.saving.pop(rid, None)
+            if seq is not None:
+                self.block_manager.free(seq)

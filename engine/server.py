@@ -286,7 +286,7 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    body = request.app[ENGINE_KEY].engine.metrics.render()
+    body = request.app[ENGINE_KEY].engine.render_metrics()
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
@@ -300,6 +300,7 @@ def build_app(engine: LLMEngine) -> web.Application:
 
     async def on_cleanup(_: web.Application) -> None:
         await aengine.stop()
+        await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)  # KV saves reach the store
 
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)

@@ -38,9 +38,12 @@ def test_help_lists_the_subcommands() -> None:
     ("args", "message"),
     [
         (["generate", "--model", "/nonexistent/model", "--prompt", "hi"], "does not exist"),
-        (["generate", "--kv-backend", "kvstore", "--prompt", "hi"], "not available yet"),
-        (["serve", "--kv-backend", "kvstore"], "not available yet"),
-        (["bench", "latency", "--kv-backend", "kvstore"], "not available yet"),
+        (
+            ["generate", "--kv-backend", "kvstore", "--kv-store-url", "redis://x", "--prompt", "hi"],
+            "store_url",
+        ),
+        (["serve", "--kv-backend", "kvstore", "--kv-store-url", "ftp://x"], "store_url"),
+        (["bench", "latency", "--kv-backend", "kvstore", "--kv-store-url", "nowhere"], "store_url"),
         (["generate", "--model", "/nonexistent", "--block-size", "12", "--prompt", "hi"], "power of two"),
     ],
 )

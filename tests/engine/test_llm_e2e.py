@@ -159,8 +159,8 @@ def test_bad_input_raises_typed_errors_and_engine_keeps_working(llm: LLM, tmp_pa
         LLM(str(tmp_path / "no-such-model"))
     with pytest.raises(EngineError):
         LLM(str(tmp_path))  # a directory without config.json
-    with pytest.raises(KVBackendUnavailable, match="not available yet"):
-        LLM(str(tmp_path), kv_backend="kvstore")
+    with pytest.raises(KVBackendUnavailable, match="store_url"):  # before the weights load
+        LLM(str(llm.engine.model_dir), kv_backend="kvstore", kv_store_url="redis://not-a-kvstore-server")
     with pytest.raises(InvalidRequest, match="cannot hold one sequence"):
         LLM(str(llm.engine.model_dir), num_kv_blocks=2, max_model_len=512)
     out = llm.generate("The capital of France is", SamplingParams(temperature=0.0, max_tokens=4))[0]

@@ -1,0 +1,93 @@
+"""The engine's scheduler driving a real KVStoreConnector (real local store), without a model: what
+it admits, allocates and rewinds. Fast; the SmolLM2 tests cover the same path end to end."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from connectors.base import KVConnectorRole, create_connector
+from engine.block_manager import BlockManager
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.sequence import Sequence
+from kvstore.blob import encode_blob
+from kvstore.keys import KVLayout, root_key
+
+BS = 16
+LAYOUT = {"model_name": "sched", "model_config_hash": "0" * 32, "num_layers": 2, "num_kv_heads": 1,
+          "head_dim": 8, "kv_dtype": "float32"}  # fmt: skip
+
+
+@pytest.fixture
+def scheduler_pair():
+    config = {"store_url": "local", "block_size": BS, "layout": LAYOUT, "local_cpu_capacity": 2**26}
+    made = []
+
+    def make(num_blocks: int = 64, prefix_caching: bool = True) -> Scheduler:
+        connector = create_connector("kvstore", KVConnectorRole.SCHEDULER, config)
+        made.append(connector)
+        root = root_key(KVLayout(**LAYOUT, chunk_size=BS))
+        bm = BlockManager(num_blocks, BS, prefix_caching, root)
+        return Scheduler(SchedulerConfig(max_num_batched_tokens=2048), bm, {0}, connector)
+
+    yield make
+    for c in made:
+        c.shutdown()
+
+
+def seq(rid: str, n: int) -> Sequence:
+    return Sequence(rid, list(range(1, n + 1)), SamplingParams(temperature=0.0, max_tokens=4))
+
+
+def store_chunks(sched: Scheduler, n_tokens: int) -> None:
+    """Put every full chunk of the prompt `seq(_, n_tokens)` in the store."""
+    probe = seq("probe", n_tokens)
+    for k in sched.connector.scheduler._chunk_keys(probe):
+        sched.connector.handle.store.put(k, encode_blob(torch.zeros(2, 2, 256, 1, 8)))
+    sched.connector.request_finished(probe, [])
+
+
+def test_admission_counts_store_tokens_as_computed_and_allocates_their_blocks(scheduler_pair) -> None:
+    sched = scheduler_pair()
+    store_chunks(sched, 600)
+    s = seq("r1", 600)
+    sched.add_sequence(s)
+    out = sched.schedule()
+    (item,) = out.scheduled
+    assert s.num_computed_tokens == 512 and item.num_new_tokens == 600 - 512
+    assert len(s.block_table) == -(-600 // BS)
+    loads = out.kv_connector_metadata.payload["kvstore_transfers"].loads
+    assert [(ld.start_token, ld.end_token) for ld in loads] == [(0, 512)]
+    assert s.num_cached_tokens == 512
+
+
+def test_a_failed_load_rewinds_to_the_first_bad_block_and_voids_the_sample(scheduler_pair) -> None:
+    sched = scheduler_pair()
+    store_chunks(sched, 300)
+    s = seq("r1", 300)
+    sched.add_sequence(s)
+    out = sched.schedule()
+    assert s.num_computed_tokens == 256  # chunk 0 comes from the store this step
+    updated = sched.update_from_output(out, [7], {s.block_table[5]})  # ... and block 5 of it failed
+    assert updated == [] and s.num_output_tokens == 0, "the sample of a step with bad KV is dropped"
+    assert s.num_computed_tokens == 5 * BS, "back to the first bad block"
+    out = sched.schedule()
+    assert [(x.seq, x.num_new_tokens) for x in out.scheduled] == [(s, 300 - 5 * BS)]
+    assert out.kv_connector_metadata.payload["kvstore_transfers"].loads == []
+
+
+def test_finished_request_keeps_its_blocks_until_its_save_is_done(scheduler_pair) -> None:
+    sched = scheduler_pair()
+    s = seq("r1", 300)
+    sched.add_sequence(s)
+    out = sched.schedule()
+    saves = out.kv_connector_metadata.payload["kvstore_transfers"].saves
+    assert [sv.chunk_index for sv in saves] == [0]
+    free_before = sched.block_manager.num_free_blocks
+    sched.abort("r1")
+    assert "r1" in sched.saving and sched.block_manager.num_free_blocks == free_before
+    assert sched.take_finished_req_ids() == {"r1"} and sched.take_finished_req_ids() == set()
+    sched.finish_saves({"r1"})
+    assert sched.saving == {} and sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
+    sched.block_manager.check_invariants([])
