@@ -48,7 +48,7 @@ class EngineArgs:
     kv_store_url: str = "local"  # with kv_backend kvstore: "local" (in-process store) or a kvstore-server URL
     kv_codec: str = "raw"  # how saved KV is encoded: raw (bit-exact), fp8, int4
     kv_role: str = "both"  # prefill: compute + save the prompt KV, stop after one token; decode: load only
-    num_threads: int | None = None  # torch intra-op threads; default: the CPUs this process may use
+    num_threads: int | None = None  # torch intra-op threads; default 1 (see llm_engine.default_num_threads)
     served_model_name: str | None = None
 
     def __post_init__(self) -> None:
