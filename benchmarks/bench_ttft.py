@@ -103,7 +103,7 @@ def make_llm(args: argparse.Namespace, **kw) -> LLM:
 
 def part1(args: argparse.Namespace) -> None:
     print(f"\n== TTFT (median of {args.reps}), SmolLM2-135M fp32, {args.threads} thread(s) ==")
-    rows: list[tuple[str, dict[int, float]]] = []
+    print(f"{'source':<32}" + "".join(f"{n:>8} tok  speed-up" for n in args.lengths), flush=True)
     cold: dict[int, float] = {}
     local: dict[int, float] = {}
     llm = make_llm(args)
@@ -114,7 +114,15 @@ def part1(args: argparse.Namespace) -> None:
         local[n] = statistics.median(ttft(llm, p) for _ in range(args.reps))
     del llm
     gc.collect()
-    rows += [("cold (recompute)", cold), ("engine prefix hit", local)]
+
+    def row(name: str, t: dict[int, float]) -> None:
+        print(
+            f"{name:<32}" + "".join(f"{t[n] * 1e3:9.0f} ms {cold[n] / t[n]:7.1f}x" for n in args.lengths),
+            flush=True,
+        )
+
+    row("cold (recompute)", cold)
+    row("engine prefix hit", local)
 
     def store_row(name: str, **kv) -> None:
         llm = make_llm(args, kv_backend="kvstore", **kv)
@@ -131,7 +139,7 @@ def part1(args: argparse.Namespace) -> None:
         llm.engine.shutdown()
         del llm
         gc.collect()
-        rows.append((name, got))
+        row(name, got)
 
     codecs = [c for c in ("raw", "fp8", "int4") if c in codec_names()]
     for codec in codecs:
@@ -153,11 +161,6 @@ def part1(args: argparse.Namespace) -> None:
     finally:
         for s in reversed(services):
             s.stop()
-
-    head = f"{'source':<32}" + "".join(f"{n:>8} tok  speed-up" for n in args.lengths)
-    print(head)
-    for name, t in rows:
-        print(f"{name:<32}" + "".join(f"{t[n] * 1e3:9.0f} ms {cold[n] / t[n]:7.1f}x" for n in args.lengths))
 
 
 def part2(args: argparse.Namespace) -> None:
