@@ -10,6 +10,7 @@ save (copy-out + encode + put) and load (fetch + verify/decode + scatter into th
 from __future__ import annotations
 
 import argparse
+import hashlib
 import re
 import subprocess
 import sys
@@ -52,8 +53,7 @@ def run(name: str, config: KVTransferConfig, tokens: int, dtype: torch.dtype, me
         n_chunks = tokens // CS
         src = list(range(tokens // BS))
         dst = list(range(tokens // BS, 2 * tokens // BS))
-        keys = [f"{i:032x}{name.encode().hex()[:8]:0>8}"[:32] for i in range(n_chunks)]
-        keys = [f"{abs(hash((name, i))):032x}"[-32:] for i in range(n_chunks)]
+        keys = [hashlib.blake2b(f"{name}/{i}".encode(), digest_size=16).hexdigest() for i in range(n_chunks)]
         saves = [SaveSpec("r", keys[c], c, tuple(src[c * 16 : (c + 1) * 16])) for c in range(n_chunks)]
         t0 = time.perf_counter()
         worker.bind_connector_metadata(KVConnectorMetadata({"kvstore_transfers": StepTransfers(saves=saves)}))
@@ -62,7 +62,9 @@ def run(name: str, config: KVTransferConfig, tokens: int, dtype: torch.dtype, me
         worker.flush()
         t_save = time.perf_counter() - t0
         load = LoadSpec("r", tuple(keys), 0, tuple(dst), 0, tokens)
-        worker.bind_connector_metadata(KVConnectorMetadata({"kvstore_transfers": StepTransfers(loads=[load])}))
+        worker.bind_connector_metadata(
+            KVConnectorMetadata({"kvstore_transfers": StepTransfers(loads=[load])})
+        )
         t0 = time.perf_counter()
         worker.start_load_kv()
         t_load = time.perf_counter() - t0
@@ -102,7 +104,9 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     nbytes = 2 * LAYERS * args.tokens * HEADS * DIM * dtype.itemsize
     mc = memcpy_gbs(nbytes)
-    print(f"{args.tokens} tokens of {args.dtype} KV = {nbytes / 2**20:.1f} MiB; memcpy {mc:.2f} GB/s (1 thread)")
+    print(
+        f"{args.tokens} tokens of {args.dtype} KV = {nbytes / 2**20:.1f} MiB; memcpy {mc:.2f} GB/s (1 thread)"
+    )
     base = {"local_cpu_capacity": "2GiB", "chunk_size": CS}
     layout = {
         "model_name": "bench", "model_config_hash": "0" * 32, "num_layers": LAYERS, "num_kv_heads": HEADS,
@@ -112,7 +116,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         rows = [(f"local cpu {c}", KVTransferConfig(codec=c, **base)) for c in codecs]
         rows.append(
-            ("local disk raw", KVTransferConfig(local_tiers=["disk"], local_disk_path=Path(tmp) / "d", **base))
+            (
+                "local disk raw",
+                KVTransferConfig(local_tiers=["disk"], local_disk_path=Path(tmp) / "d", **base),
+            )
         )
         proc = None
         if args.server:
