@@ -4,7 +4,12 @@ shapes, the interpreter runs at a few MB/s), and compiled on CUDA when a GPU is 
 from __future__ import annotations
 
 import importlib
+import json
 import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -30,23 +35,25 @@ CASES = [  # (name, shape, dtype, codec, options)
 ]
 
 
-@pytest.fixture(scope="module")
-def tk():
-    """triton_kernels with every kernel interpreted (the decision is taken when a kernel is defined)."""
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        from triton.runtime.interpreter import InterpretedFunction  # noqa: PLC0415
+REPO = Path(__file__).resolve().parents[2]
 
-        mod = importlib.import_module("kvstore.codecs.triton_kernels")
-        if not isinstance(mod._fp8_encode, InterpretedFunction):
-            mod = importlib.reload(mod)
-        yield mod
-    finally:
-        if old is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = old
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict[str, str]:
+    """Every case run under TRITON_INTERPRET=1 in a fresh interpreter: the decision to interpret is
+    taken when triton.language is first imported, which other test modules have done already."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.kvstore.test_codecs_triton"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return {r["case"]: r["error"] for r in rows}
 
 
 def _kv(shape: tuple[int, ...], dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
@@ -106,8 +113,9 @@ def _check_case(tk, shape, dtype, codec, options, device: str) -> None:
 
 
 @pytest.mark.parametrize(("name", "shape", "dtype", "codec", "options"), CASES, ids=[c[0] for c in CASES])
-def test_triton_matches_cpu_path_interpreted(tk, name, shape, dtype, codec, options) -> None:
-    _check_case(tk, shape, dtype, codec, options, "cpu")
+def test_triton_matches_cpu_path_interpreted(interpreted, name, shape, dtype, codec, options) -> None:
+    assert name in interpreted, f"the subprocess did not report {name}"
+    assert interpreted[name] == "", interpreted[name]
 
 
 @pytest.mark.gpu
@@ -120,3 +128,16 @@ def test_triton_matches_cpu_path_on_cuda(name, shape, dtype, codec, options) -> 
     kv = _kv(shape, dtype)
     assert torch.equal(decode_blob(encode_blob(kv.cuda(), codec=codec, **options)).cpu(),
                        decode_blob(encode_blob(kv, codec=codec, **options))) or options.get("rotate")  # fmt: skip
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    torch.set_num_threads(1)
+    _tk = importlib.import_module("kvstore.codecs.triton_kernels")
+    for _name, _shape, _dtype, _codec, _options in CASES:
+        try:
+            _check_case(_tk, _shape, _dtype, _codec, _options, "cpu")
+            _err = ""
+        except Exception:  # reported to the parent test, which fails on it
+            _err = traceback.format_exc()
+        print(json.dumps({"case": _name, "error": _err}), flush=True)
