@@ -10,8 +10,9 @@ Part 1, per prompt length (random-token prompts, one at a time, greedy, 1 output
                       tier in-process (per codec), via kvstore-server, the disk tier, a Valkey (redis) tier
 Each row prints the median TTFT and its speed-up over recompute, measured in the same run.
 
-Part 2, multi-turn chat: a shared system prompt and 20 conversations, 3 turns each, served in rounds
-(turn t of every conversation as one batch) by an engine whose KV memory holds only a few of them.
+Part 2, multi-turn chat: a shared system prompt and 20 conversations (each about its own document),
+4 turns each, served in rounds (turn t of every conversation as one batch) by an engine whose KV
+memory holds only about two of them.
 Prints throughput and mean TTFT with the store off and on, and the ratio.
 """
 
@@ -173,13 +174,14 @@ def part2(args: argparse.Namespace) -> None:
         "borrowing rules, and the catalogue. Keep answers short and friendly. " * 5
     )[:300]
     convs = args.conversations
-    user = [[random_prompt(120, 500 * c + t) for t in range(args.turns)] for c in range(convs)]
-    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    docs = [random_prompt(500, 77 * c) for c in range(convs)]  # each conversation is about its own document
+    user = [[random_prompt(40, 500 * c + t) for t in range(args.turns)] for c in range(convs)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
     def run(**kw) -> tuple[float, float, int, list]:
-        blocks = 160  # 2,560 tokens: ~3 conversations of the ~850 each reaches
+        blocks = 160  # 2,560 tokens: ~2 conversations of the ~1,100 each reaches
         llm = LLM("smollm2", max_model_len=1536, num_kv_blocks=blocks, num_threads=args.threads, **kw)
-        history = [list(system) for _ in range(convs)]
+        history = [list(system) + docs[c] for c in range(convs)]
         ttfts, tokens, answers = [], 0, []
         t0 = time.perf_counter()
         for t in range(args.turns):
@@ -203,8 +205,9 @@ def part2(args: argparse.Namespace) -> None:
         gc.collect()
         return wall, statistics.mean(ttfts), tokens, answers
 
-    print(f"\n== multi-turn chat: {convs} conversations x {args.turns} turns, shared 300-token system "
-          f"prompt, KV memory for ~3 conversations ==")  # fmt: skip
+    print(f"\n== multi-turn chat: {convs} conversations x {args.turns} turns (300-token shared system prompt, "
+          f"a 500-token document per conversation, 40-token questions, 16-token answers), KV memory for "
+          f"~2 conversations ==")  # fmt: skip
     off = run()
     on = run(kv_backend="kvstore", kv_store_url="local")
     same = "identical" if off[3] == on[3] else "DIFFERENT"
@@ -218,7 +221,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--conversations", type=int, default=20)
-    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--skip-ttft", action="store_true")
     ap.add_argument("--skip-chat", action="store_true")
     args = ap.parse_args()
