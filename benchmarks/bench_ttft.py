@@ -137,7 +137,7 @@ def part1(args: argparse.Namespace) -> None:
                 llm.engine.block_manager.reset_prefix_cache()
                 times.append(ttft(llm, p))
             got[n] = statistics.median(times)
-        llm.engine.shutdown()
+        llm.shutdown()
         del llm
         gc.collect()
         row(name, got)
@@ -198,7 +198,7 @@ def part2(args: argparse.Namespace) -> None:
         if llm.engine.scheduler.connector is not None:
             flush(llm)
             hit = f", store hit rate {llm.engine.scheduler.connector.metrics.hit_rate:.0%}"
-            llm.engine.shutdown()
+            llm.shutdown()
         print(f"  store {'on ' if kw else 'off'}: {wall:6.1f} s, {convs * args.turns / wall:5.2f} req/s, "
               f"{tokens / wall:7.0f} tok/s, mean TTFT {statistics.mean(ttfts) * 1e3:6.0f} ms{hit}")  # fmt: skip
         del llm

@@ -94,3 +94,13 @@ class LLM:
         finally:
             bar.close()
         return [done[rid] for rid in request_ids]
+
+    def shutdown(self) -> None:
+        """Wait for in-flight KV saves to the store and close its connection. Idempotent."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

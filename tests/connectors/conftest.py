@@ -154,4 +154,4 @@ def off():
 
     engine = llm()
     yield engine
-    engine.engine.shutdown()
+    engine.shutdown()

@@ -63,5 +63,5 @@ def test_corrupt_blob_then_killed_server_fall_back_to_recompute(off, tmp_path, m
             > before["kvstore_connector_load_error_blocks_total"]
         )
     finally:
-        engine.engine.shutdown()
+        engine.shutdown()
         server.stop()

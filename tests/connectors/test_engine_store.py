@@ -22,14 +22,14 @@ def test_store_on_is_token_identical_and_a_new_engine_hits_every_chunk(off, shar
         saved = store_metrics(a)["kvstore_connector_saved_chunks_total"]
         assert saved >= 3  # 2 + 1 full chunks (+ earlier tests' when an engine shares the connection)
     finally:
-        a.engine.shutdown()
+        a.shutdown()
     b = llm(kv_backend="kvstore", kv_store_url=shared_server.url)  # a new engine: empty prefix cache
     try:
         before = store_metrics(b)
         assert generate(b, prompts) == want
         after = store_metrics(b)
     finally:
-        b.engine.shutdown()
+        b.shutdown()
     # every full chunk below the last prompt token: 520 -> 512, 300 -> 256
     assert after[HITS] - before[HITS] == 512 + 256
     assert after[QUERIES] - before[QUERIES] == 520 + 300
@@ -57,7 +57,7 @@ def test_working_set_four_times_the_kv_memory_reuses_prefixes_via_the_store(off)
         assert generate(small, docs) == want  # the same documents again
         second = store_metrics(small)
     finally:
-        small.engine.shutdown()
+        small.shutdown()
     hits = second[HITS] - first[HITS]
     queries = second[QUERIES] - first[QUERIES]
     print(
