@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -22,6 +21,7 @@ from kvstore.config import StoreConfig
 from kvstore.errors import InvalidArgument
 from kvstore.lru import Entry, LRUIndex, check_ttl
 from kvstore.tiers.base import Blob, TierStats
+from kvstore.tiers.indexed import IndexedTier
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ def _pinned_copy(blob: Blob) -> memoryview:
     return memoryview(arr).toreadonly()  # the view keeps the pinned tensor alive
 
 
-class CpuTier:
+class CpuTier(IndexedTier):
     """Host-memory tier. Thread-safe; every index operation holds one lock, copies happen outside it."""
 
     def __init__(self, capacity: int, name: str = "cpu", pinned: bool | None = None) -> None:
@@ -108,27 +108,6 @@ class CpuTier:
     def delete(self, key: str) -> bool:
         with self._lock:
             return self._index.pop(key) is not None
-
-    def keys(self) -> Iterator[str]:
-        now = self._clock()
-        with self._lock:
-            return iter([k for k, e in self._index.items() if not e.expired(now)])
-
-    def usage(self) -> int:
-        return self._index.used
-
-    def __len__(self) -> int:
-        return len(self._index)
-
-    def get_many(self, keys: Sequence[str]) -> list[Blob | None]:
-        return [self.get(k) for k in keys]
-
-    def put_many(self, items: Sequence[tuple[str, Blob]], ttl_s: float | None = None) -> list[str]:
-        check_ttl(ttl_s)
-        evicted: list[str] = []
-        for key, blob in items:
-            evicted.extend(self.put(key, blob, ttl_s))
-        return evicted
 
     def close(self) -> None:
         with self._lock:

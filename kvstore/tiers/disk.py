@@ -24,7 +24,6 @@ import os
 import re
 import threading
 import time
-from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from kvstore.config import StoreConfig
@@ -32,6 +31,7 @@ from kvstore.errors import ConfigError, InvalidArgument
 from kvstore.keys import validate_key
 from kvstore.lru import Entry, LRUIndex, check_ttl
 from kvstore.tiers.base import Blob, TierStats
+from kvstore.tiers.indexed import IndexedTier
 
 logger = logging.getLogger(__name__)
 _NAME_RE = re.compile(r"^([0-9a-f]{32,128})(?:\.x(\d+))?$")
@@ -46,8 +46,10 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-class DiskTier:
+class DiskTier(IndexedTier):
     """File-per-blob tier. Thread-safe: the index is under one lock; file data moves outside it."""
+
+    _clock = staticmethod(time.time)  # expiry times are wall-clock: they live in file names
 
     def __init__(self, path: str | Path, capacity: int, name: str = "disk", fsync: bool = True) -> None:
         if capacity <= 0:
@@ -238,27 +240,6 @@ class DiskTier:
             if entry is not None:
                 self._unlink([(key, entry)])
         return entry is not None
-
-    def keys(self) -> Iterator[str]:
-        now = time.time()
-        with self._lock:
-            return iter([k for k, e in self._index.items() if not e.expired(now)])
-
-    def usage(self) -> int:
-        return self._index.used
-
-    def __len__(self) -> int:
-        return len(self._index)
-
-    def get_many(self, keys: Sequence[str]) -> list[Blob | None]:
-        return [self.get(k) for k in keys]
-
-    def put_many(self, items: Sequence[tuple[str, Blob]], ttl_s: float | None = None) -> list[str]:
-        check_ttl(ttl_s)
-        evicted: list[str] = []
-        for key, blob in items:
-            evicted.extend(self.put(key, blob, ttl_s))
-        return evicted
 
     def close(self) -> None:
         with self._lock:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -25,6 +25,7 @@ from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError, InvalidArgument
 from kvstore.lru import Entry, LRUIndex, check_ttl
 from kvstore.tiers.base import Blob, TierStats
+from kvstore.tiers.indexed import IndexedTier
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ def require_cuda() -> None:
         )
 
 
-class GpuTier:
+class GpuTier(IndexedTier):
     """Device-memory tier. Thread-safe: one lock for the index, one for the staging buffers."""
 
     name = "gpu"
@@ -221,27 +222,6 @@ class GpuTier:
     def delete(self, key: str) -> bool:
         with self._lock:
             return self._index.pop(key) is not None
-
-    def keys(self) -> Iterator[str]:
-        now = self._clock()
-        with self._lock:
-            return iter([k for k, e in self._index.items() if not e.expired(now)])
-
-    def usage(self) -> int:
-        return self._index.used
-
-    def __len__(self) -> int:
-        return len(self._index)
-
-    def get_many(self, keys: Sequence[str]) -> list[Blob | None]:
-        return [self.get(k) for k in keys]
-
-    def put_many(self, items: Sequence[tuple[str, Blob]], ttl_s: float | None = None) -> list[str]:
-        check_ttl(ttl_s)
-        evicted: list[str] = []
-        for key, blob in items:
-            evicted.extend(self.put(key, blob, ttl_s))
-        return evicted
 
     def close(self) -> None:
         with self._lock:
