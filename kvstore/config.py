@@ -79,16 +79,19 @@ class StoreConfig(BaseModel):
             raise ConfigError(f"invalid {cls.__name__}: {e}") from None
 
 
+def read_yaml_mapping(path: str | Path) -> dict[str, Any]:
+    """A YAML config file that must hold a mapping; ConfigError otherwise."""
+    try:
+        loaded = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"cannot read config {path}: {e}") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config {path} must be a mapping")
+    return loaded
+
+
 def load_layers(model: type[BaseModel], path: str | Path | None, env_prefix: str, overrides: dict) -> dict:
-    data: dict[str, Any] = {}
-    if path is not None:
-        try:
-            loaded = yaml.safe_load(Path(path).read_text()) or {}
-        except (OSError, yaml.YAMLError) as e:
-            raise ConfigError(f"cannot read config {path}: {e}") from None
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config {path} must be a mapping")
-        data.update(loaded)
+    data: dict[str, Any] = read_yaml_mapping(path) if path is not None else {}
     for name in model.model_fields:
         env = os.environ.get(env_prefix + name.upper())
         if env is not None:

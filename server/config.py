@@ -10,10 +10,9 @@ import ssl
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from kvstore.config import StoreConfig, load_layers, parse_size
+from kvstore.config import StoreConfig, load_layers, parse_size, read_yaml_mapping
 from kvstore.errors import ConfigError
 
 DEFAULT_PORT = 8100
@@ -91,15 +90,7 @@ def load_configs(
     path: str | Path | None = None, env_prefix: str = "KVSTORE_", **overrides: Any
 ) -> tuple[StoreConfig, ServerConfig]:
     """Build both configs from one flat YAML file, the environment and explicit overrides."""
-    file_data: dict[str, Any] = {}
-    if path is not None:
-        try:
-            loaded = yaml.safe_load(Path(path).read_text()) or {}
-        except (OSError, yaml.YAMLError) as e:
-            raise ConfigError(f"cannot read config {path}: {e}") from None
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config {path} must be a mapping")
-        file_data = loaded
+    file_data: dict[str, Any] = read_yaml_mapping(path) if path is not None else {}
     known = set(StoreConfig.model_fields) | set(ServerConfig.model_fields)
     unknown = set(file_data) | {k for k, v in overrides.items() if v is not None}
     unknown -= known
