@@ -95,20 +95,6 @@ class CpuTier(IndexedTier):
             self.stats.evictions += len(evicted)
         return [k for k, _ in evicted]
 
-    def contains(self, key: str) -> bool:
-        now = self._clock()
-        with self._lock:
-            entry = self._index.peek(key)
-            if entry is not None and entry.expired(now):
-                self._index.pop(key)
-                self.stats.expired += 1
-                return False
-            return entry is not None
-
-    def delete(self, key: str) -> bool:
-        with self._lock:
-            return self._index.pop(key) is not None
-
     def close(self) -> None:
         with self._lock:
             self._index = LRUIndex(self.capacity)

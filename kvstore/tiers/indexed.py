@@ -6,22 +6,38 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 
 from kvstore.lru import LRUIndex, check_ttl
-from kvstore.tiers.base import Blob
+from kvstore.tiers.base import Blob, TierStats
 
 
 class IndexedTier:
-    """Subclasses set `_index` (an LRUIndex holding exactly the stored blobs' sizes), `_lock` and
-    `_clock` (the clock their expiry times are on), and implement get/put/contains/delete."""
+    """Subclasses set `_index` (an LRUIndex holding exactly the stored blobs' sizes), `_lock`,
+    `_clock` (the clock their expiry times are on) and `stats`, and implement get/put. `contains` and
+    `delete` here suit tiers whose index holds the data itself; the disk tier overrides them."""
 
     _index: LRUIndex
     _lock: threading.Lock | threading.RLock
     _clock: Callable[[], float]
+    stats: TierStats
 
     def get(self, key: str) -> Blob | None:
         raise NotImplementedError
 
     def put(self, key: str, blob: Blob, ttl_s: float | None = None) -> list[str]:
         raise NotImplementedError
+
+    def contains(self, key: str) -> bool:
+        now = self._clock()
+        with self._lock:
+            entry = self._index.peek(key)
+            if entry is not None and entry.expired(now):
+                self._index.pop(key)
+                self.stats.expired += 1
+                return False
+            return entry is not None
+
+    def delete(self, key: str) -> bool:
+        with self._lock:
+            return self._index.pop(key) is not None
 
     def keys(self) -> Iterator[str]:
         now = self._clock()
