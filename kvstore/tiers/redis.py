@@ -199,13 +199,19 @@ class RedisTier:
         self._servers.per_node(self._group(keys), fetch)
         return out
 
-    def _seen(self, key: str, value: Any) -> Blob | None:
-        if value is FAIL:
-            return None
-        if isinstance(value, Exception):
-            self._servers.count_error(type(value).__name__, "redis get %s: %s", key, value)
-            if isinstance(value, AskError):
+    def _failed(self, op: str, key: str, reply: Any) -> bool:
+        """True for a reply that carries no answer (server down, or an error, counted here)."""
+        if reply is FAIL:
+            return True
+        if isinstance(reply, Exception):
+            self._servers.count_error(type(reply).__name__, f"redis {op} %s: %s", key, reply)
+            if isinstance(reply, AskError):
                 self._servers.refresh_topology()
+            return True
+        return False
+
+    def _seen(self, key: str, value: Any) -> Blob | None:
+        if self._failed("get", key, value):
             return None
         if value is None:
             self._index.forget(key, missed=True)
@@ -266,12 +272,7 @@ class RedisTier:
         return out
 
     def _exists(self, key: str, reply: Any) -> bool:
-        if reply is FAIL:
-            return False
-        if isinstance(reply, Exception):
-            self._servers.count_error(type(reply).__name__, "redis exists %s: %s", key, reply)
-            if isinstance(reply, AskError):
-                self._servers.refresh_topology()
+        if self._failed("exists", key, reply):
             return False
         if not reply:
             self._index.forget(key, missed=True)
