@@ -14,11 +14,9 @@ from typing import Any
 import torch
 
 from engine.errors import ModelLoadError, UnsupportedModel
-from kvstore.keys import config_hash as _config_hash
+from kvstore.keys import model_identity_hash
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
-# config.json keys that change when a tool re-saves the same model; they must not change KV keys.
-_VOLATILE_KEYS = ("transformers_version", "use_cache")
 _DEFAULT_ROPE_THETA = {"llama": 10000.0, "qwen2": 1_000_000.0, "mistral": 10000.0}
 _DTYPES = {
     "float32": torch.float32,
@@ -166,16 +164,9 @@ class ModelConfig:
             eos_token_ids=eos,
             bos_token_id=int(bos) if bos is not None else None,
             dtype=parse_dtype(raw.get("dtype") or raw.get("torch_dtype"), torch.float32),
-            config_hash=identity_hash(raw),
+            config_hash=model_identity_hash(raw),
             raw=raw,
         )
-
-
-def identity_hash(raw: dict[str, Any]) -> str:
-    """`kvstore.keys.config_hash` of config.json without the keys that tools rewrite (the
-    transformers version, `_name_or_path`...): the same weights re-saved keep their KV keys."""
-    kept = {k: v for k, v in raw.items() if k not in _VOLATILE_KEYS and not k.startswith("_")}
-    return _config_hash(kept)
 
 
 def _sliding_windows(raw: dict[str, Any], model_type: str, layers: int) -> tuple[int | None, ...]:

@@ -22,7 +22,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import Sequence, SequenceStatus
 from kvstore.errors import KVStoreError
-from kvstore.keys import KVLayout, root_key
+from kvstore.keys import KVLayout, model_layout, root_key
 
 logger = logging.getLogger(__name__)
 _MAX_DEFAULT_MODEL_LEN = 8192
@@ -104,10 +104,7 @@ class LLMEngine:
             self.model, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, bs, num_blocks,
             self.dtype, self.device, kv_worker,
         )  # fmt: skip
-        layout = KVLayout(
-            cfg.model_name, cfg.config_hash, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
-            str(self.dtype).removeprefix("torch."), chunk_size=bs,
-        )  # fmt: skip
+        layout = KVLayout.for_model(cfg.raw, model=cfg.model_name, kv_dtype=str(self.dtype), chunk_size=bs)
         self.block_manager = BlockManager(num_blocks, bs, args.enable_prefix_caching, root_key(layout))
         eos = set(cfg.eos_token_ids) | set(getattr(self.tokenizer, "eos_token_ids", ()) or ())
         sched_cfg = SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, self.max_model_len)
@@ -173,11 +170,8 @@ class LLMEngine:
         config = {
             "store_url": args.kv_store_url, "codec": args.kv_codec, "kv_role": args.kv_role,
             "block_size": args.block_size,
-            "layout": {
-                "model_name": cfg.model_name, "model_config_hash": cfg.config_hash,
-                "num_layers": cfg.num_hidden_layers, "num_kv_heads": cfg.num_key_value_heads,
-                "head_dim": cfg.head_dim, "kv_dtype": str(self.dtype).removeprefix("torch."),
-            },
+            # kvstore.keys.model_layout: the same fingerprint as every other engine (vLLM's connector)
+            "layout": model_layout(cfg.raw, model=cfg.model_name, kv_dtype=str(self.dtype)),
         }  # fmt: skip
         try:
             scheduler_side = create_connector(args.kv_backend, KVConnectorRole.SCHEDULER, config)

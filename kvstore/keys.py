@@ -9,6 +9,10 @@ A key never depends on the process, the machine, PYTHONHASHSEED or the codec. Re
 
 `layout.fingerprint()` is the UTF-8 JSON of the layout fields with sorted keys and no spaces. Keys are
 16 raw bytes, printed as 32 lowercase hex characters. Changing any of this is a new KEY_VERSION.
+
+Every engine builds its layout with `KVLayout.for_model` (or `model_layout` when the chunk size is
+filled in later), from the model's own config.json, so KV computed by one engine (the bundled one, vLLM)
+is a hit for the other whenever model, KV dtype, chunk size and tensor-parallel rank/world match.
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 
@@ -27,6 +32,9 @@ KEY_VERSION = "kvstore/v1"
 DIGEST_SIZE = 16
 _KEY_RE = re.compile(r"^[0-9a-f]{32,128}$")
 KV_DTYPES = ("float16", "bfloat16", "float32", "float8_e4m3fn")
+# config.json keys that change when a tool re-saves the same model (and `_name_or_path`-style keys,
+# which start with "_"): never part of a model's identity, so the same weights keep their KV keys.
+VOLATILE_CONFIG_KEYS = frozenset({"transformers_version", "use_cache"})
 
 
 @dataclass(frozen=True)
@@ -54,6 +62,73 @@ class KVLayout:
 
     def fingerprint(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
+
+    @classmethod
+    def for_model(
+        cls,
+        config: Mapping[str, Any],
+        *,
+        model: str,
+        kv_dtype: str,
+        chunk_size: int,
+        tp_rank: int = 0,
+        tp_world_size: int = 1,
+    ) -> KVLayout:
+        """The layout of `model`'s KV cache from its config.json; see `model_layout`."""
+        fields = model_layout(
+            config, model=model, kv_dtype=kv_dtype, tp_rank=tp_rank, tp_world_size=tp_world_size
+        )
+        return cls(**fields, chunk_size=chunk_size)
+
+
+def model_identity_name(model: str) -> str:
+    """The name part of a model's identity: the last component of its path or hub id, so
+    `/models/SmolLM2-135M-Instruct/` and `HuggingFaceTB/SmolLM2-135M-Instruct` both give
+    `SmolLM2-135M-Instruct` (the config hash tells apart different models of the same name)."""
+    name = str(model).replace("\\", "/").rstrip("/").rsplit("/", 1)[-1]
+    if not name:
+        raise InvalidArgument(f"no model name in {model!r}")
+    return name
+
+
+def model_identity_hash(config: Mapping[str, Any]) -> str:
+    """`config_hash` of a model's config.json without its volatile keys (`VOLATILE_CONFIG_KEYS`)."""
+    return config_hash(
+        {k: v for k, v in config.items() if k not in VOLATILE_CONFIG_KEYS and not k.startswith("_")}
+    )
+
+
+def model_layout(
+    config: Mapping[str, Any], *, model: str, kv_dtype: str, tp_rank: int = 0, tp_world_size: int = 1
+) -> dict[str, Any]:
+    """Every `KVLayout` field but `chunk_size`, computed the same way for every engine.
+
+    `config` is the model's config.json as read from disk (not a library's config object, which adds
+    defaults that vary by version); `kv_dtype` the dtype of the KV cache (`torch.bfloat16` or
+    `"bfloat16"`). Under tensor parallelism each rank holds `num_key_value_heads / tp_world_size` KV
+    heads (at least one; a rank replicates a head when there are more ranks than heads).
+    """
+    text = config.get("text_config") if "num_hidden_layers" not in config else None
+    geo = text if isinstance(text, Mapping) else config
+    try:
+        heads = int(geo["num_attention_heads"])
+        kv_heads = int(geo.get("num_key_value_heads") or heads)
+        head_dim = int(geo.get("head_dim") or int(geo["hidden_size"]) // heads)
+        layers = int(geo["num_hidden_layers"])
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
+        raise InvalidArgument(f"the model config lacks a KV geometry field: {e!r}") from None
+    if tp_world_size <= 0:
+        raise InvalidArgument(f"tp_world_size must be positive, got {tp_world_size}")
+    return {
+        "model_name": model_identity_name(model),
+        "model_config_hash": model_identity_hash(config),
+        "num_layers": layers,
+        "num_kv_heads": max(1, kv_heads // tp_world_size),
+        "head_dim": head_dim,
+        "kv_dtype": str(kv_dtype).removeprefix("torch."),
+        "tp_rank": tp_rank,
+        "tp_world_size": tp_world_size,
+    }
 
 
 def config_hash(config: dict) -> str:

@@ -14,7 +14,16 @@ import numpy as np
 import pytest
 
 from kvstore.errors import InvalidArgument, InvalidKey
-from kvstore.keys import KVLayout, chunk_keys, config_hash, partial_key, root_key, validate_key
+from kvstore.keys import (
+    KVLayout,
+    chunk_keys,
+    config_hash,
+    model_identity_hash,
+    model_layout,
+    partial_key,
+    root_key,
+    validate_key,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 LAYOUT = KVLayout("SmolLM2-135M-Instruct", config_hash({"a": 1}), 30, 3, 64, "float16", 256, 0, 1)
@@ -165,3 +174,65 @@ def test_bad_input_raises_typed_errors() -> None:
     for bad in ("", "AB" * 16, "ab" * 15, "zz" * 16, "ab" * 65, None, 123, "../" + "a" * 32):
         with pytest.raises(InvalidKey):
             validate_key(bad)  # type: ignore[arg-type]
+
+
+SMOL_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576, "num_attention_heads": 9,
+    "num_key_value_heads": 3, "num_hidden_layers": 30, "intermediate_size": 1536, "vocab_size": 49152,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0}, "transformers_version": "5.0.0",
+}  # fmt: skip
+
+
+def test_model_layout_is_one_fingerprint_for_every_engine() -> None:
+    layout = KVLayout.for_model(
+        SMOL_CONFIG, model="/m/SmolLM2-135M-Instruct/", kv_dtype="torch.bfloat16", chunk_size=256
+    )
+    assert layout == KVLayout(
+        "SmolLM2-135M-Instruct", model_identity_hash(SMOL_CONFIG), 30, 3, 64, "bfloat16", 256, 0, 1
+    )
+    # a hub id, a re-saved config (other transformers version, tool keys, key order) -> the same keys
+    resaved = {
+        "_name_or_path": "/elsewhere",
+        **dict(reversed(SMOL_CONFIG.items())),
+        "transformers_version": "5.9",
+    }
+    again = KVLayout.for_model(
+        resaved, model="HuggingFaceTB/SmolLM2-135M-Instruct", kv_dtype="bfloat16", chunk_size=256
+    )
+    assert root_key(again) == root_key(layout)
+    assert model_layout(SMOL_CONFIG, model="SmolLM2-135M-Instruct", kv_dtype="bfloat16") == {
+        k: v for k, v in dataclasses.asdict(layout).items() if k != "chunk_size"
+    }
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"model": "SmolLM2-360M"}, {"kv_dtype": "float8_e4m3fn"}, {"kv_dtype": "float16"}, {"chunk_size": 512},
+     {"tp_rank": 1, "tp_world_size": 3}, {"config": {**SMOL_CONFIG, "rope_parameters": {"rope_theta": 1.0}}}],
+)  # fmt: skip
+def test_model_layout_changes_with_model_weights_config_kv_dtype_chunk_and_tp(change: dict) -> None:
+    base = {
+        "config": SMOL_CONFIG,
+        "model": "SmolLM2-135M-Instruct",
+        "kv_dtype": "bfloat16",
+        "chunk_size": 256,
+    }
+    args = {**base, **change}
+    a = KVLayout.for_model(base.pop("config"), **base)
+    b = KVLayout.for_model(args.pop("config"), **args)
+    assert root_key(a) != root_key(b)
+
+
+def test_model_layout_geometry_rules() -> None:
+    assert "head_dim" not in SMOL_CONFIG
+    assert model_layout(SMOL_CONFIG, model="m", kv_dtype="float16")["head_dim"] == 576 // 9
+    tp = model_layout(SMOL_CONFIG, model="m", kv_dtype="float16", tp_rank=1, tp_world_size=3)
+    assert (tp["num_kv_heads"], tp["tp_rank"], tp["tp_world_size"]) == (1, 1, 3)
+    replicated = model_layout(SMOL_CONFIG, model="m", kv_dtype="float16", tp_rank=5, tp_world_size=6)
+    assert replicated["num_kv_heads"] == 1  # more ranks than KV heads: each rank keeps one
+    nested = model_layout({"model_type": "vlm", "text_config": SMOL_CONFIG}, model="m", kv_dtype="float16")
+    assert nested["num_layers"] == 30 and nested["num_kv_heads"] == 3
+    with pytest.raises(InvalidArgument):
+        model_layout({"model_type": "llama"}, model="m", kv_dtype="float16")
+    with pytest.raises(InvalidArgument):
+        model_layout(SMOL_CONFIG, model="/", kv_dtype="float16")
