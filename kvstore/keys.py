@@ -30,7 +30,7 @@ from kvstore.errors import InvalidArgument, InvalidKey
 
 KEY_VERSION = "kvstore/v1"
 DIGEST_SIZE = 16
-_KEY_RE = re.compile(r"^[0-9a-f]{32,128}$")
+_KEY_RE = re.compile(r"[0-9a-f]{32,128}")  # always fullmatch: `$` would accept a trailing "\n"
 KV_DTYPES = ("float16", "bfloat16", "float32", "float8_e4m3fn")
 # config.json keys that change when a tool re-saves the same model (and `_name_or_path`-style keys,
 # which start with "_"): never part of a model's identity, so the same weights keep their KV keys.
@@ -191,8 +191,14 @@ def partial_key(
     return hashlib.blake2b(data, digest_size=DIGEST_SIZE).hexdigest()
 
 
+def is_key(text: object) -> bool:
+    """Whether `text` is exactly a key: 32-128 lowercase hex characters, nothing before or after.
+    The one key parser: HTTP paths, batch frames, JSON key lists and disk file names all use it."""
+    return isinstance(text, str) and _KEY_RE.fullmatch(text) is not None
+
+
 def validate_key(key: str) -> str:
-    """Return `key` if it is 32-128 lowercase hex characters, else raise InvalidKey."""
-    if not isinstance(key, str) or not _KEY_RE.match(key):
+    """Return `key` if it is exactly a key (`is_key`), else raise InvalidKey."""
+    if not is_key(key):
         raise InvalidKey(f"a key is 32-128 lowercase hex characters, got {key!r:.80}")
     return key

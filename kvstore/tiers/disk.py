@@ -28,14 +28,23 @@ from pathlib import Path
 
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError, InvalidArgument
-from kvstore.keys import validate_key
+from kvstore.keys import is_key, validate_key
 from kvstore.lru import Entry, LRUIndex, check_ttl
 from kvstore.tiers.base import Blob, TierStats
 from kvstore.tiers.indexed import IndexedTier
 
 logger = logging.getLogger(__name__)
-_NAME_RE = re.compile(r"^([0-9a-f]{32,128})(?:\.x(\d+))?$")
+_EXPIRY_RE = re.compile(r"[0-9]{1,20}")
 TMP_PREFIX = ".tmp-"
+
+
+def parse_name(name: str) -> tuple[str, int | None] | None:
+    """(key, expiry ms or None) of a blob file name `<key>` or `<key>.x<ms>`; None for any other name
+    (never a near miss: "<key>\n" is not `<key>`)."""
+    key, sep, expiry = name.partition(".x")
+    if not is_key(key) or (sep and _EXPIRY_RE.fullmatch(expiry) is None):
+        return None
+    return key, int(expiry) if sep else None
 
 
 def _fsync_dir(path: Path) -> None:
@@ -97,16 +106,16 @@ class DiskTier(IndexedTier):
             if name.startswith(TMP_PREFIX):
                 path.unlink(missing_ok=True)
                 continue
-            m = _NAME_RE.match(name)
-            if m is None or path.parent != self._shard(m.group(1)):
-                logger.warning("disk tier: ignoring stray file %s", path)
+            parsed = parse_name(name)
+            if parsed is None or path.parent != self._shard(parsed[0]):
+                logger.warning("disk tier: ignoring %r: not a blob file name", str(path))
                 continue
-            if m.group(2) is not None and int(m.group(2)) <= now_ms:
+            key, expiry_ms = parsed
+            if expiry_ms is not None and expiry_ms <= now_ms:
                 path.unlink(missing_ok=True)
                 self.stats.expired += 1
                 continue
             st = path.stat()
-            key = m.group(1)
             if key in found:  # a crash between a rename and the unlink of the old name: keep the newer
                 older = min(found[key], (st.st_mtime_ns, st.st_size, name))
                 self._path(key, older[2]).unlink(missing_ok=True)
@@ -117,9 +126,9 @@ class DiskTier(IndexedTier):
             if size > self.capacity:
                 self._path(key, name).unlink(missing_ok=True)
                 continue
-            m = _NAME_RE.match(name)
-            assert m is not None
-            expires_at = int(m.group(2)) / 1000 if m.group(2) else None
+            parsed = parse_name(name)
+            assert parsed is not None
+            expires_at = None if parsed[1] is None else parsed[1] / 1000
             self._ttl_seen = self._ttl_seen or expires_at is not None
             _, evicted = self._index.insert(key, Entry(size, name, expires_at))
             self._unlink(evicted)

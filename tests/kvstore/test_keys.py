@@ -171,7 +171,8 @@ def test_bad_input_raises_typed_errors() -> None:
         KVLayout("m", "h", 30, 3, 64, tp_rank=2, tp_world_size=2)
     with pytest.raises(InvalidArgument):
         chunk_keys([2**31] * 256, LAYOUT)
-    for bad in ("", "AB" * 16, "ab" * 15, "zz" * 16, "ab" * 65, None, 123, "../" + "a" * 32):
+    near = ("ab" * 16 + "\n", "\n" + "ab" * 16, "ab" * 16 + "\r\n", "ab" * 16 + " ", "ab" * 16 + "\x00")
+    for bad in ("", "AB" * 16, "ab" * 15, "zz" * 16, "ab" * 65, None, 123, "../" + "a" * 32, *near):
         with pytest.raises(InvalidKey):
             validate_key(bad)  # type: ignore[arg-type]
 

@@ -44,7 +44,9 @@ def frame(keys, lens, payload: bytes = b"") -> bytes:
 @pytest.mark.parametrize(
     "method,path",
     [("GET", "/v1/chunks/XYZ"), ("HEAD", "/v1/chunks/ABCDEF" + "0" * 26), ("DELETE", "/v1/chunks/" + "a" * 31),
-     ("PUT", "/v1/chunks/" + "g" * 32), ("PUT", "/v1/chunks/" + "a" * 130)],
+     ("PUT", "/v1/chunks/" + "g" * 32), ("PUT", "/v1/chunks/" + "a" * 130),
+     ("PUT", wire.chunk_path(key(0)) + "%0a"), ("GET", wire.chunk_path(key(0)) + "%0a"),
+     ("PUT", wire.chunk_path(key(0)) + "%0d"), ("DELETE", wire.chunk_path(key(0)) + "%0A")],
 )  # fmt: skip
 def test_bad_key(srv, method, path):
     before = srv.usage()
@@ -171,12 +173,13 @@ def _batch(srv, body: bytes) -> RawResponse:
         (frame([key(1)], ["x"]), "InvalidArgument"),
         (frame(key(1), [3]), "InvalidArgument"),  # keys not a list
         (frame(["nothex"], [3], b"abc"), "InvalidKey"),
+        (frame([key(1) + "\n"], [len(make_blob(1))], make_blob(1)), "InvalidKey"),  # `$` took this
         (frame([key(1)], [len(make_blob(1))], make_blob(1)[:-5]), "InvalidArgument"),  # payload short
         (frame([key(1)], [len(make_blob(1))], make_blob(1) + b"extra"), "InvalidArgument"),  # too long
         (msgpack.packb({"keys": [key(1)], "lens": [3]}), "InvalidArgument"),  # no preamble at all
     ],
     ids=["magic", "short-preamble", "not-msgpack", "huge-header", "cut-header", "len-mismatch", "negative",
-         "non-int", "keys-not-list", "bad-key", "payload-short", "payload-long", "no-preamble"],
+         "non-int", "keys-not-list", "bad-key", "newline-key", "payload-short", "payload-long", "no-preamble"],
 )  # fmt: skip
 def test_bad_batch_framing(srv, body, type_name):
     before = srv.usage()
@@ -205,8 +208,9 @@ def test_batch_over_the_limits(srv):
     "body,type_name",
     [(b"{not json", "InvalidArgument"), (b'{"keys": "abc"}', "InvalidArgument"), (b"[1, 2]", "InvalidArgument"),
      (json.dumps({"keys": [key(1), "ZZ"]}).encode(), "InvalidKey"),
+     (json.dumps({"keys": [key(0) + "\n"]}).encode(), "InvalidKey"),
      (json.dumps({"keys": [key(i) for i in range(wire.MAX_BATCH_KEYS + 1)]}).encode(), "InvalidArgument")],
-    ids=["not-json", "keys-not-list", "not-object", "bad-key", "too-many"],
+    ids=["not-json", "keys-not-list", "not-object", "bad-key", "newline-key", "too-many"],
 )  # fmt: skip
 @pytest.mark.parametrize(
     "path", [wire.BATCH_GET_PATH, wire.BATCH_EXISTS_PATH, wire.LOOKUP_PATH, wire.BATCH_DELETE_PATH]
