@@ -28,8 +28,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from connectors.chunks import CacheGeometry, gather_chunk, scatter_chunk
+from connectors.chunks import CacheGeometry
 from connectors.config import KVTransferConfig
+from connectors.layouts import ENGINE_LAYOUT, PagedLayout
 from connectors.meta import LoadSpec, SaveSpec, StepTransfers
 from connectors.store_handle import StoreHandle, is_unreachable
 from kvstore.blob import COMPRESSION_NONE, BlobHeader, decode_blob, encode_blob, verify_blob
@@ -55,11 +56,14 @@ class _ChunkLoadError(Exception):
 
 
 class KVStoreWorker:
-    def __init__(self, config: KVTransferConfig, handle: StoreHandle) -> None:
+    def __init__(
+        self, config: KVTransferConfig, handle: StoreHandle, paged: PagedLayout = ENGINE_LAYOUT
+    ) -> None:
         assert config.layout is not None, "KVTransferConfig.for_engine(...) sets the layout"
         get_codec(config.codec)  # unknown or unregistered codec: CodecError now, not at the first save
         self.config = config
         self.handle = handle
+        self.paged = paged  # how the engine's paged cache holds KV (connectors.layouts)
         self.metrics = handle.metrics
         self.kv_caches: list[torch.Tensor] = []
         self.geometry: CacheGeometry | None = None
@@ -78,7 +82,7 @@ class KVStoreWorker:
 
     # ---- setup --------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: Sequence[torch.Tensor]) -> None:
-        geo = CacheGeometry.of(kv_caches)
+        geo = self.paged.geometry(kv_caches)
         lay = self.config.layout
         want = (lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.kv_dtype, self.config.block_size)
         have = (
@@ -169,7 +173,7 @@ class KVStoreWorker:
         except (CorruptBlob, InvalidArgument) as e:
             logger.warning("corrupt or mismatched chunk from the store: %s", e)
             raise _ChunkLoadError("corrupt") from None
-        scatter_chunk(self.kv_caches, kv, block_ids, first_block)
+        self.paged.scatter(self.kv_caches, kv, block_ids, first_block)
         return len(blob), len(block_ids) * self.config.block_size
 
     def _fail(self, spec: LoadSpec, chunk: int, reason: str) -> None:
@@ -215,7 +219,7 @@ class KVStoreWorker:
                 continue
             with self._lock:
                 buf = self._spare.pop() if self._spare else None
-            batch.append((spec, gather_chunk(self.kv_caches, spec.block_ids, out=buf)))
+            batch.append((spec, self.paged.gather(self.kv_caches, spec.block_ids, out=buf)))
         self.metrics.copy_out_seconds.observe(time.perf_counter() - t0)
         self.metrics.pending_saves.set(self._pending)
         n = max(1, -(-len(batch) // self.config.save_threads))

@@ -1,0 +1,194 @@
+"""Paged KV layouts <-> the canonical chunk, one vectorised place per engine layout (DESIGN.md, Spec 2).
+
+Every blob holds a chunk as `[2, num_layers, chunk_tokens, num_kv_heads, head_dim]` whatever the engine
+keeps in its paged cache, so KV stored by one engine loads into another. A layout moves whole blocks:
+`gather` copies blocks out of every layer's cache into a canonical chunk (a copy, so an asynchronous
+save is safe once it returns), `scatter` writes blocks of a canonical chunk back into a request's
+blocks. Per layer and call: one indexed copy of the blocks and one strided (permuting) copy; no
+per-token or per-block Python loops.
+
+| layout | per-layer cache tensor | who |
+|---|---|---|
+| `EngineLayout` | `[2, num_blocks, block_size, H, D]` | the bundled engine |
+| `VllmCpuLayout` | `[num_blocks, H, block_size, 2*D]`, contiguous; each (block, head) slab is K **transposed** `[D, block_size]` then V `[block_size, D]` | vLLM's CPU attention backend |
+| `VllmCudaLayout` | logical `[num_blocks, H, block_size, 2*D]` (any strides: flash-attn's NHD memory is `[num_blocks, block_size, H, 2*D]`), K = `[..., :D]`, V = `[..., D:]` | vLLM CUDA (flash-attn, FlashInfer NHD/HND) |
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from connectors.chunks import CacheGeometry, gather_chunk, scatter_chunk
+from kvstore.errors import InvalidArgument
+
+
+class PagedLayout(Protocol):
+    name: str
+
+    def geometry(self, kv_caches: Sequence[torch.Tensor]) -> CacheGeometry: ...
+
+    def gather(
+        self, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int], out: torch.Tensor | None = None
+    ) -> torch.Tensor: ...
+
+    def scatter(
+        self,
+        kv_caches: Sequence[torch.Tensor],
+        chunk: torch.Tensor,
+        block_ids: Sequence[int],
+        first_block: int = 0,
+    ) -> None: ...
+
+
+class EngineLayout:
+    """The bundled engine's cache is already block-major NHD: `connectors.chunks` moves it as is."""
+
+    name = "engine"
+
+    def geometry(self, kv_caches: Sequence[torch.Tensor]) -> CacheGeometry:
+        return CacheGeometry.of(kv_caches)
+
+    def gather(
+        self, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int], out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return gather_chunk(kv_caches, block_ids, out)
+
+    def scatter(
+        self,
+        kv_caches: Sequence[torch.Tensor],
+        chunk: torch.Tensor,
+        block_ids: Sequence[int],
+        first_block: int = 0,
+    ) -> None:
+        scatter_chunk(kv_caches, chunk, block_ids, first_block)
+
+
+class _BlockMajorLayout:
+    """Shared by the vLLM layouts: a per-layer cache `[num_blocks, H, block_size, 2*D]` whose blocks are
+    selected with one `index_select` / `index_copy_` into a per-thread scratch of the selected blocks;
+    subclasses say how K and V sit inside a block (`_split`)."""
+
+    name = "block-major"
+
+    def __init__(self) -> None:
+        self._scratch = threading.local()  # loads run on several threads, saves on the engine's
+
+    def _check(self, cache: torch.Tensor) -> None:
+        """Subclasses refuse a tensor whose memory they cannot read."""
+
+    def geometry(self, kv_caches: Sequence[torch.Tensor]) -> CacheGeometry:
+        if not kv_caches:
+            raise InvalidArgument("register_kv_caches needs at least one layer")
+        first = kv_caches[0]
+        if first.dim() != 4 or first.shape[-1] % 2:
+            raise InvalidArgument(
+                f"a {self.name} KV cache is [num_blocks, kv_heads, block_size, 2*head_dim], got {tuple(first.shape)}"
+            )
+        for i, c in enumerate(kv_caches):
+            if c.shape != first.shape or c.dtype != first.dtype or c.device != first.device:
+                raise InvalidArgument(f"layer {i} KV cache {tuple(c.shape)} {c.dtype} differs from layer 0")
+            self._check(c)
+        nb, h, bs, d2 = first.shape
+        return CacheGeometry(len(kv_caches), nb, bs, h, d2 // 2, first.dtype)
+
+    def _blocks(self, cache: torch.Tensor, n: int) -> torch.Tensor:
+        """This thread's reusable `[n, H, block_size, 2*D]` buffer on the cache's device."""
+        shape = (n, *cache.shape[1:])
+        buf = getattr(self._scratch, "buf", None)
+        if (
+            buf is None
+            or buf.dtype != cache.dtype
+            or buf.device != cache.device
+            or buf.numel() < cache[0].numel() * n
+        ):
+            buf = self._scratch.buf = torch.empty(
+                cache[0].numel() * n, dtype=cache.dtype, device=cache.device
+            )
+        return buf[: cache[0].numel() * n].view(shape)
+
+    def _split(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) of `blocks` `[n, H, bs, 2*D]`, each viewed as `[n, block_size, H, D]`."""
+        raise NotImplementedError
+
+    def gather(
+        self, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int], out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        first = kv_caches[0]
+        _, h, bs, d2 = first.shape
+        n = len(block_ids)
+        shape = (2, len(kv_caches), n * bs, h, d2 // 2)
+        if out is None:
+            out = torch.empty(shape, dtype=first.dtype, device=first.device)
+        assert tuple(out.shape) == shape and out.dtype == first.dtype and out.is_contiguous(), out.shape
+        idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=first.device)
+        view = out.view(2, len(kv_caches), n, bs, h, d2 // 2)
+        for layer, cache in enumerate(kv_caches):
+            blocks = torch.index_select(cache, 0, idx, out=self._blocks(cache, n))
+            k, v = self._split(blocks)
+            view[0, layer].copy_(k)
+            view[1, layer].copy_(v)
+        return out
+
+    def scatter(
+        self,
+        kv_caches: Sequence[torch.Tensor],
+        chunk: torch.Tensor,
+        block_ids: Sequence[int],
+        first_block: int = 0,
+    ) -> None:
+        first = kv_caches[0]
+        _, h, bs, d2 = first.shape
+        n = len(block_ids)
+        lo, hi = first_block * bs, (first_block + n) * bs
+        if chunk.dim() != 5 or chunk.shape[:2] != (2, len(kv_caches)) or chunk.shape[2] < hi:
+            raise InvalidArgument(
+                f"chunk {tuple(chunk.shape)} does not cover blocks {first_block}..{first_block + n}"
+            )
+        if chunk.shape[3:] != (h, d2 // 2):
+            raise InvalidArgument(
+                f"chunk {tuple(chunk.shape)} does not match the cache's heads/head_dim {(h, d2 // 2)}"
+            )
+        idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=first.device)
+        for layer, cache in enumerate(kv_caches):
+            blocks = self._blocks(cache, n)
+            k, v = self._split(blocks)
+            k.copy_(chunk[0, layer, lo:hi].view(n, bs, h, d2 // 2))  # casts and moves to the cache's device
+            v.copy_(chunk[1, layer, lo:hi].view(n, bs, h, d2 // 2))
+            cache.index_copy_(0, idx, blocks)
+
+
+class VllmCpuLayout(_BlockMajorLayout):
+    """vLLM's CPU attention: a (block, head) slab of `2 * block_size * D` elements is K as `[D, block_size]`
+    followed by V as `[block_size, D]` (checked against vLLM's own `cpu_attn_reshape_and_cache` by the
+    connector at startup and by the tests)."""
+
+    name = "vllm-cpu"
+
+    def _check(self, cache: torch.Tensor) -> None:
+        if not cache.is_contiguous():
+            raise InvalidArgument("vLLM's CPU KV cache is contiguous; this one is not (another backend?)")
+
+    def _split(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n, h, bs, d2 = blocks.shape
+        slab = blocks.view(n, h, 2, bs * (d2 // 2))
+        k = slab[:, :, 0].view(n, h, d2 // 2, bs).permute(0, 3, 1, 2)  # [n, bs, H, D]
+        v = slab[:, :, 1].view(n, h, bs, d2 // 2).permute(0, 2, 1, 3)
+        return k, v
+
+
+class VllmCudaLayout(_BlockMajorLayout):
+    """vLLM on CUDA: the per-layer tensor is the logical `[num_blocks, H, block_size, 2*D]` view with K
+    in the first and V in the second half of the last dim, whatever its strides (NHD or HND memory)."""
+
+    name = "vllm-cuda"
+
+    def _split(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        d = blocks.shape[-1] // 2
+        return blocks[..., :d].transpose(1, 2), blocks[..., d:].transpose(1, 2)
+
+
+ENGINE_LAYOUT = EngineLayout()

@@ -1,0 +1,132 @@
+"""Paged layouts <-> the canonical chunk: vLLM CPU against vLLM's own cache writer, vLLM CUDA (NHD and
+HND memory) against flash-attn's indexing, and every layout against every other (engine-neutral)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from connectors.layouts import ENGINE_LAYOUT, VllmCpuLayout, VllmCudaLayout
+from kvstore.errors import InvalidArgument
+
+L, NB, H, BS, D = 3, 6, 3, 32, 64
+
+
+def tokens_kv(n: int, seed: int, dtype=torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, H, D, generator=gen).to(dtype), torch.randn(n, H, D, generator=gen).to(dtype))
+
+
+def canonical(
+    ks: list[torch.Tensor], vs: list[torch.Tensor], slots: torch.Tensor, blocks: list[int]
+) -> torch.Tensor:
+    """The chunk `[2, L, len(blocks)*BS, H, D]` of `blocks`, built token by token from where each token went."""
+    out = torch.zeros(2, L, len(blocks) * BS, H, D, dtype=ks[0].dtype)
+    where = {int(s): i for i, s in enumerate(slots)}
+    for j, b in enumerate(blocks):
+        for o in range(BS):
+            i = where.get(b * BS + o)
+            if i is not None:
+                for layer in range(L):
+                    out[0, layer, j * BS + o] = ks[layer][i]
+                    out[1, layer, j * BS + o] = vs[layer][i]
+    return out
+
+
+def test_vllm_cpu_layout_matches_vllms_own_cache_writer() -> None:
+    ops = pytest.importorskip("vllm._custom_ops")
+    slots = torch.randperm(NB * BS, generator=torch.Generator().manual_seed(1))[: NB * BS - 5].long()
+    for isa in ("vec", "vec16"):  # the ISAs this CPU runs (amx needs AMX tiles; the connector probes it)
+        caches, ks, vs = [], [], []
+        for layer in range(L):
+            cache = torch.zeros(NB, H, BS, 2 * D, dtype=torch.bfloat16)
+            k_cache, v_cache = cache.view(NB, H, 2 * BS, D).chunk(2, dim=2)  # as vLLM's CPU backend does
+            k, v = tokens_kv(len(slots), seed=layer)
+            ops.cpu_attn_reshape_and_cache(k, v, k_cache, v_cache, slots, isa)
+            caches.append(cache)
+            ks.append(k)
+            vs.append(v)
+        layout = VllmCpuLayout()
+        blocks = [4, 1, 5]
+        chunk = layout.gather(caches, blocks)
+        assert torch.equal(chunk, canonical(ks, vs, slots, blocks)), isa
+        # scatter writes exactly what vLLM's writer wrote, including into a partial range of blocks
+        fresh = [torch.zeros_like(c) for c in caches]
+        layout.scatter(fresh, chunk, blocks)
+        for a, b in zip(fresh, caches, strict=True):
+            assert torch.equal(a[blocks], b[blocks])
+            assert not a[[0, 2, 3]].any()
+        fresh = [torch.zeros_like(c) for c in caches]
+        layout.scatter(fresh, chunk, [2], first_block=1)  # block 1 of the chunk (cache block 1) -> block 2
+        assert all(torch.equal(a[2], b[1]) for a, b in zip(fresh, caches, strict=True))
+
+
+@pytest.mark.parametrize("memory", ["NHD", "HND"])
+def test_vllm_cuda_layout_reads_what_flash_attn_writes(memory: str) -> None:
+    slots = torch.randperm(NB * BS, generator=torch.Generator().manual_seed(2))[: NB * BS - 7].long()
+    caches, ks, vs = [], [], []
+    for layer in range(L):
+        if memory == "NHD":  # flash-attn: memory [B, N, H, 2D], handed out as the logical [B, H, N, 2D] view
+            cache = torch.zeros(NB, BS, H, 2 * D, dtype=torch.float16).transpose(1, 2)
+        else:
+            cache = torch.zeros(NB, H, BS, 2 * D, dtype=torch.float16)
+        k_cache, v_cache = cache.transpose(1, 2).split(D, dim=-1)  # what vllm's flash_attn.py does
+        k, v = tokens_kv(len(slots), seed=10 + layer, dtype=torch.float16)
+        k_cache[slots // BS, slots % BS] = k  # reshape_and_cache_flash: [block, offset, head, :]
+        v_cache[slots // BS, slots % BS] = v
+        caches.append(cache)
+        ks.append(k)
+        vs.append(v)
+    layout = VllmCudaLayout()
+    assert layout.geometry(caches).num_blocks == NB
+    blocks = [0, 3]
+    chunk = layout.gather(caches, blocks)
+    assert torch.equal(chunk, canonical(ks, vs, slots, blocks))
+    fresh = [torch.zeros_like(c) for c in caches]
+    layout.scatter(fresh, chunk, blocks)
+    for a, b in zip(fresh, caches, strict=True):
+        assert a.stride() == b.stride() and torch.equal(a[blocks], b[blocks]) and not a[[1, 2, 4, 5]].any()
+
+
+def test_a_chunk_moves_between_every_pair_of_layouts_unchanged() -> None:
+    gen = torch.Generator().manual_seed(3)
+    want = torch.randn(2, L, 2 * BS, H, D, generator=gen).to(torch.bfloat16)
+    caches = {
+        "engine": (ENGINE_LAYOUT, [torch.zeros(2, NB, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]),
+        "cpu": (VllmCpuLayout(), [torch.zeros(NB, H, BS, 2 * D, dtype=torch.bfloat16) for _ in range(L)]),
+        "cuda": (
+            VllmCudaLayout(),
+            [torch.zeros(NB, BS, H, 2 * D, dtype=torch.bfloat16).transpose(1, 2) for _ in range(L)],
+        ),
+    }
+    for layout, cache in caches.values():
+        layout.scatter(cache, want, [5, 2])
+    for src in caches.values():
+        chunk = src[0].gather(src[1], [5, 2])
+        assert torch.equal(chunk, want)
+        for layout, cache in caches.values():
+            layout.scatter(cache, chunk, [1, 3])
+            assert torch.equal(layout.gather(cache, [1, 3]), want)
+    # the CPU layout really is not the engine's: the same bytes in the wrong layout would be wrong KV
+    assert not torch.equal(caches["cpu"][1][0][5].flatten(), caches["engine"][1][0][:, 5].flatten())
+
+
+def test_bad_caches_are_refused() -> None:
+    with pytest.raises(InvalidArgument):
+        VllmCpuLayout().geometry([torch.zeros(2, NB, BS, H, D)])  # the engine's 5-D cache
+    with pytest.raises(InvalidArgument):
+        VllmCpuLayout().geometry([torch.zeros(NB, BS, H, 2 * D).transpose(1, 2)])  # not contiguous
+    with pytest.raises(InvalidArgument):
+        VllmCudaLayout().geometry(
+            [torch.zeros(NB, H, BS, 2 * D), torch.zeros(NB, H, BS, 2 * D, dtype=torch.float16)]
+        )
+    geo = VllmCpuLayout().geometry([torch.zeros(NB, H, BS, 2 * D, dtype=torch.bfloat16)] * L)
+    assert (geo.num_layers, geo.num_blocks, geo.block_size, geo.num_kv_heads, geo.head_dim) == (
+        L,
+        NB,
+        BS,
+        H,
+        D,
+    )
+    with pytest.raises(InvalidArgument):
+        VllmCpuLayout().scatter([torch.zeros(NB, H, BS, 2 * D)] * L, torch.zeros(2, L, BS, H, D), [0, 1])
