@@ -18,10 +18,12 @@ Layout, all little-endian:
     52+P   N    payload
 
 Any flipped bit anywhere makes `decode_blob`/`verify_blob` raise CorruptBlob; nothing else escapes them.
+So does a header whose payload length contradicts its codec, shape, dtype and params, checksum or not.
 """
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -64,7 +66,7 @@ class BlobHeader:
     @property
     def raw_nbytes(self) -> int:
         """Size of the decoded KV tensor."""
-        return torch.Size(self.shape).numel() * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def _checksum(head: bytes | memoryview, params: bytes | memoryview, payload: Any) -> int:
@@ -132,7 +134,31 @@ def verify_blob(data: bytes | bytearray | memoryview) -> BlobHeader:
         raise CorruptBlob(f"unreadable codec params: {e}") from None
     if not isinstance(params, dict):
         raise CorruptBlob("codec params are not a map")
+    _check_payload_size(codec_id, compression, DTYPES[dtype_id], shape, params, view[payload_offset:])
     return BlobHeader(codec_id, compression, DTYPES[dtype_id], shape, params, payload_offset, nlen)
+
+
+def _check_payload_size(
+    codec_id: int, compression: int, dtype: torch.dtype, shape: tuple, params: dict, payload: memoryview
+) -> None:
+    """A checksum proves the bytes are what the writer sent, not that the header tells the truth: the
+    payload must be exactly what the codec makes of this shape, dtype and params (lz4: its framing)."""
+    try:
+        expected = get_codec(codec_id).payload_nbytes(params, shape, dtype)
+    except CodecError as e:
+        raise CorruptBlob(f"header does not describe a payload: {e}") from None
+    if compression == COMPRESSION_LZ4:
+        from kvstore.codecs.lz4 import uncompressed_size  # noqa: PLC0415 (optional stage)
+
+        try:
+            size = uncompressed_size(payload)
+        except CodecError as e:
+            raise CorruptBlob(str(e)) from None
+        what = "lz4 payload decompresses to"
+    else:
+        size, what = len(payload), "payload is"
+    if size != expected:
+        raise CorruptBlob(f"{what} {size} bytes; codec {codec_id} of shape {shape} {dtype} needs {expected}")
 
 
 def decode_blob(

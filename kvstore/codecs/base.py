@@ -22,3 +22,8 @@ class Codec(Protocol):
     def decode(
         self, payload: memoryview, params: dict, shape: tuple[int, ...], dtype: torch.dtype
     ) -> torch.Tensor: ...
+
+    def payload_nbytes(self, params: dict, shape: tuple[int, ...], dtype: torch.dtype) -> int:
+        """The exact payload size `encode` gives for this header (CodecError for impossible params):
+        every blob is checked against it before a tier stores it or a reader decodes it."""
+        ...

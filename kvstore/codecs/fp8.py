@@ -18,6 +18,7 @@ both do the same float32 operations and agree bit for bit.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -44,7 +45,7 @@ def _nscales(shape: tuple[int, ...], mode: str) -> int:
 
 def payload_size(shape: tuple[int, ...], mode: str = "token") -> int:
     """Bytes of an fp8 payload for a KV tensor of this shape."""
-    return int(np.prod(shape)) + 4 * _nscales(shape, mode)
+    return math.prod(shape) + 4 * _nscales(shape, mode)  # python ints: a forged shape cannot wrap
 
 
 class Fp8Codec:
@@ -84,6 +85,12 @@ class Fp8Codec:
             raise CodecError("fp8: KV contains NaN or Inf")
         return memoryview(buf), {"scale": mode}
 
+    def payload_nbytes(self, params: dict, shape: tuple[int, ...], dtype: torch.dtype) -> int:
+        shape = common.check_shape(shape, dtype, self.name)
+        if set(params) != {"scale"} or params["scale"] not in ("token", "tensor"):
+            raise CodecError(f"fp8: bad params {params!r:.80}")
+        return payload_size(shape, params["scale"])
+
     def decode(
         self,
         payload: bytes | bytearray | memoryview,
@@ -95,9 +102,7 @@ class Fp8Codec:
         """Decode to a CPU tensor, or with `device="cuda"` on the GPU through the Triton kernel."""
         shape = common.check_shape(shape, dtype, self.name)
         mode = params.get("scale")
-        if mode not in ("token", "tensor"):
-            raise CodecError(f"fp8: bad params {params!r}")
-        if len(payload) != payload_size(shape, mode):
+        if len(payload) != self.payload_nbytes(params, shape, dtype):
             raise CodecError(
                 f"fp8: payload is {len(payload)} bytes, shape {shape} needs {payload_size(shape, mode)}"
             )

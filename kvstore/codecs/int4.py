@@ -70,6 +70,8 @@ class Int4Layout:
 
     @classmethod
     def from_params(cls, shape: tuple[int, ...], params: dict, dtype: torch.dtype) -> Int4Layout:
+        if set(params) != {"g", "kg", "keys", "rot", "sink"}:
+            raise CodecError(f"int4: bad params {params!r:.80}")
         try:
             g, kg, keys, rot, sink = (params[k] for k in ("g", "kg", "keys", "rot", "sink"))
             lay = cls(tuple(shape), int(g), int(kg), str(keys), bool(rot), int(sink), dtype.itemsize)
@@ -179,6 +181,9 @@ class Int4Codec:
             parts["sink"][:] = x[:, :, : lay.sink]
         _check_finite(parts)
         return memoryview(buf), lay.params()
+
+    def payload_nbytes(self, params: dict, shape: tuple[int, ...], dtype: torch.dtype) -> int:
+        return Int4Layout.from_params(common.check_shape(shape, dtype, self.name), params, dtype).nbytes()
 
     def decode(
         self,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -20,10 +21,15 @@ class RawCodec:
         # view as bytes without a copy (bfloat16 has no numpy dtype, so go through uint8)
         return memoryview(kv.view(torch.uint8).numpy()).cast("B"), {}
 
+    def payload_nbytes(self, params: dict, shape: tuple[int, ...], dtype: torch.dtype) -> int:
+        if params:
+            raise CodecError(f"raw codec has no params, got {sorted(params)!r:.80}")
+        return math.prod(shape) * dtype.itemsize  # python ints: a forged shape cannot wrap
+
     def decode(
         self, payload: memoryview, params: dict, shape: tuple[int, ...], dtype: torch.dtype
     ) -> torch.Tensor:
-        expected = torch.Size(shape).numel() * dtype.itemsize
+        expected = self.payload_nbytes(params, shape, dtype)
         if len(payload) != expected:
             raise CorruptBlob(f"raw payload is {len(payload)} bytes, shape {shape} needs {expected}")
         out = torch.empty(shape, dtype=dtype)

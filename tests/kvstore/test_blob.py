@@ -151,3 +151,58 @@ def test_a_forged_header_that_tells_the_truth_decodes() -> None:
     head = _HEAD.pack(MAGIC, 1, 0, 0, 3, 5, 0, 2, 1, 3, 1, 4, 0, len(payload))
     blob = head + _CHECK.pack(_checksum(head, b"", payload)) + payload
     assert torch.equal(decode_blob(blob), kv)
+
+
+def forge(
+    blob: bytes, payload: bytes, shape: tuple[int, ...] | None = None, params: dict | None = None
+) -> bytes:
+    """`blob` with its payload (and optionally shape/params) replaced, re-checksummed: a forgery that
+    passes the checksum."""
+    head = list(_HEAD.unpack_from(blob))
+    plen = head[12]
+    pbytes = blob[HEADER_SIZE : HEADER_SIZE + plen] if params is None else msgpack.packb(params)
+    if shape is not None:
+        head[7:12] = shape
+    head[12], head[13] = len(pbytes), len(payload)
+    packed = _HEAD.pack(*head)
+    return packed + _CHECK.pack(_checksum(packed, pbytes, payload)) + pbytes + payload
+
+
+def _payload(blob: bytes) -> bytes:
+    return blob[verify_blob(blob).payload_offset :]
+
+
+@pytest.mark.parametrize("codec", ["raw", "fp8", "int4"])
+def test_payload_length_must_match_the_header_even_with_a_valid_checksum(codec: str) -> None:
+    """Spec 2: a put whose payload length contradicts its header is refused, checksum or not."""
+    good = encode_blob(_kv((2, 2, 64, 2, 64), torch.float16), codec=codec)
+    payload = _payload(good)
+    header = verify_blob(good)
+    forgeries = {
+        "short": forge(good, payload[:-2]),
+        "long": forge(good, payload + b"\0\0"),
+        "half": forge(good, payload[: len(payload) // 2]),
+        "shape": forge(good, payload, shape=(2, 2, 32, 2, 64)),  # claims half the tokens
+        "bigger-shape": forge(good, payload, shape=(2, 4, 64, 2, 64)),
+        "huge-shape": forge(good, payload, shape=(2, 2**32 - 1, 2**32 - 1, 2**32 - 1, 2**32 - 1)),
+        "params": forge(good, payload, params={**header.params, "extra": 1}),
+    }
+    assert verify_blob(forge(good, payload)) == header  # the forging recipe itself is sound
+    for name, blob in forgeries.items():
+        with pytest.raises(CorruptBlob):
+            verify_blob(blob)
+        with pytest.raises(CorruptBlob):
+            decode_blob(blob)
+        assert name
+
+
+def test_lz4_framing_must_match_the_header() -> None:
+    kv = torch.zeros(2, 2, 64, 2, 64, dtype=torch.float16)  # zeros: lz4 pays, the blob is compressed
+    good = encode_blob(kv, lz4=True)
+    from kvstore.codecs.lz4 import compress, decompress
+
+    inner = decompress(_payload(good))
+    assert verify_blob(forge(good, compress(inner))).compression == 1
+    for bad in (compress(inner[:-2]), compress(inner + b"\0\0"), b"\x01"):
+        with pytest.raises(CorruptBlob):
+            verify_blob(forge(good, bad))

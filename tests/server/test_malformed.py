@@ -14,6 +14,7 @@ import msgpack
 import pytest
 
 from kvstore import wire
+from tests.kvstore.test_blob import forge
 from tests.server.conftest import RawResponse, key, make_blob, read_response
 
 BLOB_LIMIT = 64 * 1024
@@ -60,8 +61,9 @@ def test_bad_key(srv, method, path):
 @pytest.mark.parametrize(
     "body",
     [b"", b"not a blob", make_blob(1)[:-1], make_blob(1) + b"x",
-     make_blob(1)[:60] + bytes([make_blob(1)[60] ^ 1]) + make_blob(1)[61:]],
-    ids=["empty", "garbage", "short", "long", "bitflip"],
+     make_blob(1)[:60] + bytes([make_blob(1)[60] ^ 1]) + make_blob(1)[61:],
+     forge(make_blob(1), make_blob(1)[52:-8])],  # valid checksum, payload shorter than its shape
+    ids=["empty", "garbage", "short", "long", "bitflip", "forged-length"],
 )  # fmt: skip
 def test_corrupt_blob(srv, body):
     before = srv.usage()
