@@ -46,6 +46,19 @@ class Unauthorized(KVStoreError):
     status = 401
 
 
+class Forbidden(KVStoreError):
+    """A request the server refuses whoever sends it: e.g. a Host header naming another site while no
+    token is set (a DNS-rebinding page in a browser)."""
+
+    status = 403
+
+
+class UnsupportedMediaType(InvalidArgument):
+    """A data route's body sent without its content type (or the X-KVStore-Wire header)."""
+
+    status = 415
+
+
 class NotFound(KVStoreError, KeyError):
     """A key that is not stored (only raised where a miss cannot be expressed as None)."""
 

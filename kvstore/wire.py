@@ -199,11 +199,13 @@ def error_from_response(status: int, body: bytes | str | None) -> KVStoreError:
 _BY_STATUS: dict[int, type[KVStoreError]] = {
     400: InvalidArgument,
     401: errors.Unauthorized,
+    403: errors.Forbidden,
     404: errors.NotFound,
     405: InvalidArgument,
     408: InvalidArgument,
     411: InvalidArgument,
     413: errors.TooLarge,
+    415: errors.UnsupportedMediaType,
     422: errors.CorruptBlob,
     502: errors.Unavailable,
     503: errors.Unavailable,

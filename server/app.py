@@ -15,6 +15,7 @@ from kvstore import wire
 from kvstore.config import StoreConfig
 from server.config import ServerConfig
 from server.middleware import json_error, make_middlewares
+from server.origin import HostCheck
 from server.routes import routes as data_routes
 from server.state import SAMPLER, STATE, ServerState
 
@@ -93,7 +94,9 @@ def make_app(store: Any, store_config: StoreConfig, config: ServerConfig) -> web
     """The application over an open store. The caller owns the store (flush/close on shutdown)."""
     state = ServerState(store, store_config, config)
     app = web.Application(
-        middlewares=make_middlewares(config.token(), state.metrics, config.metrics_auth),
+        middlewares=make_middlewares(
+            config.token(), state.metrics, config.metrics_auth, HostCheck(config.allowed_hosts, config.host)
+        ),
         client_max_size=config.max_request_size,
     )
     app[STATE] = state

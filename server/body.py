@@ -8,7 +8,20 @@ from typing import Any
 from aiohttp import web
 
 from kvstore import wire
-from kvstore.errors import InvalidArgument, TooLarge
+from kvstore.errors import InvalidArgument, TooLarge, UnsupportedMediaType
+
+
+def check_content_type(request: web.BaseRequest, expected: str) -> None:
+    """A data route's body must be declared as its own type, or come with the X-KVStore-Wire header:
+    a browser can send neither cross-origin without a CORS preflight, and the server grants none."""
+    if wire.WIRE_VERSION_HEADER in request.headers:
+        return
+    given = request.headers.get("Content-Type")
+    if given is None or given.partition(";")[0].strip().lower() != expected:
+        raise UnsupportedMediaType(
+            f"{request.method} {request.path} takes Content-Type {expected} "
+            f"(or the {wire.WIRE_VERSION_HEADER} header), got {given!r:.60}"
+        )
 
 
 def declared_length(request: web.BaseRequest, limit: int) -> int | None:
@@ -20,8 +33,9 @@ def declared_length(request: web.BaseRequest, limit: int) -> int | None:
     return request.content_length
 
 
-async def read_body(request: web.BaseRequest, limit: int, timeout: float) -> bytes:
+async def read_body(request: web.BaseRequest, limit: int, timeout: float, content_type: str) -> bytes:
     """The whole body, or InvalidArgument (truncated / stalled) or TooLarge. Never a partial body."""
+    check_content_type(request, content_type)
     expected = declared_length(request, limit)
     try:
         return await asyncio.wait_for(_read(request, expected, limit), timeout)
@@ -57,6 +71,7 @@ async def read_frame(
 ) -> tuple[list[str], list[bytes]]:
     """A batch frame (kvstore.wire) read into one bytes object per blob, so that a stored blob
     never pins the memory of the whole request. Any malformation raises before a blob is returned."""
+    check_content_type(request, wire.BATCH_CONTENT_TYPE)
     expected = declared_length(request, limit)
     try:
         return await asyncio.wait_for(_read_frame(request, expected, limit, blob_limit), timeout)

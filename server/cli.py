@@ -37,6 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--port", type=int, help="port to bind (default 8100; 0 picks a free one)")
     h.add_argument("--auth-token", help="require 'Authorization: Bearer TOKEN' (prefer --auth-token-file)")
     h.add_argument("--auth-token-file", help="file holding the bearer token")
+    h.add_argument(
+        "--allowed-hosts",
+        help="without a token: host names clients may use besides IPs and localhost (comma list; * = any)",
+    )
     h.add_argument("--tls-cert", help="PEM certificate; serve HTTPS")
     h.add_argument("--tls-key", help="PEM private key of --tls-cert")
     h.add_argument("--max-request-size", help="largest batch body accepted, e.g. 1GiB")

@@ -36,6 +36,8 @@ class ServerConfig(BaseModel):
     shutdown_timeout: float = 30.0  # seconds in-flight requests get on SIGTERM
     store_threads: int = 4  # threads running store calls that may touch disk or Redis
     metrics_auth: bool = True  # /metrics needs the token too (Prometheus supports bearer tokens)
+    # Without a token: host names (besides IP addresses and localhost) that Host may name; "*" = any
+    allowed_hosts: list[str] = Field(default_factory=list)
     access_log: bool = False
 
     def __init__(self, **data: Any) -> None:
@@ -43,6 +45,11 @@ class ServerConfig(BaseModel):
             super().__init__(**data)
         except ValidationError as e:  # one error type for every bad setting, as StoreConfig.load gives
             raise ConfigError(f"invalid ServerConfig: {e}") from None
+
+    @field_validator("allowed_hosts", mode="before")
+    @classmethod
+    def _hosts(cls, v: Any) -> Any:
+        return [h.strip() for h in v.split(",") if h.strip()] if isinstance(v, str) else v
 
     @field_validator("max_request_size", mode="before")
     @classmethod

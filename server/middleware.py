@@ -14,6 +14,7 @@ from aiohttp import web
 from kvstore import wire
 from kvstore.errors import KVStoreError, Unauthorized
 from server.metrics import ServerMetrics
+from server.origin import HostCheck
 from server.state import BYTES_IN, BYTES_OUT
 
 log = logging.getLogger(__name__)
@@ -55,11 +56,16 @@ def error_response(exc: BaseException, request: web.BaseRequest | None = None) -
     return resp
 
 
-def make_middlewares(token: str | None, metrics: ServerMetrics, metrics_auth: bool) -> list:
-    """One middleware doing auth, JSON errors and metrics: each layer of aiohttp middleware costs a
-    coroutine per request, which shows at thousands of small requests per second."""
+def make_middlewares(
+    token: str | None, metrics: ServerMetrics, metrics_auth: bool, host_check: HostCheck | None = None
+) -> list:
+    """One middleware doing auth (or, without a token, the Host check), JSON errors and metrics: each
+    layer of aiohttp middleware costs a coroutine per request, which shows at thousands of small
+    requests per second."""
     expected = f"Bearer {token}".encode() if token else None
     open_paths = OPEN_PATHS if metrics_auth else OPEN_PATHS | {"/metrics"}
+    if expected is None and host_check is None:
+        host_check = HostCheck(())
 
     @web.middleware
     async def serve(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -67,8 +73,11 @@ def make_middlewares(token: str | None, metrics: ServerMetrics, metrics_auth: bo
         metrics.in_flight += 1
         status = 500
         try:
-            if expected is not None and request.path not in open_paths:
-                given = request.headers.get("Authorization", "").encode()
+            if expected is None:
+                host_check.check(request)  # type: ignore[union-attr]
+            elif request.path not in open_paths:
+                # the header's own bytes: aiohttp decodes non-UTF-8 bytes to surrogates, which .encode() refuses
+                given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
                 if not hmac.compare_digest(given, expected):
                     raise Unauthorized("missing bearer token" if not given else "wrong bearer token")
             resp = await handler(request)

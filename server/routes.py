@@ -44,7 +44,9 @@ async def send_buffers(request: web.Request, parts: list, content_type: str) -> 
 async def put_chunk(request: web.Request) -> web.Response:
     st = _state(request)
     key = validate_key(request.match_info["key"])
-    body = await read_body(request, st.store_config.max_blob_size, st.config.body_timeout)
+    body = await read_body(
+        request, st.store_config.max_blob_size, st.config.body_timeout, wire.BLOB_CONTENT_TYPE
+    )
     request[BYTES_IN] = len(body)
     # The store verifies the blob (CorruptBlob -> 422) and its size before storing anything.
     await st.call(st.store.put_blob, key, body)
@@ -81,11 +83,12 @@ async def delete_chunk(request: web.Request) -> web.Response:
 
 async def _json_keys(request: web.Request) -> list[str]:
     st = _state(request)
-    body = await read_body(request, min(st.config.max_request_size, 1 << 24), st.config.body_timeout)
+    limit = min(st.config.max_request_size, 1 << 24)
+    body = await read_body(request, limit, st.config.body_timeout, wire.JSON_CONTENT_TYPE)
     request[BYTES_IN] = len(body)
     try:
         data = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nesting deeper than the interpreter's stack
         raise InvalidArgument('body must be JSON {"keys": [...]}') from None
     return wire.parse_keys(data)
 

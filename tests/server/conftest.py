@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from kvstore import wire
 from kvstore.blob import encode_blob
 from kvstore.config import StoreConfig
 from kvstore.store import TieredStore
@@ -58,6 +59,13 @@ def read_response(sock: socket.socket, head_only: bool = False) -> RawResponse:
     return RawResponse(status, headers, body[:n])
 
 
+def route_content_type(path: str) -> str:
+    """The Content-Type a data route takes for its body."""
+    if path.startswith(wire.CHUNKS_PATH):
+        return wire.BLOB_CONTENT_TYPE
+    return wire.BATCH_CONTENT_TYPE if path == wire.BATCH_PUT_PATH else wire.JSON_CONTENT_TYPE
+
+
 class Server:
     """A running in-process server and the store behind it."""
 
@@ -77,8 +85,12 @@ class Server:
     def request(
         self, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None
     ) -> RawResponse:
+        """One request; a body goes with its route's Content-Type unless `headers` name one."""
+        headers = dict(headers or {})
+        if method in ("PUT", "POST") and not any(k.lower() == "content-type" for k in headers):
+            headers["Content-Type"] = route_content_type(path)
         lines = [f"{method} {path} HTTP/1.1", f"Host: 127.0.0.1:{self.port}", f"Content-Length: {len(body)}"]
-        lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
+        lines += [f"{k}: {v}" for k, v in headers.items()]
         return self.raw(("\r\n".join(lines) + "\r\n\r\n").encode() + body, head_only=method == "HEAD")
 
     def usage(self) -> tuple[int, int]:

@@ -108,7 +108,7 @@ def test_in_flight_request_finishes_on_sigterm(tmp_path, cli_servers):
     srv = CliServer("--tiers", "cpu", "--shutdown-timeout", "20")
     cli_servers.append(srv)
     blob = make_blob(1)
-    head = f"PUT {wire.chunk_path(key(1))} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(blob)}\r\n\r\n"
+    head = f"PUT {wire.chunk_path(key(1))} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/octet-stream\r\nContent-Length: {len(blob)}\r\n\r\n"
     with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
         s.sendall(head.encode() + blob[:100])
         time.sleep(0.3)  # the handler is now waiting for the rest of the body

@@ -80,7 +80,7 @@ def test_corrupt_blob_does_not_replace_a_good_one(srv):
 def test_truncated_body_on_an_open_connection(srv):
     before = srv.usage()
     blob = make_blob(1)
-    head = f"PUT {wire.chunk_path(key(1))} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(blob)}\r\n\r\n"
+    head = f"PUT {wire.chunk_path(key(1))} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/octet-stream\r\nContent-Length: {len(blob)}\r\n\r\n"
     start = time.monotonic()
     r = srv.raw(head.encode() + blob[: len(blob) // 2])  # the rest never comes; the socket stays open
     assert time.monotonic() - start < 5
@@ -91,7 +91,7 @@ def test_truncated_body_on_an_open_connection(srv):
 def test_truncated_body_then_hangup(srv):
     before = srv.usage()
     blob = make_blob(1)
-    head = f"PUT {wire.chunk_path(key(1))} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(blob)}\r\n\r\n"
+    head = f"PUT {wire.chunk_path(key(1))} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/octet-stream\r\nContent-Length: {len(blob)}\r\n\r\n"
     with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
         s.sendall(head.encode() + blob[:100])
         s.shutdown(socket.SHUT_WR)
@@ -108,7 +108,7 @@ def test_content_length_shorter_than_body(srv):
     """Content-Length says less than the client sends: the tail would be parsed as the next request."""
     before = srv.usage()
     blob = make_blob(1)
-    head = f"PUT {wire.chunk_path(key(1))} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(blob) - 10}\r\n\r\n"
+    head = f"PUT {wire.chunk_path(key(1))} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/octet-stream\r\nContent-Length: {len(blob) - 10}\r\n\r\n"
     with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
         s.sendall(head.encode() + blob)
         first = read_response(s)
@@ -124,13 +124,15 @@ def test_content_length_shorter_than_body(srv):
 
 def test_bad_content_length_header(srv):
     before = srv.usage()
-    r = srv.raw(f"PUT {wire.chunk_path(key(1))} HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n".encode())
+    r = srv.raw(
+        f"PUT {wire.chunk_path(key(1))} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/octet-stream\r\nContent-Length: -5\r\n\r\n".encode()
+    )
     assert_rejected(srv, r, 400, "InvalidArgument", before)
 
 
 def test_oversized_blob_rejected_before_the_body(srv):
     before = srv.usage()
-    head = f"PUT {wire.chunk_path(key(1))} HTTP/1.1\r\nHost: x\r\nContent-Length: {BLOB_LIMIT + 1}\r\n\r\n"
+    head = f"PUT {wire.chunk_path(key(1))} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/octet-stream\r\nContent-Length: {BLOB_LIMIT + 1}\r\n\r\n"
     assert_rejected(srv, srv.raw(head.encode()), 413, "TooLarge", before)  # not a byte of body sent
 
 
@@ -143,7 +145,7 @@ def test_oversized_blob_sent_in_full(srv):
 def test_oversized_chunked_body(srv):
     before = srv.usage()
     big = make_blob(1, tokens=2048)
-    head = f"PUT {wire.chunk_path(key(1))} HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    head = f"PUT {wire.chunk_path(key(1))} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/octet-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
     body = (
         b"".join(f"{len(c):x}\r\n".encode() + c + b"\r\n" for c in (big[:70000], big[70000:])) + b"0\r\n\r\n"
     )
@@ -152,7 +154,7 @@ def test_oversized_chunked_body(srv):
 
 def test_chunked_body_within_limits_is_stored(srv):
     blob = make_blob(1)
-    head = f"PUT {wire.chunk_path(key(1))} HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    head = f"PUT {wire.chunk_path(key(1))} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/octet-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
     body = b"".join(f"{len(c):x}\r\n".encode() + c + b"\r\n" for c in (blob[:100], blob[100:])) + b"0\r\n\r\n"
     assert srv.raw(head.encode() + body).status == 201
     assert srv.request("GET", wire.chunk_path(key(1))).body == blob
@@ -220,6 +222,29 @@ def test_batch_over_the_limits(srv):
 def test_bad_key_lists(srv, path, body, type_name):
     before = srv.usage()
     assert_rejected(srv, srv.request("POST", path, body), 400, type_name, before)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"[" * 100_000 + b"]" * 100_000, b'{"keys": ' + b'{"a":' * 30_000 + b"1" + b"}" * 30_001,
+     b'{"keys": [' + b"9" * 5000 + b"]}", b'{"keys": [1e999999, NaN, -Infinity]}', b'{"keys": ["\\ud800"]}',
+     b'{"keys": ["\xff\xfe"]}'],
+    ids=["deep-array", "deep-object", "5000-digits", "inf-nan", "lone-surrogate", "not-utf8"],
+)  # fmt: skip
+def test_hostile_json_is_a_4xx(srv, body):
+    before = srv.usage()
+    r = srv.request("POST", wire.LOOKUP_PATH, body)
+    assert_rejected(srv, r, 400, r.json()["type"], before)
+    assert r.json()["type"] in ("InvalidArgument", "InvalidKey")
+
+
+def test_non_utf8_authorization_is_a_401(server_factory):
+    s = server_factory(auth_token="s3cret")
+    for value in (b"Bearer \xff\xfe", b"\xc3\x28", b"Bearer s3cret\x80", b"Bearer s3cret\xed\xa0\x80"):
+        r = s.raw(b"GET /v1/stats HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: " + value + b"\r\n\r\n")
+        assert r.status == 401 and r.json()["type"] == "Unauthorized", (value, r.status, r.body)
+    ok = s.raw(b"GET /v1/stats HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer s3cret\r\n\r\n")
+    assert ok.status == 200
 
 
 @pytest.mark.parametrize(

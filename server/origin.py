@@ -1,0 +1,71 @@
+"""Cross-origin protection: what keeps a web page in a browser on the same host from using the store.
+
+- Data routes take a body only in their own content type (or with the X-KVStore-Wire header), which a
+  browser cannot send cross-origin without a CORS preflight; the server grants no CORS (it never sends
+  Access-Control-Allow-*), so the preflight fails and the request is never sent (`server.body`).
+- Without a token, a page could still point a DNS name of its own at 127.0.0.1 (DNS rebinding) and be
+  "same-origin" with the server. So without a token every request must name in `Host` (and, when a
+  browser sends one, in `Origin`) an IP address, `localhost`, or a name listed in `allowed_hosts`
+  (`*` turns the check off). With a token the browser has nothing to send: no check is needed.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable
+from urllib.parse import urlsplit
+
+from aiohttp import web
+
+from kvstore.errors import Forbidden
+
+
+def _hostname(authority: str) -> str:
+    """The host of `host[:port]` / `[v6]:port`, lowercased, without a trailing dot."""
+    if authority.startswith("["):
+        host = authority[1 : authority.find("]")] if "]" in authority else authority
+    else:
+        host = authority.rsplit(":", 1)[0] if authority.count(":") == 1 else authority
+    return host.rstrip(".").lower()
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+class HostCheck:
+    """Refuses (403) a request whose Host or Origin names a host that is not allowed."""
+
+    def __init__(self, allowed_hosts: Iterable[str], bind_host: str = "") -> None:
+        names = {_hostname(h) for h in allowed_hosts if h}
+        if bind_host and not _is_ip(bind_host):
+            names.add(_hostname(bind_host))
+        self.any = "*" in names
+        self.names = frozenset(names - {"*"})
+
+    def allowed(self, host: str) -> bool:
+        return (
+            self.any
+            or host in self.names
+            or host == "localhost"
+            or host.endswith(".localhost")
+            or _is_ip(host)
+        )
+
+    def check(self, request: web.BaseRequest) -> None:
+        if self.any:
+            return
+        host = request.headers.get("Host")
+        if host is not None and not self.allowed(_hostname(host)):
+            raise Forbidden(
+                f"Host {host!r:.80} is not allowed without an auth token (DNS rebinding protection); "
+                "connect by IP address or localhost, list the name in allowed_hosts, or set a token"
+            )
+        origin = request.headers.get("Origin")  # only browsers send it ("null" from sandboxes, files)
+        if origin is not None:
+            if not self.allowed(_hostname(urlsplit(origin).netloc)):
+                raise Forbidden(f"cross-origin request from {origin!r:.80} refused")
