@@ -43,23 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=8000)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
-    lat = bench.add_parser("latency", help="TTFT and inter-token latency percentiles")
-    EngineArgs.add_cli_args(lat)
-    lat.add_argument("--input-len", type=int, default=128)
-    lat.add_argument("--output-len", type=int, default=32)
-    lat.add_argument("--batch-size", type=int, default=1)
-    lat.add_argument("--num-iters", type=int, default=3)
-    lat.add_argument("--num-iters-warmup", type=int, default=1)
-    thr = bench.add_parser("throughput", help="output tokens/s for a batch of prompts")
-    EngineArgs.add_cli_args(thr)
-    thr.add_argument("--num-prompts", type=int, default=16)
-    thr.add_argument("--input-len", type=int, default=128)
-    thr.add_argument("--output-len", type=int, default=64)
-    thr.add_argument("--compare-hf", action="store_true", help="also run transformers generate, same prompts")
-    thr.add_argument("--random-range-ratio", type=float, default=0.0,
-                     help="input/output lengths uniform in len * [1 - r, 1 + r] (vLLM's random dataset)")  # fmt: skip
-    for p in (lat, thr):
-        p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    from engine.bench import add_bench_parsers  # noqa: PLC0415
+
+    add_bench_parsers(bench)
 
     proxy = sub.add_parser("proxy", help="disaggregated prefill/decode: route requests through two engines")
     from engine.proxy import add_cli_args as add_proxy_args  # noqa: PLC0415
@@ -123,15 +109,7 @@ def _serve(ns: argparse.Namespace) -> None:
 def _bench(ns: argparse.Namespace) -> None:
     from engine import bench
 
-    args = EngineArgs.from_cli_args(ns)
-    if ns.bench == "latency":
-        bench.run_latency(
-            args, ns.input_len, ns.output_len, ns.batch_size, ns.num_iters, ns.num_iters_warmup, ns.seed
-        )
-    else:
-        bench.run_throughput(
-            args, ns.num_prompts, ns.input_len, ns.output_len, ns.compare_hf, ns.seed, ns.random_range_ratio
-        )
+    bench.main(ns)
 
 
 def _proxy(ns: argparse.Namespace) -> None:
