@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(srv)
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--shutdown-timeout", type=float, default=10.0,
+                     help="seconds requests in flight at SIGTERM may still run before they are failed (503)")  # fmt: skip
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     from engine.bench import add_bench_parsers  # noqa: PLC0415
@@ -103,7 +105,7 @@ def _serve(ns: argparse.Namespace) -> None:
 
     engine = LLMEngine(EngineArgs.from_cli_args(ns))
     print(f"serving {engine.model_name} on http://{ns.host}:{ns.port}/v1", file=sys.stderr)
-    serve(engine, ns.host, ns.port)
+    serve(engine, ns.host, ns.port, ns.shutdown_timeout)
 
 
 def _bench(ns: argparse.Namespace) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 from tqdm import tqdm
 
 from engine.engine_args import EngineArgs
-from engine.errors import InvalidRequest
+from engine.errors import InvalidRequest, RequestFailed
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -69,13 +69,7 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _check_prompt(self, prompt: Prompt) -> None:
-        ids = self.engine.tokenize(prompt)
-        if not ids:
-            raise InvalidRequest("the prompt is empty")
-        if len(ids) >= self.engine.max_model_len:
-            raise InvalidRequest(
-                f"the prompt has {len(ids)} tokens; this model allows at most {self.engine.max_model_len - 1}"
-            )
+        self.engine.check_prompt(self.engine.tokenize(prompt))
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         wanted = set(request_ids)
@@ -85,6 +79,8 @@ class LLM:
             while len(done) < len(request_ids):
                 for out in self.engine.step():
                     if out.finished and out.request_id in wanted:
+                        if out.error is not None:
+                            raise RequestFailed(f"request {out.request_id} failed: {out.error}")
                         done[out.request_id] = out
                         bar.update(1)
         except BaseException:

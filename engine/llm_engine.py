@@ -19,7 +19,7 @@ from engine.errors import InvalidRequest, KVBackendUnavailable
 from engine.metrics import EngineMetrics
 from engine.model_runner import ModelRunner, kv_bytes_per_block
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
 from kvstore.errors import KVStoreError
 from kvstore.keys import KVLayout, model_layout, root_key
@@ -46,6 +46,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    error: str | None = None  # why the engine gave up on this request (finish_reason "abort")
 
 
 def resolve_model_dir(model: str) -> Path:
@@ -114,13 +115,22 @@ class LLMEngine:
         self._next_id = 0
 
     # ---- requests -----------------------------------------------------------------------------
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
+    def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a prompt. A text that cannot fit (more characters than max_model_len tokens of
+        the vocabulary's longest token could cover, vLLM's bound) is refused without tokenizing it."""
         if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt))
+            limit = (self.max_model_len - 1) * self.tokenizer.max_chars_per_token
+            if len(prompt) > limit:
+                raise InvalidRequest(
+                    f"the prompt has {len(prompt)} characters, more than the {limit} that "
+                    f"{self.max_model_len - 1} tokens can hold (max_model_len {self.max_model_len})",
+                    param="prompt",
+                )
+            return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
         if not isinstance(prompt, (list, tuple)) or not all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt
         ):
-            raise InvalidRequest("a prompt is a string or a list of token ids")
+            raise InvalidRequest("a prompt is a string or a list of token ids", param="prompt")
         return list(prompt)
 
     def add_request(
@@ -137,25 +147,37 @@ class LLMEngine:
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         token_ids = self.tokenize(prompt)
-        if not token_ids:
-            raise InvalidRequest("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        if min(token_ids) < 0 or max(token_ids) >= vocab:
-            raise InvalidRequest(f"prompt token ids must be in [0, {vocab})")
-        if len(token_ids) >= self.max_model_len:
-            raise InvalidRequest(
-                f"the prompt has {len(token_ids)} tokens; this model allows at most {self.max_model_len - 1} "
-                f"(max_model_len {self.max_model_len}, one position is needed for the first generated token)"
-            )
+        self.check_request(token_ids, params)
         seq = Sequence(request_id, token_ids, params, prompt=prompt if isinstance(prompt, str) else None)
         self.requests[request_id] = seq
         self.scheduler.add_sequence(seq)
+        self._update_gauges()
         return seq
+
+    def check_request(self, token_ids: list[int], params: SamplingParams) -> None:
+        """What `add_request` refuses, checkable before anything is queued."""
+        self.check_prompt(token_ids)
+        vocab = self.model_config.vocab_size
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
+            raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        params.check_vocab(vocab)
+
+    def check_prompt(self, token_ids: list[int]) -> None:
+        """A prompt must leave one position for the first generated token."""
+        if not token_ids:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        if len(token_ids) >= self.max_model_len:
+            raise InvalidRequest(
+                f"the prompt has {len(token_ids)} tokens; this model allows at most {self.max_model_len - 1} "
+                f"(max_model_len {self.max_model_len}, one position is needed for the first generated token)",
+                param="prompt",
+            )
 
     def abort_request(self, request_id: str) -> None:
         seq = self.scheduler.abort(request_id)
         if seq is not None:
             self._release(seq, time.monotonic())
+        self._update_gauges()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -214,22 +236,68 @@ class LLMEngine:
 
     # ---- the loop -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        sched_out = self.scheduler.schedule()
-        outputs = []
+        """One scheduled model step. A fault inside it fails the requests it belongs to (a bad row in
+        the sampler, a sequence whose detokenization raises) or, when that cannot be known (the model
+        forward), every request of this step, each finished with `error` set; the others go on."""
+        try:
+            sched_out = self.scheduler.schedule()
+        except Exception as e:  # the queues may be half-updated: nothing in them can be trusted
+            logger.exception("scheduling failed")
+            return self._fail(list(self.requests.values()), f"the engine's scheduler failed: {e!r}")
+        outputs = [self.make_output(seq) for seq in sched_out.failed]
+        for seq in sched_out.failed:
+            self._release(seq, time.monotonic())
         if not sched_out.is_empty:
-            sampled = self.runner.execute_model(sched_out)
-            now = time.monotonic()
-            invalid = self.runner.invalid_block_ids
-            for seq in self.scheduler.update_from_output(sched_out, sampled, invalid):
-                self._on_new_token(seq, now)
-                outputs.append(self.make_output(seq))
+            outputs += self._run_scheduled(sched_out)
         self._finish_kv_saves()
+        self._update_gauges()
+        return outputs
+
+    def _run_scheduled(self, sched_out: SchedulerOutput) -> list[RequestOutput]:
+        try:
+            sampled = self.runner.execute_model(sched_out)
+        except Exception as e:
+            logger.exception("the model step failed for %d requests", len(sched_out.scheduled))
+            return self._fail([s.seq for s in sched_out.scheduled], f"the model step failed: {e!r}")
+        outputs = []
+        errors = self.runner.sample_errors  # {request_id: exception}: rows the sampler pinned a fault on
+        if errors:
+            for sched in sched_out.scheduled:
+                if sched.seq.request_id in errors:
+                    outputs += self._fail([sched.seq], f"sampling failed: {errors[sched.seq.request_id]!r}")
+            keep = [i for i, s in enumerate(sched_out.scheduled) if s.seq.request_id not in errors]
+            sched_out.scheduled = [sched_out.scheduled[i] for i in keep]
+            sampled = [sampled[i] for i in keep]
+        now = time.monotonic()
+        invalid = self.runner.invalid_block_ids
+        for seq in self.scheduler.update_from_output(sched_out, sampled, invalid):
+            try:
+                self._on_new_token(seq, now)
+            except Exception as e:
+                logger.exception("%s: processing its new token failed", seq.request_id)
+                outputs += self._fail([seq], f"processing the new token failed: {e!r}")
+                continue
+            outputs.append(self.make_output(seq))
+        return outputs
+
+    def _fail(self, seqs: list[Sequence], error: str) -> list[RequestOutput]:
+        """Abort each sequence (freeing its blocks) with `error`; their final outputs."""
+        outputs = []
+        for seq in seqs:
+            if seq.request_id not in self.requests:
+                continue
+            seq.error = error
+            self.scheduler.abort(seq.request_id)
+            self._release(seq, time.monotonic())
+            outputs.append(self.make_output(seq))
+        return outputs
+
+    def _update_gauges(self) -> None:
         bm = self.block_manager
         self.metrics.update_scheduler_state(
             self.scheduler.num_running, self.scheduler.num_waiting, bm.usage,
             bm.prefix_cache_queries, bm.prefix_cache_hits, self.scheduler.num_preemptions,
         )  # fmt: skip
-        return outputs
 
     def _on_new_token(self, seq: Sequence, now: float) -> None:
         m = self.metrics
@@ -254,7 +322,7 @@ class LLMEngine:
             hits = [(i, s) for s in p.stop if (i := text.find(s, start)) != -1]
             if hits:
                 index, stop = min(hits)
-                text = text[:index]
+                text = text[: index + len(stop)] if p.include_stop_str_in_output else text[:index]
                 seq.stop_reason = stop
                 if seq.is_finished:
                     seq.status = SequenceStatus.FINISHED_STOPPED
@@ -281,5 +349,5 @@ class LLMEngine:
         )
         return RequestOutput(
             seq.request_id, seq.prompt, list(seq.prompt_token_ids), [completion], seq.is_finished,
-            seq.num_cached_tokens, metrics,
+            seq.num_cached_tokens, metrics, seq.error,
         )  # fmt: skip

@@ -59,6 +59,7 @@ class ModelRunner:
             module.kv_cache = self.kv_cache[layer]
         self.connector = connector  # worker side of the KV connector (--kv-backend), or None
         self.invalid_block_ids: set[int] = set()  # blocks whose KV failed to load in the last step
+        self.sample_errors: dict[str, Exception] = {}  # requests the sampler failed in the last step
         if connector is not None:
             connector.register_kv_caches([self.kv_cache[layer] for layer in range(num_layers)])
         logger.info(
@@ -106,6 +107,7 @@ class ModelRunner:
     def execute_model(self, out: SchedulerOutput) -> list[int | None]:
         """One forward over every scheduled token; a token for each sequence whose chunk ends it."""
         assert not out.is_empty
+        self.sample_errors = {}
         input_ids, positions, meta = self.prepare_inputs(out)
         connector = self.connector
         if connector is not None:  # load this step's external KV into its blocks before the forward
@@ -126,7 +128,11 @@ class ModelRunner:
             last = meta.cu_seqlens_q[1:].long() - 1
             logits = self.model.compute_logits(hidden[last[rows]])
             seqs = [out.scheduled[i].seq for i in rows]
-            tokens = self.sampler(logits, [s.request_id for s in seqs], [s.sampling_params for s in seqs])
+            tokens, errors = self.sampler.sample_isolated(
+                logits, [s.request_id for s in seqs], [s.sampling_params for s in seqs],
+                [(s.prompt_token_ids, s.output_token_ids) for s in seqs],
+            )  # fmt: skip
             for i, tok in zip(rows, tokens, strict=True):
                 sampled[i] = tok
+            self.sample_errors = {seqs[j].request_id: e for j, e in errors.items()}
         return sampled

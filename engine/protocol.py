@@ -1,17 +1,88 @@
 """OpenAI request bodies (pydantic) and their mapping to SamplingParams.
 
-Unknown fields are ignored, as OpenAI clients send many; fields we cannot honour with a non-default
-value (n > 1, logprobs, echo, penalties) are rejected with a 400 rather than silently dropped.
+Unknown fields are ignored (and logged), as OpenAI clients send many. Fields this server knows but
+cannot honour (`best_of`, `suffix`, `tools`, `logprobs`, ...) are a 400 naming the field whenever they
+carry anything but their no-op value: nothing a client asks for is silently dropped.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.errors import InvalidRequest
 from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+_R = TypeVar("_R", bound="_SamplingFields")
+MAX_PROMPTS_PER_REQUEST = 2048  # OpenAI's own limit on a prompt array
+
+# field -> the values that mean "not used"; any other value is a 400 naming the field.
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "echo": (None, False),
+    "logprobs": (None, False),
+    "top_logprobs": (None,),
+    "prompt_logprobs": (None,),
+    "logprob_token_ids": (None,),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1.0),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "truncate_prompt_tokens": (None,),
+    "prompt_embeds": (None,),
+    "continue_final_message": (None, False),
+    "chat_template": (None,),
+    "documents": (None,),
+    "mm_processor_kwargs": (None,),
+    "priority": (None, 0),
+    "cache_salt": (None,),
+    "kv_transfer_params": (None,),
+    "return_tokens_as_token_ids": (None, False),
+    "return_token_ids": (None, False),
+    "spaces_between_special_tokens": (None, True),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "web_search_options": (None,),
+    "vllm_xargs": (None,),
+    "repetition_detection": (None,),
+    "thinking_token_budget": (None, -1),
+    # Structured output (issue 14) is not implemented yet: a constraint is never ignored.
+    "response_format": (None, {"type": "text"}),
+    "structured_outputs": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structural_tag": (None,),
+}
+
+
+def _is_noop(value: Any, noops: tuple[Any, ...]) -> bool:
+    # type-exact: `logprobs: 0` asks for the sampled token's logprob, it is not `False`
+    return any(value is None if n is None else (type(value) is type(n) and value == n) for n in noops)
+
+
+def check_unsupported(body: dict[str, Any]) -> None:
+    for name, noops in UNSUPPORTED_FIELDS.items():
+        if name in body and not _is_noop(body[name], noops):
+            raise InvalidRequest(f"{name} is not supported by this server", param=name)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
 
 
 class _SamplingFields(BaseModel):
@@ -22,48 +93,71 @@ class _SamplingFields(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
     seed: int | None = None
     min_tokens: int = 0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     stream: bool = False
-    stream_options: dict[str, Any] | None = None
+    stream_options: StreamOptions | None = None
     n: int = 1
-    logprobs: Any = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+
+    @classmethod
+    def from_body(cls: type[_R], body: dict[str, Any]) -> _R:
+        """Validate a JSON body: unsupported fields first (a 400 naming the field), then the types."""
+        check_unsupported(body)
+        try:
+            req = cls.model_validate(body)
+        except ValidationError as e:
+            err = e.errors()[0]
+            where = ".".join(map(str, err["loc"]))
+            raise InvalidRequest(
+                f"invalid request: {where}: {err['msg']}", param=str(err["loc"][0]) if err["loc"] else None
+            ) from None
+        ignored = body.keys() - cls.model_fields.keys()
+        if ignored:
+            logger.debug("ignoring unknown request fields: %s", ", ".join(sorted(ignored)[:20]))
+        if req.n != 1:
+            raise InvalidRequest("only n=1 is supported", param="n")
+        if req.stream_options is not None and req.stream_options.continuous_usage_stats:
+            raise InvalidRequest(
+                "continuous_usage_stats is not supported by this server", param="stream_options"
+            )
+        return req
 
     @property
     def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.get("include_usage"))
+        return bool(self.stream_options and self.stream_options.include_usage)
 
-    def check_supported(self) -> None:
-        if self.n != 1:
-            raise InvalidRequest("only n=1 is supported")
-        if self.logprobs not in (None, False, 0):
-            raise InvalidRequest("logprobs are not supported")
-        if self.presence_penalty or self.frequency_penalty:
-            raise InvalidRequest("presence_penalty and frequency_penalty are not supported")
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool = False
+    add_special_tokens: bool = True
 
     def prompts(self) -> list[str | list[int]]:
-        self.check_supported()
-        if self.echo:
-            raise InvalidRequest("echo is not supported")
         p = self.prompt
         if isinstance(p, str):
             return [p]
         if not p:
-            raise InvalidRequest("the prompt is empty")
-        if all(isinstance(t, int) for t in p):
-            return [list(p)]
-        return list(p)
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        prompts = [list(p)] if all(isinstance(t, int) for t in p) else list(p)
+        if len(prompts) > MAX_PROMPTS_PER_REQUEST:
+            raise InvalidRequest(
+                f"a request holds at most {MAX_PROMPTS_PER_REQUEST} prompts, got {len(prompts)}",
+                param="prompt",
+            )
+        return prompts
 
 
 class ChatMessage(BaseModel):
@@ -71,43 +165,78 @@ class ChatMessage(BaseModel):
 
     role: str
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[Any] | None = None
+
+    def plain(self) -> dict[str, str]:
+        if self.tool_calls:
+            raise InvalidRequest("tool_calls in messages are not supported by this server", param="messages")
+        content = self.content
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if part.get("type") != "text":
+                    raise InvalidRequest(
+                        f"only text content parts are supported, got {str(part.get('type'))[:40]!r}",
+                        param="messages",
+                    )
+                parts.append(str(part.get("text", "")))
+            content = "".join(parts)
+        return {"role": self.role, "content": content or ""}
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False  # the chat template already holds them (vLLM's default)
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def plain_messages(self) -> list[dict[str, str]]:
-        self.check_supported()
-        out = []
-        for m in self.messages:
-            content = m.content
-            if isinstance(content, list):
-                parts = []
-                for part in content:
-                    if part.get("type") != "text":
-                        raise InvalidRequest(
-                            f"only text content parts are supported, got {part.get('type')!r}"
-                        )
-                    parts.append(str(part.get("text", "")))
-                content = "".join(parts)
-            out.append({"role": m.role, "content": content or ""})
-        return out
+        return [m.plain() for m in self.messages]
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-def sampling_params_from(req: _SamplingFields, default_max_tokens: int) -> SamplingParams:
-    max_tokens = getattr(req, "max_completion_tokens", None)
-    if max_tokens is None:
-        max_tokens = req.max_tokens
+def resolve_max_tokens(
+    requested: int | None, prompt_len: int, max_model_len: int, default: int | None
+) -> int:
+    """The request's max_tokens: a prompt plus max_tokens beyond the context is a 400 (as vLLM
+    answers); without max_tokens, `default` (None: all the room left) capped to the room left."""
+    room = max_model_len - prompt_len
+    assert room >= 1, "the engine rejects prompts that leave no room"
+    if requested is None:
+        return room if default is None else max(1, min(default, room))
+    if isinstance(requested, int) and requested >= 1 and prompt_len + requested > max_model_len:
+        raise InvalidRequest(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_len + requested} tokens ({prompt_len} in the messages, {requested} in the completion). "
+            "Please reduce the length of the messages or completion.",
+            param="max_tokens",
+        )
+    return requested
+
+
+def sampling_params_from(req: _SamplingFields, max_tokens: int) -> SamplingParams:
+    def given(value: Any, default: Any) -> Any:
+        return default if value is None else value
+
     return SamplingParams(
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=0 if req.top_k is None else req.top_k,
+        temperature=given(req.temperature, 1.0),
+        top_p=given(req.top_p, 1.0),
+        top_k=given(req.top_k, 0),
+        min_p=given(req.min_p, 0.0),
         seed=req.seed,
-        max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+        max_tokens=max_tokens,
         min_tokens=req.min_tokens,
+        presence_penalty=given(req.presence_penalty, 0.0),
+        frequency_penalty=given(req.frequency_penalty, 0.0),
+        repetition_penalty=given(req.repetition_penalty, 1.0),
+        logit_bias=dict(req.logit_bias or {}),
         stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
         stop_token_ids=list(req.stop_token_ids or []),
+        include_stop_str_in_output=req.include_stop_str_in_output,
         ignore_eos=req.ignore_eos,
         skip_special_tokens=req.skip_special_tokens,
     )

@@ -1,15 +1,25 @@
-"""Next-token sampling: greedy, temperature, top-k, top-p, per-request seeds.
+"""Next-token sampling: logit bias, repetition / frequency / presence penalties, greedy, temperature,
+min-p, top-k, top-p, per-request seeds (vLLM's order: bias and penalties also steer greedy decoding).
 
 A request with a seed owns a `torch.Generator` seeded once, so its tokens do not depend on what else
 is in the batch. Sampling uses the exponential race (argmax of p / Exp(1) noise), which draws from
 `p` exactly and lets each row use its own generator.
+
+`sample_isolated` is what the engine calls: when the batched call raises, the generators are put back
+and every row is sampled alone, so that a fault that belongs to one request fails that request only.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Sequence
+
 import torch
 
 from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+TokenHistory = tuple[Sequence[int], Sequence[int]]  # (prompt token ids, output token ids) of one row
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -26,6 +36,35 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     mask[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask the tokens whose probability is below min_p times the row's most likely token's."""
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_penalties(
+    logits: torch.Tensor, history: list[TokenHistory], params: list[SamplingParams]
+) -> torch.Tensor:
+    """vLLM's (and OpenAI's) penalties. Repetition: a token seen in the prompt or the output has its
+    logit divided by the penalty when positive, multiplied when negative. Frequency and presence:
+    minus penalty x (count in the output) and minus penalty x (seen in the output)."""
+    n, vocab = logits.shape
+    dev = logits.device
+    counts = torch.zeros(n, vocab, device=dev)
+    in_prompt = torch.zeros(n, vocab, dtype=torch.bool, device=dev)
+    for row, (prompt, output) in enumerate(history):
+        if output:
+            counts[row] = torch.bincount(torch.tensor(output, device=dev), minlength=vocab)[:vocab].float()
+        in_prompt[row, torch.tensor(prompt, dtype=torch.long, device=dev)] = True
+    rep = torch.tensor([p.repetition_penalty for p in params], device=dev).unsqueeze(1)
+    rep = torch.where(in_prompt | (counts > 0), rep, torch.ones_like(rep))
+    logits = torch.where(logits > 0, logits / rep, logits * rep)
+    freq = torch.tensor([p.frequency_penalty for p in params], device=dev).unsqueeze(1)
+    presence = torch.tensor([p.presence_penalty for p in params], device=dev).unsqueeze(1)
+    return logits - freq * counts - presence * (counts > 0).float()
 
 
 class Sampler:
@@ -49,26 +88,78 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(
-        self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
+        self,
+        logits: torch.Tensor,
+        request_ids: list[str],
+        params: list[SamplingParams],
+        history: list[TokenHistory] | None = None,
     ) -> list[int]:
-        """logits [n, vocab] (fp32) -> one token id per row."""
+        """logits [n, vocab] -> one token id per row. `history` (prompt, output token ids) per row is
+        needed only when a row has penalties."""
         assert logits.shape[0] == len(params) == len(request_ids)
         logits = logits.float()
+        dev = logits.device
+        biased = [i for i, p in enumerate(params) if p.logit_bias]
+        if biased:
+            logits = logits.clone()
+            for i in biased:
+                ids = torch.tensor(list(params[i].logit_bias), dtype=torch.long, device=dev)
+                logits[i, ids] += torch.tensor(list(params[i].logit_bias.values()), device=dev)
+        penalized = [i for i, p in enumerate(params) if p.has_penalties]
+        if penalized:
+            assert history is not None, "penalties need each row's prompt and output token ids"
+            idx = torch.tensor(penalized, device=dev)
+            logits = logits.index_copy(
+                0, idx, apply_penalties(logits[idx], [history[i] for i in penalized], [params[i] for i in penalized])
+            )  # fmt: skip
         out = logits.argmax(dim=-1)
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if rows:
-            idx = torch.tensor(rows, device=logits.device)
-            sub = logits[idx] / torch.tensor(
-                [params[i].temperature for i in rows], device=logits.device
-            ).unsqueeze(1)
+            idx = torch.tensor(rows, device=dev)
+            sub = logits[idx] / torch.tensor([params[i].temperature for i in rows], device=dev).unsqueeze(1)
+            if any(params[i].min_p > 0 for i in rows):
+                sub = apply_min_p(sub, torch.tensor([params[i].min_p for i in rows], device=dev))
             if any(params[i].top_k > 0 or params[i].top_p < 1.0 for i in rows):
-                top_k = torch.tensor([params[i].top_k for i in rows], device=logits.device)
-                top_p = torch.tensor([params[i].top_p for i in rows], device=logits.device, dtype=sub.dtype)
+                top_k = torch.tensor([params[i].top_k for i in rows], device=dev)
+                top_p = torch.tensor([params[i].top_p for i in rows], device=dev, dtype=sub.dtype)
                 sub = apply_top_k_top_p(sub, top_k, top_p)
             probs = sub.softmax(dim=-1)
             noise = torch.empty_like(probs)
             for j, i in enumerate(rows):
-                gen = self.generator_for(request_ids[i], params[i], logits.device)
+                gen = self.generator_for(request_ids[i], params[i], dev)
                 noise[j].exponential_(generator=gen)
             out[idx] = (probs / noise).argmax(dim=-1)
         return out.tolist()
+
+    def sample_isolated(
+        self,
+        logits: torch.Tensor,
+        request_ids: list[str],
+        params: list[SamplingParams],
+        history: list[TokenHistory] | None = None,
+    ) -> tuple[list[int | None], dict[int, Exception]]:
+        """Like `__call__`, but a failure is pinned on the rows it belongs to: (tokens with None for a
+        failed row, {row: exception}). Seeded rows draw the same tokens as if nothing had failed."""
+        saved = {rid: g.get_state() for rid, g in self._generators.items() if rid in set(request_ids)}
+        try:
+            return list(self(logits, request_ids, params, history)), {}
+        except Exception as batch_error:  # find the rows it belongs to
+            logger.warning(
+                "batched sampling failed (%r); sampling the %d rows one by one", batch_error, len(params)
+            )
+        for rid in request_ids:  # back to the state before the failed call
+            if rid in saved:
+                self._generators[rid].set_state(saved[rid])
+            else:
+                self._generators.pop(rid, None)
+        tokens: list[int | None] = []
+        errors: dict[int, Exception] = {}
+        for i, (rid, p) in enumerate(zip(request_ids, params, strict=True)):
+            try:
+                tokens.append(
+                    self(logits[i : i + 1], [rid], [p], None if history is None else [history[i]])[0]
+                )
+            except Exception as e:
+                tokens.append(None)
+                errors[i] = e
+        return tokens, errors

@@ -20,7 +20,6 @@ from typing import Any
 
 from connectors.base import KVConnectorBase
 from engine.block_manager import BlockManager
-from engine.errors import EngineError
 from engine.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
@@ -48,6 +47,7 @@ class ScheduledSequence:
 class SchedulerOutput:
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    failed: list[Sequence] = field(default_factory=list)  # given up (aborted, `error` set) this step
     kv_connector_metadata: Any = None  # what the KV connector's worker side loads and saves this step
 
     @property
@@ -142,12 +142,14 @@ class Scheduler:
             out.scheduled.append(ScheduledSequence(seq, num_new))
             budget -= num_new
 
-        if out.is_empty and self.waiting and not self.running:
-            seq = self.waiting[0]
-            raise EngineError(
+        if out.is_empty and self.waiting and not self.running and not self.saving:
+            seq = self.waiting[0]  # nothing else holds blocks: it can never fit; fail it, not the engine
+            seq.error = (
                 f"request {seq.request_id} ({seq.num_tokens} tokens) does not fit in the KV cache "
                 f"({bm.num_blocks} blocks of {bm.block_size}); raise the KV cache size or lower max_model_len"
             )
+            self._finish(seq, SequenceStatus.FINISHED_ABORTED)
+            out.failed.append(seq)
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out

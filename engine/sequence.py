@@ -51,6 +51,7 @@ class Sequence:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    error: str | None = None  # set when the engine gave up on it (a fault in its step)
 
     def __post_init__(self) -> None:
         assert self.prompt_token_ids, "a sequence needs at least one prompt token"

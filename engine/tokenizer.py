@@ -3,6 +3,7 @@ template from `tokenizer_config.json` rendered with jinja2 (as transformers does
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from datetime import datetime
@@ -85,6 +86,12 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @functools.cached_property
+    def max_chars_per_token(self) -> int:
+        """The longest token's length in characters: a text of n characters holds at least
+        n / max_chars_per_token tokens (vLLM's bound for refusing over-long prompts untokenized)."""
+        return max((len(t) for t in self._tok.get_vocab(with_added_tokens=True)), default=1)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):

@@ -181,3 +181,46 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def make_tiny_engine_dir(out: Path) -> Path:
+    """A tiny llama checkpoint with a real (trained, byte-level BPE) tokenizer and a chat template:
+    an engine directory for mechanics tests (the server, faults, aborts) that starts in a second."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    make_tiny_checkpoint("llama", out)
+    vocab = _tiny_config("llama").vocab_size
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        special_tokens=["<unk>", "<s>", "</s>"],  # ids 0, 1, 2: the config's bos 1 / eos 2
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    text = "The quick brown fox jumps over the lazy dog. Once upon a time there was a tiny model. " * 50
+    tok.train_from_iterator([text], trainer)
+    assert tok.get_vocab_size() <= vocab
+    tok.save(str(out / "tokenizer.json"))
+    config = {
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "add_bos_token": False,
+        "chat_template": _CHAT_TEMPLATE,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_engine_dir(tmp_path_factory) -> Path:
+    return make_tiny_engine_dir(tmp_path_factory.mktemp("tiny_engine") / "llama")

@@ -112,7 +112,12 @@ async def test_chat_completion_and_stream(base_url: str, http: aiohttp.ClientSes
         "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
         == message["content"]
     )
-    assert chunks[-1]["usage"] == body["usage"]
+    usage = chunks[-1]["usage"]
+    cached = usage.pop("prompt_tokens_details")["cached_tokens"]
+    assert usage == {k: v for k, v in body["usage"].items() if k != "prompt_tokens_details"}
+    assert cached >= 16, (
+        "the same prompt again: the prefix cache served its full blocks (vLLM's cached_tokens)"
+    )
 
 
 async def test_concurrent_requests_batch_and_match_sequential(

@@ -90,3 +90,47 @@ def test_invalid_sampling_params_raise_invalid_request(kwargs: dict) -> None:
 
 def test_stop_accepts_a_single_string() -> None:
     assert SamplingParams(stop="\n").stop == ["\n"]
+
+
+def test_logit_bias_steers_greedy_and_sampling() -> None:
+    logits = torch.tensor([[5.0, 1.0, 0.0, 0.0]])
+    assert Sampler()(logits, ["a"], [SamplingParams(temperature=0, logit_bias={2: 10})]) == [2]
+    freq = draw(SamplingParams(logit_bias={0: -100}), logits, 300)
+    assert freq[0] == 0
+
+
+def test_repetition_frequency_and_presence_penalties_match_vllm() -> None:
+    from engine.sampler import apply_penalties
+
+    logits = torch.tensor([[2.0, -2.0, 2.0, 1.0, 0.5]])
+    history = [([0], [1, 3, 3])]  # token 0 in the prompt, 1 once and 3 twice in the output
+    rep = apply_penalties(logits.clone(), history, [SamplingParams(repetition_penalty=2.0)])
+    assert rep.tolist() == [[1.0, -4.0, 2.0, 0.5, 0.5]]  # seen: positive / 2, negative * 2
+    fp = apply_penalties(
+        logits.clone(), history, [SamplingParams(frequency_penalty=0.5, presence_penalty=0.25)]
+    )
+    assert fp.tolist() == [[2.0, -2.75, 2.0, -0.25, 0.5]]  # the prompt does not count for these two
+    # Greedy decoding follows the penalized logits (vLLM applies penalties before the argmax).
+    params = SamplingParams(temperature=0, repetition_penalty=4.0)
+    assert Sampler()(logits, ["a"], [params], [([0], [])]) == [2]
+
+
+def test_min_p_drops_the_unlikely_tail() -> None:
+    p = [0.5, 0.3, 0.15, 0.05]
+    freq = draw(SamplingParams(min_p=0.35), logits_for(p), 1000)  # keeps p >= 0.175
+    assert freq[2:].sum() == 0 and freq[1] > 0.25
+
+
+def test_a_row_that_fails_alone_fails_alone_and_seeds_stay_reproducible() -> None:
+    logits = torch.randn(3, 50)
+    good = SamplingParams(temperature=1.0, seed=7)
+    bad = SamplingParams(temperature=1.0, seed=1)
+    bad.seed = 2**64  # past validation (as a bug would): torch's manual_seed overflows
+    sampler = Sampler()
+    tokens, errors = sampler.sample_isolated(
+        logits, ["g", "b", "h"], [good, bad, SamplingParams(temperature=0)]
+    )
+    assert tokens[1] is None and list(errors) == [1] and tokens[2] == int(logits[2].argmax())
+    clean = Sampler()
+    expected = [clean(logits[:1], ["g"], [good])[0] for _ in range(3)]
+    assert [tokens[0]] + [sampler(logits[:1], ["g"], [good])[0] for _ in range(2)] == expected

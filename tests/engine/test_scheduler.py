@@ -9,7 +9,6 @@ import zlib
 import pytest
 
 from engine.block_manager import BlockManager
-from engine.errors import EngineError
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import Sequence, SequenceStatus
@@ -204,8 +203,11 @@ def test_max_model_len_finishes_with_length() -> None:
     assert s.status is SequenceStatus.FINISHED_LENGTH and s.num_tokens == 12
 
 
-def test_request_that_can_never_fit_raises_instead_of_hanging() -> None:
+def test_request_that_can_never_fit_fails_alone_instead_of_hanging() -> None:
     sched = make(num_blocks=2, max_len=64)
-    sched.add_sequence(seq("big", 20))
-    with pytest.raises(EngineError, match="does not fit"):
-        sched.schedule()
+    big = seq("big", 20)
+    sched.add_sequence(big)
+    out = sched.schedule()
+    assert out.is_empty and out.failed == [big] and "does not fit" in big.error
+    assert big.finish_reason == "abort" and not sched.has_unfinished()
+    assert sched.block_manager.num_free_blocks == 2
