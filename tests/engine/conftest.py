@@ -222,5 +222,5 @@ def make_tiny_engine_dir(out: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_engine_dir(tmp_path_factory) -> Path:
+def tiny_bpe_engine_dir(tmp_path_factory) -> Path:
     return make_tiny_engine_dir(tmp_path_factory.mktemp("tiny_engine") / "llama")

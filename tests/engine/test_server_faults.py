@@ -24,9 +24,9 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_engine_dir: Path) -> LLMEngine:
+def engine(tiny_bpe_engine_dir: Path) -> LLMEngine:
     return LLMEngine(
-        EngineArgs(model=str(tiny_engine_dir), max_model_len=256, kv_cache_memory="4MiB", max_num_seqs=4)
+        EngineArgs(model=str(tiny_bpe_engine_dir), max_model_len=256, kv_cache_memory="4MiB", max_num_seqs=4)
     )
 
 
