@@ -8,6 +8,7 @@ cache looks like) with `for_engine(...)` before it creates the connectors.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -19,6 +20,9 @@ from kvstore.keys import KVLayout
 
 KVRole = Literal["both", "prefill", "decode"]
 KVCodec = Literal["raw", "fp8", "int4"]
+# vLLM's `kv_role` names for ours, and the short names `kv_connector_extra_config` users write
+VLLM_ROLES: dict[str, KVRole] = {"kv_both": "both", "kv_producer": "prefill", "kv_consumer": "decode"}
+SHORT_NAMES = {"url": "store_url", "token": "auth_token"}
 
 
 class KVTransferConfig(BaseModel):
@@ -137,8 +141,39 @@ class KVTransferConfig(BaseModel):
         return KVTransferConfig(**{**self.model_dump(), "layout": layout, "block_size": block_size})
 
     @classmethod
+    def from_mapping(cls, settings: Mapping[str, Any]) -> KVTransferConfig:
+        """Settings as one mapping (vLLM's `kv_connector_extra_config`) layered over the environment
+        (`load`): field names, the short names `url` and `token`, `token_file` (a file holding the
+        token), and vLLM's role names (`kv_both`, `kv_producer`, `kv_consumer`)."""
+        data: dict[str, Any] = {}
+        for key, value in settings.items():
+            name = SHORT_NAMES.get(key, key)
+            if name in data:
+                raise ConfigError(f"{key!r} and {name!r} set the same thing; give one")
+            data[name] = value
+        token_file = data.pop("token_file", None)
+        if token_file is not None:
+            if data.get("auth_token") is not None:
+                raise ConfigError("give token or token_file, not both")
+            data["auth_token"] = read_token_file(token_file)
+        if data.get("kv_role") in VLLM_ROLES:
+            data["kv_role"] = VLLM_ROLES[data["kv_role"]]
+        return cls.load(**data)
+
+    @classmethod
     def load(
         cls, path: str | Path | None = None, env_prefix: str = "KV_TRANSFER_", **overrides: Any
     ) -> KVTransferConfig:
         """Defaults < YAML file < KV_TRANSFER_* environment < explicit overrides (None is ignored)."""
         return cls(**load_layers(cls, path, env_prefix, overrides))
+
+
+def read_token_file(path: str | Path) -> str:
+    """The bearer token in `path` (surrounding whitespace stripped); a missing or empty file is a ConfigError."""
+    try:
+        token = Path(path).expanduser().read_text().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read the token file {path}: {e}") from None
+    if not token:
+        raise ConfigError(f"the token file {path} is empty")
+    return token

@@ -1,0 +1,235 @@
+"""`KVStoreConnectorV1`: kvstore as a KV connector of real vLLM (V1), loaded by module path.
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KVStoreConnectorV1",
+        "kv_connector_module_path": "connectors.vllm", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"url": "http://127.0.0.1:8100"}}'
+
+The only module that imports vllm. It is the bundled engine's connector in vLLM's signatures: the
+same chunk keys (`kvstore.keys`, one layout fingerprint for every engine), codecs, SDK, save queue
+and load-error reporting (`KVStoreScheduler`, `KVStoreWorker`), with vLLM's paged layout converted
+in `connectors.layouts`. So what vLLM stores is a hit for `kvstore-engine` and the reverse whenever
+model, KV dtype and chunk size match.
+
+vLLM runs the scheduler side in its EngineCore process and the worker side in its Worker process:
+each opens its own client to a `kvstore-server` (`url`; an in-process store would be two stores that
+never meet). Settings come from `kv_connector_extra_config` over `KV_TRANSFER_*` variables
+(`KVTransferConfig.from_mapping`). Roles: `kv_both` loads and saves, `kv_producer` saves (and answers
+only once its saves landed: a decode instance asks the store next), `kv_consumer` loads.
+
+A load that fails (missing, corrupt, unreachable) reports its blocks through
+`get_block_ids_with_load_errors` and vLLM recomputes them; a store is a cache, so the connector runs
+vLLM with `kv_load_failure_policy: recompute` (vLLM's default, `fail`, would fail the request).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.model_executor.models.utils import extract_layer_index
+from vllm.transformers_utils.repo_utils import get_hf_file_to_dict
+
+from connectors.config import KVTransferConfig
+from connectors.kv_scheduler import KVStoreScheduler
+from connectors.kv_worker import KVStoreWorker
+from connectors.layouts import PagedLayout, VllmCpuLayout, VllmCudaLayout
+from connectors.meta import StepTransfers
+from connectors.store_handle import StoreHandle, acquire_store, release_store
+from connectors.vllm_scheduler import VllmScheduler
+from kvstore.errors import ConfigError
+from kvstore.keys import model_layout
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+logger = logging.getLogger(__name__)
+_KV_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "half": "float16", "float32": "float32"}
+
+
+@dataclass
+class KVStoreConnectorMetadata(KVConnectorMetadata):
+    """EngineCore -> Worker, once per step (pickled between the processes)."""
+
+    transfers: StepTransfers = field(default_factory=StepTransfers)
+    held: frozenset[str] = frozenset()  # finished requests whose blocks vLLM keeps until we report them
+
+
+def transfer_config(vllm_config: VllmConfig) -> KVTransferConfig:
+    """The connector's settings and the KV layout (the fingerprint of every key) of this vLLM."""
+    ktc = vllm_config.kv_transfer_config
+    base = KVTransferConfig.from_mapping({**(ktc.kv_connector_extra_config or {}), "kv_role": ktc.kv_role})
+    if base.is_local:
+        raise ConfigError(
+            "KVStoreConnectorV1 needs a kvstore-server: set kv_connector_extra_config.url "
+            "(vLLM's scheduler and worker are two processes; an in-process store would be two stores)"
+        )
+    par = vllm_config.parallel_config
+    if par.tensor_parallel_size != 1 or par.pipeline_parallel_size != 1:
+        raise ConfigError("KVStoreConnectorV1 supports tensor/pipeline parallel size 1 only (for now)")
+    mc, cc = vllm_config.model_config, vllm_config.cache_config
+    raw = get_hf_file_to_dict("config.json", mc.model, mc.revision)
+    if not raw:
+        raise ConfigError(f"cannot read config.json of {mc.model}: the KV layout fingerprint needs it")
+    cache_dtype = str(cc.cache_dtype)
+    kv_dtype = _KV_DTYPES.get(str(mc.dtype).removeprefix("torch.") if cache_dtype == "auto" else cache_dtype)
+    if kv_dtype is None:
+        raise ConfigError(
+            f"KVStoreConnectorV1 does not move a {cache_dtype!r} KV cache (use auto/bfloat16/float16)"
+        )
+    layout = model_layout(raw, model=mc.model, kv_dtype=kv_dtype)
+    return KVTransferConfig(
+        **{**base.model_dump(), "layout": layout, "block_size": cc.block_size, "load_async": False}
+    )
+
+
+class KVStoreConnectorV1(KVConnectorBase_V1):
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) != 1:
+            raise ConfigError(
+                "KVStoreConnectorV1 supports models with one KV cache group (no hybrid attention)"
+            )
+        self.config = transfer_config(vllm_config)
+        if (
+            role is KVConnectorRole.SCHEDULER
+            and self._kv_transfer_config.kv_load_failure_policy != "recompute"
+        ):
+            logger.warning(
+                "kvstore is a cache: a chunk that fails to load is recomputed (kv_load_failure_policy)"
+            )
+            self._kv_transfer_config.kv_load_failure_policy = "recompute"
+        self.handle: StoreHandle = acquire_store(self.config)
+        self._scheduler: VllmScheduler | None = None
+        self._worker: KVStoreWorker | None = None
+        try:
+            if role is KVConnectorRole.SCHEDULER:
+                self._scheduler = VllmScheduler(KVStoreScheduler(self.config, self.handle), self._block_ids)
+            else:
+                self._worker = KVStoreWorker(self.config, self.handle, paged=_layout(vllm_config))
+        except BaseException:
+            release_store(self.handle)
+            raise
+        self._closed = False
+        logger.info(
+            "KVStoreConnectorV1 (%s, %s): store %s, codec %s, chunk %d tokens, layout %s",
+            role.name, self._kv_transfer_config.kv_role, self.config.store_url, self.config.codec,
+            self.config.chunk_size, self.config.layout,
+        )  # fmt: skip
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A store is best-effort: a save lost to a preemption is a later miss, not a broken hand-off."""
+        return False
+
+    @property
+    def scheduler(self) -> VllmScheduler:
+        assert self._scheduler is not None, f"a scheduler-side call on the {self.role.name} connector"
+        return self._scheduler
+
+    @property
+    def worker(self) -> KVStoreWorker:
+        assert self._worker is not None, f"a worker-side call on the {self.role.name} connector"
+        return self._worker
+
+    # ---- scheduler side (EngineCore process) --------------------------------------------------
+    def _block_ids(self, request_id: str) -> list[int]:
+        assert self._kv_cache_manager is not None, "vLLM binds its KV cache manager before scheduling"
+        (block_ids,) = self._kv_cache_manager.get_block_ids(request_id)
+        return block_ids
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVStoreConnectorMetadata:
+        transfers, held = self.scheduler.build_connector_meta(scheduler_output)
+        return KVStoreConnectorMetadata(transfers, held)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request, block_ids)
+
+    # ---- worker side (Worker process) ---------------------------------------------------------
+    def _meta(self) -> KVStoreConnectorMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVStoreConnectorMetadata), type(meta)
+        return meta
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        names = sorted(kv_caches, key=extract_layer_index)
+        caches = [kv_caches[n] for n in names]
+        if isinstance(self.worker.paged, VllmCpuLayout):
+            _check_cpu_layout(caches[0], self._vllm_config)
+        self.worker.register_kv_caches(caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self.worker.start_load_kv(self._meta().transfers)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads complete in start_load_kv: one blob holds every layer of its chunk."""
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
+        """Saves copy whole chunks out in wait_for_save, once every layer is computed."""
+
+    def wait_for_save(self) -> None:
+        self.worker.wait_for_save(self._meta().transfers)
+        if self._kv_transfer_config.kv_role == "kv_producer":
+            self.worker.flush()  # the decode instance looks the prompt up as soon as we answer
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        held = self._meta().held if self.has_connector_metadata() else frozenset()
+        return self.worker.get_finished(finished_req_ids & held)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.get_block_ids_with_load_errors()
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._worker is not None:
+            self._worker.shutdown()
+        release_store(self.handle)
+
+
+def _layout(vllm_config: VllmConfig) -> PagedLayout:
+    from vllm.platforms import current_platform  # noqa: PLC0415
+
+    return VllmCpuLayout() if current_platform.is_cpu() else VllmCudaLayout()
+
+
+def _check_cpu_layout(cache: torch.Tensor, vllm_config: VllmConfig) -> None:
+    """Write one block with vLLM's own CPU cache writer (for the ISA this machine runs) and read it back
+    through `VllmCpuLayout`: a kernel whose block layout differs (e.g. another ISA) is refused at startup
+    instead of storing wrong KV."""
+    from vllm import _custom_ops as ops  # noqa: PLC0415
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa  # noqa: PLC0415
+
+    _, h, bs, d2 = cache.shape
+    isa = _get_attn_isa(cache.dtype, bs, d2 // 2, str(vllm_config.cache_config.cache_dtype))
+    gen = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(bs, h, d2 // 2, generator=gen).to(cache.dtype) for _ in range(2))
+    block = torch.zeros(1, h, bs, d2, dtype=cache.dtype)
+    k_cache, v_cache = block.view(1, h, 2 * bs, d2 // 2).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(k, v, k_cache, v_cache, torch.arange(bs), isa)
+    chunk = VllmCpuLayout().gather([block], [0])
+    if not (torch.equal(chunk[0, 0], k) and torch.equal(chunk[1, 0], v)):
+        raise ConfigError(
+            f"vLLM's CPU KV cache layout for ISA {isa!r} is not the one KVStoreConnectorV1 converts"
+        )

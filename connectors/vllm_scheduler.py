@@ -1,0 +1,82 @@
+"""vLLM's scheduler side in terms of `KVStoreScheduler`, the one that serves the bundled engine.
+
+vLLM hands the connector its own objects: a `Request` (`request_id`, `all_token_ids`,
+`num_preemptions`: read as they are), `KVCacheBlocks` per allocation, and each step a `SchedulerOutput`
+(`scheduled_new_reqs`, `scheduled_cached_reqs`, `num_scheduled_tokens`). This adapter turns them into
+what `KVStoreScheduler` reads — block id lists and `.scheduled` items with `.seq` and
+`.num_new_tokens` — without importing vLLM (duck-typed, so it is tested without starting vLLM).
+
+It also remembers which finished requests vLLM was told to keep (`request_finished` -> True): vLLM
+frees their blocks when the worker reports them in `finished_sending`, and it must never hear of a
+request it did not hold (it asserts on that), so the worker reports only those.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from connectors.kv_scheduler import KVStoreScheduler
+from connectors.meta import StepTransfers
+
+
+@dataclass
+class _Seq:
+    """The fields of a request `KVStoreScheduler.build_connector_meta` reads."""
+
+    request_id: str
+    all_token_ids: Sequence[int]
+    block_table: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class _Scheduled:
+    seq: _Seq
+    num_new_tokens: int
+
+
+@dataclass
+class _Step:
+    scheduled: list[_Scheduled]
+
+
+class VllmScheduler:
+    def __init__(self, scheduler: KVStoreScheduler, block_ids_of: Callable[[str], Sequence[int]]) -> None:
+        self.scheduler = scheduler
+        self._block_ids_of = block_ids_of  # request id -> its block table (vLLM's KV cache manager)
+        self._requests: dict[str, Any] = {}  # live requests by id: their token lists grow in place
+        self._held: set[str] = set()
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._requests[request.request_id] = request
+        (block_ids,) = blocks.get_block_ids()  # one KV cache group (checked at startup)
+        self.scheduler.update_state_after_alloc(request, block_ids, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> tuple[StepTransfers, frozenset[str]]:
+        """This step's loads and saves, and the finished requests whose blocks vLLM keeps for us."""
+        ids = [r.req_id for r in scheduler_output.scheduled_new_reqs]
+        computed = [r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs]
+        cached = scheduler_output.scheduled_cached_reqs
+        ids += list(cached.req_ids)
+        computed += list(cached.num_computed_tokens)
+        items = []
+        for rid, num_computed in zip(ids, computed, strict=True):
+            request = self._requests.get(rid)
+            if request is None:  # scheduled without passing update_state_after_alloc: nothing to save
+                continue
+            seq = _Seq(rid, request.all_token_ids, list(self._block_ids_of(rid)), num_computed)
+            items.append(_Scheduled(seq, scheduler_output.num_scheduled_tokens[rid]))
+        held, self._held = frozenset(self._held), set()
+        return self.scheduler.build_connector_meta(_Step(items)), held
+
+    def request_finished(self, request: Any, block_ids: Sequence[int]) -> tuple[bool, dict | None]:
+        self._requests.pop(request.request_id, None)
+        delay, params = self.scheduler.request_finished(request, block_ids)
+        if delay:
+            self._held.add(request.request_id)
+        return delay, params
