@@ -99,15 +99,30 @@ def scatter_chunk(
             cache[kv].index_copy_(0, idx, src[kv, layer, lo:hi].view(n, bs, h, d))
 
 
+def key_extra(request: object) -> bytes:
+    """Spec 1's extra keys of a request: its `cache_salt` (vLLM's per-request cache isolation) and its
+    LoRA adapter, so that a salted or adapted request never shares KV with another. Empty for a plain
+    request, whose keys are then those of `kvstore.keys.chunk_keys`."""
+    parts = []
+    salt = getattr(request, "cache_salt", None)
+    if salt:
+        parts.append(b"salt:" + str(salt).encode())
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        parts.append(b"lora:" + str(getattr(lora, "lora_name", lora)).encode())
+    return b"\0".join(parts)
+
+
 class ChunkKeys:
     """Chained chunk keys of one growing token sequence (Spec 1), extended as chunks fill up.
 
-    Equal to `kvstore.keys.chunk_keys(tokens, layout, namespace)` for every prefix; each new chunk
-    costs one hash, so calling `update` every engine step stays cheap.
+    Equal to `kvstore.keys.chunk_keys(tokens, layout, namespace, extra)` for every prefix; each new
+    chunk costs one hash, so calling `update` every engine step stays cheap.
     """
 
-    def __init__(self, layout: KVLayout, namespace: str = "") -> None:
+    def __init__(self, layout: KVLayout, namespace: str = "", extra: bytes = b"") -> None:
         self.chunk_size = layout.chunk_size
+        self.extra = extra
         self._parent = root_key(layout, namespace)
         self._last_chunk: list[int] = []
         self.keys: list[str] = []
@@ -120,6 +135,6 @@ class ChunkKeys:
         )
         for i in range(have, len(tokens) // n):
             self._last_chunk = list(tokens[i * n : (i + 1) * n])
-            self._parent = hash_block(self._parent, self._last_chunk)
+            self._parent = hash_block(self._parent, self._last_chunk, self.extra)
             self.keys.append(self._parent.hex())
         return self.keys

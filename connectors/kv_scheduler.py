@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from connectors.base import ConnectorRequest
-from connectors.chunks import ChunkKeys
+from connectors.chunks import ChunkKeys, key_extra
 from connectors.config import KVTransferConfig
 from connectors.meta import LoadSpec, SaveSpec, StepTransfers
 from connectors.store_handle import StoreHandle, is_unreachable
@@ -59,7 +59,8 @@ class KVStoreScheduler:
     def _chunk_keys(self, request: ConnectorRequest) -> list[str]:
         ck = self._keys.get(request.request_id)
         if ck is None:
-            ck = self._keys[request.request_id] = ChunkKeys(self.config.layout, self.config.namespace)
+            extra = key_extra(request)  # cache salt / LoRA: never shared with other requests
+            ck = self._keys[request.request_id] = ChunkKeys(self.config.layout, self.config.namespace, extra)
         return ck.update(request.all_token_ids)
 
     def get_num_new_matched_tokens(
