@@ -36,6 +36,21 @@ class KVConnectorRole(enum.Enum):
     WORKER = 1
 
 
+# What an engine instance does with external KV (vLLM's `kv_role`): kv_both loads and saves, a
+# kv_producer (prefill instance) saves, a kv_consumer (decode instance) only loads.
+KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
+KV_ROLE_ALIASES = {"both": "kv_both", "prefill": "kv_producer", "decode": "kv_consumer"}  # engine shorthands
+
+
+def canonical_kv_role(role: str) -> str:
+    """vLLM's role name for a role or one of kvstore-engine's shorthands (both, prefill, decode)."""
+    role = KV_ROLE_ALIASES.get(role, role)
+    if role not in KV_ROLES:
+        choices = ", ".join([*KV_ROLES, *KV_ROLE_ALIASES])
+        raise ValueError(f"kv_role must be one of {choices}; got {role!r}")
+    return role
+
+
 class ConnectorRequest(Protocol):
     """What a connector may read of an engine request."""
 
@@ -122,14 +137,3 @@ class KVConnectorBase(ABC):
 
     def shutdown(self) -> None:  # noqa: B027 (optional hook, like vLLM's)
         """Finish pending work and release resources."""
-
-
-def create_connector(backend: str, role: KVConnectorRole, config: Any) -> KVConnectorBase | None:
-    """`--kv-backend none|kvstore`. None means the engine runs without a connector."""
-    if backend == "none":
-        return None
-    if backend == "kvstore":
-        from connectors.kvstore import KVStoreConnector  # noqa: PLC0415 (keeps sdk out of `none`)
-
-        return KVStoreConnector(role, config)
-    raise ValueError(f"unknown --kv-backend {backend!r}; choose none or kvstore")

@@ -1,28 +1,38 @@
-"""`KVTransferConfig`: how the kvstore connector reaches its store and what it moves (vLLM's
-`--kv-transfer-config`, for this engine).
+"""`KVTransferConfig`: how the kvstore connector reaches its store and what it moves.
 
-User-facing fields come from engine flags (`--kv-store-url`, `--kv-codec`, `--kv-role`), YAML or
-`KV_TRANSFER_*` environment variables. The engine fills in `layout` and `block_size` (what the paged
-cache looks like) with `for_engine(...)` before it creates the connectors.
+These are the fields of vLLM's `kv_connector_extra_config`, for vLLM and for `kvstore-engine
+--kv-transfer-config '{"kv_connector": "KVStoreConnector", "kv_role": "kv_both",
+"kv_connector_extra_config": {...}}'`. Layers, lowest first (kvstore.settings): defaults < YAML <
+`KVSTORE_<FIELD>` environment < the mapping / flags. Build one with `from_mapping(extra)`; the engine
+fills in `layout` and `block_size` (what its paged cache looks like) with `for_engine(...)`.
+
+`store_url: local` is a tiered store inside this process: by default cpu only (gone when the engine
+exits, so a restart gets no hits); `local_tiers: [cpu, disk]` keeps chunks in `local_disk_path`
+(~/.cache/kvstore/data/engine) across restarts. `http(s)://host:port` is a kvstore-server, which
+several engines share.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from kvstore.config import StoreConfig, TierName, default_data_dir, load_layers, parse_size
+from connectors.base import KV_ROLE_ALIASES
+from kvstore.config import StoreConfig, TierName, default_data_dir
 from kvstore.errors import ConfigError, InvalidArgument
 from kvstore.keys import KVLayout
+from kvstore.settings import Size, human_error, load_settings, read_token
 
-KVRole = Literal["both", "prefill", "decode"]
+logger = logging.getLogger(__name__)
+KVRole = Literal["kv_both", "kv_producer", "kv_consumer"]  # vLLM's names (connectors.base.KV_ROLES)
 KVCodec = Literal["raw", "fp8", "int4"]
-# vLLM's `kv_role` names for ours, and the short names `kv_connector_extra_config` users write
-VLLM_ROLES: dict[str, KVRole] = {"kv_both": "both", "kv_producer": "prefill", "kv_consumer": "decode"}
-SHORT_NAMES = {"url": "store_url", "token": "auth_token"}
+# the short names `kv_connector_extra_config` users write
+SHORT_NAMES = {"url": "store_url", "token": "auth_token", "token_file": "auth_token_file"}
 
 
 class KVTransferConfig(BaseModel):
@@ -31,16 +41,17 @@ class KVTransferConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     store_url: str = "local"
-    auth_token: str | None = None
+    auth_token: str | None = None  # the kvstore-server's bearer token (prefer auth_token_file)
+    auth_token_file: Path | None = None
     codec: KVCodec = "raw"
-    kv_role: KVRole = "both"
+    kv_role: KVRole = "kv_both"
     chunk_size: int = 256
     namespace: str = ""
     # in-process store (store_url == "local")
-    local_tiers: list[TierName] = Field(default_factory=lambda: ["cpu"])
-    local_cpu_capacity: int = 4 * 2**30
-    local_disk_capacity: int = 64 * 2**30
-    local_disk_path: Path = Field(default_factory=lambda: default_data_dir() / "connector-disk")
+    local_tiers: list[TierName] = Field(default_factory=lambda: ["cpu"])  # add disk to hit after restarts
+    local_cpu_capacity: Size = 4 * 2**30
+    local_disk_capacity: Size = 64 * 2**30
+    local_disk_path: Path = Field(default_factory=lambda: default_data_dir() / "engine")
     # background work
     save_threads: int = 1
     load_threads: int = 2
@@ -57,12 +68,12 @@ class KVTransferConfig(BaseModel):
         try:
             super().__init__(**data)
         except ValidationError as e:
-            raise ConfigError(f"invalid KVTransferConfig: {e}") from None
+            raise human_error(e, "KV transfer settings") from None
 
-    @field_validator("local_cpu_capacity", "local_disk_capacity", mode="before")
+    @field_validator("kv_role", mode="before")
     @classmethod
-    def _size(cls, v: Any) -> int:
-        return parse_size(v)
+    def _role(cls, v: Any) -> Any:
+        return KV_ROLE_ALIASES.get(v, v) if isinstance(v, str) else v
 
     @field_validator("local_tiers", mode="before")
     @classmethod
@@ -95,12 +106,23 @@ class KVTransferConfig(BaseModel):
             raise ValueError(f"layout.chunk_size {self.layout.chunk_size} != chunk_size {self.chunk_size}")
         if not self.local_tiers or len(set(self.local_tiers)) != len(self.local_tiers):
             raise ValueError(f"local_tiers must be a non-empty list without repeats, got {self.local_tiers}")
+        if self.auth_token is not None and self.auth_token_file is not None:
+            raise ValueError("give auth_token or auth_token_file, not both")
         return self
 
     @property
     def saves(self) -> bool:
-        """A decode instance only consumes KV (vLLM's kv_consumer); the others produce it."""
-        return self.kv_role != "decode"
+        """A consumer (decode instance) only loads KV; kv_both and kv_producer save it."""
+        return self.kv_role != "kv_consumer"
+
+    @property
+    def is_producer(self) -> bool:
+        """kv_producer: a prefill instance (it saves the prompt's KV and stops after one token)."""
+        return self.kv_role == "kv_producer"
+
+    def token(self) -> str | None:
+        """The bearer token for a kvstore-server, read from `auth_token_file` when one is given."""
+        return read_token(self.auth_token, self.auth_token_file)
 
     @property
     def is_local(self) -> bool:
@@ -141,39 +163,30 @@ class KVTransferConfig(BaseModel):
         return KVTransferConfig(**{**self.model_dump(), "layout": layout, "block_size": block_size})
 
     @classmethod
-    def from_mapping(cls, settings: Mapping[str, Any]) -> KVTransferConfig:
-        """Settings as one mapping (vLLM's `kv_connector_extra_config`) layered over the environment
-        (`load`): field names, the short names `url` and `token`, `token_file` (a file holding the
-        token), and vLLM's role names (`kv_both`, `kv_producer`, `kv_consumer`)."""
+    def from_mapping(
+        cls, extra: Mapping[str, Any] | None = None, env_prefix: str = "KVSTORE_"
+    ) -> KVTransferConfig:
+        """vLLM's `kv_connector_extra_config` (or any mapping of these fields; None values are ignored)
+        over `KVSTORE_*` environment variables over the defaults. Also takes the short names `url`,
+        `token`, `token_file`, and vLLM's role names (`kv_both`, `kv_producer`, `kv_consumer`)."""
+        if extra is not None and not isinstance(extra, Mapping):
+            raise ConfigError(f"kv_connector_extra_config must be a mapping, got {type(extra).__name__}")
         data: dict[str, Any] = {}
-        for key, value in settings.items():
+        for key, value in (extra or {}).items():
             name = SHORT_NAMES.get(key, key)
             if name in data:
                 raise ConfigError(f"{key!r} and {name!r} set the same thing; give one")
             data[name] = value
-        token_file = data.pop("token_file", None)
-        if token_file is not None:
-            if data.get("auth_token") is not None:
-                raise ConfigError("give token or token_file, not both")
-            data["auth_token"] = read_token_file(token_file)
-        if data.get("kv_role") in VLLM_ROLES:
-            data["kv_role"] = VLLM_ROLES[data["kv_role"]]
-        return cls.load(**data)
+        stale = sorted(k for k in os.environ if k.startswith("KV_TRANSFER_"))
+        if stale:
+            logger.warning("ignoring %s: the connector reads KVSTORE_* variables now", ", ".join(stale))
+        (config,) = load_settings([cls], None, data, env_prefix=env_prefix, use_config_env=False)
+        return config
 
     @classmethod
     def load(
-        cls, path: str | Path | None = None, env_prefix: str = "KV_TRANSFER_", **overrides: Any
+        cls, path: str | Path | None = None, env_prefix: str = "KVSTORE_", **overrides: Any
     ) -> KVTransferConfig:
-        """Defaults < YAML file < KV_TRANSFER_* environment < explicit overrides (None is ignored)."""
-        return cls(**load_layers(cls, path, env_prefix, overrides))
-
-
-def read_token_file(path: str | Path) -> str:
-    """The bearer token in `path` (surrounding whitespace stripped); a missing or empty file is a ConfigError."""
-    try:
-        token = Path(path).expanduser().read_text().strip()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"cannot read the token file {path}: {e}") from None
-    if not token:
-        raise ConfigError(f"the token file {path} is empty")
-    return token
+        """Defaults < YAML file < KVSTORE_* environment < explicit overrides (None is ignored)."""
+        (config,) = load_settings([cls], path, overrides, env_prefix=env_prefix, use_config_env=False)
+        return config

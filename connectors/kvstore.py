@@ -31,7 +31,7 @@ _TRANSFERS = "kvstore_transfers"
 class KVStoreConnector(KVConnectorBase):
     def __init__(self, role: KVConnectorRole, config: KVTransferConfig | Mapping[str, Any]) -> None:
         if isinstance(config, Mapping):  # from an engine that only knows connectors.base: plain fields
-            config = KVTransferConfig.load(**config)  # (under them: KV_TRANSFER_* environment)
+            config = KVTransferConfig.from_mapping(config)  # (under them: KVSTORE_* environment)
         if not isinstance(config, KVTransferConfig):
             raise ConfigError(f"KVStoreConnector needs a KVTransferConfig, got {type(config).__name__}")
         if config.layout is None:

@@ -20,7 +20,7 @@ from typing import Any
 
 from connectors.config import KVTransferConfig
 from connectors.metrics import ConnectorMetrics
-from kvstore.errors import KVStoreError, Unavailable
+from kvstore.errors import ConfigError, KVStoreError, Unauthorized, Unavailable
 from kvstore.tiers.base import Blob
 
 logger = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ _POOL_LOCK = threading.Lock()
 def _pool_key(config: KVTransferConfig) -> tuple:
     if config.is_local:
         return ("local", config.local_store_config().model_dump_json())
-    return ("remote", config.store_url, config.auth_token)
+    return ("remote", config.store_url, config.token())
 
 
 def _open_store(config: KVTransferConfig) -> Any:
@@ -81,13 +81,34 @@ def _open_store(config: KVTransferConfig) -> Any:
 
     if config.is_local:
         return Store.local(config=config.local_store_config())
-    return Store.connect(
+    store = Store.connect(
         config.store_url,
-        token=config.auth_token,
+        token=config.token(),
         timeout=config.timeout_s,
         connect_timeout=min(config.timeout_s, 2.0),
         retries=config.retries,
     )
+    _check_access(store, config)
+    return store
+
+
+def _check_access(store: Any, config: KVTransferConfig) -> None:
+    """One authenticated call at startup: a rejected token stops the engine here, with a clear
+    message, instead of an engine that looks healthy and logs an error per request. A store that does
+    not answer yet is not fatal (the connector treats it as unreachable and retries later)."""
+    try:
+        store.stats()
+    except Unauthorized:
+        store.close()
+        how = "the token was rejected" if config.token() else "it requires a token"
+        raise ConfigError(
+            f"the kvstore-server at {config.store_url} refused access: {how}; pass the server's token with "
+            "--kv-store-token-file FILE (kv_connector_extra_config auth_token_file, or KVSTORE_AUTH_TOKEN_FILE)"
+        ) from None
+    except KVStoreError as e:
+        logger.warning(
+            "the kvstore-server at %s does not answer yet (%s); continuing without it", config.store_url, e
+        )
 
 
 def acquire_store(config: KVTransferConfig) -> StoreHandle:

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
+import socket
 import sys
 from pathlib import Path
 
 from engine.engine_args import EngineArgs
 from engine.errors import EngineError
+from kvstore import __version__
+from kvstore.errors import KVStoreError
 
 logger = logging.getLogger("engine.cli")
 
@@ -25,9 +29,37 @@ def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     g.add_argument("--ignore-eos", action="store_true")
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def _log_level(value: str) -> str:
+    if value.upper() not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"choose one of {', '.join(LOG_LEVELS)}")
+    return value.upper()
+
+
+class _Parser(argparse.ArgumentParser):
+    """Every subcommand also takes --log-level (after the subcommand, as users type it)."""
+
+    def add_subparsers(self, **kwargs):  # type: ignore[no-untyped-def]
+        action = super().add_subparsers(**kwargs)
+        add_parser = action.add_parser
+
+        def add(name: str, **kw):  # type: ignore[no-untyped-def]
+            p = add_parser(name, **kw)
+            p.add_argument("--log-level", type=_log_level, default=argparse.SUPPRESS, help="default WARNING")
+            return p
+
+        action.add_parser = add  # type: ignore[method-assign]
+        return action
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvstore-engine", description="A small paged-attention LLM engine.")
-    parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default), ERROR")
+    parser = _Parser(prog="kvstore-engine", description="A small paged-attention LLM engine.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument(
+        "--log-level", type=_log_level, default="WARNING", help="DEBUG, INFO, WARNING (default), ERROR"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text for one or more prompts")
@@ -73,7 +105,7 @@ def _generate(ns: argparse.Namespace) -> None:
         temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, seed=ns.seed, max_tokens=ns.max_tokens,
         stop=ns.stop, ignore_eos=ns.ignore_eos,
     )  # fmt: skip
-    llm = LLM(**{k: v for k, v in vars(args).items()})
+    llm = LLM(**args.init_kwargs())
     if ns.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in ns.prompt], params)
     else:
@@ -103,9 +135,32 @@ def _serve(ns: argparse.Namespace) -> None:
     from engine.llm_engine import LLMEngine
     from engine.server import serve
 
-    engine = LLMEngine(EngineArgs.from_cli_args(ns))
+    args = EngineArgs.from_cli_args(ns)
+    check_port_free(ns.host, ns.port)  # before the model load: a taken port fails in a second, not after it
+    engine = LLMEngine(args)
     print(f"serving {engine.model_name} on http://{ns.host}:{ns.port}/v1", file=sys.stderr)
     serve(engine, ns.host, ns.port, ns.shutdown_timeout)
+
+
+class PortInUse(EngineError):
+    status = 400
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise PortInUse (one line for the user) when `host:port` cannot be bound right now."""
+    if port == 0:
+        return
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as aiohttp binds
+            s.bind((host, port))
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise PortInUse(
+                f"port {port} on {host} is in use; stop what holds it or choose another --port"
+            ) from None
+        raise PortInUse(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
 def _bench(ns: argparse.Namespace) -> None:
@@ -121,8 +176,10 @@ def _proxy(ns: argparse.Namespace) -> None:
 
 
 def _model(ns: argparse.Namespace) -> None:
-    from engine.convert import ensure_smollm2
+    from engine.convert import SMOLLM2_NAME, ensure_smollm2, is_complete
 
+    if not is_complete(ns.dir / SMOLLM2_NAME):
+        print(f"converting {SMOLLM2_NAME} into {ns.dir / SMOLLM2_NAME} (about 20 s)", file=sys.stderr)
     print(ensure_smollm2(ns.dir))
 
 
@@ -134,9 +191,12 @@ def main(argv: list[str] | None = None) -> int:
     ]
     try:
         handler(ns)
-    except EngineError as e:
+    except (EngineError, KVStoreError) as e:
         print(f"kvstore-engine: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # e.g. the port was taken between the check and the bind
+        print(f"kvstore-engine: error: {e.strerror or e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
     return 0

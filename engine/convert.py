@@ -17,10 +17,12 @@ import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from engine.errors import ConversionError
 
@@ -183,11 +185,12 @@ def _hf_name(gguf_name: str) -> str:
     raise ConversionError(f"unexpected GGUF tensor {gguf_name!r}")
 
 
-def _read_tensors(reader, heads: int, kv_heads: int) -> dict[str, np.ndarray]:
+def _read_tensors(reader, heads: int, kv_heads: int, progress: tqdm) -> dict[str, np.ndarray]:
     from gguf.quants import dequantize
 
     tensors: dict[str, np.ndarray] = {}
     for t in reader.tensors:
+        progress.update()
         w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
         # GGUF lists dims fastest-first; numpy data is already [rows, cols] = the HF layout.
         w = w.reshape([int(d) for d in reversed(t.shape.tolist())])
@@ -252,8 +255,22 @@ def _write_hf_dir(gguf_path: Path, out: Path) -> None:
         raise ConversionError(f"{gguf_path} has no token_embd.weight")
     vocab_size = int(embd.shape[1])
     config = _llama_config(reader, vocab_size, tied="output.weight" not in names)
-    tensors = _read_tensors(reader, config["num_attention_heads"], config["num_key_value_heads"])
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    # A bar on a terminal (it takes ~20 s on 2 cores); log lines otherwise.
+    with tqdm(total=len(reader.tensors) + 2, desc=f"converting {gguf_path.name}", unit="step",
+              file=sys.stderr, disable=None) as progress:  # fmt: skip
+        logger.info("dequantizing %d tensors", len(reader.tensors))
+        tensors = _read_tensors(
+            reader, config["num_attention_heads"], config["num_key_value_heads"], progress
+        )
+        logger.info("writing model.safetensors")
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        progress.update()
+        logger.info("converting the tokenizer")
+        _write_hf_files(gguf_path, reader, out, config)
+        progress.update()
+
+
+def _write_hf_files(gguf_path: Path, reader, out: Path, config: dict) -> None:
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     generation = {
         "bos_token_id": config["bos_token_id"],

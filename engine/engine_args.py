@@ -1,40 +1,72 @@
-"""Engine arguments (vLLM's EngineArgs names), shared by the LLM API, the CLI and the server."""
+"""Engine arguments (vLLM's EngineArgs names), shared by the LLM API, the CLI and the server.
+
+The KV connector is configured the way vLLM's is: `kv_transfer_config` (`--kv-transfer-config JSON`)
+`{"kv_connector": "KVStoreConnector", "kv_role": "kv_both|kv_producer|kv_consumer",
+"kv_connector_extra_config": {...connectors.config.KVTransferConfig fields...}}`. The older flags stay
+as shorthands: `--kv-backend kvstore`, `--kv-role both|prefill|decode` (vLLM's kv_both, kv_producer,
+kv_consumer), and `--kv-store-url`, `--kv-codec`, `--kv-store-token-file` for the extra config's
+`store_url`, `codec`, `auth_token_file` (a flag wins over the JSON). What neither sets comes from
+`KVSTORE_*` environment variables, read by the connector itself.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
-from dataclasses import dataclass, fields
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
 
+from connectors.base import canonical_kv_role
+from connectors.factory import KV_BACKENDS, backend_for_connector
 from engine.errors import InvalidRequest
+from kvstore.errors import KVStoreError
+from kvstore.settings import load_settings
+from kvstore.settings import parse_size as _parse_size
 
-KV_BACKENDS = ("none", "kvstore")
 KV_CODECS = ("raw", "fp8", "int4")
-KV_ROLES = ("both", "prefill", "decode")
+KV_ROLES = ("both", "prefill", "decode", "kv_both", "kv_producer", "kv_consumer")
+KV_TRANSFER_KEYS = ("kv_connector", "kv_role", "kv_connector_extra_config")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
 def parse_size(value: int | str) -> int:
-    """'512MiB' / '2GiB' / '1000000' -> bytes."""
-    if isinstance(value, int):
-        return value
-    text = str(value).strip().lower().removesuffix("b")
-    units = {"k": 2**10, "m": 2**20, "g": 2**30, "ki": 2**10, "mi": 2**20, "gi": 2**30}
-    for suffix in sorted(units, key=len, reverse=True):
-        if text.endswith(suffix):
-            try:
-                return int(float(text[: -len(suffix)]) * units[suffix])
-            except ValueError:
-                break
+    """Bytes, with pydantic ByteSize rules like every kvstore setting ('512MiB', '2GiB', '500MB')."""
     try:
-        return int(text)
-    except ValueError:
-        raise InvalidRequest(f"not a size: {value!r} (examples: 512MiB, 2GiB, 1000000)") from None
+        return _parse_size(value)
+    except KVStoreError as e:
+        raise InvalidRequest(str(e)) from None
+
+
+def parse_kv_transfer_config(value: str | Mapping[str, Any] | None) -> dict[str, Any]:
+    """vLLM's --kv-transfer-config (JSON text or a mapping), checked for the keys this engine uses."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise InvalidRequest(f"--kv-transfer-config is not valid JSON: {e}") from None
+    if not isinstance(value, Mapping):
+        raise InvalidRequest("--kv-transfer-config must be a JSON object")
+    unknown = sorted(set(value) - set(KV_TRANSFER_KEYS))
+    if unknown:
+        raise InvalidRequest(
+            f"--kv-transfer-config: kvstore-engine does not use {', '.join(unknown)} "
+            f"(it reads {', '.join(KV_TRANSFER_KEYS)})"
+        )
+    if "kv_connector" not in value:
+        raise InvalidRequest('--kv-transfer-config needs "kv_connector": "KVStoreConnector"')
+    extra = value.get("kv_connector_extra_config") or {}
+    if not isinstance(extra, Mapping):
+        raise InvalidRequest("--kv-transfer-config: kv_connector_extra_config must be a JSON object")
+    return {**value, "kv_connector_extra_config": dict(extra)}
 
 
 @dataclass
 class EngineArgs:
-    model: str  # an HF model directory, or "smollm2" (converted on first use, see engine.convert)
+    model: str = "smollm2"  # an HF model directory, or "smollm2" (converted on first use, see engine.convert)
     block_size: int = 16
     num_kv_blocks: int | None = None  # overrides kv_cache_memory
     kv_cache_memory: int | str = "512MiB"
@@ -44,12 +76,16 @@ class EngineArgs:
     dtype: str = "float32"
     device: str = "cpu"
     enable_prefix_caching: bool = True
-    kv_backend: str = "none"
-    kv_store_url: str = "local"  # with kv_backend kvstore: "local" (in-process store) or a kvstore-server URL
-    kv_codec: str = "raw"  # how saved KV is encoded: raw (bit-exact), fp8, int4
-    kv_role: str = "both"  # prefill: compute + save the prompt KV, stop after one token; decode: load only
+    kv_transfer_config: str | dict | None = None  # vLLM's KVTransferConfig as JSON text or a mapping
+    kv_backend: str | None = None  # none | kvstore; default kvstore when a KV setting is given
+    kv_store_url: str | None = None  # "local" (in-process cpu,disk store) or a kvstore-server URL
+    kv_codec: str | None = None  # how saved KV is encoded: raw (bit-exact), fp8, int4
+    kv_role: str | None = None  # vLLM's kv_both (default), kv_producer, kv_consumer, or both/prefill/decode
+    kv_store_token_file: str | None = None  # the kvstore-server's bearer token
     num_threads: int | None = None  # torch intra-op threads; default 1 (see llm_engine.default_num_threads)
     served_model_name: str | None = None
+    # resolved from the KV settings above: what the connector gets (KVTransferConfig fields)
+    kv_connector_extra_config: dict[str, Any] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -73,40 +109,114 @@ class EngineArgs:
             raise InvalidRequest("kv_cache_memory must be positive")
         if self.dtype not in DTYPES:
             raise InvalidRequest(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.kv_backend not in KV_BACKENDS:
-            raise InvalidRequest(f"kv_backend must be one of {KV_BACKENDS}, got {self.kv_backend!r}")
-        if self.kv_codec not in KV_CODECS:
-            raise InvalidRequest(f"kv_codec must be one of {KV_CODECS}, got {self.kv_codec!r}")
-        if self.kv_role not in KV_ROLES:
-            raise InvalidRequest(f"kv_role must be one of {KV_ROLES}, got {self.kv_role!r}")
-        if not isinstance(self.kv_store_url, str) or not self.kv_store_url:
-            raise InvalidRequest("kv_store_url must be 'local' or a kvstore-server URL")
         if not isinstance(self.model, (str, os.PathLike)) or not str(self.model):
             raise InvalidRequest("model must be a model directory or 'smollm2'")
         self.model = str(self.model)
+        self._resolve_kv_transfer()
+
+    def _resolve_kv_transfer(self) -> None:
+        """One connector setup from --kv-transfer-config and the shorthand flags."""
+        ktc = parse_kv_transfer_config(self.kv_transfer_config)
+        if self.kv_backend is not None and self.kv_backend not in KV_BACKENDS:
+            raise InvalidRequest(f"kv_backend must be one of {KV_BACKENDS}, got {self.kv_backend!r}")
+        if self.kv_codec is not None and self.kv_codec not in KV_CODECS:
+            raise InvalidRequest(f"kv_codec must be one of {KV_CODECS}, got {self.kv_codec!r}")
+        if self.kv_store_url is not None and (
+            not isinstance(self.kv_store_url, str) or not self.kv_store_url
+        ):
+            raise InvalidRequest("kv_store_url must be 'local' or a kvstore-server URL")
+        shorthands = {"store_url": self.kv_store_url, "codec": self.kv_codec,
+                      "auth_token_file": self.kv_store_token_file}  # fmt: skip
+        given = {k: v for k, v in shorthands.items() if v is not None}
+        backend = self.kv_backend
+        if ktc:
+            try:
+                wanted = backend_for_connector(ktc["kv_connector"])
+            except KVStoreError as e:
+                raise InvalidRequest(f"--kv-transfer-config: {e}") from None
+            if backend not in (None, wanted):
+                raise InvalidRequest(f"--kv-backend {backend} contradicts kv_connector {ktc['kv_connector']}")
+            backend = wanted
+        elif backend is None:
+            backend = "kvstore" if given or self.kv_role is not None else "none"
+        if backend == "none" and (given or self.kv_role is not None):
+            raise InvalidRequest(f"{', '.join(sorted(given)) or 'kv_role'} needs --kv-backend kvstore")
+        roles = set()
+        for r in (self.kv_role, ktc.get("kv_role")):
+            if r is not None:
+                try:
+                    roles.add(canonical_kv_role(r))
+                except ValueError as e:
+                    raise InvalidRequest(str(e)) from None
+        if len(roles) > 1:
+            raise InvalidRequest(
+                f"--kv-role {self.kv_role} contradicts kv_transfer_config's {ktc['kv_role']}"
+            )
+        self.kv_backend = backend
+        self.kv_role = (roles.pop() if roles else "kv_both") if backend != "none" else None
+        self.kv_connector_extra_config = {**ktc.get("kv_connector_extra_config", {}), **given}
+
+    @property
+    def kv_producer(self) -> bool:
+        """A prefill instance: it saves the prompt's KV and stops after the first token."""
+        return self.kv_backend != "none" and self.kv_role == "kv_producer"
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        """Every flag defaults to None, so a `--config` file (or $KVSTORE_CONFIG) shows through."""
+        parser.add_argument(
+            "--config", metavar="FILE", help="YAML file of engine settings (these flags' names, e.g. "
+            "'max_model_len: 2048'); flags win over it. Default: $KVSTORE_CONFIG if set",
+        )  # fmt: skip
         p = parser.add_argument_group("engine")
-        p.add_argument("--model", default="smollm2", help="HF model directory, or 'smollm2' (default)")
-        p.add_argument("--block-size", type=int, default=16)
-        p.add_argument("--num-kv-blocks", type=int, default=None)
-        p.add_argument("--kv-cache-memory", default="512MiB", help="KV cache size, e.g. 512MiB")
-        p.add_argument("--max-num-batched-tokens", type=int, default=1024)
-        p.add_argument("--max-num-seqs", type=int, default=64)
-        p.add_argument("--max-model-len", type=int, default=None)
-        p.add_argument("--dtype", choices=DTYPES, default="float32")
-        p.add_argument("--device", default="cpu")
-        p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
-        p.add_argument(
-            "--kv-backend", choices=KV_BACKENDS, default="none", help="kvstore: reuse KV via a store"
+        p.add_argument("--model", help="HF model directory, or 'smollm2' (default; converted on first use)")
+        p.add_argument("--block-size", type=int, help="tokens per KV block (default 16)")
+        p.add_argument("--num-kv-blocks", type=int, help="KV cache blocks (overrides --kv-cache-memory)")
+        p.add_argument("--kv-cache-memory", help="KV cache size, e.g. 512MiB (default) or 2GiB")
+        p.add_argument("--max-num-batched-tokens", type=int, help="tokens per engine step (default 1024)")
+        p.add_argument("--max-num-seqs", type=int, help="requests per batch (default 64)")
+        p.add_argument("--max-model-len", type=int, help="default: the model's, at most 8192")
+        p.add_argument("--dtype", choices=DTYPES, help="default float32")
+        p.add_argument("--device", help="default cpu")
+        p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                       default=None)  # fmt: skip
+        p.add_argument("--num-threads", type=int, help="torch threads (default 1)")
+        p.add_argument("--served-model-name", help="the model name in the API (default: the model's)")
+        k = parser.add_argument_group("KV store (vLLM's --kv-transfer-config, or the shorthands below)")
+        k.add_argument(
+            "--kv-transfer-config", metavar="JSON",
+            help='e.g. \'{"kv_connector": "KVStoreConnector", "kv_role": "kv_both", '
+            '"kv_connector_extra_config": {"store_url": "http://127.0.0.1:8100", "codec": "int4"}}\'',
+        )  # fmt: skip
+        k.add_argument(
+            "--kv-backend", choices=KV_BACKENDS, help="kvstore: reuse KV through a store (default none)"
         )
-        p.add_argument("--kv-store-url", default="local", help="'local' (in-process) or http://host:port")
-        p.add_argument("--kv-codec", choices=KV_CODECS, default="raw", help="encoding of saved KV")
-        p.add_argument("--kv-role", choices=KV_ROLES, default="both", help="prefill/decode disaggregation")
-        p.add_argument("--num-threads", type=int, default=None)
-        p.add_argument("--served-model-name", default=None)
+        k.add_argument(
+            "--kv-store-url",
+            help="'local' (default): a cpu store inside this process, gone when it exits (a restart gets "
+            'no hits; add disk with kv_connector_extra_config {"local_tiers": ["cpu", "disk"]} '
+            "or KVSTORE_LOCAL_TIERS=cpu,disk: ~/.cache/kvstore/data/engine); or a kvstore-server "
+            "http(s)://host:port that engines share and that outlives them",
+        )
+        k.add_argument(
+            "--kv-store-token-file", metavar="FILE", help="file holding the kvstore-server's token"
+        )
+        k.add_argument("--kv-codec", choices=KV_CODECS, help="encoding of saved KV: raw (default), fp8, int4")
+        k.add_argument(
+            "--kv-role", choices=KV_ROLES,
+            help="kv_both (default), kv_producer = prefill, kv_consumer = decode (disaggregated serving)",
+        )  # fmt: skip
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
-        return cls(**{f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)})
+        """Defaults < YAML (--config, else $KVSTORE_CONFIG) < flags."""
+        flags = {f.name: getattr(ns, f.name) for f in fields(cls) if f.init and hasattr(ns, f.name)}
+        try:
+            (args,) = load_settings([cls], getattr(ns, "config", None), flags, env_prefix=None)
+        except KVStoreError as e:  # a config file that cannot be read, or an unknown setting in it
+            raise InvalidRequest(str(e)) from None
+        return args
+
+    def init_kwargs(self) -> dict[str, Any]:
+        """The constructor arguments that rebuild these args (LLM(**args.init_kwargs()))."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.init}

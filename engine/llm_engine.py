@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 from prometheus_client import generate_latest
 
-from connectors.base import KVConnectorBase, KVConnectorRole, create_connector
+from connectors.base import KVConnectorBase, KVConnectorRole
+from connectors.factory import create_connector
 from engine.block_manager import BlockManager
 from engine.config import ModelConfig, parse_dtype
 from engine.engine_args import EngineArgs
@@ -139,7 +140,7 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequest(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        if self.scheduler.connector is not None and self.args.kv_role == "prefill" and params.max_tokens != 1:
+        if self.scheduler.connector is not None and self.args.kv_producer and params.max_tokens != 1:
             params = dataclasses.replace(params, max_tokens=1, min_tokens=0)  # the decode side continues
         if request_id is None:
             request_id = f"req-{self._next_id}"
@@ -189,9 +190,9 @@ class LLMEngine:
         """The scheduler-side and worker-side connectors, sharing one store connection."""
         if args.kv_backend == "none":
             return None, None
+        # Only what the user set: the connector layers it over KVSTORE_* environment variables.
         config = {
-            "store_url": args.kv_store_url, "codec": args.kv_codec, "kv_role": args.kv_role,
-            "block_size": args.block_size,
+            **args.kv_connector_extra_config, "kv_role": args.kv_role, "block_size": args.block_size,
             # kvstore.keys.model_layout: the same fingerprint as every other engine (vLLM's connector)
             "layout": model_layout(cfg.raw, model=cfg.model_name, kv_dtype=str(self.dtype)),
         }  # fmt: skip
@@ -204,8 +205,9 @@ class LLMEngine:
                 raise
         except KVStoreError as e:
             raise KVBackendUnavailable(f"--kv-backend {args.kv_backend}: {e}") from e
-        logger.info("KV connector: %s, store %s, codec %s, role %s", args.kv_backend, args.kv_store_url,
-                    args.kv_codec, args.kv_role)  # fmt: skip
+        c = scheduler_side.config
+        logger.info("KV connector: %s, store %s, codec %s, role %s", args.kv_backend, c.store_url, c.codec,
+                    c.kv_role)  # fmt: skip
         return scheduler_side, worker_side
 
     def _finish_kv_saves(self) -> None:
@@ -214,7 +216,7 @@ class LLMEngine:
         if worker is None:
             return
         finished = self.scheduler.take_finished_req_ids()
-        if finished and self.args.kv_role == "prefill":
+        if finished and self.args.kv_producer:
             worker.flush()  # a prefill instance answers only once the decode instance can load the KV
         done, _ = worker.get_finished(finished)
         if done:

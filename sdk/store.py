@@ -22,7 +22,7 @@ import torch
 from pydantic import ValidationError
 
 from kvstore.blob import BlobHeader, decode_blob, encode_blob, verify_blob
-from kvstore.config import StoreConfig
+from kvstore.config import StoreConfig, default_data_dir
 from kvstore.errors import ConfigError, CorruptBlob, InvalidArgument
 from kvstore.store import TieredStore
 from sdk.backend import Backend, Blob
@@ -51,11 +51,13 @@ class Store:
         **overrides: Any,
     ) -> Store:
         """An in-process tiered store. `tiers` and `overrides` (any StoreConfig field) win over `config`:
-        a StoreConfig, or a YAML file / None for `StoreConfig.load` (defaults < YAML < KVSTORE_* env)."""
+        a StoreConfig, or a YAML file / None for `StoreConfig.load` (defaults < YAML < KVSTORE_* env).
+        Its default disk directory is ~/.cache/kvstore/data/local, apart from kvstore-server's."""
         if tiers is not None:
             overrides["tiers"] = list(tiers)
         if config is None or isinstance(config, (str, Path)):
-            config = StoreConfig.load(config, **overrides)
+            defaults = {"disk_path": default_data_dir() / "local"}
+            config = StoreConfig.load(config, defaults=defaults, **overrides)
         elif overrides:
             try:
                 config = StoreConfig(**{**config.model_dump(), **overrides})

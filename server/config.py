@@ -1,7 +1,8 @@
-"""ServerConfig (host, port, auth, TLS, limits) and the layering shared with StoreConfig.
+"""ServerConfig (host, port, auth, TLS, limits), built with StoreConfig by `kvstore.settings`.
 
-Precedence, lowest first: defaults < YAML `--config FILE` < KVSTORE_* environment < command-line flags.
-One flat YAML file may hold keys of both models (`tiers: [cpu]`, `port: 8100`, ...).
+Precedence, lowest first: defaults < YAML (`--config FILE`, else `$KVSTORE_CONFIG`) < KVSTORE_*
+environment < command-line flags. One flat YAML file holds keys of both models (`tiers: [cpu]`,
+`port: 8100`, ...).
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from kvstore.config import StoreConfig, load_layers, parse_size, read_yaml_mapping
+from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError
+from kvstore.settings import Size, human_error, load_settings, read_token
 
 DEFAULT_PORT = 8100
 
@@ -29,7 +31,7 @@ class ServerConfig(BaseModel):
     auth_token_file: Path | None = None
     tls_cert: Path | None = None
     tls_key: Path | None = None
-    max_request_size: int = 1 << 30  # a whole batch body; single blobs obey StoreConfig.max_blob_size
+    max_request_size: Size = 1 << 30  # a whole batch body; single blobs obey StoreConfig.max_blob_size
     body_timeout: float = 30.0  # seconds to receive a whole body; a stalled one is a truncated body
     sample_interval: float = 5.0  # seconds between store.stats() samples for /v1/stats/history
     history_size: int = 720  # samples kept (an hour at 5 s)
@@ -43,18 +45,13 @@ class ServerConfig(BaseModel):
     def __init__(self, **data: Any) -> None:
         try:
             super().__init__(**data)
-        except ValidationError as e:  # one error type for every bad setting, as StoreConfig.load gives
-            raise ConfigError(f"invalid ServerConfig: {e}") from None
+        except ValidationError as e:  # one error type for every bad setting, as StoreConfig gives
+            raise human_error(e, "server settings") from None
 
     @field_validator("allowed_hosts", mode="before")
     @classmethod
     def _hosts(cls, v: Any) -> Any:
         return [h.strip() for h in v.split(",") if h.strip()] if isinstance(v, str) else v
-
-    @field_validator("max_request_size", mode="before")
-    @classmethod
-    def _size(cls, v: Any) -> int:
-        return parse_size(v)
 
     @model_validator(mode="after")
     def _check(self) -> ServerConfig:
@@ -68,15 +65,7 @@ class ServerConfig(BaseModel):
 
     def token(self) -> str | None:
         """The bearer token, read from the file if one is configured (surrounding whitespace dropped)."""
-        if self.auth_token_file is not None:
-            try:
-                token = self.auth_token_file.read_text().strip()
-            except OSError as e:
-                raise ConfigError(f"cannot read auth token file {self.auth_token_file}: {e}") from None
-            if not token:
-                raise ConfigError(f"auth token file {self.auth_token_file} is empty")
-            return token
-        return self.auth_token or None
+        return read_token(self.auth_token, self.auth_token_file)
 
     def ssl_context(self) -> ssl.SSLContext | None:
         if self.tls_cert is None:
@@ -96,23 +85,8 @@ class ServerConfig(BaseModel):
 def load_configs(
     path: str | Path | None = None, env_prefix: str = "KVSTORE_", **overrides: Any
 ) -> tuple[StoreConfig, ServerConfig]:
-    """Build both configs from one flat YAML file, the environment and explicit overrides."""
-    file_data: dict[str, Any] = read_yaml_mapping(path) if path is not None else {}
-    known = set(StoreConfig.model_fields) | set(ServerConfig.model_fields)
-    unknown = set(file_data) | {k for k, v in overrides.items() if v is not None}
-    unknown -= known
-    if unknown:
-        raise ConfigError(f"unknown config keys: {sorted(unknown)}")
-    out = []
-    for model in (StoreConfig, ServerConfig):
-        mine = set(model.model_fields)
-        env = load_layers(model, None, env_prefix, {})
-        data = {k: v for k, v in file_data.items() if k in mine}
-        data.update(env)
-        data.update({k: v for k, v in overrides.items() if k in mine and v is not None})
-        try:
-            out.append(model(**data))
-        except ValidationError as e:
-            raise ConfigError(f"invalid {model.__name__}: {e}") from None
-    store_config, server_config = out
+    """Both configs from one flat YAML file (or `$KVSTORE_CONFIG`), the environment and overrides."""
+    store_config, server_config = load_settings(
+        [StoreConfig, ServerConfig], path, overrides, env_prefix=env_prefix
+    )
     return store_config, server_config

@@ -82,7 +82,11 @@ class DiskTier(IndexedTier):
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             os.close(self._lock_fd)
-            raise ConfigError(f"{self.root} is in use by another disk tier (process)") from None
+            raise ConfigError(
+                f"{self.root} is in use by another process (a kvstore-server, engine or Store.local with the "
+                "same disk path): stop it, or give this store its own directory (disk_path=, --disk-path, "
+                "KVSTORE_DISK_PATH)"
+            ) from None
         self._load()
 
     @classmethod

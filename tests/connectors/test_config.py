@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from connectors.base import KVConnectorRole, create_connector
+from connectors.base import KVConnectorRole
 from connectors.config import KVTransferConfig
+from connectors.factory import create_connector
 from kvstore.errors import ConfigError
 
 
 def test_defaults_and_sizes() -> None:
     c = KVTransferConfig(local_cpu_capacity="1GiB")
-    assert (c.store_url, c.codec, c.kv_role, c.chunk_size, c.block_size) == ("local", "raw", "both", 256, 16)
+    assert (c.store_url, c.codec, c.kv_role, c.chunk_size) == ("local", "raw", "kv_both", 256)
+    assert c.block_size == 16
     assert c.local_cpu_capacity == 2**30 and c.is_local and c.saves
     assert not KVTransferConfig(kv_role="decode").saves
 
@@ -59,9 +61,9 @@ def test_for_engine_sets_the_layout_and_checks_block_size() -> None:
 def test_yaml_then_env_then_overrides(tmp_path, monkeypatch) -> None:
     f = tmp_path / "kv.yaml"
     f.write_text("codec: fp8\nchunk_size: 128\nlocal_tiers: cpu,disk\n")
-    monkeypatch.setenv("KV_TRANSFER_CODEC", "int4")
+    monkeypatch.setenv("KVSTORE_CODEC", "int4")
     c = KVTransferConfig.load(f, kv_role="prefill", namespace=None)
-    assert (c.codec, c.chunk_size, c.kv_role, c.local_tiers) == ("int4", 128, "prefill", ["cpu", "disk"])
+    assert (c.codec, c.chunk_size, c.kv_role, c.local_tiers) == ("int4", 128, "kv_producer", ["cpu", "disk"])
     with pytest.raises(ConfigError):
         KVTransferConfig.load(tmp_path / "missing.yaml")
 
@@ -75,8 +77,8 @@ def test_connector_without_layout_is_a_config_error() -> None:
 
 
 def test_an_engine_passes_plain_fields_and_the_environment_fills_in(monkeypatch) -> None:
-    monkeypatch.setenv("KV_TRANSFER_CHUNK_SIZE", "128")
-    monkeypatch.setenv("KV_TRANSFER_RETRIES", "0")
+    monkeypatch.setenv("KVSTORE_CHUNK_SIZE", "128")
+    monkeypatch.setenv("KVSTORE_RETRIES", "0")
     layout = {"model_name": "m", "model_config_hash": "h", "num_layers": 2, "num_kv_heads": 1, "head_dim": 8}
     connector = create_connector(
         "kvstore", KVConnectorRole.SCHEDULER, {"store_url": "local", "codec": "raw", "layout": layout}

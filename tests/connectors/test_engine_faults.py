@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.slow, requires_kv_engine]
 
 
 def test_corrupt_blob_then_killed_server_fall_back_to_recompute(off, tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("KV_TRANSFER_RETRIES", "0")  # KVTransferConfig's environment layer
+    monkeypatch.setenv("KVSTORE_RETRIES", "0")  # KVTransferConfig's environment layer
     prompt = doc(530, 40)
     want = generate(off, [prompt])
     server = ServerProcess("--tiers", "disk", "--disk-path", str(tmp_path / "disk")).start()
