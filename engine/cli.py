@@ -105,7 +105,7 @@ def _generate(ns: argparse.Namespace) -> None:
         temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, seed=ns.seed, max_tokens=ns.max_tokens,
         stop=ns.stop, ignore_eos=ns.ignore_eos,
     )  # fmt: skip
-    llm = LLM(**args.init_kwargs())
+    llm = LLM(**vars(args))
     if ns.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in ns.prompt], params)
     else:

@@ -15,7 +15,7 @@ import argparse
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 from connectors.base import canonical_kv_role
@@ -84,8 +84,6 @@ class EngineArgs:
     kv_store_token_file: str | None = None  # the kvstore-server's bearer token
     num_threads: int | None = None  # torch intra-op threads; default 1 (see llm_engine.default_num_threads)
     served_model_name: str | None = None
-    # resolved from the KV settings above: what the connector gets (KVTransferConfig fields)
-    kv_connector_extra_config: dict[str, Any] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -154,7 +152,17 @@ class EngineArgs:
             )
         self.kv_backend = backend
         self.kv_role = (roles.pop() if roles else "kv_both") if backend != "none" else None
-        self.kv_connector_extra_config = {**ktc.get("kv_connector_extra_config", {}), **given}
+
+    @property
+    def kv_connector_extra_config(self) -> dict[str, Any]:
+        """What the connector gets (KVTransferConfig fields): the JSON's extra config, then the flags."""
+        ktc = parse_kv_transfer_config(self.kv_transfer_config)
+        shorthands = {"store_url": self.kv_store_url, "codec": self.kv_codec,
+                      "auth_token_file": self.kv_store_token_file}  # fmt: skip
+        return {
+            **ktc.get("kv_connector_extra_config", {}),
+            **{k: v for k, v in shorthands.items() if v is not None},
+        }
 
     @property
     def kv_producer(self) -> bool:
@@ -216,7 +224,3 @@ class EngineArgs:
         except KVStoreError as e:  # a config file that cannot be read, or an unknown setting in it
             raise InvalidRequest(str(e)) from None
         return args
-
-    def init_kwargs(self) -> dict[str, Any]:
-        """The constructor arguments that rebuild these args (LLM(**args.init_kwargs()))."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.init}
