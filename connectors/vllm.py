@@ -13,7 +13,7 @@ model, KV dtype and chunk size match.
 
 vLLM runs the scheduler side in its EngineCore process and the worker side in its Worker process:
 each opens its own client to a `kvstore-server` (`url`; an in-process store would be two stores that
-never meet). Settings come from `kv_connector_extra_config` over `KV_TRANSFER_*` variables
+never meet). Settings come from `kv_connector_extra_config` over `KVSTORE_*` variables
 (`KVTransferConfig.from_mapping`). Roles: `kv_both` loads and saves, `kv_producer` saves (and answers
 only once its saves landed: a decode instance asks the store next), `kv_consumer` loads.
 

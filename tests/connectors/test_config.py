@@ -90,3 +90,24 @@ def test_an_engine_passes_plain_fields_and_the_environment_fills_in(monkeypatch)
         connector.shutdown()
     with pytest.raises(ConfigError):
         create_connector("kvstore", KVConnectorRole.WORKER, {"store_url": "local", "bogus": 1})
+
+
+def test_from_mapping_is_vllms_extra_config_over_the_environment(tmp_path, monkeypatch) -> None:
+    token = tmp_path / "token"
+    token.write_text("abc\n")
+    monkeypatch.setenv("KVSTORE_CODEC", "fp8")
+    monkeypatch.setenv("KVSTORE_CHUNK_SIZE", "128")
+    c = KVTransferConfig.from_mapping(
+        {"url": "http://127.0.0.1:8100", "token_file": str(token), "kv_role": "kv_producer", "chunk_size": 64}
+    )
+    assert (c.store_url, c.token(), c.kv_role, c.codec, c.chunk_size) == (
+        "http://127.0.0.1:8100", "abc", "kv_producer", "fp8", 64,
+    )  # fmt: skip
+    assert c.is_producer and c.saves and not KVTransferConfig.from_mapping({"kv_role": "kv_consumer"}).saves
+    with pytest.raises(ConfigError, match="set the same thing"):
+        KVTransferConfig.from_mapping({"url": "http://a:1", "store_url": "http://b:1"})
+    with pytest.raises(ConfigError, match="not both"):
+        KVTransferConfig.from_mapping({"token": "x", "token_file": str(token)})
+    with pytest.raises(ConfigError, match="empty"):
+        (tmp_path / "empty").write_text("\n")
+        KVTransferConfig.from_mapping({"token_file": str(tmp_path / "empty")}).token()
