@@ -1,9 +1,11 @@
 """Fixtures for the vLLM connector tests: one kvstore-server (cpu+disk, restartable on its port) and
-one kv_producer + one kv_consumer `vllm serve` sharing it, started once per module."""
+one kv_producer + one kv_consumer vLLM server sharing it, started once for all the modules here
+(a vLLM start costs 20-45 s on this box; tests use prompts of their own, so they do not interfere)."""
 
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,6 +13,8 @@ import pytest
 
 from tests.connectors.conftest import ServerProcess
 from tests.connectors.vllm.vllm_util import HAS_VLLM, VllmServer, start_all, transfer_config
+
+BACKOFF_S = 1.0  # after a store failure the connectors skip the store this long (default 5 s)
 
 
 def free_port() -> int:
@@ -36,6 +40,7 @@ class Store:
     def restart(self) -> None:
         self.server.kill()
         self.server = ServerProcess(*self.args).start(port=self.port)
+        time.sleep(BACKOFF_S)  # a connector that saw it down tries it again after its backoff
 
     def blob_path(self, key: str) -> Path:
         (path,) = [p for p in self.disk.rglob(f"{key}*") if p.is_file()]
@@ -45,14 +50,14 @@ class Store:
         self.server.stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def model_dir() -> Path:
     from engine.convert import ensure_smollm2  # noqa: PLC0415
 
     return ensure_smollm2()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def store(tmp_path_factory) -> Iterator[Store]:
     s = Store(tmp_path_factory.mktemp("vllm-store"))
     try:
@@ -61,14 +66,20 @@ def store(tmp_path_factory) -> Iterator[Store]:
         s.stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def vllm_pair(model_dir, store, tmp_path_factory) -> Iterator[tuple[VllmServer, VllmServer]]:
     """(kv_producer, kv_consumer): two vLLM processes, one CPU core each, on the module's store."""
     if not HAS_VLLM:
         pytest.skip("vLLM is not installed")
     logs = tmp_path_factory.mktemp("vllm-logs")
     servers = [
-        VllmServer(model_dir, free_port(), transfer_config(store.url, role), logs / f"{role}.log", core=i)
+        VllmServer(
+            model_dir,
+            free_port(),
+            transfer_config(store.url, role, unreachable_backoff_s=BACKOFF_S),
+            logs / f"{role}.log",
+            core=i,
+        )  # fmt: skip
         for i, role in enumerate(("kv_producer", "kv_consumer"))
     ]
     start_all(servers)

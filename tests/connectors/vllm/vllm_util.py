@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -157,3 +158,30 @@ def agreement(a: list[int], b: list[int]) -> tuple[int, float]:
     """(length of the common prefix, fraction of positions that agree)."""
     prefix = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
     return prefix, sum(x == y for x, y in zip(a, b, strict=True)) / max(1, len(a))
+
+
+class Proxy:
+    """`kvstore-engine proxy --prefill P --decode D` on a free port (PD in front of two vLLM servers)."""
+
+    def __init__(self, prefill_url: str, decode_url: str) -> None:
+        cmd = [sys.executable, "-m", "engine", "proxy", "--prefill", prefill_url, "--decode", decode_url,
+               "--port", "0"]  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        seen = []
+        for line in self.proc.stdout:
+            seen.append(line)
+            m = re.search(r"listening on (http://\S+)", line)
+            if m:
+                self.url = m.group(1)
+                threading.Thread(target=lambda: deque(self.proc.stdout, maxlen=0), daemon=True).start()
+                return
+        self.stop()
+        raise RuntimeError("the proxy did not start:\n" + "".join(seen[-30:]))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(30)
