@@ -40,6 +40,7 @@ class _Lookup:
     hit_chunks: int  # leading chunks present (engine's or store's)
     external: int
     unreachable: bool = False
+    miss_reason: str = "not_stored"  # the store's reason the chunk after the hits is missing
 
 
 class KVStoreScheduler:
@@ -85,7 +86,8 @@ class KVStoreScheduler:
             return _Lookup(look.num_computed, look.first_chunk, look.wanted_chunks, look.first_chunk, 0, True)
         t0 = time.perf_counter()
         try:
-            hit = look.first_chunk + self.handle.lookup_prefix(keys[look.first_chunk : look.wanted_chunks])
+            found, reason = self.handle.lookup(keys[look.first_chunk : look.wanted_chunks])
+            hit = look.first_chunk + found
         except KVStoreError as e:  # never fail a request over the store: it is a miss
             if is_unreachable(e):
                 self.handle.mark_unreachable(e)
@@ -95,7 +97,8 @@ class KVStoreScheduler:
         finally:
             self.metrics.lookup_seconds.observe(time.perf_counter() - t0)
         external = max(0, min(hit * self.chunk_size, cap) - look.num_computed)
-        return _Lookup(look.num_computed, look.first_chunk, look.wanted_chunks, hit, external)
+        return _Lookup(look.num_computed, look.first_chunk, look.wanted_chunks, hit, external, False,
+                       reason or "not_stored")  # fmt: skip
 
     def update_state_after_alloc(
         self, request: ConnectorRequest, block_ids: Sequence[int], num_external_tokens: int
@@ -109,7 +112,7 @@ class KVStoreScheduler:
             return
         assert num_external_tokens <= look.external, (num_external_tokens, look)
         self.metrics.miss(
-            "unreachable" if look.unreachable else "not_stored", look.wanted_chunks - look.hit_chunks
+            "unreachable" if look.unreachable else look.miss_reason, look.wanted_chunks - look.hit_chunks
         )
         # Chunks the engine had itself are assumed stored (they were saved when first computed):
         # re-checking them would copy every locally cached chunk out of the cache each request.

@@ -32,6 +32,7 @@ from connectors.chunks import CacheGeometry
 from connectors.config import KVTransferConfig
 from connectors.layouts import ENGINE_LAYOUT, PagedLayout
 from connectors.meta import LoadSpec, SaveSpec, StepTransfers
+from connectors.metrics import MISS_REASONS
 from connectors.store_handle import StoreHandle, is_unreachable
 from kvstore.blob import COMPRESSION_NONE, BlobHeader, decode_blob, encode_blob, verify_blob
 from kvstore.codecs import get_codec
@@ -130,16 +131,22 @@ class KVStoreWorker:
         if not self.handle.reachable():
             return self._fail(spec, spec.first_chunk, "unreachable")
         try:
-            blobs = self.handle.batch_get_blobs(spec.keys)
+            reasons: list[str | None] = []
+            blobs = self.handle.batch_get_blobs(spec.keys, reasons)
         except KVStoreError as e:
             if is_unreachable(e):
                 self.handle.mark_unreachable(e)
             return self._fail(spec, spec.first_chunk, "unreachable" if is_unreachable(e) else "corrupt")
         futures = []
-        for c, blob in zip(spec.chunk_indices(), blobs, strict=True):
+        for i, (c, blob) in enumerate(zip(spec.chunk_indices(), blobs, strict=True)):
             lo, hi = max(spec.start_token, c * cs), min(spec.end_token, (c + 1) * cs)
             blocks = spec.block_ids[lo // bs : hi // bs]
-            futures.append((c, self._load_pool.submit(self._load_chunk, blob, blocks, (lo - c * cs) // bs)))
+            why = reasons[i] if reasons else None
+            if why in (None, "not_stored"):  # the lookup found it, the load did not: it was there
+                why = "evicted"
+            futures.append(
+                (c, self._load_pool.submit(self._load_chunk, blob, blocks, (lo - c * cs) // bs, why))
+            )
         failed_at: tuple[int, str] | None = None
         for c, fut in futures:
             try:
@@ -152,9 +159,11 @@ class KVStoreWorker:
         if failed_at is not None:
             self._fail(spec, *failed_at)
 
-    def _load_chunk(self, blob: object, block_ids: Sequence[int], first_block: int) -> tuple[int, int]:
+    def _load_chunk(
+        self, blob: object, block_ids: Sequence[int], first_block: int, miss_reason: str = "evicted"
+    ) -> tuple[int, int]:
         if blob is None:
-            raise _ChunkLoadError("evicted")
+            raise _ChunkLoadError(miss_reason if miss_reason in MISS_REASONS else "evicted")
         geo = self.geometry
         shape = geo.chunk_shape(self.config.chunk_size)
         try:

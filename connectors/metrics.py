@@ -5,20 +5,21 @@ scheduler asked the store about, `vllm:external_prefix_cache_hits` the tokens th
 Requests resumed after a preemption are counted apart (`*_preempted_*`), so recomputing one's own
 KV never inflates the hit rate.
 
-Chunk misses by reason, as far as the connector can tell from where it sits:
-- `not_stored`   the lookup found no such chunk (never saved, or gone before the lookup: an evicted,
-                 expired or corrupt-and-deleted blob all look like this to a client)
-- `evicted`      the lookup found it, the load a moment later did not (eviction, TTL expiry or a corrupt
-                 blob the store deleted on read — the store counts which in its own metrics)
-- `corrupt`      the blob arrived but did not verify, decode, or match this engine's layout
-- `unreachable`  the store did not answer (connection refused, timeout, server error)
+Chunk misses by reason, as the store reports each miss (kvstore/miss_log.py) plus what only the
+connector sees:
+- `not_stored`   the store never had the chunk (or forgot it was written)
+- `evicted`      stored, then evicted to make room (also: found by the lookup, gone at the load)
+- `expired`      stored, then dropped by its TTL
+- `corrupt`      the blob failed verification in the store, or arrived but did not verify, decode, or
+                 match this engine's layout
+- `unreachable`  the store (or one of its tiers) did not answer: connection refused, timeout, error
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-MISS_REASONS = ("not_stored", "evicted", "corrupt", "unreachable")
+MISS_REASONS = ("not_stored", "evicted", "expired", "corrupt", "unreachable")
 _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 

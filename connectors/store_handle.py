@@ -53,11 +53,14 @@ class StoreHandle:
             logger.warning("KV store unreachable (%s); skipping it for %.1f s", err, self._backoff_s)
 
     # ---- blob-level calls (the connector encodes and decodes itself) --------------------------
-    def lookup_prefix(self, keys: Sequence[str]) -> int:
-        return self.store.lookup_prefix(list(keys))
+    def lookup(self, keys: Sequence[str]) -> tuple[int, str | None]:
+        """(leading chunks stored, the store's reason the next one is missing)."""
+        return self.store.lookup(list(keys))
 
-    def batch_get_blobs(self, keys: Sequence[str]) -> list[Blob | None]:
-        return self.store.batch_get_blobs(list(keys))
+    def batch_get_blobs(
+        self, keys: Sequence[str], reasons: list[str | None] | None = None
+    ) -> list[Blob | None]:
+        return self.store.batch_get_blobs(list(keys), reasons)
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         return self.store.batch_exists(list(keys))

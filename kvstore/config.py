@@ -42,6 +42,7 @@ class StoreConfig(BaseModel):
     codec: str = "raw"  # default codec when a tensor (not a blob) is put
     lz4: bool = False
     max_blob_size: Size = 256 * 2**20
+    miss_log_keys: int = Field(1 << 16, ge=0)  # recently written keys remembered to explain misses
 
     def __init__(self, **data: Any) -> None:
         try:

@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvstore.miss_log import MISS_REASONS
 from kvstore.tiers.base import Tier
 
 LATENCY_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
@@ -76,6 +77,13 @@ class StoreMetrics:
             "kvstore_tier_misses", "Reads a tier could not serve", ["tier"], registry=r
         )
         self.misses = Counter("kvstore_misses", "Reads no tier could serve", registry=r)
+        reasons = Counter(
+            "kvstore_miss_reasons",
+            "Reads no tier served and prefix lookups cut short, by why (kvstore/miss_log.py)",
+            ["reason"],
+            registry=r,
+        )
+        self.miss_reason = {reason: reasons.labels(reason=reason) for reason in MISS_REASONS}
         self.corrupt = Counter(
             "kvstore_corrupt_blobs", "Blobs that failed verification on read (deleted)", ["tier"], registry=r
         )
@@ -152,4 +160,7 @@ class StoreMetrics:
             "hits": hits,
             "misses": misses,
             "hit_rate": hits / lookups if lookups else 0.0,
+            "miss_reasons": {
+                r: int(self.value("kvstore_miss_reasons_total", reason=r)) for r in MISS_REASONS
+            },
         }

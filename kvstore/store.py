@@ -11,6 +11,8 @@
   it is written down like any other put. A blob evicted from the top tier before that is gone.
 - `ttl`: every tier drops a blob `ttl` seconds after it was written into that tier; a promotion is a
   write, so an upper-tier copy lives `ttl` from its promotion.
+Every miss has a reason (kvstore/miss_log.py: not_stored, evicted, expired, corrupt, unreachable),
+counted in `kvstore_miss_reasons_total` and handed to callers that ask (`lookup`, `reasons=`).
 Tiers promise not to raise (Tier protocol); an exception that escapes one anyway is logged, counted
 in `kvstore_tier_errors_total` and treated as a miss / a dropped write, so one sick tier never takes
 the store down.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -30,6 +33,7 @@ from kvstore.errors import ConfigError, CorruptBlob, InvalidArgument, TooLarge
 from kvstore.keys import validate_key
 from kvstore.lru import check_ttl
 from kvstore.metrics import StoreMetrics
+from kvstore.miss_log import MissLog
 from kvstore.tiers import Blob, Tier, make_tier
 from kvstore.write_back import WriteBack
 
@@ -66,6 +70,7 @@ class TieredStore:
         self._ttl = self.config.ttl
         self._admission = self.config.admission_hits
         self._probation: OrderedDict[str, int] = OrderedDict()  # key -> reads so far
+        self.miss_log = MissLog(self.config.miss_log_keys)
         self._lock = threading.Lock()
         self._closed = False
         self._write_back: WriteBack | None = None
@@ -83,6 +88,16 @@ class TieredStore:
             logger.exception("tier %s failed in %s", tier.name, what)
             self.metrics.count_error(tier)
             return default
+
+    def _failures(self, tier: Tier) -> float:
+        """Everything that counts a failed call of `tier` (a rise during a read: it was unreachable)."""
+        s = tier.stats
+        return s.errors + s.extra.get("fast_fails", 0) + self.metrics.store_errors[tier.name]
+
+    def _miss(self, key: str, reason: str | None = None) -> str:
+        reason = reason or self.miss_log.reason(key, time.monotonic(), self._ttl)
+        self.metrics.miss_reason[reason].inc()
+        return reason
 
     def _put_tier(self, tier: Tier, items: Sequence[tuple[str, bytes]]) -> None:
         evicted = self._call(tier, "put", tier.put_many, items, self._ttl, default=None)
@@ -127,24 +142,31 @@ class TieredStore:
         except CorruptBlob as e:
             logger.warning("corrupt blob %s in tier %s (%s): deleted", key, tier.name, e)
             self.metrics.tier[tier.name].corrupt.inc()
+            self.miss_log.corrupt(key)
             self._call(tier, "delete", tier.delete, key, default=False)
             return None
 
-    def _lookup(self, keys: Sequence[str]) -> list[Verified | None]:
+    def _lookup(self, keys: Sequence[str], reasons: list[str | None] | None = None) -> list[Verified | None]:
         out: list[Verified | None] = [None] * len(keys)
         pending = list(range(len(keys)))
+        why: dict[int, str] = {}  # what this read saw: "corrupt", or "unreachable" for a failing tier
         for level, tier in enumerate(self.tiers):
             if not pending:
                 break
+            failures = self._failures(tier)
             blobs = self._call(tier, "get", tier.get_many, [keys[j] for j in pending], default=None)
             if blobs is None:
                 blobs = [None] * len(pending)
+            if self._failures(tier) > failures:
+                why.update((j, "unreachable") for j in pending if j not in why)
             counters = self.metrics.tier[tier.name]
             still: list[int] = []
             found: list[tuple[str, Blob]] = []
             for j, blob in zip(pending, blobs, strict=True):
                 header = None if blob is None else self._verified(tier, keys[j], blob)
                 if header is None:
+                    if blob is not None:
+                        why[j] = "corrupt"
                     still.append(j)
                     continue
                 out[j] = (blob, header)
@@ -159,9 +181,16 @@ class TieredStore:
                 items = [(k, b if isinstance(b, bytes) else bytes(b)) for k, b in found]
                 for upper in self.tiers[:level]:
                     self._put_tier(upper, items)
+                self.miss_log.written([k for k, _ in items], time.monotonic())  # a fresh TTL above
             pending = still
         if pending:
             self.metrics.misses.inc(len(pending))
+        if reasons is not None:
+            reasons[:] = [None] * len(keys)
+        for j in pending:
+            reason = self._miss(keys[j], why.get(j))
+            if reasons is not None:
+                reasons[j] = reason
         return out
 
     def _count_reads(self, found: list[tuple[str, Blob]]) -> None:
@@ -179,11 +208,12 @@ class TieredStore:
                     self._probation[key] = n + 1
         self._write_lower(admitted)
 
-    def get_blob(self, key: str) -> Blob | None:
-        """The verified blob stored under `key`, or None. Never mutate the returned buffer."""
+    def get_blob(self, key: str, reasons: list[str | None] | None = None) -> Blob | None:
+        """The verified blob stored under `key`, or None. Never mutate the returned buffer.
+        `reasons`, a list, receives [why it missed] or [None] on a hit."""
         validate_key(key)
         with self.metrics.time("get"):
-            hit = self._lookup([key])[0]
+            hit = self._lookup([key], reasons)[0]
         return None if hit is None else hit[0]
 
     def get_verified(self, key: str) -> Verified | None:
@@ -192,14 +222,17 @@ class TieredStore:
         with self.metrics.time("get"):
             return self._lookup([key])[0]
 
-    def batch_get(self, keys: Sequence[str]) -> list[Blob | None]:
-        return [None if hit is None else hit[0] for hit in self.batch_get_verified(keys)]
+    def batch_get(self, keys: Sequence[str], reasons: list[str | None] | None = None) -> list[Blob | None]:
+        """Blobs in key order, None for misses; `reasons` receives why each one missed (None: a hit)."""
+        return [None if hit is None else hit[0] for hit in self.batch_get_verified(keys, reasons)]
 
-    def batch_get_verified(self, keys: Sequence[str]) -> list[Verified | None]:
+    def batch_get_verified(
+        self, keys: Sequence[str], reasons: list[str | None] | None = None
+    ) -> list[Verified | None]:
         for key in keys:
             validate_key(key)
         with self.metrics.time("batch_get"):
-            return self._lookup(list(keys))
+            return self._lookup(list(keys), reasons)
 
     def _contains(self, tier: Tier, key: str) -> bool:
         return self._call(tier, "contains", tier.contains, key, default=False)
@@ -235,16 +268,25 @@ class TieredStore:
 
     def lookup_prefix(self, keys: Sequence[str]) -> int:
         """How many leading `keys` are stored (in any tier): the first gap ends the run."""
+        return self.lookup(keys)[0]
+
+    def lookup(self, keys: Sequence[str]) -> tuple[int, str | None]:
+        """(how many leading `keys` are stored, why the next one is not; None when all are)."""
         for key in keys:
             validate_key(key)
         with self.metrics.time("lookup_prefix"):
+            failures = [self._failures(t) for t in self.tiers]
             if any(hasattr(t, "contains_many") for t in self.tiers):  # round trips matter: batch
                 found = self._present(list(keys))
-                return found.index(False) if False in found else len(found)
-            n = 0  # key by key, top-down: the fewest calls, and nothing past the first gap
-            while n < len(keys) and any(self._contains(t, keys[n]) for t in self.tiers):
-                n += 1
-            return n
+                n = found.index(False) if False in found else len(found)
+            else:
+                n = 0  # key by key, top-down: the fewest calls, and nothing past the first gap
+                while n < len(keys) and any(self._contains(t, keys[n]) for t in self.tiers):
+                    n += 1
+            if n == len(keys):
+                return n, None
+            failed = any(self._failures(t) > f for t, f in zip(self.tiers, failures, strict=True))
+            return n, self._miss(keys[n], "unreachable" if failed else None)
 
     # -- writes ----------------------------------------------------------------------------------------
 
@@ -271,6 +313,7 @@ class TieredStore:
             while len(self._probation) > MAX_PROBATION:
                 self._probation.popitem(last=False)
         self._put_tier(self.tiers[0], items)
+        self.miss_log.written([k for k, _ in items], time.monotonic())
         if not self._admission:
             self._write_lower(items)
 
@@ -294,6 +337,7 @@ class TieredStore:
                 self._write_back.cancel(key)
             with self._lock:
                 self._probation.pop(key, None)
+            self.miss_log.forget(key)
             return any([self._call(t, "delete", t.delete, key, default=False) for t in self.tiers])
 
     # -- lifecycle ---------------------------------------------------------------------------------------

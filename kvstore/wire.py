@@ -7,7 +7,8 @@ batch frame, all little-endian:
     offset  size  field
     0       4     magic b"KVB1"
     4       4     header length H (uint32)
-    8       H     msgpack map: {"keys": [str, ...], "lens": [int, ...]}  (a len of -1 marks a miss)
+    8       H     msgpack map: {"keys": [str, ...], "lens": [int, ...]}  (a len of -1 marks a miss;
+                  a batch get answer adds "reasons": [str | None, ...], why each miss missed)
     8+H     ...   the payloads, concatenated in key order, no padding
 
 A frame's total length is exactly 8 + H + sum(len >= 0); anything else is malformed. Errors are JSON
@@ -42,6 +43,7 @@ BATCH_CONTENT_TYPE = "application/x-kvstore-batch"
 JSON_CONTENT_TYPE = "application/json"
 WIRE_VERSION_HEADER = "X-KVStore-Wire"
 WIRE_VERSION = "1"
+MISS_REASON_HEADER = "X-KVStore-Miss-Reason"  # on a 404 from GET /v1/chunks/{key} (kvstore/miss_log.py)
 MAX_BATCH_KEYS = 4096
 
 FRAME_MAGIC = b"KVB1"
@@ -58,17 +60,27 @@ def chunk_path(key: str) -> str:
 # --- batch frames -----------------------------------------------------------------------------------
 
 
-def frame_header(keys: Sequence[str], lens: Sequence[int]) -> bytes:
+def frame_header(
+    keys: Sequence[str], lens: Sequence[int], reasons: Sequence[str | None] | None = None
+) -> bytes:
     """The preamble + msgpack header of a frame; the payloads follow it on the wire."""
     assert len(keys) == len(lens)
-    head = msgpack.packb({"keys": list(keys), "lens": list(lens)})
+    fields: dict[str, Any] = {"keys": list(keys), "lens": list(lens)}
+    if reasons is not None:
+        assert len(reasons) == len(keys)
+        fields["reasons"] = list(reasons)
+    head = msgpack.packb(fields)
     return _PREAMBLE.pack(FRAME_MAGIC, len(head)) + head
 
 
-def encode_frame(keys: Sequence[str], blobs: Sequence[bytes | bytearray | memoryview | None]) -> list:
+def encode_frame(
+    keys: Sequence[str],
+    blobs: Sequence[bytes | bytearray | memoryview | None],
+    reasons: Sequence[str | None] | None = None,
+) -> list:
     """A frame as a list of buffers (header first, then each present blob) to write without joining."""
     lens = [MISSING if b is None else memoryview(b).nbytes for b in blobs]
-    return [frame_header(keys, lens), *(b for b in blobs if b is not None)]
+    return [frame_header(keys, lens, reasons), *(b for b in blobs if b is not None)]
 
 
 def parse_preamble(data: bytes | bytearray | memoryview) -> int:
@@ -88,6 +100,7 @@ class FrameHeader:
     keys: list[str]
     lens: list[int]
     payload_offset: int  # where the first payload starts, counted from the frame's first byte
+    reasons: list[str | None] | None = None  # why each miss missed (batch get answers)
 
     @property
     def payload_bytes(self) -> int:
@@ -131,7 +144,10 @@ def parse_frame_header(data: bytes | bytearray | memoryview, allow_missing: bool
     lowest = MISSING if allow_missing else 0
     if not all(type(n) is int and n >= lowest for n in lens):
         raise InvalidArgument("batch frame lengths must be non-negative integers")
-    return FrameHeader(keys, lens, PREAMBLE_SIZE + hlen)
+    reasons = head.get("reasons")
+    if not (isinstance(reasons, list) and len(reasons) == len(keys)):
+        reasons = None  # optional and informative only: a malformed list is ignored, never an error
+    return FrameHeader(keys, lens, PREAMBLE_SIZE + hlen, reasons)
 
 
 def decode_frame(

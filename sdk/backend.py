@@ -9,7 +9,9 @@ Semantics every backend keeps:
 - `put_blob` rejects a blob that does not verify (CorruptBlob) or is over the size limit (TooLarge),
   storing nothing;
 - a missing key is `None` / `False`, never an exception;
-- batch calls keep the order of their inputs; `lookup_prefix` is the number of leading keys present.
+- batch calls keep the order of their inputs; `lookup` is (the number of leading keys present, why the
+  next one is missing: kvstore/miss_log.py's reasons), `lookup_prefix` its first half;
+- `batch_get(keys, reasons)`: a list given as `reasons` receives why each miss missed (None for a hit).
 """
 
 from __future__ import annotations
@@ -31,11 +33,15 @@ class Backend(Protocol):
 
     def delete(self, key: str) -> bool: ...
 
-    def batch_get(self, keys: Sequence[str]) -> list[Blob | None]: ...
+    def batch_get(
+        self, keys: Sequence[str], reasons: list[str | None] | None = None
+    ) -> list[Blob | None]: ...
 
     def batch_put(self, items: Sequence[tuple[str, Blob]]) -> None: ...
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]: ...
+
+    def lookup(self, keys: Sequence[str]) -> tuple[int, str | None]: ...
 
     def lookup_prefix(self, keys: Sequence[str]) -> int: ...
 
@@ -57,6 +63,8 @@ class Backend(Protocol):
     async def abatch_put(self, items: Sequence[tuple[str, Blob]]) -> None: ...
 
     async def abatch_exists(self, keys: Sequence[str]) -> list[bool]: ...
+
+    async def alookup(self, keys: Sequence[str]) -> tuple[int, str | None]: ...
 
     async def alookup_prefix(self, keys: Sequence[str]) -> int: ...
 

@@ -38,14 +38,17 @@ class LocalBackend:
     def delete(self, key: str) -> bool:
         return self.store.delete(key)
 
-    def batch_get(self, keys: Sequence[str]) -> list[Blob | None]:
-        return self.store.batch_get(keys)
+    def batch_get(self, keys: Sequence[str], reasons: list[str | None] | None = None) -> list[Blob | None]:
+        return self.store.batch_get(keys, reasons)
 
     def batch_put(self, items: Sequence[tuple[str, Blob]]) -> None:
         self.store.batch_put(items)
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         return self.store.batch_exists(keys)
+
+    def lookup(self, keys: Sequence[str]) -> tuple[int, str | None]:
+        return self.store.lookup(keys)
 
     def lookup_prefix(self, keys: Sequence[str]) -> int:
         return self.store.lookup_prefix(keys)
@@ -82,6 +85,9 @@ class LocalBackend:
 
     async def abatch_exists(self, keys: Sequence[str]) -> list[bool]:
         return await asyncio.to_thread(self.store.batch_exists, keys)
+
+    async def alookup(self, keys: Sequence[str]) -> tuple[int, str | None]:
+        return await asyncio.to_thread(self.store.lookup, keys)
 
     async def alookup_prefix(self, keys: Sequence[str]) -> int:
         return await asyncio.to_thread(self.store.lookup_prefix, keys)

@@ -286,13 +286,15 @@ class RemoteBackend:
     def delete(self, key: str) -> bool:
         return self.request("DELETE", wire.chunk_path(validate_key(key))).status != 404
 
-    def batch_get(self, keys: Sequence[str]) -> list[Blob | None]:
+    def batch_get(self, keys: Sequence[str], reasons: list[str | None] | None = None) -> list[Blob | None]:
         if not keys:
             return []
         resp = self._keys_request(wire.BATCH_GET_PATH, keys)
         got_keys, blobs = wire.decode_frame(resp.body, allow_missing=True)
         if got_keys != list(keys):
             raise InvalidArgument("server answered a batch get with other keys than asked")
+        if reasons is not None:
+            reasons[:] = _miss_reasons(resp.body, blobs)
         return blobs
 
     def batch_put(self, items: Sequence[tuple[str, Blob]]) -> None:
@@ -311,10 +313,13 @@ class RemoteBackend:
             return []
         return [bool(x) for x in self._keys_request(wire.BATCH_EXISTS_PATH, keys).json()["exists"]]
 
-    def lookup_prefix(self, keys: Sequence[str]) -> int:
+    def lookup(self, keys: Sequence[str]) -> tuple[int, str | None]:
         if not keys:
-            return 0
-        return int(self._keys_request(wire.LOOKUP_PATH, keys).json()["prefix"])
+            return 0, None
+        return _lookup_answer(self._keys_request(wire.LOOKUP_PATH, keys).json())
+
+    def lookup_prefix(self, keys: Sequence[str]) -> int:
+        return self.lookup(keys)[0]
 
     def stats(self) -> dict[str, Any]:
         return self.request("GET", wire.STATS_PATH).json()
@@ -409,10 +414,13 @@ class RemoteBackend:
             return []
         return [bool(x) for x in json.loads(await self._akeys(wire.BATCH_EXISTS_PATH, keys))["exists"]]
 
-    async def alookup_prefix(self, keys: Sequence[str]) -> int:
+    async def alookup(self, keys: Sequence[str]) -> tuple[int, str | None]:
         if not keys:
-            return 0
-        return int(json.loads(await self._akeys(wire.LOOKUP_PATH, keys))["prefix"])
+            return 0, None
+        return _lookup_answer(json.loads(await self._akeys(wire.LOOKUP_PATH, keys)))
+
+    async def alookup_prefix(self, keys: Sequence[str]) -> int:
+        return (await self.alookup(keys))[0]
 
     async def astats(self) -> dict[str, Any]:
         return json.loads((await self._arequest("GET", wire.STATS_PATH))[1])
@@ -427,3 +435,17 @@ class RemoteBackend:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _lookup_answer(answer: dict[str, Any]) -> tuple[int, str | None]:
+    miss = answer.get("miss")  # servers before miss reasons answer without it
+    return int(answer["prefix"]), miss if isinstance(miss, str) else None
+
+
+def _miss_reasons(frame: Any, blobs: Sequence[Blob | None]) -> list[str | None]:
+    """Why each miss of a batch get answer missed, from its frame header (None for hits)."""
+    given = wire.parse_frame_header(frame, allow_missing=True).reasons or [None] * len(blobs)
+    return [
+        None if b is not None else (r if isinstance(r, str) else "not_stored")
+        for b, r in zip(blobs, given, strict=True)
+    ]

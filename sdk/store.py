@@ -5,6 +5,7 @@
         store.put(key, kv)                 # a [2, layers, tokens, kv_heads, head_dim] tensor, or a blob
         kv2 = store.get(key)               # a tensor, or None
         n = store.lookup_prefix(keys)      # leading chunks present
+        n, why = store.lookup(keys)        # ... and why the next one is missing (evicted, expired...)
 
 Tensors are encoded (codec, lz4) and decoded here, on the client; backends only move verified blobs.
 Every call has an async twin with an `a` prefix (`aput`, `aget`, ...). Errors are kvstore.errors types.
@@ -140,14 +141,23 @@ class Store:
             None if h is None else self.decode(k, h[0], header=h[1]) for k, h in zip(keys, hits, strict=True)
         ]
 
-    def batch_get_blobs(self, keys: Sequence[str]) -> list[Blob | None]:
-        return self.backend.batch_get(keys)
+    def batch_get_blobs(
+        self, keys: Sequence[str], reasons: list[str | None] | None = None
+    ) -> list[Blob | None]:
+        """Blobs in key order, None for misses; a list given as `reasons` receives why each one missed."""
+        return self.backend.batch_get(keys, reasons)
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         return self.backend.batch_exists(keys)
 
     def lookup_prefix(self, keys: Sequence[str]) -> int:
+        """How many leading `keys` are stored (the first gap ends the run)."""
         return self.backend.lookup_prefix(keys)
+
+    def lookup(self, keys: Sequence[str]) -> tuple[int, str | None]:
+        """(`lookup_prefix(keys)`, why the next key is missing: not_stored, evicted, expired, corrupt or
+        unreachable; None when every key is stored)."""
+        return self.backend.lookup(keys)
 
     def stats(self) -> dict[str, Any]:
         return self.backend.stats()
@@ -202,6 +212,9 @@ class Store:
 
     async def alookup_prefix(self, keys: Sequence[str]) -> int:
         return await self.backend.alookup_prefix(keys)
+
+    async def alookup(self, keys: Sequence[str]) -> tuple[int, str | None]:
+        return await self.backend.alookup(keys)
 
     async def astats(self) -> dict[str, Any]:
         return await self.backend.astats()

@@ -57,9 +57,11 @@ async def put_chunk(request: web.Request) -> web.Response:
 async def get_chunk(request: web.Request) -> web.StreamResponse:
     st = _state(request)
     key = validate_key(request.match_info["key"])
-    blob = await st.call(st.store.get_blob, key)
+    reasons: list[str | None] = []
+    blob = await st.call(st.store.get_blob, key, reasons)
     if blob is None:
-        raise web.HTTPNotFound(text=f"no chunk {key}")
+        body = {"error": f"no chunk {key}", "type": "NotFound", "reason": reasons[0]}
+        return web.json_response(body, status=404, headers={wire.MISS_REASON_HEADER: str(reasons[0])})
     return await send_buffers(request, [blob], wire.BLOB_CONTENT_TYPE)
 
 
@@ -97,8 +99,9 @@ async def _json_keys(request: web.Request) -> list[str]:
 async def batch_get(request: web.Request) -> web.StreamResponse:
     st = _state(request)
     keys = await _json_keys(request)
-    blobs = await st.call(st.store.batch_get, keys)
-    return await send_buffers(request, wire.encode_frame(keys, blobs), wire.BATCH_CONTENT_TYPE)
+    reasons: list[str | None] = []
+    blobs = await st.call(st.store.batch_get, keys, reasons)
+    return await send_buffers(request, wire.encode_frame(keys, blobs, reasons), wire.BATCH_CONTENT_TYPE)
 
 
 @routes.post(wire.BATCH_PUT_PATH, name="batch_put")
@@ -131,8 +134,9 @@ async def batch_delete(request: web.Request) -> web.Response:
 
 @routes.post(wire.LOOKUP_PATH, name="lookup")
 async def lookup(request: web.Request) -> web.Response:
-    """The number of leading keys that are present (Spec 1: the first gap ends the prefix)."""
+    """The number of leading keys that are present (Spec 1: the first gap ends the prefix), and why the
+    next one is not (`miss`: not_stored, evicted, expired, corrupt, unreachable; null when all are)."""
     st = _state(request)
     keys = await _json_keys(request)
-    n = await st.call(st.store.lookup_prefix, keys)
-    return web.json_response({"prefix": int(n), "keys": len(keys)})
+    n, reason = await st.call(st.store.lookup, keys)
+    return web.json_response({"prefix": int(n), "keys": len(keys), "miss": reason})

@@ -47,8 +47,9 @@ def test_corrupt_blob_on_disk_is_recomputed_from_its_chunk(engines, tmp_path) ->
     assert recompute_from_errors(b, req) == 256
     assert kv_equal(b, req)
     snap = b.worker.metrics.snapshot()
-    # the store verified the blob, deleted it and answered "missing": to us that is a vanished chunk
-    assert snap["kvstore_connector_chunk_misses_total{reason=evicted}"] == 2
+    # the store verified the blob, deleted it and answered "missing, corrupt": the connector says so
+    assert snap["kvstore_connector_chunk_misses_total{reason=corrupt}"] == 2
+    assert snap["kvstore_connector_chunk_misses_total{reason=evicted}"] == 0
     assert snap["kvstore_connector_load_error_blocks_total"] == 32
     (disk,) = b.scheduler.handle.store.stats()["tiers"]
     assert disk["corrupt"] == 1, "the store's own metrics say why it vanished"

@@ -70,7 +70,7 @@ def test_lookup_is_one_round_trip_without_side_effects(engines, spy_store) -> No
     spy.calls.clear()
     answers = [a.scheduler.get_num_new_matched_tokens(req, 0) for _ in range(3)]
     assert answers == [(512, False)] * 3
-    assert spy.calls == {"lookup_prefix": 3}
+    assert spy.calls == {"lookup": 3}
     after = a.scheduler.metrics.snapshot()
     changed = {k for k in after if after[k] != before[k] and "lookup_seconds" not in k}
     assert changed == set(), "asking is free of side effects: nothing is counted until allocation"

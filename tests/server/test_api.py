@@ -31,7 +31,12 @@ def test_single_chunk_put_get_head_delete(server):
     r = server.request("DELETE", wire.chunk_path(key(1)))
     assert r.status == 404 and r.json()["type"] == "NotFound"
     r = server.request("GET", wire.chunk_path(key(1)))
-    assert r.status == 404 and r.json() == {"error": f"no chunk {key(1)}", "type": "NotFound"}
+    assert r.status == 404 and r.json() == {
+        "error": f"no chunk {key(1)}",
+        "type": "NotFound",
+        "reason": "not_stored",
+    }
+    assert r.headers[wire.MISS_REASON_HEADER.lower()] == "not_stored"  # deleted: as if never stored
     assert server.usage() == (0, 0)
 
 
@@ -72,14 +77,14 @@ def test_empty_batches(server):
     r = server.request("POST", wire.BATCH_GET_PATH, _keys())
     assert r.status == 200 and wire.decode_frame(r.body) == ([], [])
     assert server.request("POST", wire.BATCH_PUT_PATH, _put_frame([])).json() == {"stored": 0}
-    assert server.request("POST", wire.LOOKUP_PATH, _keys()).json() == {"prefix": 0, "keys": 0}
+    assert server.request("POST", wire.LOOKUP_PATH, _keys()).json() == {"prefix": 0, "keys": 0, "miss": None}
 
 
 def test_lookup_returns_longest_present_prefix(server):
     for i in (0, 1, 2, 4):
         server.request("PUT", wire.chunk_path(key(i)), make_blob(i))
     r = server.request("POST", wire.LOOKUP_PATH, _keys(*(key(i) for i in range(6))))
-    assert r.status == 200 and r.json() == {"prefix": 3, "keys": 6}  # key(3) is the first gap
+    assert r.status == 200 and r.json() == {"prefix": 3, "keys": 6, "miss": "not_stored"}  # key(3): first gap
     assert server.request("POST", wire.LOOKUP_PATH, _keys(key(9), key(0))).json()["prefix"] == 0
 
 
