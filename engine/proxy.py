@@ -7,7 +7,12 @@ disaggregated-prefill proxy.
                                            the store, recomputes only the tail, streams the answer back
 
 Both engines must share one store (`--kv-store-url http://...`). Several `--prefill` / `--decode`
-URLs are used round-robin. An engine that cannot be reached is a 502 with an OpenAI-style JSON error.
+URLs are used round-robin. A decode engine is health-checked (`--health-timeout`) before the prefill
+runs, so a request is never prefilled for a decode engine that is down; the next one is tried. An
+engine that cannot serve is a 502 whose message names it in one sentence. Errors are the engine
+server's JSON shape; a stream that breaks after it started ends with an SSE `error` event. A client
+that hangs up closes the upstream requests (the engines abort them); SIGTERM stops accepting, lets
+in-flight requests finish for `--shutdown-timeout`, then ends the rest.
 """
 
 from __future__ import annotations
@@ -17,19 +22,39 @@ import asyncio
 import itertools
 import json
 import logging
+import signal
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
+from engine.errors import EngineError, error_body
+from engine.server_middleware import MAX_BODY_KEY, errors_middleware, parse_json, unless_disconnected
+from engine.streaming import STREAM_KEY
+
 logger = logging.getLogger(__name__)
 SESSION_KEY = web.AppKey("session", aiohttp.ClientSession)
 CONFIG_KEY = web.AppKey("proxy_config", object)
+INFLIGHT_KEY = web.AppKey("in_flight", set)
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding", "keep-alive"}
+_MAX_BODY_BYTES = 64 * 2**20
+
+
+class BadGateway(EngineError):
+    """An upstream engine that could not serve the request."""
+
+    status = 502
 
 
 class ProxyConfig:
-    def __init__(self, prefill: list[str], decode: list[str], timeout_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        prefill: list[str],
+        decode: list[str],
+        timeout_s: float = 600.0,
+        health_timeout_s: float = 2.0,
+        shutdown_timeout_s: float = 10.0,
+    ) -> None:
         if not prefill or not decode:
             raise ValueError("the proxy needs at least one --prefill and one --decode URL")
         self.prefill_urls = [u.rstrip("/") for u in prefill]
@@ -37,6 +62,8 @@ class ProxyConfig:
         self._prefill = itertools.cycle(self.prefill_urls)
         self._decode = itertools.cycle(self.decode_urls)
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.health_timeout_s = health_timeout_s
+        self.shutdown_timeout_s = shutdown_timeout_s
 
     def next_prefill(self) -> str:
         return next(self._prefill)
@@ -45,9 +72,23 @@ class ProxyConfig:
         return next(self._decode)
 
 
-def _error(status: int, message: str, kind: str = "BadGateway") -> web.Response:
-    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
-    return web.json_response(body, status=status)
+def describe(role: str, url: str, e: BaseException, timeout_s: float) -> str:
+    """One sentence naming the engine and what went wrong, without aiohttp's internals."""
+    if isinstance(e, aiohttp.ClientConnectorError):
+        cause = e.os_error
+        why = (
+            "connection refused"
+            if isinstance(cause, ConnectionRefusedError)
+            else (cause.strerror or str(cause))
+        )
+        return f"{role} engine {url} is not reachable ({why.lower()})"
+    if isinstance(e, asyncio.TimeoutError):
+        return f"{role} engine {url} did not answer within {timeout_s:g} s"
+    if isinstance(e, aiohttp.ServerDisconnectedError):
+        return f"{role} engine {url} closed the connection before it answered"
+    if isinstance(e, aiohttp.ClientResponseError):
+        return f"{role} engine {url} answered HTTP {e.status}"
+    return f"{role} engine {url} failed ({type(e).__name__})"
 
 
 def prefill_request(body: dict[str, Any]) -> dict[str, Any]:
@@ -62,37 +103,95 @@ def prefill_request(body: dict[str, Any]) -> dict[str, Any]:
     return req
 
 
-async def _handle(request: web.Request, path: str) -> web.StreamResponse:
-    session = request.app[SESSION_KEY]
+async def _check_health(session: aiohttp.ClientSession, url: str, timeout_s: float) -> None:
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    async with session.get(url + "/health", timeout=timeout) as resp:
+        if resp.status != 200:
+            raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
+
+
+async def _healthy_decode(request: web.Request) -> str:
+    """The next decode engine (round-robin) that answers its health check; BadGateway when none does."""
     config: ProxyConfig = request.app[CONFIG_KEY]
+    problems = []
+    for _ in config.decode_urls:
+        url = config.next_decode()
+        try:
+            await _check_health(request.app[SESSION_KEY], url, config.health_timeout_s)
+            return url
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            problems.append(describe("decode", url, e, config.health_timeout_s))
+    raise BadGateway("; ".join(problems) + "; nothing was sent to a prefill engine")
+
+
+async def _prefill(request: web.Request, path: str, body: dict) -> web.Response | None:
+    """Run the prefill part; a response to pass on when the prefill engine refused the request."""
+    config: ProxyConfig = request.app[CONFIG_KEY]
+    problems = []
+    for _ in config.prefill_urls:
+        url = config.next_prefill()
+        try:
+            async with request.app[SESSION_KEY].post(url + path, json=prefill_request(body)) as resp:
+                payload = await resp.read()
+                if resp.status != 200:  # a bad request is bad for the decode engine too: pass it on
+                    return web.Response(body=payload, status=resp.status, content_type="application/json")
+                return None
+        except aiohttp.ClientConnectorError as e:  # it never got the request: try the next one
+            problems.append(describe("prefill", url, e, config.timeout.total))
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raise BadGateway(describe("prefill", url, e, config.timeout.total)) from None
+    raise BadGateway("; ".join(problems))
+
+
+async def _decode(request: web.Request, path: str, body: dict, url: str) -> web.StreamResponse:
+    config: ProxyConfig = request.app[CONFIG_KEY]
+    out: web.StreamResponse | None = None
     try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return _error(400, "the request body is not valid JSON", "BadRequestError")
-    if not isinstance(body, dict):
-        return _error(400, "the request body must be a JSON object", "BadRequestError")
-    prefill_url = config.next_prefill()
-    try:
-        async with session.post(prefill_url + path, json=prefill_request(body)) as resp:
-            payload = await resp.read()
-            if resp.status != 200:  # a bad request is bad for the decode engine too: pass it on
-                return web.Response(body=payload, status=resp.status, content_type="application/json")
-    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-        return _error(502, f"prefill engine {prefill_url} failed: {e!r}")
-    decode_url = config.next_decode()
-    try:
-        async with session.post(decode_url + path, json=body) as resp:
+        async with request.app[SESSION_KEY].post(url + path, json=body) as resp:
             out = web.StreamResponse(status=resp.status)
             for k, v in resp.headers.items():
                 if k.lower() not in _HOP_HEADERS:
                     out.headers[k] = v
             await out.prepare(request)
+            request[STREAM_KEY] = out
             async for chunk in resp.content.iter_any():
                 await out.write(chunk)
             await out.write_eof()
             return out
-    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-        return _error(502, f"decode engine {decode_url} failed: {e!r}")
+    except (aiohttp.ClientError, asyncio.TimeoutError, asyncio.CancelledError) as e:
+        if request.transport is None or request.transport.is_closing():
+            raise  # our own client went away: closing the upstream request aborts it there
+        if isinstance(e, asyncio.CancelledError):  # the drain at shutdown ran out of time
+            message, status = "the proxy is shutting down", 503
+        else:
+            message, status = describe("decode", url, e, config.timeout.total), 502
+        if out is None:
+            raise BadGateway(message) from None
+        logger.warning("%s %s: %s", request.method, request.path, message)
+        if out.headers.get("Content-Type", "").startswith("text/event-stream"):
+            error = json.dumps(error_body(status, message))
+            await out.write(f"event: error\ndata: {error}\n\ndata: [DONE]\n\n".encode())
+        await out.write_eof()
+        if isinstance(e, asyncio.CancelledError):
+            raise
+        return out
+
+
+async def _handle(request: web.Request, path: str) -> web.StreamResponse:
+    inflight = request.app[INFLIGHT_KEY]
+    task = asyncio.current_task()
+    inflight.add(task)
+    try:
+        body = parse_json(await request.read())
+        decode_url = await _healthy_decode(request)
+
+        async def both() -> web.StreamResponse:
+            refused = await _prefill(request, path, body)
+            return refused if refused is not None else await _decode(request, path, body, decode_url)
+
+        return await unless_disconnected(request, both())
+    finally:
+        inflight.discard(task)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -110,36 +209,50 @@ async def models(request: web.Request) -> web.Response:
         async with request.app[SESSION_KEY].get(url + "/v1/models") as resp:
             return web.Response(body=await resp.read(), status=resp.status, content_type="application/json")
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-        return _error(502, f"decode engine {url} failed: {e!r}")
+        raise BadGateway(describe("decode", url, e, config.timeout.total)) from None
 
 
 async def health(request: web.Request) -> web.Response:
     config: ProxyConfig = request.app[CONFIG_KEY]
-    session = request.app[SESSION_KEY]
-    down = []
-    for url in [*config.prefill_urls, *config.decode_urls]:
-        try:
-            async with session.get(url + "/health") as resp:
-                if resp.status != 200:
-                    down.append(url)
-        except (aiohttp.ClientError, asyncio.TimeoutError):
-            down.append(url)
+    urls = [*config.prefill_urls, *config.decode_urls]
+    roles = ["prefill"] * len(config.prefill_urls) + ["decode"] * len(config.decode_urls)
+    results = await asyncio.gather(
+        *(_check_health(request.app[SESSION_KEY], u, config.health_timeout_s) for u in urls),
+        return_exceptions=True,
+    )
+    down = [describe(role, u, r, config.health_timeout_s)
+            for role, u, r in zip(roles, urls, results, strict=True) if isinstance(r, BaseException)]  # fmt: skip
     if down:
-        return _error(503, f"engines not healthy: {', '.join(down)}", "ServiceUnavailable")
+        return web.json_response(error_body(503, "; ".join(down)), status=503)
     return web.json_response({"status": "ok"})
 
 
 def build_app(config: ProxyConfig) -> web.Application:
-    app = web.Application(client_max_size=64 * 2**20)
+    app = web.Application(middlewares=[errors_middleware], client_max_size=_MAX_BODY_BYTES)
     app[CONFIG_KEY] = config
+    app[MAX_BODY_KEY] = _MAX_BODY_BYTES
+    app[INFLIGHT_KEY] = set()
 
     async def on_startup(_: web.Application) -> None:
         app[SESSION_KEY] = aiohttp.ClientSession(timeout=config.timeout)
+
+    async def on_shutdown(_: web.Application) -> None:  # the listening socket is closed already
+        inflight: set[asyncio.Task] = app[INFLIGHT_KEY]
+        if inflight:
+            logger.info(
+                "shutdown: draining %d requests (up to %g s)", len(inflight), config.shutdown_timeout_s
+            )
+            _, late = await asyncio.wait(set(inflight), timeout=config.shutdown_timeout_s)
+            for task in late:
+                task.cancel()
+            if late:
+                await asyncio.wait(late, timeout=5)
 
     async def on_cleanup(_: web.Application) -> None:
         await app[SESSION_KEY].close()
 
     app.on_startup.append(on_startup)
+    app.on_shutdown.append(on_shutdown)
     app.on_cleanup.append(on_cleanup)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
@@ -154,25 +267,31 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8200, help="0 picks a free port")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per upstream request")
+    p.add_argument("--health-timeout", type=float, default=2.0,
+                   help="seconds a decode engine has to answer its health check before the prefill")  # fmt: skip
+    p.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="seconds requests in flight at SIGTERM may still run")  # fmt: skip
 
 
 def run_proxy(ns: argparse.Namespace) -> None:
-    config = ProxyConfig(ns.prefill, ns.decode, ns.timeout)
+    config = ProxyConfig(ns.prefill, ns.decode, ns.timeout, ns.health_timeout, ns.shutdown_timeout)
     app = build_app(config)
 
     async def main() -> None:
-        runner = web.AppRunner(app)
+        runner = web.AppRunner(app, shutdown_timeout=5.0)  # after on_shutdown's drain: a backstop
         await runner.setup()
         site = web.TCPSite(runner, ns.host, ns.port)
         await site.start()
         port = runner.addresses[0][1]
         print(f"kvstore-engine proxy listening on http://{ns.host}:{port}", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
         try:
-            await asyncio.Event().wait()
+            await stop.wait()
+            logger.info("stopping: no new connections, draining in-flight requests")
         finally:
             await runner.cleanup()
 
-    try:
-        asyncio.run(main())
-    except KeyboardInterrupt:
-        pass
+    asyncio.run(main())

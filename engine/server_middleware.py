@@ -92,8 +92,9 @@ async def unless_disconnected(request: web.Request, work: Awaitable[T]) -> T:
     watch = asyncio.ensure_future(_until_disconnected(request))
     try:
         await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:  # the handler itself is cancelled
+    except BaseException:  # the handler itself is cancelled: let `work` wind down first
         task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
         raise
     finally:
         watch.cancel()

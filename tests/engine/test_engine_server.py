@@ -54,7 +54,7 @@ async def sse_events(resp: aiohttp.ClientResponse) -> list[str]:
     events = []
     async for line in resp.content:
         line = line.decode().strip()
-        if line:
+        if line and not line.startswith("event: "):  # `event: error` precedes a mid-stream error
             assert line.startswith("data: ")
             events.append(line.removeprefix("data: "))
     return events
@@ -195,3 +195,52 @@ async def test_metrics_parse_and_carry_vllm_names(base_url: str, http: aiohttp.C
     assert value("vllm:prompt_tokens", "vllm:prompt_tokens_total") >= 2
     assert value("vllm:time_to_first_token_seconds", "vllm:time_to_first_token_seconds_count") >= 1
     assert value("vllm:num_requests_running", "vllm:num_requests_running") == 0
+
+
+async def test_sigterm_drains_then_fails_what_is_left_and_exits(smollm2_dir: Path, tmp_path: Path) -> None:
+    """`kvstore-engine serve` on SIGTERM: no new requests; in-flight ones get --shutdown-timeout, then a
+    503 (JSON, or an SSE error event and [DONE] for a stream that started); the process exits 0."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "engine", "serve", "--model", str(smollm2_dir), "--port", str(port),
+         "--max-model-len", "1024", "--kv-cache-memory", "48MiB", "--shutdown-timeout", "1"],
+        cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "stderr", "wb"),
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
+            for _ in range(600):
+                try:
+                    async with http.get(f"{url}/health") as r:
+                        if r.status == 200:
+                            break
+                except aiohttp.ClientError:
+                    assert proc.poll() is None, (tmp_path / "stderr").read_text()[-2000:]
+                    await asyncio.sleep(0.2)
+            long = {"prompt": "Count from one to one thousand:", "max_tokens": 900, "ignore_eos": True}
+            plain = asyncio.create_task(http.post(f"{url}/v1/completions", json=long))
+            async with http.post(f"{url}/v1/completions", json={**long, "stream": True}) as r:
+                assert (await r.content.readline()).startswith(b"data: ")
+                proc.send_signal(signal.SIGTERM)
+                events = await sse_events(r)
+            assert events[-1] == "[DONE]"
+            err = json.loads(events[-2])["error"]
+            assert err["code"] == 503 and "shutting down" in err["message"]
+            assert len(events) < 900, "the stream was cut short, not run to its end"
+            r = await plain
+            assert r.status == 503 and "shutting down" in (await r.json())["error"]["message"]
+        assert await asyncio.get_running_loop().run_in_executor(None, proc.wait, 60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
