@@ -16,7 +16,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 
@@ -37,13 +37,17 @@ logger = logging.getLogger(__name__)
 ENGINE_KEY = web.AppKey("async_engine", AsyncEngine)
 MAX_BODY_BYTES = 8 * 2**20
 _PARSE_OFF_LOOP_BYTES = 256 * 2**10  # bigger bodies are parsed in the tokenizer pool
+R = TypeVar("R", CompletionRequest, ChatCompletionRequest)
 
 
-async def _json_body(request: web.Request) -> dict:
+async def _read(request: web.Request, cls: type[R]) -> R:
+    """The body as a validated request; a big one is parsed and validated off the event loop."""
     raw = await request.read()  # HTTPRequestEntityTooLarge past client_max_size
-    if len(raw) > _PARSE_OFF_LOOP_BYTES:
-        return await request.app[ENGINE_KEY].off_loop(parse_json, raw)
-    return parse_json(raw)
+
+    def parse() -> R:
+        return cls.from_body(parse_json(raw))
+
+    return await request.app[ENGINE_KEY].off_loop(parse) if len(raw) > _PARSE_OFF_LOOP_BYTES else parse()
 
 
 def _check_model(engine: LLMEngine, model: str | None) -> None:
@@ -118,7 +122,7 @@ def _tokenize_chat(engine: LLMEngine, req: ChatCompletionRequest) -> list[int]:
 async def completions(request: web.Request) -> web.StreamResponse:
     aengine = request.app[ENGINE_KEY]
     engine = aengine.engine
-    req = CompletionRequest.from_body(await _json_body(request))
+    req = await _read(request, CompletionRequest)
     _check_model(engine, req.model)
     prompts = req.prompts()
     if req.stream and len(prompts) != 1:
@@ -154,7 +158,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     aengine = request.app[ENGINE_KEY]
     engine = aengine.engine
-    req = ChatCompletionRequest.from_body(await _json_body(request))
+    req = await _read(request, ChatCompletionRequest)
     _check_model(engine, req.model)
     prompt = await aengine.off_loop(_tokenize_chat, engine, req)
     max_tokens = resolve_max_tokens(req.requested_max_tokens, len(prompt), engine.max_model_len, None)
