@@ -1,5 +1,6 @@
-"""On a CUDA machine: run the gpu tier tests and the vLLM connector's CUDA tests, then print the gpu tier's put/get GB/s side by side with a
-raw pinned host<->device copy and a device-to-device copy of the same size, measured in this run.
+"""On a CUDA machine: run the gpu tier tests and the vLLM connector's CUDA tests, then print the gpu
+tier's put/get GB/s side by side with a raw pinned host<->device copy and a device-to-device copy of
+the same size, measured in this run.
 
     python benchmarks/gpu_check.py [--sizes-mib 1 4 16 64] [--reps 10] [--skip-tests]
 
