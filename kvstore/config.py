@@ -35,6 +35,7 @@ class StoreConfig(BaseModel):
     redis_url: str = "redis://127.0.0.1:6379/0"
     redis_prefix: str = "kvstore:"
     redis_cluster: bool = False
+    redis_max_invalidated: int = Field(100_000, ge=1)  # deletes/replaces an outage may leave to replay
     write_policy: Literal["through", "back"] = "through"
     write_back_queue: int = 256  # blobs waiting for lower tiers before puts start to drop
     admission_hits: int = 0  # a blob reaches lower tiers only after this many hits (0: always)

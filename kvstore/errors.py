@@ -66,9 +66,16 @@ class NotFound(KVStoreError, KeyError):
 
 
 class Unavailable(KVStoreError):
-    """The server or a backing service cannot be reached."""
+    """The server or a backing service cannot be reached (or is busy: retry after a moment)."""
 
     status = 503
+
+
+class NotStored(KVStoreError):
+    """A put that no tier stored: disk full, no file descriptors left, an I/O error... The message
+    names each tier and its errno. (A put some tiers stored succeeds and names them.)"""
+
+    status = 507
 
 
 class ConfigError(KVStoreError, ValueError):

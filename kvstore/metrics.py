@@ -19,7 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvstore.miss_log import MISS_REASONS
-from kvstore.tiers.base import Tier
+from kvstore.tiers.base import DROP_REASONS, Tier
 
 LATENCY_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
 
@@ -38,8 +38,9 @@ class _TierCollector(Collector):
         err = CounterMetricFamily("kvstore_tier_errors", "Backend failures per tier", labels=["tier"])
         drop = CounterMetricFamily(
             "kvstore_dropped_writes",
-            "Writes to a tier dropped (full write-back queue, failed put)",
-            labels=["tier"],
+            "Writes a tier did not store, by reason (no_space, no_fds, io_error, unavailable, too_large, "
+            "queue_full...)",
+            labels=["tier", "reason"],
         )
         for t in m.tiers:
             usage.add_metric([t.name], t.usage())
@@ -48,7 +49,8 @@ class _TierCollector(Collector):
             ev.add_metric([t.name], t.stats.evictions)
             exp.add_metric([t.name], t.stats.expired)
             err.add_metric([t.name], t.stats.errors + m.store_errors[t.name])
-            drop.add_metric([t.name], t.stats.dropped_puts + m.store_drops[t.name])
+        for (tier, reason), n in sorted(m.store_drops.items()):
+            drop.add_metric([tier, reason], n)
         yield from (usage, cap, keys, ev, exp, err, drop)
 
 
@@ -96,7 +98,8 @@ class StoreMetrics:
         )
         self._lock = threading.Lock()
         self.store_errors = {t.name: 0 for t in self.tiers}  # exceptions that escaped a tier
-        self.store_drops = {t.name: 0 for t in self.tiers}  # write-back queue overflow
+        # (tier, reason) -> writes it did not store; every pair exported from the start, at zero
+        self.store_drops = {(t.name, r): 0 for t in self.tiers for r in DROP_REASONS}
         # labelled children resolved once: `.labels()` costs microseconds on every read otherwise
         self.tier = {t.name: TierCounters(self, t.name) for t in self.tiers}
         self._op: dict[str, Any] = {}
@@ -106,9 +109,9 @@ class StoreMetrics:
         with self._lock:
             self.store_errors[tier.name] += 1
 
-    def count_drop(self, tier: Tier) -> None:
+    def count_drop(self, tier: Tier, reason: str) -> None:
         with self._lock:
-            self.store_drops[tier.name] += 1
+            self.store_drops[(tier.name, reason)] = self.store_drops.get((tier.name, reason), 0) + 1
 
     @contextmanager
     def time(self, op: str) -> Iterator[None]:
@@ -129,8 +132,9 @@ class StoreMetrics:
         """A JSON-able snapshot: per tier and overall (served at /v1/stats)."""
         samples: dict[tuple[str, str], float] = {}
         for metric in self.registry.collect():
-            for s in metric.samples:
-                samples[(s.name, s.labels.get("tier", ""))] = s.value
+            for s in metric.samples:  # summed over labels other than tier (the drop reasons)
+                k = (s.name, s.labels.get("tier", ""))
+                samples[k] = samples.get(k, 0.0) + s.value
         tiers = []
         for t in self.tiers:
 

@@ -13,9 +13,13 @@
   write, so an upper-tier copy lives `ttl` from its promotion.
 Every miss has a reason (kvstore/miss_log.py: not_stored, evicted, expired, corrupt, unreachable),
 counted in `kvstore_miss_reasons_total` and handed to callers that ask (`lookup`, `reasons=`).
-Tiers promise not to raise (Tier protocol); an exception that escapes one anyway is logged, counted
-in `kvstore_tier_errors_total` and treated as a miss / a dropped write, so one sick tier never takes
-the store down.
+- Acknowledgements (kvstore/acks.py): a put returns the tiers that hold each blob; one that no tier
+  stored (disk full, no file descriptors...) raises, naming each tier and its errno; so does a put or
+  delete after which a tier may still serve an older blob. A read error of a blob a tier holds is an
+  error (Unavailable) unless another tier serves the key, never a miss that hides it.
+Tiers raise only TierWriteError / TierReadError (Tier protocol); any other exception that escapes one
+is logged, counted in `kvstore_tier_errors_total` and treated as a miss / a dropped write, so one
+sick tier never takes the store down.
 """
 
 from __future__ import annotations
@@ -24,21 +28,23 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Any
 
+from kvstore import tier_calls
+from kvstore.acks import put_error, stale_error
 from kvstore.blob import BlobHeader, verify_blob
 from kvstore.config import StoreConfig
-from kvstore.errors import ConfigError, CorruptBlob, InvalidArgument, TooLarge
+from kvstore.errors import ConfigError, CorruptBlob, InvalidArgument, TooLarge, Unavailable
 from kvstore.keys import validate_key
 from kvstore.lru import check_ttl
 from kvstore.metrics import StoreMetrics
 from kvstore.miss_log import MissLog
 from kvstore.tiers import Blob, Tier, make_tier
+from kvstore.tiers.base import QUEUE_FULL, TierWriteError
 from kvstore.write_back import WriteBack
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
 Verified = tuple[Blob, BlobHeader]  # a blob and the header its checksum pass parsed
 MAX_PROBATION = 1 << 20  # keys waiting for admission that the store remembers
 
@@ -79,15 +85,7 @@ class TieredStore:
                 self.config.write_back_queue, self._write_down, self._delete_down, self._drop_down
             )
 
-    # -- guarded tier calls --------------------------------------------------------------------------
-
-    def _call(self, tier: Tier, what: str, fn: Callable[..., T], *args: Any, default: T) -> T:
-        try:
-            return fn(*args)
-        except Exception:  # a tier broke its no-raise promise: count it, never let it take the store down
-            logger.exception("tier %s failed in %s", tier.name, what)
-            self.metrics.count_error(tier)
-            return default
+    # -- writes below the top tier ---------------------------------------------------------------------
 
     def _failures(self, tier: Tier) -> float:
         """Everything that counts a failed call of `tier` (a rise during a read: it was unreachable)."""
@@ -99,40 +97,40 @@ class TieredStore:
         self.metrics.miss_reason[reason].inc()
         return reason
 
-    def _put_tier(self, tier: Tier, items: Sequence[tuple[str, bytes]]) -> None:
-        evicted = self._call(tier, "put", tier.put_many, items, self._ttl, default=None)
-        if evicted is None:
-            for _ in items:
-                self.metrics.count_drop(tier)
-            return
-        self.metrics.tier[tier.name].written_bytes.inc(sum(len(b) for _, b in items))
+    def _put_tier(self, tier: Tier, items: Sequence[tuple[str, bytes]]) -> TierWriteError | None:
+        evicted, error = tier_calls.put(self.metrics, tier, items, self._ttl)
         if evicted and self._admission and tier is self.tiers[0]:
             with self._lock:
                 for key in evicted:
                     self._probation.pop(key, None)
+        return error
 
     def _write_down(self, key: str, blob: bytes) -> None:
+        """The write-back thread's write: the put was acknowledged already, so a failure is logged."""
         for tier in self.tiers[1:]:
-            self._put_tier(tier, [(key, blob)])
+            error = self._put_tier(tier, [(key, blob)])
+            if error is not None and error.stale:
+                logger.error(
+                    "write-back of %s: %s may serve an older blob (%s)", key, tier.name, error.detail
+                )
 
     def _delete_down(self, key: str) -> None:
         for tier in self.tiers[1:]:
-            self._call(tier, "delete", tier.delete, key, default=False)
+            tier_calls.delete(self.metrics, tier, key)
 
     def _drop_down(self, key: str) -> None:
         for tier in self.tiers[1:]:
-            self.metrics.count_drop(tier)
+            self.metrics.count_drop(tier, QUEUE_FULL)
 
     def _write_lower(self, items: Sequence[tuple[str, bytes]]) -> None:
-        """Write items to every tier below the top, by the write policy."""
-        lower = self.tiers[1:]
-        if not lower or not items:
+        """Admitted blobs (admission_hits): down to every lower tier, by the write policy."""
+        if len(self.tiers) < 2 or not items:
             return
-        if self._write_back is None:
-            for tier in lower:
-                self._put_tier(tier, items)
+        if self._write_back is not None:
+            self._write_back.submit(items)
             return
-        self._write_back.submit(items)
+        for tier in self.tiers[1:]:
+            self._put_tier(tier, items)
 
     # -- reads -----------------------------------------------------------------------------------------
 
@@ -143,20 +141,22 @@ class TieredStore:
             logger.warning("corrupt blob %s in tier %s (%s): deleted", key, tier.name, e)
             self.metrics.tier[tier.name].corrupt.inc()
             self.miss_log.corrupt(key)
-            self._call(tier, "delete", tier.delete, key, default=False)
+            try:
+                tier_calls.delete(self.metrics, tier, key)
+            except TierWriteError as d:  # it stays, but it fails verification on every read
+                logger.warning("cannot delete corrupt blob %s from %s: %s", key, tier.name, d.detail)
             return None
 
     def _lookup(self, keys: Sequence[str], reasons: list[str | None] | None = None) -> list[Verified | None]:
         out: list[Verified | None] = [None] * len(keys)
         pending = list(range(len(keys)))
         why: dict[int, str] = {}  # what this read saw: "corrupt", or "unreachable" for a failing tier
+        read_errors: dict[str, str] = {}  # key -> a read error of a blob a tier holds
         for level, tier in enumerate(self.tiers):
             if not pending:
                 break
             failures = self._failures(tier)
-            blobs = self._call(tier, "get", tier.get_many, [keys[j] for j in pending], default=None)
-            if blobs is None:
-                blobs = [None] * len(pending)
+            blobs = tier_calls.get_many(self.metrics, tier, [keys[j] for j in pending], read_errors)
             if self._failures(tier) > failures:
                 why.update((j, "unreachable") for j in pending if j not in why)
             counters = self.metrics.tier[tier.name]
@@ -191,6 +191,9 @@ class TieredStore:
             reason = self._miss(keys[j], why.get(j))
             if reasons is not None:
                 reasons[j] = reason
+        failed = [keys[j] for j in pending if keys[j] in read_errors]
+        if failed:  # never a miss that hides an error: the blob may be stored, unreadable now
+            raise Unavailable(f"cannot read {failed[0]}: {read_errors[failed[0]]}")
         return out
 
     def _count_reads(self, found: list[tuple[str, Blob]]) -> None:
@@ -235,7 +238,7 @@ class TieredStore:
             return self._lookup(list(keys), reasons)
 
     def _contains(self, tier: Tier, key: str) -> bool:
-        return self._call(tier, "contains", tier.contains, key, default=False)
+        return tier_calls.call(self.metrics, tier, "contains", tier.contains, key, default=False)
 
     def _present(self, keys: Sequence[str]) -> list[bool]:
         """Which keys some tier holds: tier by tier, batched where a tier offers `contains_many`."""
@@ -246,8 +249,8 @@ class TieredStore:
                 break
             many = getattr(tier, "contains_many", None)  # optional: one round trip for remote tiers
             if many is not None:
-                hits = self._call(
-                    tier, "contains", many, [keys[j] for j in todo], default=[False] * len(todo)
+                hits = tier_calls.call(
+                    self.metrics, tier, "contains", many, [keys[j] for j in todo], default=[False] * len(todo)
                 )
             else:
                 hits = [self._contains(tier, keys[j]) for j in todo]
@@ -300,7 +303,12 @@ class TieredStore:
         verify_blob(blob)  # raises CorruptBlob: nothing is stored
         return blob if isinstance(blob, bytes) else bytes(blob)  # immutable: tiers and the queue keep it
 
-    def _store(self, items: list[tuple[str, bytes]]) -> None:
+    def _store(self, items: list[tuple[str, bytes]]) -> list[list[str]]:
+        """Write `items`; return the tiers now holding each, or raise what `acks.put_error` says.
+
+        The top tier first; then every lower tier (write-through), or the write-back queue, or (with
+        admission) nothing yet. A blob the top tier could not store goes down to the lower tiers at
+        once whatever the policy: an acknowledgement needs a tier that holds it."""
         if self._closed:
             raise InvalidArgument("the store is closed")
         with self._lock:
@@ -312,25 +320,60 @@ class TieredStore:
                     self._probation.move_to_end(key)
             while len(self._probation) > MAX_PROBATION:
                 self._probation.popitem(last=False)
-        self._put_tier(self.tiers[0], items)
-        self.miss_log.written([k for k, _ in items], time.monotonic())
-        if not self._admission:
-            self._write_lower(items)
+        top, lower = self.tiers[0], self.tiers[1:]
+        errors: list[TierWriteError] = []
+        stored_in: list[list[str]] = [[] for _ in items]
 
-    def put_blob(self, key: str, blob: Blob) -> None:
-        """Store a blob (verified first; CorruptBlob / TooLarge / InvalidKey and nothing stored)."""
+        def put(tier: Tier, idx: list[int]) -> list[int]:  # the indices it did not store
+            error = self._put_tier(tier, [items[i] for i in idx])
+            if error is not None:
+                errors.append(error)
+            for i in idx:
+                if error is None or items[i][0] not in error.failed:
+                    stored_in[i].append(tier.name)
+            return [i for i in idx if error is not None and items[i][0] in error.failed]
+
+        everything = list(range(len(items)))
+        not_on_top = put(top, everything)
+        if lower:
+            if self._admission or self._write_back is not None:
+                sync = not_on_top
+                queued = [] if self._admission else [i for i in everything if i not in set(not_on_top)]
+            else:
+                sync, queued = everything, []
+            for tier in lower:
+                if sync:
+                    put(tier, sync)
+            if queued:
+                assert self._write_back is not None
+                self._write_back.submit([items[i] for i in queued])
+        self.miss_log.written(
+            [k for (k, _), tiers in zip(items, stored_in, strict=True) if tiers], time.monotonic()
+        )
+        error = put_error([k for k, _ in items], stored_in, errors)
+        if error is not None:
+            raise error
+        return stored_in
+
+    def put_blob(self, key: str, blob: Blob) -> list[str]:
+        """Store a blob (verified first; CorruptBlob / TooLarge / InvalidKey and nothing stored).
+        Returns the tiers that hold it now; raises NotStored / Unavailable / TooLarge (kvstore.acks)
+        when no tier stored it, or when a tier may still serve an older blob of the key."""
         item = (key, self._checked(key, blob))
         with self.metrics.time("put"):
-            self._store([item])
+            return self._store([item])[0]
 
-    def batch_put(self, items: Sequence[tuple[str, Blob]]) -> None:
-        """Store several blobs; every one is checked before any is stored."""
+    def batch_put(self, items: Sequence[tuple[str, Blob]]) -> list[list[str]]:
+        """Store several blobs; every one is checked before any is stored. Returns each one's tiers;
+        raises as `put_blob` does if any blob was not stored (the error's `stored_in` says the rest)."""
         checked = [(key, self._checked(key, blob)) for key, blob in items]
         with self.metrics.time("batch_put"):
-            self._store(checked)
+            return self._store(checked)
 
     def delete(self, key: str) -> bool:
-        """Remove `key` from every tier (and any queued write-back of it). True if any tier had it."""
+        """Remove `key` from every tier (and any queued write-back of it). True if any tier had it.
+        Raises Unavailable when a tier it may be in could not be reached and cannot remember to
+        delete it later: the delete did not happen there, and an older blob may be served."""
         validate_key(key)
         with self.metrics.time("delete"):
             if self._write_back is not None:
@@ -338,7 +381,16 @@ class TieredStore:
             with self._lock:
                 self._probation.pop(key, None)
             self.miss_log.forget(key)
-            return any([self._call(t, "delete", t.delete, key, default=False) for t in self.tiers])
+            found, errors = False, []
+            for tier in self.tiers:
+                try:
+                    found = tier_calls.delete(self.metrics, tier, key) or found
+                except TierWriteError as e:
+                    errors.append(e)
+            error = stale_error(errors, "delete")
+            if error is not None:
+                raise error
+            return found
 
     # -- lifecycle ---------------------------------------------------------------------------------------
 
@@ -361,7 +413,7 @@ class TieredStore:
         if self._write_back is not None:
             self._write_back.close()
         for tier in self.tiers:
-            self._call(tier, "close", tier.close, default=None)
+            tier_calls.call(self.metrics, tier, "close", tier.close, default=None)
 
     def __enter__(self) -> TieredStore:
         return self

@@ -13,6 +13,11 @@ batch frame, all little-endian:
 
 A frame's total length is exactly 8 + H + sum(len >= 0); anything else is malformed. Errors are JSON
 `{"error": "<message>", "type": "<exception class name>"}` with the status of that exception class.
+
+Acknowledgements say what was stored: a 201 for one chunk names the tiers holding it in
+`X-KVStore-Stored-In` (e.g. `cpu,disk`); a batch put answers `{"stored": N, "stored_in": [[tier, ...],
+...]}` in key order. A put no tier stored is an error (507 NotStored, 503 Unavailable, 413 TooLarge);
+a batch error body adds the same `stored_in` list, so a client knows which blobs did land.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ BLOB_CONTENT_TYPE = "application/octet-stream"
 BATCH_CONTENT_TYPE = "application/x-kvstore-batch"
 JSON_CONTENT_TYPE = "application/json"
 WIRE_VERSION_HEADER = "X-KVStore-Wire"
+STORED_IN_HEADER = "X-KVStore-Stored-In"  # on a 201 for one chunk: the tiers holding it, comma-separated
 WIRE_VERSION = "1"
 MISS_REASON_HEADER = "X-KVStore-Miss-Reason"  # on a 404 from GET /v1/chunks/{key} (kvstore/miss_log.py)
 MAX_BATCH_KEYS = 4096
@@ -196,11 +202,12 @@ def error_from_response(status: int, body: bytes | str | None) -> KVStoreError:
     """Rebuild the typed exception a server sent; unknown or unparsable bodies map by status code."""
     import json  # noqa: PLC0415 (cold path)
 
-    message, type_name = f"HTTP {status}", None
+    message, type_name, stored_in = f"HTTP {status}", None, None
     if body:
         try:
             data = json.loads(body)
             message, type_name = str(data.get("error", message)), data.get("type")
+            stored_in = data.get("stored_in")
         except (ValueError, AttributeError):
             text = body.decode(errors="replace") if isinstance(body, bytes) else body
             message = f"HTTP {status}: {text[:200]}"
@@ -209,6 +216,8 @@ def error_from_response(status: int, body: bytes | str | None) -> KVStoreError:
         cls = _BY_STATUS.get(status, KVStoreError if status < 500 else errors.Unavailable)
     exc = cls(message)
     exc.status = status  # the status the server actually sent, e.g. 405 for an InvalidArgument
+    if isinstance(stored_in, list):  # a failed batch put: which blobs did land, and where
+        exc.stored_in = stored_in  # type: ignore[attr-defined]
     return exc
 
 
@@ -226,4 +235,5 @@ _BY_STATUS: dict[int, type[KVStoreError]] = {
     502: errors.Unavailable,
     503: errors.Unavailable,
     504: errors.Unavailable,
+    507: errors.NotStored,
 }

@@ -29,8 +29,8 @@ class LocalBackend:
     def batch_get_verified(self, keys: Sequence[str]) -> list[tuple[Blob, BlobHeader] | None]:
         return self.store.batch_get_verified(keys)
 
-    def put_blob(self, key: str, blob: Blob) -> None:
-        self.store.put_blob(key, blob)
+    def put_blob(self, key: str, blob: Blob) -> list[str]:
+        return self.store.put_blob(key, blob)
 
     def exists(self, key: str) -> bool:
         return self.store.exists(key)
@@ -41,8 +41,8 @@ class LocalBackend:
     def batch_get(self, keys: Sequence[str], reasons: list[str | None] | None = None) -> list[Blob | None]:
         return self.store.batch_get(keys, reasons)
 
-    def batch_put(self, items: Sequence[tuple[str, Blob]]) -> None:
-        self.store.batch_put(items)
+    def batch_put(self, items: Sequence[tuple[str, Blob]]) -> list[list[str]]:
+        return self.store.batch_put(items)
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         return self.store.batch_exists(keys)
@@ -68,8 +68,8 @@ class LocalBackend:
     async def abatch_get_verified(self, keys: Sequence[str]) -> list[tuple[Blob, BlobHeader] | None]:
         return await asyncio.to_thread(self.store.batch_get_verified, keys)
 
-    async def aput_blob(self, key: str, blob: Blob) -> None:
-        await asyncio.to_thread(self.store.put_blob, key, blob)
+    async def aput_blob(self, key: str, blob: Blob) -> list[str]:
+        return await asyncio.to_thread(self.store.put_blob, key, blob)
 
     async def aexists(self, key: str) -> bool:
         return await asyncio.to_thread(self.store.exists, key)
@@ -80,8 +80,8 @@ class LocalBackend:
     async def abatch_get(self, keys: Sequence[str]) -> list[Blob | None]:
         return await asyncio.to_thread(self.store.batch_get, keys)
 
-    async def abatch_put(self, items: Sequence[tuple[str, Blob]]) -> None:
-        await asyncio.to_thread(self.store.batch_put, items)
+    async def abatch_put(self, items: Sequence[tuple[str, Blob]]) -> list[list[str]]:
+        return await asyncio.to_thread(self.store.batch_put, items)
 
     async def abatch_exists(self, keys: Sequence[str]) -> list[bool]:
         return await asyncio.to_thread(self.store.batch_exists, keys)

@@ -277,8 +277,9 @@ class RemoteBackend:
         resp = self.request("GET", wire.chunk_path(validate_key(key)))
         return None if resp.status == 404 else resp.body
 
-    def put_blob(self, key: str, blob: Blob) -> None:
-        self.request("PUT", wire.chunk_path(validate_key(key)), [blob])
+    def put_blob(self, key: str, blob: Blob) -> list[str]:
+        resp = self.request("PUT", wire.chunk_path(validate_key(key)), [blob])
+        return _tiers(resp.headers.get(wire.STORED_IN_HEADER.lower()))
 
     def exists(self, key: str) -> bool:
         return self.request("HEAD", wire.chunk_path(validate_key(key))).status == 200
@@ -297,16 +298,17 @@ class RemoteBackend:
             reasons[:] = _miss_reasons(resp.body, blobs)
         return blobs
 
-    def batch_put(self, items: Sequence[tuple[str, Blob]]) -> None:
+    def batch_put(self, items: Sequence[tuple[str, Blob]]) -> list[list[str]]:
         if not items:
-            return
+            return []
         keys = [validate_key(k) for k, _ in items]
-        self.request(
+        resp = self.request(
             "POST",
             wire.BATCH_PUT_PATH,
             wire.encode_frame(keys, [b for _, b in items]),
             wire.BATCH_CONTENT_TYPE,
         )
+        return resp.json()["stored_in"]
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         if not keys:
@@ -342,6 +344,12 @@ class RemoteBackend:
     async def _arequest(
         self, method: str, path: str, data: Any = None, content_type: str = wire.BLOB_CONTENT_TYPE
     ) -> tuple[int, bytes]:
+        status, _, body = await self._arequest_headers(method, path, data, content_type)
+        return status, body
+
+    async def _arequest_headers(
+        self, method: str, path: str, data: Any = None, content_type: str = wire.BLOB_CONTENT_TYPE
+    ) -> tuple[int, Any, bytes]:
         import aiohttp  # noqa: PLC0415 (only async users pay for it)
 
         loop = asyncio.get_running_loop()
@@ -360,7 +368,7 @@ class RemoteBackend:
         for attempt in range(self.retries + 1):
             try:
                 async with self._session.request(method, self.url + path, data=data, headers=headers) as resp:
-                    status, body = resp.status, await resp.read()
+                    status, resp_headers, body = resp.status, resp.headers, await resp.read()
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
                 if attempt == self.retries:
                     raise Unavailable(f"{method} {self.url}{path} failed: {e!r}") from None
@@ -371,7 +379,7 @@ class RemoteBackend:
                 continue
             if status >= 400 and not (status == 404 and path.startswith(wire.CHUNKS_PATH)):
                 raise wire.error_from_response(status, body)
-            return status, body
+            return status, resp_headers, body
         raise AssertionError("unreachable")
 
     async def _akeys(self, path: str, keys: Sequence[str]) -> bytes:
@@ -385,8 +393,9 @@ class RemoteBackend:
         status, body = await self._arequest("GET", wire.chunk_path(validate_key(key)))
         return None if status == 404 else body
 
-    async def aput_blob(self, key: str, blob: Blob) -> None:
-        await self._arequest("PUT", wire.chunk_path(validate_key(key)), blob)
+    async def aput_blob(self, key: str, blob: Blob) -> list[str]:
+        _, headers, _ = await self._arequest_headers("PUT", wire.chunk_path(validate_key(key)), blob)
+        return _tiers(headers.get(wire.STORED_IN_HEADER))
 
     async def aexists(self, key: str) -> bool:
         return (await self._arequest("HEAD", wire.chunk_path(validate_key(key))))[0] == 200
@@ -402,12 +411,13 @@ class RemoteBackend:
             raise InvalidArgument("server answered a batch get with other keys than asked")
         return blobs
 
-    async def abatch_put(self, items: Sequence[tuple[str, Blob]]) -> None:
+    async def abatch_put(self, items: Sequence[tuple[str, Blob]]) -> list[list[str]]:
         if not items:
-            return
+            return []
         keys = [validate_key(k) for k, _ in items]
         body = b"".join(wire.encode_frame(keys, [b for _, b in items]))
-        await self._arequest("POST", wire.BATCH_PUT_PATH, body, wire.BATCH_CONTENT_TYPE)
+        _, reply = await self._arequest("POST", wire.BATCH_PUT_PATH, body, wire.BATCH_CONTENT_TYPE)
+        return json.loads(reply)["stored_in"]
 
     async def abatch_exists(self, keys: Sequence[str]) -> list[bool]:
         if not keys:
@@ -449,3 +459,8 @@ def _miss_reasons(frame: Any, blobs: Sequence[Blob | None]) -> list[str | None]:
         None if b is not None else (r if isinstance(r, str) else "not_stored")
         for b, r in zip(blobs, given, strict=True)
     ]
+
+
+def _tiers(header: str | None) -> list[str]:
+    """The tiers an acknowledgement names (`X-KVStore-Stored-In: cpu,disk`)."""
+    return [t for t in (header or "").split(",") if t]

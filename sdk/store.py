@@ -107,8 +107,9 @@ class Store:
 
     # -- sync --------------------------------------------------------------------------------------------
 
-    def put(self, key: str, kv_or_blob: KVOrBlob) -> None:
-        self.backend.put_blob(key, self.encode(kv_or_blob))
+    def put(self, key: str, kv_or_blob: KVOrBlob) -> list[str]:
+        """Store a chunk; returns the tiers that hold it (NotStored / Unavailable if none does)."""
+        return self.backend.put_blob(key, self.encode(kv_or_blob))
 
     def get(self, key: str, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """The KV tensor under `key` or None; `out` (right shape and dtype) receives it without allocating."""
@@ -126,8 +127,8 @@ class Store:
     def delete(self, key: str) -> bool:
         return self.backend.delete(key)
 
-    def batch_put(self, items: Sequence[tuple[str, KVOrBlob]]) -> None:
-        self.backend.batch_put([(key, self.encode(x)) for key, x in items])
+    def batch_put(self, items: Sequence[tuple[str, KVOrBlob]]) -> list[list[str]]:
+        return self.backend.batch_put([(key, self.encode(x)) for key, x in items])
 
     def batch_get(self, keys: Sequence[str]) -> list[torch.Tensor | None]:
         if isinstance(self.backend, LocalBackend):
@@ -174,8 +175,8 @@ class Store:
     # -- async -------------------------------------------------------------------------------------------
     # encoding and decoding move whole chunks (and lossy codecs are slow), so they leave the event loop
 
-    async def aput(self, key: str, kv_or_blob: KVOrBlob) -> None:
-        await self.backend.aput_blob(key, await asyncio.to_thread(self.encode, kv_or_blob))
+    async def aput(self, key: str, kv_or_blob: KVOrBlob) -> list[str]:
+        return await self.backend.aput_blob(key, await asyncio.to_thread(self.encode, kv_or_blob))
 
     async def aget(self, key: str, out: torch.Tensor | None = None) -> torch.Tensor | None:
         if isinstance(self.backend, LocalBackend):
@@ -193,9 +194,9 @@ class Store:
     async def adelete(self, key: str) -> bool:
         return await self.backend.adelete(key)
 
-    async def abatch_put(self, items: Sequence[tuple[str, KVOrBlob]]) -> None:
+    async def abatch_put(self, items: Sequence[tuple[str, KVOrBlob]]) -> list[list[str]]:
         blobs = await asyncio.to_thread(lambda: [(key, self.encode(x)) for key, x in items])
-        await self.backend.abatch_put(blobs)
+        return await self.backend.abatch_put(blobs)
 
     async def abatch_get(self, keys: Sequence[str]) -> list[torch.Tensor | None]:
         if isinstance(self.backend, LocalBackend):

@@ -25,9 +25,9 @@ _HTTP_TYPES = {404: "NotFound", 405: "MethodNotAllowed", 411: "InvalidArgument",
 
 
 def json_error(
-    status: int, message: str, type_name: str, headers: dict[str, str] | None = None
+    status: int, message: str, type_name: str, headers: dict[str, str] | None = None, **extra: object
 ) -> web.Response:
-    body = json.dumps({"error": message, "type": type_name}).encode()
+    body = json.dumps({"error": message, "type": type_name, **extra}).encode()
     resp = web.Response(status=status, body=body, content_type=wire.JSON_CONTENT_TYPE, headers=headers)
     return resp
 
@@ -36,7 +36,8 @@ def error_response(exc: BaseException, request: web.BaseRequest | None = None) -
     """The JSON response for any exception a handler raised. Only a bug in the server gives a 500."""
     if isinstance(exc, KVStoreError):
         headers = {"WWW-Authenticate": 'Bearer realm="kvstore"'} if isinstance(exc, Unauthorized) else None
-        resp = json_error(exc.status, str(exc), type(exc).__name__, headers)
+        extra = {"stored_in": exc.stored_in} if hasattr(exc, "stored_in") else {}  # a failed batch put
+        resp = json_error(exc.status, str(exc), type(exc).__name__, headers, **extra)
     elif isinstance(exc, web.HTTPException):
         type_name = _HTTP_TYPES.get(exc.status, "InvalidArgument" if exc.status < 500 else "KVStoreError")
         headers = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}

@@ -48,9 +48,10 @@ async def put_chunk(request: web.Request) -> web.Response:
         request, st.store_config.max_blob_size, st.config.body_timeout, wire.BLOB_CONTENT_TYPE
     )
     request[BYTES_IN] = len(body)
-    # The store verifies the blob (CorruptBlob -> 422) and its size before storing anything.
-    await st.call(st.store.put_blob, key, body)
-    return web.Response(status=201, headers=_WIRE_HEADERS)
+    # The store verifies the blob (CorruptBlob -> 422) and its size before storing anything, and
+    # raises (507, 503...) when no tier stored it: a 201 says where it is.
+    tiers = await st.call(st.store.put_blob, key, body)
+    return web.Response(status=201, headers={**_WIRE_HEADERS, wire.STORED_IN_HEADER: ",".join(tiers)})
 
 
 @routes.get(wire.CHUNKS_PATH + "/{key}", name="get", allow_head=False)  # HEAD has its own handler
@@ -112,8 +113,8 @@ async def batch_put(request: web.Request) -> web.Response:
     )
     request[BYTES_IN] = sum(len(b) for b in blobs)
     # The store verifies every blob before it stores the first one: a bad batch stores nothing.
-    await st.call(st.store.batch_put, list(zip(keys, blobs, strict=True)))
-    return web.json_response({"stored": len(keys)}, status=201)
+    stored_in = await st.call(st.store.batch_put, list(zip(keys, blobs, strict=True)))
+    return web.json_response({"stored": len(keys), "stored_in": stored_in}, status=201)
 
 
 @routes.post(wire.BATCH_EXISTS_PATH, name="batch_exists")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -46,3 +47,12 @@ def valkey_factory() -> Iterator[Callable[..., ValkeyProcess]]:
     yield make
     for server in started:
         server.close()
+
+
+@pytest.fixture
+def tmpfs() -> Iterator[Path]:
+    """A real 4 MiB tmpfs (ENOSPC after four 1 MiB blobs), unmounted afterwards; skips without root."""
+    from tests.fsfaults import small_tmpfs  # noqa: PLC0415
+
+    with small_tmpfs("4m") as mnt:
+        yield mnt

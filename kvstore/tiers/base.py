@@ -2,11 +2,66 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import errno as _errno
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 Blob = bytes | bytearray | memoryview
+
+# Why a tier did not store a blob: the `reason` label of kvstore_dropped_writes_total. The store adds
+# QUEUE_FULL (write-back overflow) and TIER_ERROR (an exception a tier should not have raised).
+NO_SPACE, NO_FDS, IO_ERROR, UNAVAILABLE, BACKEND_ERROR, TOO_LARGE, QUEUE_FULL, TIER_ERROR = (
+    "no_space", "no_fds", "io_error", "unavailable", "backend_error", "too_large", "queue_full",
+    "tier_error",
+)  # fmt: skip
+DROP_REASONS = (NO_SPACE, NO_FDS, IO_ERROR, UNAVAILABLE, BACKEND_ERROR, TOO_LARGE, QUEUE_FULL, TIER_ERROR)
+
+
+def os_reason(e: OSError) -> str:
+    """The drop reason of an OSError."""
+    if e.errno in (_errno.ENOSPC, _errno.EDQUOT):
+        return NO_SPACE
+    if e.errno in (_errno.EMFILE, _errno.ENFILE):
+        return NO_FDS
+    return IO_ERROR
+
+
+def os_detail(e: OSError) -> str:
+    """`[Errno 28] No space left on device` -> `ENOSPC: No space left on device`."""
+    name = _errno.errorcode.get(e.errno or 0, f"errno {e.errno}")
+    return f"{name}: {e.strerror or e}"
+
+
+class TierReadError(Exception):
+    """Reading blobs a tier holds failed (disk: EMFILE, EIO): not a miss. `blobs` has what was read,
+    None at the keys in `failed` (and at plain misses)."""
+
+    def __init__(self, tier: str, failed: Collection[str], detail: str, blobs: list[Blob | None]) -> None:
+        super().__init__(f"{tier}: {detail}")
+        self.tier, self.failed, self.detail, self.blobs = tier, frozenset(failed), detail, blobs
+
+
+class TierWriteError(Exception):
+    """A put or delete that a tier could not carry out for some keys.
+
+    `failed`: key -> reason (one of the constants above) for every blob the tier did not store;
+    `detail`: what went wrong, naming the errno (for the client's error message and the log);
+    `stale`: keys for which the tier may still serve an OLDER blob, because it could neither replace
+    nor delete it nor remember to (the store then fails the request: no ack may hide that);
+    `evicted`: keys the tier evicted on the way anyway (the put_many return value)."""
+
+    def __init__(
+        self,
+        tier: str,
+        failed: dict[str, str],
+        detail: str,
+        stale: Collection[str] = (),
+        evicted: Iterable[str] = (),
+    ) -> None:
+        super().__init__(f"{tier}: {detail}")
+        self.tier, self.failed, self.detail = tier, failed, detail
+        self.stale, self.evicted = frozenset(stale), list(evicted)
 
 
 @dataclass
@@ -25,13 +80,18 @@ class Tier(Protocol):
     """A byte-capacity-bounded key -> blob map with LRU eviction. Thread-safe.
 
     - `put` stores the blob (replacing any old one), evicting least-recently-used blobs to fit, and
-      returns the keys it evicted. A blob larger than the capacity is not stored (returns [] and the
-      key is absent afterwards).
+      returns the keys it evicted; or it raises TierWriteError naming what it did not store and why
+      (a blob larger than the capacity: TOO_LARGE; disk full: NO_SPACE...). `put_many` stores what it
+      can and raises for the rest. Never an ack for a blob that was not stored.
+    - After a put or delete returns or raises, the tier never serves an older blob of that key: it
+      replaced it, deleted it, or (a backend it cannot reach) remembers the key as invalidated until
+      it can delete it; where it can do none of these it raises with the key in `stale`.
     - `get` returns the blob (bytes-like, never to be mutated by the caller) or None, and marks it
       most recently used. An expired blob is a miss and is removed.
     - `ttl_s`: seconds to live, None for no expiry.
-    - Backend failures never raise out of get/put/contains: a get is a miss, a put is dropped and
-      counted in `stats.errors` / `stats.dropped_puts`.
+    - Backend failures never raise out of get/contains: a get is a miss, counted in `stats.errors`;
+      a read error of a blob the tier holds (disk: EMFILE, EIO) raises OSError instead, so that the
+      store answers an error, not a miss that hides one.
     - Optional: `contains_many(keys) -> list[bool]`. A remote tier should offer it: the store then
       answers `batch_exists` / `lookup_prefix` with one round trip instead of one per key.
     """

@@ -83,8 +83,7 @@ class CpuTier(IndexedTier):
         check_ttl(ttl_s)
         size = memoryview(blob).nbytes
         if size > self.capacity:
-            self.delete(key)
-            return []
+            raise self._too_large(key, size)
         value = self._own(blob)
         expires_at = None if ttl_s is None else self._clock() + ttl_s
         with self._lock:

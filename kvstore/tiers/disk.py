@@ -2,7 +2,6 @@
 
 On-disk layout (the index is only ever rebuilt from this, there is no separate journal):
 
-    <root>/.lock                   flock'ed while a DiskTier owns the directory
     <root>/ab/cd/<key>             a blob without expiry (ab, cd = the key's first 4 hex characters)
     <root>/ab/cd/<key>.x<ms>       a blob that expires at <ms> (Unix time in milliseconds)
     <root>/ab/cd/.tmp-<...>        a write in progress; deleted on start
@@ -13,46 +12,46 @@ half-written file under a real name. Recency is the file's mtime: a put sets it 
 it, so the LRU order survives a restart. The TTL lives in the file name (not in the blob, which the
 tier never parses), so expiry survives a restart too; an expired blob is deleted when met.
 Usage counts blob bytes exactly (file sizes), not temp files in flight or file-system overhead.
+
+The directory is flock'ed while a DiskTier owns it. The index follows the files, not the other way
+round: a read (get, contains) that finds a blob's file gone or replaced by something that is not a
+regular file drops it from the index, so HEAD, exists and lookup agree with GET. A write that cannot
+be done (ENOSPC, EMFILE, any OSError) raises TierWriteError and removes any older blob of the key; a
+read error of a blob it holds raises TierReadError: an error, never a miss that hides one. File
+operations that a hostile or broken directory cannot trip: kvstore/tiers/disk_files.py.
 """
 
 from __future__ import annotations
 
-import fcntl
+import errno
 import itertools
 import logging
 import os
-import re
+import stat
 import threading
 import time
 from pathlib import Path
 
 from kvstore.config import StoreConfig
-from kvstore.errors import ConfigError, InvalidArgument
-from kvstore.keys import is_key, validate_key
+from kvstore.errors import InvalidArgument
+from kvstore.keys import validate_key
 from kvstore.lru import Entry, LRUIndex, check_ttl
-from kvstore.tiers.base import Blob, TierStats
+from kvstore.tiers.base import TOO_LARGE, Blob, TierReadError, TierStats, TierWriteError, os_detail, os_reason
+from kvstore.tiers.disk_files import (
+    TMP_PREFIX,
+    NotRegular,
+    fsync_dir,
+    is_regular,
+    lock_directory,
+    make_dirs,
+    parse_name,
+    read_regular,
+    write_new,
+)
 from kvstore.tiers.indexed import IndexedTier
 
 logger = logging.getLogger(__name__)
-_EXPIRY_RE = re.compile(r"[0-9]{1,20}")
-TMP_PREFIX = ".tmp-"
-
-
-def parse_name(name: str) -> tuple[str, int | None] | None:
-    """(key, expiry ms or None) of a blob file name `<key>` or `<key>.x<ms>`; None for any other name
-    (never a near miss: "<key>\n" is not `<key>`)."""
-    key, sep, expiry = name.partition(".x")
-    if not is_key(key) or (sep and _EXPIRY_RE.fullmatch(expiry) is None):
-        return None
-    return key, int(expiry) if sep else None
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+__all__ = ["DiskTier", "TMP_PREFIX", "parse_name"]
 
 
 class DiskTier(IndexedTier):
@@ -73,20 +72,7 @@ class DiskTier(IndexedTier):
         self._tmp_ids = itertools.count()
         self._shards_made: set[Path] = set()
         self._ttl_seen = False  # sweep expired blobs on put only once some blob has a TTL
-        try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            self._lock_fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:
-            raise ConfigError(f"cannot use {self.root} for the disk tier: {e}") from None
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(self._lock_fd)
-            raise ConfigError(
-                f"{self.root} is in use by another process (a kvstore-server, engine or Store.local with the "
-                "same disk path): stop it, or give this store its own directory (disk_path=, --disk-path, "
-                "KVSTORE_DISK_PATH)"
-            ) from None
+        self._lock_fd = lock_directory(self.root)
         self._load()
 
     @classmethod
@@ -115,11 +101,18 @@ class DiskTier(IndexedTier):
                 logger.warning("disk tier: ignoring %r: not a blob file name", str(path))
                 continue
             key, expiry_ms = parsed
+            try:
+                st = path.lstat()
+            except OSError as e:
+                logger.warning("disk tier: ignoring %r: %s", str(path), e)
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                logger.warning("disk tier: ignoring %r: not a regular file", str(path))
+                continue
             if expiry_ms is not None and expiry_ms <= now_ms:
                 path.unlink(missing_ok=True)
                 self.stats.expired += 1
                 continue
-            st = path.stat()
             if key in found:  # a crash between a rename and the unlink of the old name: keep the newer
                 older = min(found[key], (st.st_mtime_ns, st.st_size, name))
                 self._path(key, older[2]).unlink(missing_ok=True)
@@ -139,23 +132,30 @@ class DiskTier(IndexedTier):
             self.stats.evictions += len(evicted)
         logger.info("disk tier %s: %d blobs, %d bytes", self.root, len(self._index), self._index.used)
 
-    def _unlink(self, entries: list[tuple[str, Entry[str]]]) -> None:
+    def _unlink(self, entries: list[tuple[str, Entry[str]]]) -> list[str]:
+        """Delete the entries' files; returns the keys whose file could not be deleted."""
+        stuck = []
         for key, entry in entries:
             try:
                 self._path(key, entry.value).unlink(missing_ok=True)
             except OSError as e:
                 self.stats.errors += 1
-                logger.warning("disk tier: cannot delete %s: %s", key, e)
+                stuck.append(key)
+                logger.error("disk tier: cannot delete %s: %s (it would come back on restart)", key, e)
+        return stuck
+
+    def _drop(self, key: str, entry: Entry[str], why: str) -> None:
+        """The index said `entry`, the directory disagrees: the directory wins."""
+        with self._lock:
+            if self._index.peek(key) is entry:
+                self._index.pop(key)
+                self.stats.errors += 1
+                logger.warning("disk tier: %s %s; dropped from the index", key, why)
 
     def _make_shard(self, shard: Path) -> None:
-        if shard in self._shards_made:
-            return
-        if not shard.is_dir():
-            shard.mkdir(parents=True, exist_ok=True)
-            if self.fsync:
-                _fsync_dir(shard.parent)
-                _fsync_dir(shard.parent.parent)
-        self._shards_made.add(shard)
+        if shard not in self._shards_made:
+            make_dirs(shard, self.fsync)
+            self._shards_made.add(shard)
 
     # -- the Tier protocol -------------------------------------------------------------------------
 
@@ -180,16 +180,34 @@ class DiskTier(IndexedTier):
                 return None
             path = self._path(key, entry.value)
         try:
-            with open(path, "rb", buffering=0) as f:
-                data = f.readall()
-                os.utime(f.fileno())  # mtime = last use: the LRU order a restart rebuilds
+            return read_regular(path, touch=True)  # mtime = last use: the LRU order a restart rebuilds
         except FileNotFoundError:
-            return None  # deleted or evicted since we looked
+            self._drop(key, entry, "was deleted behind our back")
+        except NotRegular as e:
+            self._drop(key, entry, str(e))
         except OSError as e:
+            if e.errno == errno.ELOOP:
+                self._drop(key, entry, "was replaced by a symlink")
+                return None
             self.stats.errors += 1
             logger.warning("disk tier: cannot read %s: %s", path, e)
-            return None
-        return data
+            raise TierReadError(self.name, [key], f"cannot read {key}: {os_detail(e)}", [None]) from None
+        return None
+
+    def get_many(self, keys: list[str]) -> list[Blob | None]:  # type: ignore[override]
+        out: list[Blob | None] = []
+        failed: list[str] = []
+        detail = ""
+        for key in keys:
+            try:
+                out.append(self.get(key))
+            except TierReadError as e:
+                out.append(None)
+                failed.append(key)
+                detail = e.detail
+        if failed:
+            raise TierReadError(self.name, failed, detail, out)
+        return out
 
     def put(self, key: str, blob: Blob, ttl_s: float | None = None) -> list[str]:
         validate_key(key)  # the key becomes a file name
@@ -197,15 +215,20 @@ class DiskTier(IndexedTier):
         view = memoryview(blob).cast("B")
         size = len(view)
         if size > self.capacity:
-            self.delete(key)
-            return []
+            stale = self._forget(key)
+            raise TierWriteError(
+                self.name,
+                {key: TOO_LARGE},
+                f"blob of {size} bytes is over its capacity {self.capacity}",
+                stale,
+            )
         shard = self._shard(key)
         tmp = shard / f"{TMP_PREFIX}{key}-{os.getpid()}-{next(self._tmp_ids)}"
         expires_at = None if ttl_s is None else time.time() + ttl_s
         fname = key if expires_at is None else f"{key}.x{int(expires_at * 1000)}"
         try:
             self._make_shard(shard)
-            self._write_file(tmp, view)
+            write_new(shard, tmp, view, self.fsync)
             with self._lock:
                 self._ttl_seen = self._ttl_seen or expires_at is not None
                 if self._ttl_seen:  # a cheap sweep of the oldest entries
@@ -219,39 +242,50 @@ class DiskTier(IndexedTier):
                 self._unlink(evicted)
                 self.stats.evictions += len(evicted)
         except OSError as e:
-            tmp.unlink(missing_ok=True)
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
             self.stats.errors += 1
             self.stats.dropped_puts += 1
             logger.warning("disk tier: cannot write %s: %s", key, e)
-            return []
+            stale = self._forget(key)  # never serve an older blob of a key whose put failed
+            raise TierWriteError(self.name, {key: os_reason(e)}, os_detail(e), stale) from None
         if self.fsync:
             try:
-                _fsync_dir(shard)  # makes the rename durable
+                fsync_dir(shard)  # makes the rename durable
             except OSError as e:  # stored and readable, only its durability is in doubt
                 self.stats.errors += 1
                 logger.warning("disk tier: cannot fsync %s: %s", shard, e)
         return [k for k, _ in evicted]
 
-    def _write_file(self, tmp: Path, view: memoryview) -> None:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            written = 0
-            while written < len(view):
-                written += os.write(fd, view[written:])
-            if self.fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
+    def _forget(self, key: str) -> list[str]:
+        """Drop `key` and its file; returns [key] when the file stays (it would come back on restart)."""
+        with self._lock:
+            entry = self._index.pop(key)
+            return self._unlink([(key, entry)]) if entry is not None else []
 
     def contains(self, key: str) -> bool:
         with self._lock:
-            return self._live_entry(key, touch=False) is not None
+            entry = self._live_entry(key, touch=False)
+        if entry is None:
+            return False
+        try:
+            if is_regular(self._path(key, entry.value)):
+                return True
+            self._drop(key, entry, "is not a regular file")
+        except FileNotFoundError:
+            self._drop(key, entry, "was deleted behind our back")
+        except OSError:  # cannot tell (EACCES...): a get will say what it is
+            return True
+        return False
 
     def delete(self, key: str) -> bool:
         with self._lock:
             entry = self._index.pop(key)
-            if entry is not None:
-                self._unlink([(key, entry)])
+            stuck = self._unlink([(key, entry)]) if entry is not None else []
+        if stuck:
+            raise TierWriteError(self.name, {}, f"cannot delete {key}", stale=stuck)
         return entry is not None
 
     def close(self) -> None:

@@ -24,7 +24,7 @@ import torch
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError, InvalidArgument
 from kvstore.lru import Entry, LRUIndex, check_ttl
-from kvstore.tiers.base import Blob, TierStats
+from kvstore.tiers.base import BACKEND_ERROR, NO_SPACE, Blob, TierStats, TierWriteError
 from kvstore.tiers.indexed import IndexedTier
 
 log = logging.getLogger(__name__)
@@ -184,8 +184,7 @@ class GpuTier(IndexedTier):
     ) -> list[str]:
         check_ttl(ttl_s)
         if size > self.capacity:
-            self.delete(key)
-            return []
+            raise self._too_large(key, size)
         with self._lock:  # room first (for the copies in flight too), so the allocation below fits
             expired = self._index.pop_expired(self._clock())
             self._index.pop(key)
@@ -200,7 +199,9 @@ class GpuTier(IndexedTier):
             self.stats.errors += 1
             self.stats.dropped_puts += 1
             log.warning("gpu tier: put of %s (%d B) dropped: %s", key, size, e)
-            return [k for k, _ in evicted]
+            reason = NO_SPACE if isinstance(e, torch.cuda.OutOfMemoryError) else BACKEND_ERROR
+            detail = f"{type(e).__name__}: {str(e)[:200]}"
+            raise TierWriteError(self.name, {key: reason}, detail, evicted=[k for k, _ in evicted]) from None
         finally:
             with self._lock:
                 self._reserved -= size

@@ -6,7 +6,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 
 from kvstore.lru import LRUIndex, check_ttl
-from kvstore.tiers.base import Blob, TierStats
+from kvstore.tiers.base import TOO_LARGE, Blob, TierStats, TierWriteError
 
 
 class IndexedTier:
@@ -54,8 +54,30 @@ class IndexedTier:
         return [self.get(k) for k in keys]
 
     def put_many(self, items: Sequence[tuple[str, Blob]], ttl_s: float | None = None) -> list[str]:
+        """Every item `put` in turn; the failures gathered into one TierWriteError at the end."""
         check_ttl(ttl_s)
         evicted: list[str] = []
+        errors: list[TierWriteError] = []
         for key, blob in items:
-            evicted.extend(self.put(key, blob, ttl_s))
+            try:
+                evicted.extend(self.put(key, blob, ttl_s))
+            except TierWriteError as e:
+                evicted.extend(e.evicted)
+                errors.append(e)
+        if errors:
+            details = list(dict.fromkeys(e.detail for e in errors))  # the distinct ones, in order
+            raise TierWriteError(
+                errors[0].tier,
+                {k: r for e in errors for k, r in e.failed.items()},
+                "; ".join(details[:3]) + (f" (and {len(details) - 3} more)" if len(details) > 3 else ""),
+                {k for e in errors for k in e.stale},
+                evicted,
+            )
         return evicted
+
+    def _too_large(self, key: str, size: int) -> TierWriteError:
+        """For a put over the whole capacity: the key is absent afterwards."""
+        self.delete(key)
+        return TierWriteError(
+            getattr(self, "name", "tier"), {key: TOO_LARGE}, f"blob of {size} bytes is over its capacity"
+        )

@@ -18,8 +18,14 @@
   each put/get/delete (a hit teaches it blobs written by other processes; a miss on a known key
   counts as `stats.expired` when its TTL had passed, else `stats.evictions`). `keys()` asks the
   server. The server's own view is in `stats.extra` (server_used_memory, server_evicted_keys...).
-- Faults never raise out of the tier: a get is a miss, a put is dropped and counted (`stats.errors`,
-  `stats.dropped_puts`), errors are logged once per outage. Each server (each Cluster primary) has a
+- Faults: a get while a server is down is a miss; a put it did not store raises TierWriteError
+  naming the keys and why (counted in `stats.errors`, `stats.dropped_puts`); errors are logged once
+  per outage.
+- Consistency through an outage (hinted handoff, redis_handoff.py): a delete, or a put replacing a
+  blob the servers may hold (as far as this process knows: its index), that cannot reach its server
+  invalidates the key: reads treat it as a miss until a replayer has deleted it on the server, so the
+  older blob is never served. At most `max_invalidated` keys wait; beyond that the put or delete
+  raises with the key in `stale`, and the store fails the request (503) instead of acknowledging it. Each server (each Cluster primary) has a
   circuit breaker: after a failure it is skipped without touching the network for a backoff that
   doubles from 0.1 s to 5 s (those calls count in `stats.extra["fast_fails"]`), then one caller
   probes it; the tier reconnects on its own. Timeouts: connect 0.5 s, each socket operation 2 s.
@@ -28,13 +34,13 @@
   primaries asked concurrently (Cluster). `contains_many` is one pipeline of EXISTS per server, so a
   prefix lookup through the store costs one round trip, not one per key.
 - Files: this one is the Tier protocol; `redis_conn.py` reaches the servers (URLs, connections,
-  routing, breakers); `redis_index.py` keeps the byte accounting.
+  routing, breakers); `redis_index.py` keeps the byte accounting; `redis_handoff.py` the invalidations.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import math
 import sys
 import threading
 import time
@@ -46,8 +52,7 @@ from redis.exceptions import AskError
 
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError
-from kvstore.lru import check_ttl
-from kvstore.tiers.base import Blob, TierStats
+from kvstore.tiers.base import BACKEND_ERROR, TOO_LARGE, UNAVAILABLE, Blob, TierStats, TierWriteError
 from kvstore.tiers.redis_conn import (
     BACKEND_ERRORS,
     CONNECT_TIMEOUT_S,
@@ -55,13 +60,18 @@ from kvstore.tiers.redis_conn import (
     SOCKET_TIMEOUT_S,
     Endpoint,
     RedisServers,
+    as_value,
     pipelined,
+    px_of,
+    server_info,
 )
+from kvstore.tiers.redis_handoff import Handoff
 from kvstore.tiers.redis_index import SCAN_BATCH, KeyIndex, Sizes, glob_escape, scan_sizes
 
 log = logging.getLogger(__name__)
 
 UNBOUNDED = sys.maxsize
+MAX_INVALIDATED = 100_000  # ~10 MiB of keys; the store fails deletes/replaces beyond it until replayed
 
 
 class RedisTier:
@@ -77,9 +87,11 @@ class RedisTier:
         server_maxmemory: int | None = None,
         connect_timeout_s: float = CONNECT_TIMEOUT_S,
         socket_timeout_s: float = SOCKET_TIMEOUT_S,
+        max_invalidated: int = MAX_INVALIDATED,
     ) -> None:
         """`server_maxmemory`: CONFIG SET maxmemory (+ allkeys-lru) on every primary at each connect,
-        for deployments that own their Redis (tests, benchmarks); None leaves the server as it is."""
+        for deployments that own their Redis (tests, benchmarks); None leaves the server as it is.
+        `max_invalidated`: keys an outage may leave to delete later (the hinted handoff's bound)."""
         self.url, self.prefix, self.cluster = url, prefix, cluster
         self._raw_prefix = prefix.encode()
         self.server_maxmemory = server_maxmemory
@@ -92,6 +104,9 @@ class RedisTier:
         self._servers = RedisServers(
             url, cluster, self.stats, self._reconcile_in_background, connect_timeout_s, socket_timeout_s
         )
+        self._invalid = Handoff(
+            max_invalidated, self._delete_on_servers, f"redis tier {prefix!r}", self.stats
+        )
         self.reconcile()
         if self._servers.auth_error is not None:
             self.close()
@@ -99,7 +114,12 @@ class RedisTier:
 
     @classmethod
     def from_config(cls, config: StoreConfig) -> RedisTier:
-        return cls(config.redis_url, prefix=config.redis_prefix, cluster=config.redis_cluster)
+        return cls(
+            config.redis_url,
+            prefix=config.redis_prefix,
+            cluster=config.redis_cluster,
+            max_invalidated=config.redis_max_invalidated,
+        )
 
     # ---- keys ----------------------------------------------------------------------------------
 
@@ -124,8 +144,9 @@ class RedisTier:
         found: Sizes = {}
         scanned: set[str] = set()
         maxmemory: list[int] = []
+        primaries = self._servers.primaries()
         try:
-            for ep in self._servers.primaries():
+            for ep in primaries:
                 part = self._servers.call(ep, lambda c: scan_sizes(c, self._raw_prefix))
                 info = self._servers.call(ep, self._server_info) if part is not FAIL else FAIL
                 if part is FAIL or info is FAIL:
@@ -134,7 +155,10 @@ class RedisTier:
                 found.update(part)
                 maxmemory.append(info)
         finally:
+            for key in [k for k in found if k in self._invalid]:  # deleted on the servers soon
+                del found[key]
             self._index.finish_rebuild(found, scanned, self._owner)
+        self._index.complete = self._index.complete or (bool(primaries) and len(scanned) == len(primaries))
         if maxmemory:
             self.capacity = UNBOUNDED if 0 in maxmemory else sum(maxmemory)
 
@@ -159,33 +183,23 @@ class RedisTier:
         return self._servers.owner(self._rk(key))
 
     def _server_info(self, client: redis.Redis) -> int:
-        """Applies server_maxmemory if asked; records the server's counters; returns its maxmemory."""
-        if self.server_maxmemory is not None:
-            client.config_set("maxmemory-policy", "allkeys-lru")
-            client.config_set("maxmemory", self.server_maxmemory)
-        info = {**client.info("memory"), **client.info("stats")}
-        for field in ("used_memory", "maxmemory", "evicted_keys", "expired_keys"):
-            self.stats.extra[f"server_{field}"] = float(info.get(field, 0))
-        policy = str(info.get("maxmemory_policy", ""))
-        if not int(info.get("maxmemory", 0)):
-            self._servers.warn(
-                "maxmemory",
-                "redis has no maxmemory: it grows until it is killed; set maxmemory and allkeys-lru",
-            )
-        elif not policy.startswith("allkeys-"):
-            self._servers.warn(
-                "policy", "redis maxmemory-policy is %s: puts fail when full; use allkeys-lru", policy
-            )
-        return int(info.get("maxmemory", 0))
+        return server_info(client, self.stats, self.server_maxmemory, self._servers.warn)
 
     # ---- the Tier protocol ---------------------------------------------------------------------
 
     def get(self, key: str) -> Blob | None:
+        if key in self._invalid:  # an older blob may still be there: never serve it
+            return None
         rkey = self._rk(key)
         return self._seen(key, self._servers.call(self._servers.endpoint(rkey), lambda c: c.get(rkey)))
 
     def get_many(self, keys: Sequence[str]) -> list[Blob | None]:
         out: list[Blob | None] = [None] * len(keys)
+        if len(self._invalid):
+            valid = [i for i, k in enumerate(keys) if k not in self._invalid]
+            for i, blob in zip(valid, self.get_many([keys[i] for i in valid]) if valid else [], strict=True):
+                out[i] = blob
+            return out
 
         def fetch(ep: Endpoint | None, idx: list[int]) -> None:
             rkeys = [self._rk(keys[i]) for i in idx]
@@ -225,14 +239,26 @@ class RedisTier:
         return self.put_many([(key, blob)], ttl_s)
 
     def put_many(self, items: Sequence[tuple[str, Blob]], ttl_s: float | None = None) -> list[str]:
-        px = _px(ttl_s)
+        """SET each blob; raises TierWriteError for those not stored. Returns [] (Redis evicts on its
+        own; see the module docstring)."""
+        px = px_of(ttl_s)
         keys = [k for k, _ in items]
-        values = [_value(blob) for _, blob in items]
+        values = [as_value(blob) for _, blob in items]
+        failed: dict[str, str] = {}
+        details: dict[str, str] = {}  # reason -> what happened
+        # keys waiting for a replayed DEL: this SET must not cross it on the wire, and clears it
+        gens = (
+            {k: g for k in keys if (g := self._invalid.generation(k)) is not None}
+            if len(self._invalid)
+            else {}
+        )
 
         def store(ep: Endpoint | None, idx: list[int]) -> None:
             fits = [i for i in idx if values[i][1] <= self.capacity]
             for i in set(idx) - set(fits):  # larger than the whole server: not stored, old blob gone
                 self.delete(keys[i])
+                failed[keys[i]] = TOO_LARGE
+                details[TOO_LARGE] = f"blob of {values[i][1]} bytes is over the server's maxmemory"
             if not fits:
                 return
             cmds = [("set", self._rk(keys[i]), values[i][0], px) for i in fits]
@@ -241,26 +267,82 @@ class RedisTier:
             else:
                 res = self._servers.call(ep, lambda c: pipelined(c, cmds))
             for j, i in enumerate(fits):
-                self._stored(keys[i], values[i][1], FAIL if res is FAIL else res[j], ttl_s)
+                why = self._stored(keys[i], values[i][1], FAIL if res is FAIL else res[j], ttl_s, ep)
+                if why is not None:
+                    failed[keys[i]], details[why[0]] = why
 
-        self._servers.per_node(self._group(keys), store)
-        return []  # the server evicts on its own; see the module docstring
+        with self._invalid.replay_lock if gens else contextlib.nullcontext():
+            self._servers.per_node(self._group(keys), store)
+        for key, gen in gens.items():
+            if key not in failed:
+                self._invalid.discard(key, gen)
+        if failed:
+            # An older blob of a key we could not replace must not be served: invalidate it (or, with
+            # no room left to remember it, say so: the store fails the put)
+            stale = self._invalidate([k for k, why in failed.items() if why != TOO_LARGE])
+            raise TierWriteError(self.name, failed, "; ".join(details.values()), stale)
+        return []
 
-    def _stored(self, key: str, size: int, reply: Any, ttl_s: float | None) -> None:
+    def _may_hold(self, key: str) -> bool:
+        """Whether the servers may hold a blob of `key`, as far as this process knows (its index;
+        anything, before a scan of every server has completed)."""
+        return not self._index.complete or self._index.get(key) is not None
+
+    def _invalidate(self, keys: list[str]) -> list[str]:
+        """Hand `keys` off to the replayer (those the servers may hold); returns those that did not fit."""
+        held = [k for k in keys if self._may_hold(k)]
+        for key in held:
+            self._index.forget(key)
+        return self._invalid.add(held) if held else []
+
+    def _delete_on_servers(self, keys: list[str]) -> set[str]:
+        """DEL `keys` (one pipeline per server); the keys whose DEL the server confirmed."""
+        done: set[str] = set()
+
+        def work(ep: Endpoint | None, idx: list[int]) -> None:
+            replies = self._servers.call(
+                ep, lambda c: pipelined(c, [("delete", self._rk(keys[i])) for i in idx])
+            )
+            if replies is not FAIL:
+                done.update(
+                    keys[i] for i, r in zip(idx, replies, strict=True) if not isinstance(r, Exception)
+                )
+
+        self._servers.per_node(self._group(keys), work)
+        for key in done:
+            self._index.forget(key)
+        return done
+
+    def _stored(
+        self, key: str, size: int, reply: Any, ttl_s: float | None, ep: Endpoint | None
+    ) -> tuple[str, str] | None:
+        """Book a SET reply; (reason, detail) when it did not store the blob."""
         if reply is FAIL or isinstance(reply, Exception) or not reply:
+            self.stats.dropped_puts += 1
             if isinstance(reply, Exception):
                 self._servers.count_error(type(reply).__name__, "redis put %s: %s", key, reply)
-            self.stats.dropped_puts += 1
-            return
+                return BACKEND_ERROR, f"{type(reply).__name__}: {str(reply)[:200]}"
+            where = ep.name if ep is not None else self.url
+            return UNAVAILABLE, f"{where} is unreachable (down, hung or in backoff)"
         self._index.remember(key, size, time.monotonic() + ttl_s if ttl_s else None)
+        return None
 
     def contains(self, key: str) -> bool:
+        if key in self._invalid:
+            return False
         rkey = self._rk(key)
         return self._exists(key, self._servers.call(self._servers.endpoint(rkey), lambda c: c.exists(rkey)))
 
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
         """`contains` for each key in one round trip per server (pipelined EXISTS); down => False."""
         out = [False] * len(keys)
+        if len(self._invalid):
+            valid = [i for i, k in enumerate(keys) if k not in self._invalid]
+            for i, hit in zip(
+                valid, self.contains_many([keys[i] for i in valid]) if valid else [], strict=True
+            ):
+                out[i] = hit
+            return out
 
         def check(ep: Endpoint | None, idx: list[int]) -> None:
             cmds = [("exists", self._rk(keys[i])) for i in idx]
@@ -279,11 +361,21 @@ class RedisTier:
         return bool(reply)
 
     def delete(self, key: str) -> bool:
+        """DEL, or (servers out of reach) invalidate the key until the replayer can DEL it."""
         rkey = self._rk(key)
-        n = self._servers.call(self._servers.endpoint(rkey), lambda c: c.delete(rkey))
+        gen = self._invalid.generation(key)
+        with self._invalid.replay_lock if gen is not None else contextlib.nullcontext():
+            n = self._servers.call(self._servers.endpoint(rkey), lambda c: c.delete(rkey))
         if n is FAIL:
-            return False
+            if not self._may_hold(key):
+                return False
+            if self._invalidate([key]):
+                detail = f"cannot delete {key}: {self.url} is unreachable and {self._invalid.limit} keys wait"
+                raise TierWriteError(self.name, {}, detail, stale=[key])
+            return True
         self._index.forget(key)
+        if gen is not None:
+            self._invalid.discard(key, gen)
         return bool(n)
 
     def keys(self) -> Iterator[str]:
@@ -299,28 +391,15 @@ class RedisTier:
                     break
                 cursor, rkeys = page
                 for rkey in rkeys:
-                    yield rkey[len(self._raw_prefix) :].decode(errors="replace")
+                    key = rkey[len(self._raw_prefix) :].decode(errors="replace")
+                    if key not in self._invalid:
+                        yield key
                 if cursor == 0:
                     break
 
     def close(self) -> None:
+        self._invalid.close(timeout=self._servers.socket_timeout_s * 2 + 1)
         self._servers.closed = True  # a running reconcile stops at its next call
         if self._reconciler is not None and self._reconciler is not threading.current_thread():
             self._reconciler.join(timeout=self._servers.socket_timeout_s * 2 + 1)
         self._servers.close()
-
-
-def _value(blob: Blob) -> tuple[bytes | memoryview, int]:
-    """The blob as redis-py sends it without a copy, and its size in bytes."""
-    if isinstance(blob, bytes):
-        return blob, len(blob)
-    mv = memoryview(blob)
-    if mv.format != "B" or mv.ndim != 1:
-        mv = mv.cast("B") if mv.c_contiguous else memoryview(mv.tobytes())
-    return mv, mv.nbytes
-
-
-def _px(ttl_s: float | None) -> int | None:
-    if check_ttl(ttl_s) is None:
-        return None
-    return max(1, math.ceil(ttl_s * 1000))

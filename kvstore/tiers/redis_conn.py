@@ -31,7 +31,8 @@ from redis.exceptions import AskError, AuthenticationError, RedisClusterExceptio
 from redis.retry import Retry
 
 from kvstore.errors import ConfigError
-from kvstore.tiers.base import TierStats
+from kvstore.lru import check_ttl
+from kvstore.tiers.base import Blob, TierStats
 
 log = logging.getLogger("kvstore.tiers.redis")  # the tier's warnings under one logger name
 
@@ -317,6 +318,45 @@ def pipelined(client: redis.Redis, cmds: Sequence[tuple[Any, ...]]) -> list[Any]
             pipe.get(cmd[1])
         elif cmd[0] == "exists":
             pipe.exists(cmd[1])
+        elif cmd[0] == "delete":
+            pipe.delete(cmd[1])
         else:
             pipe.set(cmd[1], cmd[2], px=cmd[3])
     return pipe.execute(raise_on_error=False)
+
+
+def as_value(blob: Blob) -> tuple[bytes | memoryview, int]:
+    """The blob as redis-py sends it without a copy, and its size in bytes."""
+    if isinstance(blob, bytes):
+        return blob, len(blob)
+    mv = memoryview(blob)
+    if mv.format != "B" or mv.ndim != 1:
+        mv = mv.cast("B") if mv.c_contiguous else memoryview(mv.tobytes())
+    return mv, mv.nbytes
+
+
+def px_of(ttl_s: float | None) -> int | None:
+    if check_ttl(ttl_s) is None:
+        return None
+    return max(1, math.ceil(ttl_s * 1000))
+
+
+def server_info(
+    client: redis.Redis, stats: TierStats, maxmemory: int | None, warn: Callable[..., None]
+) -> int:
+    """CONFIG SET `maxmemory` (+ allkeys-lru) if given; records the server's counters in `stats.extra`;
+    warns about settings that make a poor cache; returns the server's maxmemory."""
+    if maxmemory is not None:
+        client.config_set("maxmemory-policy", "allkeys-lru")
+        client.config_set("maxmemory", maxmemory)
+    info = {**client.info("memory"), **client.info("stats")}
+    for field in ("used_memory", "maxmemory", "evicted_keys", "expired_keys"):
+        stats.extra[f"server_{field}"] = float(info.get(field, 0))
+    policy = str(info.get("maxmemory_policy", ""))
+    if not int(info.get("maxmemory", 0)):
+        warn(
+            "maxmemory", "redis has no maxmemory: it grows until it is killed; set maxmemory and allkeys-lru"
+        )
+    elif not policy.startswith("allkeys-"):
+        warn("policy", "redis maxmemory-policy is %s: puts fail when full; use allkeys-lru", policy)
+    return int(info.get("maxmemory", 0))

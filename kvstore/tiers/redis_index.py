@@ -32,6 +32,7 @@ class KeyIndex:
         self._bytes = 0
         self._n_ttl = 0
         self._touched: set[str] | None = None  # keys changed while a rebuild runs
+        self.complete = False  # a rebuild has scanned every server: a key not here is not there
 
     def get(self, key: str) -> tuple[int, float | None] | None:
         return self._entries.get(key)

@@ -12,6 +12,7 @@ import pytest
 
 from kvstore.config import StoreConfig
 from kvstore.tiers import make_tier
+from kvstore.tiers.base import TierWriteError
 from kvstore.tiers.redis import RedisTier
 from tests.kvstore.test_redis_tier import RoundTrips, command_calls
 from tests.valkey import ValkeyCluster, wait_until
@@ -128,7 +129,10 @@ def test_one_node_down_costs_only_its_keys(
         assert all(tier.get(k) == (None if k in on_victim else b) for k, b in items.items())
         assert tier.contains_many(list(items)) == [k not in on_victim for k in items]
         dropped = tier.stats.dropped_puts
-        tier.put_many([(k, b"new") for k in items])
+        with pytest.raises(TierWriteError) as e:  # the live nodes store theirs; the rest is named
+            tier.put_many([(k, b"new") for k in items])
+        assert set(e.value.failed) == on_victim and set(e.value.failed.values()) == {"unavailable"}
+        assert not e.value.stale  # invalidated: the victim's old blobs are never served again
         assert tier.stats.dropped_puts == dropped + len(on_victim)
         assert tier.stats.errors >= 1
         assert set(tier.keys()) == set(items) - on_victim  # the live nodes still list theirs
@@ -137,7 +141,10 @@ def test_one_node_down_costs_only_its_keys(
         valkey_cluster.wait_ok()
 
     def healthy() -> bool:
-        tier.put_many([(k, b"again") for k in on_victim])
+        try:
+            tier.put_many([(k, b"again") for k in on_victim])
+        except TierWriteError:
+            return False
         return tier.get_many(sorted(on_victim)) == [b"again"] * len(on_victim)
 
     wait_until(healthy)
@@ -146,9 +153,10 @@ def test_one_node_down_costs_only_its_keys(
 
 def test_cluster_tier_starts_while_no_node_answers(prefix: str) -> None:
     t = RedisTier("redis://127.0.0.1:1,127.0.0.1:2", prefix=prefix, cluster=True)  # nothing listens there
-    assert (
-        t.get(key(1)) is None and t.put(key(1), b"x") == [] and t.get_many([key(1), key(2)]) == [None, None]
-    )
+    assert t.get(key(1)) is None and t.get_many([key(1), key(2)]) == [None, None]
+    with pytest.raises(TierWriteError) as e:
+        t.put(key(1), b"x")
+    assert e.value.failed == {key(1): "unavailable"}
     assert list(t.keys()) == [] and t.usage() == 0
     assert t.stats.dropped_puts == 1 and t.stats.errors >= 1
     t.close()

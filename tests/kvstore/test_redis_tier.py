@@ -21,6 +21,7 @@ from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError, InvalidArgument
 from kvstore.store import TieredStore
 from kvstore.tiers import Tier, make_tier
+from kvstore.tiers.base import TierWriteError
 from kvstore.tiers.redis import RedisTier
 from tests.valkey import TlsProxy, ValkeyProcess, free_port, self_signed_cert, supports_tls, wait_until
 
@@ -29,6 +30,15 @@ MiB = 2**20
 
 def key(i: int) -> str:
     return f"{i:032x}"
+
+
+def stored(t: RedisTier, k: str, v: bytes) -> bool:
+    """put, and whether the tier stored it (it raises TierWriteError for what it did not)."""
+    try:
+        t.put(k, v)
+    except TierWriteError:
+        return False
+    return True
 
 
 class RoundTrips:
@@ -156,8 +166,7 @@ def test_contains_many_while_redis_is_down(valkey_factory) -> None:
     server.start()  # empty: it persisted nothing
 
     def healthy() -> bool:
-        t.put(key(7), b"after")
-        return t.contains_many([key(0), key(7)]) == [False, True]
+        return stored(t, key(7), b"after") and t.contains_many([key(0), key(7)]) == [False, True]
 
     wait_until(healthy)
     t.close()
@@ -312,7 +321,9 @@ def test_blob_larger_than_the_server_is_not_stored(valkey_factory) -> None:
     server = valkey_factory()
     t = RedisTier(server.url, prefix="big:", server_maxmemory=4 * MiB)
     t.put(key(1), b"small")
-    assert t.put(key(1), bytes(5 * MiB)) == []
+    with pytest.raises(TierWriteError) as e:
+        t.put(key(1), bytes(5 * MiB))
+    assert e.value.failed == {key(1): "too_large"}
     assert t.get(key(1)) is None and not t.contains(key(1)) and t.usage() == 0
     t.close()
 
@@ -393,10 +404,14 @@ def test_server_killed_then_restarted_on_the_same_port(valkey_factory) -> None:
     t.put(key(1), b"before")
     server.kill()
     assert t.get(key(1)) is None  # a miss, not an exception
-    assert t.put(key(2), b"lost") == []
+    with pytest.raises(TierWriteError) as e:
+        t.put(key(2), b"lost")
+    assert e.value.failed == {key(2): "unavailable"} and not e.value.stale
     assert t.get_many([key(1), key(2)]) == [None, None]
-    t.put_many([(key(3), b"x"), (key(4), b"y")])
-    assert not t.contains(key(1)) and t.delete(key(1)) is False and list(t.keys()) == []
+    with pytest.raises(TierWriteError):
+        t.put_many([(key(3), b"x"), (key(4), b"y")])
+    assert not t.contains(key(1)) and list(t.keys()) == []
+    assert t.delete(key(1)) is True  # it held key 1: invalidated, deleted when the server is back
     for _ in range(50):
         t.get(key(1))
     assert t.stats.errors >= 1 and t.stats.dropped_puts == 3
@@ -406,8 +421,7 @@ def test_server_killed_then_restarted_on_the_same_port(valkey_factory) -> None:
     server.start()  # same port, empty: it persisted nothing
 
     def healthy() -> bool:
-        t.put(key(5), b"after")
-        return t.get(key(5)) == b"after"
+        return stored(t, key(5), b"after") and t.get(key(5)) == b"after"
 
     wait_until(healthy)
     assert t.get(key(1)) is None
@@ -422,7 +436,7 @@ def test_hung_server_times_out_fast_and_recovers(valkey_factory) -> None:
     server.pause()
     try:
         assert t.get(key(1)) is None and t.stats.errors == 1
-        assert t.put(key(2), b"w") == [] and t.stats.dropped_puts == 1
+        assert not stored(t, key(2), b"w") and t.stats.dropped_puts == 1
     finally:
         server.resume()
     wait_until(lambda: t.get(key(1)) == b"v")
@@ -437,8 +451,7 @@ def test_tier_starts_while_redis_is_down(valkey_factory) -> None:
     server.start()
 
     def healthy() -> bool:
-        t.put(key(1), b"late")
-        return t.get(key(1)) == b"late"
+        return stored(t, key(1), b"late") and t.get(key(1)) == b"late"
 
     wait_until(healthy)
     t.close()

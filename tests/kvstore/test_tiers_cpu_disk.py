@@ -21,7 +21,7 @@ from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError, InvalidArgument, InvalidKey
 from kvstore.lru import check_ttl
 from kvstore.tiers import make_tier
-from kvstore.tiers.base import Tier
+from kvstore.tiers.base import Tier, TierWriteError
 from kvstore.tiers.cpu import CpuTier
 from kvstore.tiers.disk import TMP_PREFIX, DiskTier
 
@@ -93,8 +93,13 @@ def test_lru_eviction_order_and_exact_bytes(make: Callable[[int], Tier]) -> None
 def test_blob_over_capacity_is_not_stored(make: Callable[[int], Tier]) -> None:
     tier = make(SIZE)
     tier.put(key(0), blob(1))
-    assert tier.put(key(0), blob(2)) == []  # too big: not stored, and the old one is gone too
+    with pytest.raises(TierWriteError) as e:  # too big: not stored, and the old one is gone too
+        tier.put(key(0), blob(2))
+    assert e.value.failed == {key(0): "too_large"} and not e.value.stale
     assert not tier.contains(key(0)) and tier.usage() == 0
+    with pytest.raises(TierWriteError) as e:  # a batch stores what fits and names the rest
+        tier.put_many([(key(1), blob(2)), (key(2), blob(1))])
+    assert e.value.failed == {key(1): "too_large"} and tier.contains(key(2))
 
 
 def test_ttl_expiry(make: Callable[[int], Tier]) -> None:

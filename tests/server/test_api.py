@@ -60,7 +60,7 @@ def test_batch_put_get_exists_delete(server):
     r = server.request(
         "POST", wire.BATCH_PUT_PATH, _put_frame(items), {"Content-Type": wire.BATCH_CONTENT_TYPE}
     )
-    assert r.status == 201 and r.json() == {"stored": 4}
+    assert r.status == 201 and r.json() == {"stored": 4, "stored_in": [["cpu"]] * 4}
     r = server.request("POST", wire.BATCH_GET_PATH, _keys(key(2), key(99), key(0)))
     assert r.status == 200 and r.headers["content-type"] == wire.BATCH_CONTENT_TYPE
     keys, blobs = wire.decode_frame(r.body, allow_missing=True)
@@ -76,7 +76,10 @@ def test_batch_put_get_exists_delete(server):
 def test_empty_batches(server):
     r = server.request("POST", wire.BATCH_GET_PATH, _keys())
     assert r.status == 200 and wire.decode_frame(r.body) == ([], [])
-    assert server.request("POST", wire.BATCH_PUT_PATH, _put_frame([])).json() == {"stored": 0}
+    assert server.request("POST", wire.BATCH_PUT_PATH, _put_frame([])).json() == {
+        "stored": 0,
+        "stored_in": [],
+    }
     assert server.request("POST", wire.LOOKUP_PATH, _keys()).json() == {"prefix": 0, "keys": 0, "miss": None}
 
 

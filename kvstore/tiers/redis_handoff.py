@@ -1,0 +1,94 @@
+"""The redis tier's hinted handoff: invalidated keys (kvstore/tiers/invalidations.py) and the thread
+that deletes them on the servers once they answer.
+
+The replayer wakes every REPLAY_INTERVAL_S while keys wait (at once when one is added), sends one
+pipelined DEL per server for up to REPLAY_BATCH of them, and forgets those the server confirmed. A
+server that is down costs nothing there: its circuit breaker fails the call without touching the
+network until its next probe.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Collection
+
+from kvstore.tiers.base import TierStats
+from kvstore.tiers.invalidations import Invalidations
+
+log = logging.getLogger("kvstore.tiers.redis")
+REPLAY_INTERVAL_S = 0.2
+REPLAY_BATCH = 1000
+
+
+class Handoff(Invalidations):
+    """Invalidations plus their replayer. `delete(keys)` deletes on the servers and returns the keys
+    it confirmed deleted; `stats.extra["invalidated"]` follows the number of keys waiting."""
+
+    def __init__(
+        self, limit: int, delete: Callable[[list[str]], Collection[str]], name: str, stats: TierStats
+    ) -> None:
+        super().__init__(limit)
+        self._delete = delete
+        self._name = name
+        self._stats = stats
+        self._wake = threading.Event()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+
+    def add(self, keys: list[str]) -> list[str]:
+        """Invalidate `keys` until the servers delete them; returns those that did not fit."""
+        overflow = super().add(keys)
+        self._stats.extra["invalidated"] = len(self)
+        if len(overflow) < len(keys):
+            self._ensure_thread()
+            self._wake.set()
+        if overflow:
+            log.error(
+                "%s: %d invalidated keys wait for the servers (the limit); %d more could not be remembered",
+                self._name, len(self), len(overflow),
+            )  # fmt: skip
+        return overflow
+
+    def discard(self, key: str, gen: int | None = None) -> None:
+        super().discard(key, gen)
+        self._stats.extra["invalidated"] = len(self)
+
+    def _ensure_thread(self) -> None:
+        with self._start_lock:
+            if self._thread is None and not self._closed:
+                self._thread = threading.Thread(target=self._run, name=f"{self._name}-handoff", daemon=True)
+                self._thread.start()
+
+    def replay(self) -> int:
+        """One round: delete a batch of invalidated keys on the servers. Returns how many were cleared."""
+        batch = self.snapshot(REPLAY_BATCH)
+        if not batch:
+            return 0
+        with self.replay_lock:
+            done = self._delete([k for k, _ in batch])
+        for key, gen in batch:
+            if key in done:
+                self.discard(key, gen)
+        if done:
+            log.info("%s: replayed %d invalidations, %d still waiting", self._name, len(done), len(self))
+        return len(done)
+
+    def _run(self) -> None:
+        while not self._closed:
+            self._wake.wait(REPLAY_INTERVAL_S)
+            self._wake.clear()
+            if self._closed:
+                return
+            try:
+                while self.replay() == REPLAY_BATCH and not self._closed:
+                    pass  # a full batch went through: there may be more right away
+            except Exception:  # the replayer must outlive any one bad round
+                log.exception("%s: replaying invalidations failed", self._name)
+
+    def close(self, timeout: float) -> None:
+        self._closed = True
+        self._wake.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)

@@ -1,0 +1,126 @@
+"""Consistency through a Redis outage, against a real valkey-server that is SIGKILLed (and comes back
+with its data: AOF) or SIGSTOPped (hung): a delete or a replacing put that could not reach Redis is
+remembered and replayed when it answers again; until then Redis never serves the older blob; when the
+bounded set of remembered keys is full the request fails (503) instead."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvstore.blob import encode_blob
+from kvstore.config import StoreConfig
+from kvstore.errors import Unavailable
+from kvstore.store import TieredStore
+from kvstore.tiers.cpu import CpuTier
+from kvstore.tiers.redis import RedisTier
+from tests.valkey import ValkeyProcess, wait_until
+
+PREFIX = "outage:"
+# Data that survives a SIGKILL: what a real deployment with persistence (or a network cut) looks like
+DURABLE = ("--appendonly", "yes", "--appendfsync", "always")
+
+
+def key(i: int) -> str:
+    return f"{i:032x}"
+
+
+def blob(seed: int) -> bytes:
+    g = torch.Generator().manual_seed(seed)
+    return encode_blob(torch.randn(2, 2, 4, 2, 8, generator=g).half())
+
+
+@pytest.fixture
+def durable(valkey_factory) -> ValkeyProcess:
+    return valkey_factory(*DURABLE)
+
+
+def make_store(
+    server: ValkeyProcess, max_invalidated: int = 1000, socket_timeout_s: float = 2.0
+) -> TieredStore:
+    redis_tier = RedisTier(
+        server.url, prefix=PREFIX, max_invalidated=max_invalidated, socket_timeout_s=socket_timeout_s
+    )
+    return TieredStore(StoreConfig(tiers=["cpu", "redis"]), [CpuTier(1 << 24), redis_tier])
+
+
+@pytest.fixture
+def store(durable: ValkeyProcess) -> Iterator[TieredStore]:
+    s = make_store(durable)
+    yield s
+    s.close()
+
+
+def in_redis(server: ValkeyProcess, k: str) -> bytes | None:
+    with server.client() as c:
+        return c.get(PREFIX + k)
+
+
+def test_a_delete_during_an_outage_is_replayed_and_never_resurrects(durable, store) -> None:
+    store.put_blob(key(1), blob(1))
+    durable.kill()
+    assert store.delete(key(1)) is True  # remembered, not lost
+    assert store.get_blob(key(1)) is None
+    durable.start()  # the AOF brings the old blob back on the server
+    assert in_redis(durable, key(1)) == blob(1)
+    for _ in range(20):  # from the moment it answers until the replay: a miss, never the old blob
+        assert store.get_blob(key(1)) is None and not store.exists(key(1))
+        assert store.lookup_prefix([key(1)]) == 0
+    wait_until(lambda: in_redis(durable, key(1)) is None)  # replayed
+    assert store.get_blob(key(1)) is None
+    wait_until(lambda: store.tiers[1].stats.extra["invalidated"] == 0)
+
+
+def test_a_replace_during_an_outage_never_lets_the_old_blob_back(durable, store) -> None:
+    store.put_blob(key(2), blob(1))
+    durable.kill()
+    assert store.put_blob(key(2), blob(2)) == ["cpu"]  # the ack says where it is: not in redis
+    durable.start()
+    store.tiers[0].delete(key(2))  # the cpu copy is evicted
+    assert store.get_blob(key(2)) is None  # a miss, never blob(1) from redis
+    wait_until(lambda: in_redis(durable, key(2)) is None)
+    assert store.put_blob(key(2), blob(3)) == ["cpu", "redis"]  # and the key works normally again
+    store.tiers[0].delete(key(2))
+    assert store.get_blob(key(2)) == blob(3)
+
+
+def test_a_hung_redis_sigstop_is_handled_the_same(durable) -> None:
+    store = make_store(durable, socket_timeout_s=0.3)
+    try:
+        store.put_blob(key(3), blob(1))
+        store.put_blob(key(4), blob(1))
+        durable.pause()
+        try:
+            assert store.delete(key(3)) is True  # times out after 0.3 s: remembered
+            assert store.put_blob(key(4), blob(4)) == ["cpu"]
+            store.tiers[0].delete(key(4))
+            assert store.get_blob(key(3)) is None and store.get_blob(key(4)) is None
+        finally:
+            durable.resume()
+        for _ in range(20):
+            assert store.get_blob(key(3)) is None and store.get_blob(key(4)) is None
+        wait_until(lambda: in_redis(durable, key(3)) is None and in_redis(durable, key(4)) is None)
+    finally:
+        store.close()
+
+
+def test_when_the_set_is_full_deletes_and_replaces_fail_loudly(durable) -> None:
+    store = make_store(durable, max_invalidated=2)
+    try:
+        for i in range(5):
+            store.put_blob(key(i), blob(i))
+        durable.kill()
+        assert store.delete(key(0)) and store.delete(key(1))  # two fit
+        with pytest.raises(Unavailable) as e:
+            store.delete(key(2))
+        assert "redis" in str(e.value) and e.value.status == 503
+        with pytest.raises(Unavailable):  # a replace of a blob redis holds: also refused
+            store.put_blob(key(3), blob(33))
+        assert store.put_blob(key(9), blob(9)) == ["cpu"]  # a key redis never had needs no room
+        durable.start()
+        wait_until(lambda: in_redis(durable, key(0)) is None and in_redis(durable, key(1)) is None)
+        assert store.delete(key(2)) is True and in_redis(durable, key(2)) is None  # room again
+    finally:
+        store.close()
