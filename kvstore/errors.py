@@ -71,6 +71,13 @@ class Unavailable(KVStoreError):
     status = 503
 
 
+class Busy(Unavailable):
+    """The server is at one of its limits (connections, request bytes in flight): retry shortly.
+    Sent as 503 with Retry-After."""
+
+    retry_after = 1
+
+
 class NotStored(KVStoreError):
     """A put that no tier stored: disk full, no file descriptors left, an I/O error... The message
     names each tier and its errno. (A put some tiers stored succeeds and names them.)"""

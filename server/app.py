@@ -1,4 +1,4 @@
-"""The aiohttp application: routes, middlewares, the stats sampler, and JSON errors even from the parser."""
+"""The aiohttp application: routes, middlewares, the stats sampler (connections: server/connections.py)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,11 @@ from importlib import resources
 from typing import Any
 
 from aiohttp import web
-from aiohttp.web_protocol import RequestHandler
 
 from kvstore import wire
 from kvstore.config import StoreConfig
 from server.config import ServerConfig
-from server.middleware import json_error, make_middlewares
+from server.middleware import make_middlewares
 from server.origin import HostCheck
 from server.routes import routes as data_routes
 from server.state import SAMPLER, STATE, ServerState
@@ -105,29 +104,3 @@ def make_app(store: Any, store_config: StoreConfig, config: ServerConfig) -> web
     app.on_startup.append(_start_sampler)
     app.on_shutdown.append(_stop_sampler)
     return app
-
-
-class _JsonErrorHandler(RequestHandler):
-    """Requests the HTTP parser rejects (bad request line, bad Content-Length...) never reach the
-    middlewares; aiohttp answers them with text. This answers them with our JSON error body instead."""
-
-    def handle_error(self, request, status=500, exc=None, message=None):  # type: ignore[no-untyped-def]
-        super().handle_error(request, status, exc, message)  # logs; raises if a response already started
-        type_name = "InvalidArgument" if 400 <= status < 500 else "KVStoreError"
-        text = message or (f"bad HTTP request: {exc}" if exc else f"HTTP {status}")
-        text = text if len(text) <= 300 else text[:300] + "..."  # parser messages quote the bad bytes
-        resp = json_error(status, text, type_name)
-        resp.force_close()
-        return resp
-
-
-class JsonErrorAppRunner(web.AppRunner):
-    async def _make_server(self) -> web.Server:
-        server = await super()._make_server()
-        # aiohttp builds one RequestHandler per connection in Server.__call__; swap in ours.
-        server.__class__ = type("JsonErrorServer", (web.Server,), {"__call__": _make_handler})
-        return server
-
-
-def _make_handler(self: web.Server) -> RequestHandler:
-    return _JsonErrorHandler(self, loop=self._loop, **self._kwargs)

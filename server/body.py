@@ -1,4 +1,5 @@
-"""Reading a request body whole, within a size limit and a deadline, joined once into bytes."""
+"""Reading a request body whole, within a size limit, the in-flight budget (server/budget.py) and a
+deadline, joined once into bytes."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from aiohttp import web
 
 from kvstore import wire
 from kvstore.errors import InvalidArgument, TooLarge, UnsupportedMediaType
+from server.budget import BodyBudget
+from server.state import STATE
 
 
 def check_content_type(request: web.BaseRequest, expected: str) -> None:
@@ -30,7 +33,12 @@ def declared_length(request: web.BaseRequest, limit: int) -> int | None:
         return None
     if request.content_length > limit:
         raise TooLarge(f"body of {request.content_length} bytes is over the {limit}-byte limit")
+    _budget(request).reserve(request, request.content_length)  # Busy (503) when too much is in flight
     return request.content_length
+
+
+def _budget(request: web.BaseRequest) -> BodyBudget:
+    return request.app[STATE].budget
 
 
 async def read_body(request: web.BaseRequest, limit: int, timeout: float, content_type: str) -> bytes:
@@ -60,6 +68,8 @@ async def _read(request: web.BaseRequest, expected: int | None, limit: int) -> b
         size += len(chunk)
         if size > cap:  # only a chunked body can get here: the parser stops at Content-Length
             raise TooLarge(f"chunked body is over the {limit}-byte limit")
+        if expected is None:
+            _budget(request).reserve(request, len(chunk))
         chunks.append(chunk)
     if expected is not None and size != expected:
         raise InvalidArgument(f"truncated body: {size} of the declared {expected} bytes")
@@ -106,6 +116,8 @@ async def _read_frame(
     for key, n in zip(header.keys, header.lens, strict=True):
         if n > blob_limit:
             raise TooLarge(f"blob for {key} is {n} bytes, over the {blob_limit}-byte limit")
+    if expected is None:  # chunked: the frame header says how much is coming
+        _budget(request).reserve(request, total)
     blobs = [await _read_exactly(stream, n) for n in header.lens]
     if expected is None and await stream.read(1):
         raise InvalidArgument("batch body is longer than its frame")

@@ -33,6 +33,12 @@ class ServerConfig(BaseModel):
     tls_key: Path | None = None
     max_request_size: Size = 1 << 30  # a whole batch body; single blobs obey StoreConfig.max_blob_size
     body_timeout: float = 30.0  # seconds to receive a whole body; a stalled one is a truncated body
+    header_timeout: float = 10.0  # seconds from a request's first byte to its last header line
+    keepalive_timeout: float = 30.0  # seconds an idle connection (or one that never sends) stays open
+    max_connections: int = Field(1024, ge=1)  # beyond: a fast 503 (also kept under RLIMIT_NOFILE)
+    # request body bytes received or being stored at once, all connections together (beyond: 503 +
+    # Retry-After): the server's RSS stays within idle + tier capacity + this
+    max_body_bytes_in_flight: Size = 1 << 30
     sample_interval: float = 5.0  # seconds between store.stats() samples for /v1/stats/history
     history_size: int = 720  # samples kept (an hour at 5 s)
     shutdown_timeout: float = 30.0  # seconds in-flight requests get on SIGTERM
@@ -61,6 +67,10 @@ class ServerConfig(BaseModel):
             raise ConfigError("give --auth-token or --auth-token-file, not both")
         if self.sample_interval <= 0 or self.body_timeout <= 0 or self.history_size < 1:
             raise ConfigError("sample_interval and body_timeout must be positive, history_size >= 1")
+        if self.header_timeout <= 0 or self.keepalive_timeout <= 0 or self.max_body_bytes_in_flight <= 0:
+            raise ConfigError(
+                "header_timeout, keepalive_timeout and max_body_bytes_in_flight must be positive"
+            )
         return self
 
     def token(self) -> str | None:

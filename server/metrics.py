@@ -45,6 +45,26 @@ class ServerMetrics:
         Gauge(
             "kvstore_http_in_flight_requests", "Requests being served", registry=self.registry
         ).set_function(lambda: self.in_flight)
+        self.connections = lambda: 0  # the runner points it at the server's open connections
+        Gauge("kvstore_http_connections", "Open client connections", registry=self.registry).set_function(
+            lambda: self.connections()
+        )
+        self.body_bytes = lambda: 0  # the request-body budget in use (server/budget.py)
+        Gauge(
+            "kvstore_http_body_bytes_in_flight",
+            "Request body bytes received or being stored",
+            registry=self.registry,
+        ).set_function(lambda: self.body_bytes())
+        self.refused_connections = Counter(
+            "kvstore_http_refused_connections",
+            "Connections refused over max_connections",
+            registry=self.registry,
+        )
+        self.header_timeouts = Counter(
+            "kvstore_http_header_timeouts",
+            "Connections closed: headers slower than header_timeout",
+            registry=self.registry,
+        )
 
     def observe(self, op: str, status: int, seconds: float, bytes_in: int, bytes_out: int) -> None:
         children = self._children.get((op, status))

@@ -12,10 +12,10 @@ import aiohttp
 from aiohttp import web
 
 from kvstore import wire
-from kvstore.errors import KVStoreError, Unauthorized
+from kvstore.errors import Busy, KVStoreError, Unauthorized
 from server.metrics import ServerMetrics
 from server.origin import HostCheck
-from server.state import BYTES_IN, BYTES_OUT
+from server.state import BYTES_IN, BYTES_OUT, STATE
 
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -36,6 +36,8 @@ def error_response(exc: BaseException, request: web.BaseRequest | None = None) -
     """The JSON response for any exception a handler raised. Only a bug in the server gives a 500."""
     if isinstance(exc, KVStoreError):
         headers = {"WWW-Authenticate": 'Bearer realm="kvstore"'} if isinstance(exc, Unauthorized) else None
+        if isinstance(exc, Busy):
+            headers = {"Retry-After": str(exc.retry_after)}
         extra = {"stored_in": exc.stored_in} if hasattr(exc, "stored_in") else {}  # a failed batch put
         resp = json_error(exc.status, str(exc), type(exc).__name__, headers, **extra)
     elif isinstance(exc, web.HTTPException):
@@ -93,6 +95,7 @@ def make_middlewares(
             resp = error_response(e)
         finally:
             metrics.in_flight -= 1
+            request.app[STATE].budget.release(request)  # the body's bytes are a tier's now, or garbage
         status = resp.status
         op = request.match_info.route.name or "unmatched"
         metrics.observe(

@@ -13,8 +13,9 @@ from typing import Any
 from aiohttp import web
 
 from kvstore.config import StoreConfig
-from server.app import JsonErrorAppRunner, make_app
+from server.app import make_app
 from server.config import ServerConfig
+from server.connections import ConnectionGuard, GuardedAppRunner, connection_limit, raise_fd_limit
 from server.state import STATE
 
 log = logging.getLogger(__name__)
@@ -34,8 +35,14 @@ class RunningServer:
         self.store_config = store_config
         self.config = config
         self.app = make_app(store, store_config, config)
-        self.runner = JsonErrorAppRunner(
-            self.app, access_log=log if config.access_log else None, shutdown_timeout=config.shutdown_timeout
+        metrics = self.app[STATE].metrics
+        limit = connection_limit(config.max_connections, config.store_threads)
+        self.runner = GuardedAppRunner(
+            self.app,
+            ConnectionGuard(limit, config.header_timeout, metrics),
+            access_log=log if config.access_log else None,
+            shutdown_timeout=config.shutdown_timeout,
+            keepalive_timeout=config.keepalive_timeout,
         )
         self.port: int | None = None
 
@@ -46,6 +53,9 @@ class RunningServer:
 
     async def start(self) -> str:
         await self.runner.setup()
+        web_server = self.runner.server
+        assert web_server is not None
+        self.app[STATE].metrics.connections = lambda: len(web_server.connections)
         site = web.TCPSite(
             self.runner,
             self.config.host,
@@ -100,6 +110,7 @@ async def serve(
     store_config: StoreConfig, config: ServerConfig, on_ready: Callable[[str], None] | None = None
 ) -> None:
     """Run until SIGTERM or SIGINT, then shut down gracefully."""
+    raise_fd_limit()
     store = open_store(store_config)
     server = RunningServer(store, store_config, config)
     stop = asyncio.Event()

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 
 from kvstore.config import StoreConfig
+from server.budget import BodyBudget
 from server.config import ServerConfig
 from server.history import StatsHistory
 from server.metrics import ServerMetrics
@@ -30,6 +31,8 @@ class ServerState:
     executor: ThreadPoolExecutor | None = None
 
     def __post_init__(self) -> None:
+        self.budget = BodyBudget(self.config.max_body_bytes_in_flight)
+        self.metrics.body_bytes = lambda: self.budget.used
         if self.history is None:
             self.history = StatsHistory(self.config.history_size)
         # Memory-only stores answer in microseconds: calling them inline beats a thread hop. A store with

@@ -1,0 +1,144 @@
+"""What one connection may cost the server, before a request reaches the middlewares.
+
+- A connection limit: beyond `max_connections` open connections a new one gets a canned 503 (JSON,
+  Retry-After) and is closed before a byte of its request is read. The limit is kept below the
+  process's file-descriptor limit (RLIMIT_NOFILE) minus a reserve for the tiers' own files and
+  sockets, so that the disk tier and Redis never see EMFILE because clients took every descriptor.
+- A header-read timeout: a request whose headers have not all arrived `header_timeout` seconds after
+  their first byte gets a 408 and the connection is closed (slow-loris clients).
+- A keep-alive idle timeout (`keepalive_timeout`): aiohttp closes a connection that sends nothing for
+  that long, also one that connected and never sent anything.
+- Requests the HTTP parser rejects (bad request line, bad Content-Length...) get our JSON error body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import resource
+from dataclasses import dataclass
+
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+
+from server.metrics import ServerMetrics
+from server.middleware import json_error
+
+log = logging.getLogger(__name__)
+FD_RESERVE = 64  # descriptors kept for the tiers (disk files, Redis sockets), logs, the event loop
+
+
+def connection_limit(configured: int, store_threads: int) -> int:
+    """`configured`, lowered to fit under RLIMIT_NOFILE with FD_RESERVE (+ 2 per store thread) spare."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return configured
+    room = soft - FD_RESERVE - 2 * store_threads
+    limit = min(configured, max(room, 8))
+    if limit < configured:
+        log.warning(
+            "max_connections lowered from %d to %d to fit RLIMIT_NOFILE %d (raise it with ulimit -n)",
+            configured, limit, soft,
+        )  # fmt: skip
+    return limit
+
+
+def raise_fd_limit() -> None:
+    """Soft RLIMIT_NOFILE up to the hard limit (what servers do at start; the default soft 1024 is low)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError) as e:
+            log.warning("cannot raise RLIMIT_NOFILE from %d to %d: %s", soft, hard, e)
+
+
+@dataclass
+class ConnectionGuard:
+    max_connections: int
+    header_timeout: float
+    metrics: ServerMetrics
+
+
+def _canned(status: int, reason: str, message: str, type_name: str, extra: str = "") -> bytes:
+    body = json.dumps({"error": message, "type": type_name}).encode()
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        f"Connection: close\r\n{extra}\r\n"
+    )
+    return head.encode() + body
+
+
+class GuardedHandler(RequestHandler):
+    """aiohttp's per-connection protocol, with the limits of the module docstring."""
+
+    _header_timer: asyncio.TimerHandle | None = None
+
+    @property
+    def guard(self) -> ConnectionGuard:
+        return self._manager.guard  # type: ignore[union-attr]
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        guard = self.guard
+        if len(self._manager._connections) > guard.max_connections:  # type: ignore[union-attr]
+            guard.metrics.refused_connections.inc()
+            message = f"over the server's limit of {guard.max_connections} connections; retry shortly"
+            transport.write(_canned(503, "Service Unavailable", message, "Busy", "Retry-After: 1\r\n"))  # type: ignore[attr-defined]
+            self.force_close()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if not data or self._force_close:
+            return
+        between_requests = not self._request_in_progress and not self._messages
+        if between_requests and self._header_timer is None:  # the first bytes of a request's headers
+            self._header_timer = self._loop.call_later(self.guard.header_timeout, self._headers_late)
+        elif not between_requests and self._header_timer is not None:  # they are all here
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_late(self) -> None:
+        self._header_timer = None
+        if self._request_in_progress or self._messages or self._force_close or self.transport is None:
+            return
+        self.guard.metrics.header_timeouts.inc()
+        if self._waiter is not None:  # waiting for a request whose headers never finished
+            message = f"request headers did not arrive within {self.guard.header_timeout:g} s"
+            self.transport.write(_canned(408, "Request Timeout", message, "InvalidArgument"))
+        self.force_close()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+        super().connection_lost(exc)
+
+    def handle_error(self, request, status=500, exc=None, message=None):  # type: ignore[no-untyped-def]
+        super().handle_error(request, status, exc, message)  # logs; raises if a response already started
+        type_name = "InvalidArgument" if 400 <= status < 500 else "KVStoreError"
+        text = message or (f"bad HTTP request: {exc}" if exc else f"HTTP {status}")
+        text = text if len(text) <= 300 else text[:300] + "..."  # parser messages quote the bad bytes
+        resp = json_error(status, text, type_name)
+        resp.force_close()
+        return resp
+
+
+class GuardedAppRunner(web.AppRunner):
+    """An AppRunner whose connections are GuardedHandlers."""
+
+    def __init__(self, app: web.Application, guard: ConnectionGuard, **kwargs: object) -> None:
+        super().__init__(app, **kwargs)  # type: ignore[arg-type]
+        self.guard = guard
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        # aiohttp builds one RequestHandler per connection in Server.__call__; swap in ours.
+        server.__class__ = type("GuardedServer", (web.Server,), {"__call__": _make_handler})
+        server.guard = self.guard  # type: ignore[attr-defined]
+        return server
+
+
+def _make_handler(self: web.Server) -> RequestHandler:
+    return GuardedHandler(self, loop=self._loop, **self._kwargs)
