@@ -33,7 +33,6 @@ def declared_length(request: web.BaseRequest, limit: int) -> int | None:
         return None
     if request.content_length > limit:
         raise TooLarge(f"body of {request.content_length} bytes is over the {limit}-byte limit")
-    _budget(request).reserve(request, request.content_length)  # Busy (503) when too much is in flight
     return request.content_length
 
 
@@ -45,6 +44,8 @@ async def read_body(request: web.BaseRequest, limit: int, timeout: float, conten
     """The whole body, or InvalidArgument (truncated / stalled) or TooLarge. Never a partial body."""
     check_content_type(request, content_type)
     expected = declared_length(request, limit)
+    if expected is not None:  # Busy (503) when too much is in flight; the join below holds it twice
+        _budget(request).reserve(request, 2 * expected)
     try:
         return await asyncio.wait_for(_read(request, expected, limit), timeout)
     except asyncio.TimeoutError:
@@ -69,7 +70,7 @@ async def _read(request: web.BaseRequest, expected: int | None, limit: int) -> b
         if size > cap:  # only a chunked body can get here: the parser stops at Content-Length
             raise TooLarge(f"chunked body is over the {limit}-byte limit")
         if expected is None:
-            _budget(request).reserve(request, len(chunk))
+            _budget(request).reserve(request, 2 * len(chunk))
         chunks.append(chunk)
     if expected is not None and size != expected:
         raise InvalidArgument(f"truncated body: {size} of the declared {expected} bytes")
@@ -116,8 +117,8 @@ async def _read_frame(
     for key, n in zip(header.keys, header.lens, strict=True):
         if n > blob_limit:
             raise TooLarge(f"blob for {key} is {n} bytes, over the {blob_limit}-byte limit")
-    if expected is None:  # chunked: the frame header says how much is coming
-        _budget(request).reserve(request, total)
+    # Busy (503) when too much is in flight: the blobs, and the chunks of the one being joined
+    _budget(request).reserve(request, total + max(header.lens, default=0))
     blobs = [await _read_exactly(stream, n) for n in header.lens]
     if expected is None and await stream.read(1):
         raise InvalidArgument("batch body is longer than its frame")

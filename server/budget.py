@@ -1,9 +1,11 @@
 """The request-body budget: bytes of request bodies received or being stored at once, over every
 connection, so that the server's memory stays within idle + tier capacity + the budget.
 
-A body reserves its declared Content-Length before a byte of it is read (a chunked body: chunk by
-chunk); beyond the budget the request is a 503 with Retry-After, its body never read (aiohttp drains
-it into nothing). A request larger than the whole budget could never fit: 413. Large bodies (over an
+A body reserves what reading it holds at its peak before a byte of it is read: twice its declared
+Content-Length for one blob (its chunks, then the bytes they are joined into), the frame's payloads
+plus its largest blob for a batch (chunked bodies: as the chunks come). Beyond the budget the request
+is a 503 with Retry-After, its body never read (aiohttp drains it into nothing). A request that
+needs more than the whole budget could never fit: 413. Large bodies (over an
 eighth of the budget) share at most three quarters of it, so a flood of big uploads leaves room for
 everyone else's small ones. The reservation is returned when the response is done: by then the bytes
 are a tier's (counted in its capacity) or garbage.
@@ -34,7 +36,7 @@ class BodyBudget:
     def reserve(self, request: web.BaseRequest, n: int) -> None:
         """Take `n` bytes for `request` (returned by `release`), or raise Busy / TooLarge."""
         if n > self.limit:
-            raise TooLarge(f"a body of {n} bytes is over the server's {self.limit}-byte in-flight budget")
+            raise TooLarge(f"this body needs {n} bytes, over the server's {self.limit}-byte in-flight budget")
         large = n > self._large
         if self.used + n > self.limit or (large and self.used_large + n > self.limit * 3 // 4):
             raise Busy(

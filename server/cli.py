@@ -44,6 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--tls-cert", help="PEM certificate; serve HTTPS")
     h.add_argument("--tls-key", help="PEM private key of --tls-cert")
     h.add_argument("--max-request-size", help="largest batch body accepted, e.g. 1GiB")
+    h.add_argument(
+        "--max-body-bytes-in-flight", help="request body bytes being received at once, e.g. 1GiB (then 503)"
+    )
+    h.add_argument("--max-connections", type=int, help="open connections (then a fast 503; default 1024)")
+    h.add_argument("--header-timeout", type=float, help="seconds for a request's headers (default 10)")
+    h.add_argument("--keepalive-timeout", type=float, help="seconds an idle connection stays (default 30)")
     h.add_argument("--sample-interval", type=float, help="seconds between dashboard samples (default 5)")
     h.add_argument("--shutdown-timeout", type=float, help="seconds in-flight requests get on SIGTERM")
     h.add_argument("--access-log", action="store_true", default=None, help="log every request")

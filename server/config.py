@@ -36,9 +36,9 @@ class ServerConfig(BaseModel):
     header_timeout: float = 10.0  # seconds from a request's first byte to its last header line
     keepalive_timeout: float = 30.0  # seconds an idle connection (or one that never sends) stays open
     max_connections: int = Field(1024, ge=1)  # beyond: a fast 503 (also kept under RLIMIT_NOFILE)
-    # request body bytes received or being stored at once, all connections together (beyond: 503 +
-    # Retry-After): the server's RSS stays within idle + tier capacity + this
-    max_body_bytes_in_flight: Size = 1 << 30
+    # memory for request bodies being received or stored at once, all connections together (beyond:
+    # 503 + Retry-After; a body holds ~2x its size while read): RSS stays within idle + capacity + this
+    max_body_bytes_in_flight: Size = 2 << 30
     sample_interval: float = 5.0  # seconds between store.stats() samples for /v1/stats/history
     history_size: int = 720  # samples kept (an hour at 5 s)
     shutdown_timeout: float = 30.0  # seconds in-flight requests get on SIGTERM

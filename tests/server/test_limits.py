@@ -107,8 +107,8 @@ def _slow_put(port: int, k: str, blob: bytes, sent: threading.Event, go: threadi
 
 
 def test_request_bodies_in_flight_have_a_budget(server_factory):
-    srv = server_factory(max_body_bytes_in_flight=1 << 20)  # 1 MiB; "large" is over 128 KiB
-    big = make_blob(1, tokens=4800)  # ~600 KiB
+    srv = server_factory(max_body_bytes_in_flight=2 << 20)  # 2 MiB; "large" is over 256 KiB
+    big = make_blob(1, tokens=4800)  # ~600 KiB, reserves ~1.2 MiB while read
     sent, go = threading.Event(), threading.Event()
     result: list[int] = []
     slow = threading.Thread(target=lambda: result.append(_slow_put(srv.port, key(1), big, sent, go)))
@@ -122,7 +122,7 @@ def test_request_bodies_in_flight_have_a_budget(server_factory):
         assert srv.usage() == before  # refused before its body was read; nothing stored
         small = srv.request("PUT", wire.chunk_path(key(3)), make_blob(3))  # small bodies still fit
         assert small.status == 201
-        too_big = make_blob(4, tokens=9000)  # over the whole budget: can never fit
+        too_big = make_blob(4, tokens=9000)  # 1.1 MiB needs 2.2 MiB: over the whole budget, never fits
         assert srv.request("PUT", wire.chunk_path(key(4)), too_big).status == 413
         assert "kvstore_http_body_bytes_in_flight" in srv.request("GET", "/metrics").body.decode()
     finally:
