@@ -244,3 +244,38 @@ async def test_sigterm_drains_then_fails_what_is_left_and_exits(smollm2_dir: Pat
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+async def test_vllm_sampling_extras_through_the_openai_client(base_url: str, engine: LLMEngine) -> None:
+    """repetition_penalty, min_p, logit_bias, include_stop_str_in_output, cached_tokens and the
+    max_model_len check, as the official client sends them (extra_body for vLLM's own fields)."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0)
+    name, q = engine.model_name, "The capital of France is"
+
+    async def text(prompt: str, **kw) -> str:
+        out = await client.completions.create(model=name, prompt=prompt, temperature=0, **kw)
+        return out.choices[0].text
+
+    hello = "Repeat after me: hello hello hello hello hello"
+    assert (await text(hello, max_tokens=16)).count("hello") == 16
+    assert (await text(hello, max_tokens=16, extra_body={"repetition_penalty": 1.5})).count("hello") < 3
+    greedy = await text(q, max_tokens=12)
+    only_top = await client.completions.create(model=name, prompt=q, max_tokens=12, temperature=1.0, seed=1,
+                                               extra_body={"min_p": 1.0})  # fmt: skip
+    assert only_top.choices[0].text == greedy, "min_p=1 keeps only the most likely token"
+    lyon = engine.tokenizer.encode(" Lyon")
+    assert await text(q, max_tokens=1, logit_bias={str(lyon[0]): 100}) == " Lyon"
+    kept = await client.completions.create(model=name, prompt=q, max_tokens=12, temperature=0, stop=["."],
+                                           extra_body={"include_stop_str_in_output": True})  # fmt: skip
+    assert kept.choices[0].text == " Paris." and kept.choices[0].finish_reason == "stop"
+    assert await text(q, max_tokens=12, stop=["."]) == " Paris"
+    chat = {"model": name, "messages": [{"role": "user", "content": "Name three primary colors, please."}],
+            "max_tokens": 4, "temperature": 0}  # fmt: skip
+    await client.chat.completions.create(**chat)
+    again = await client.chat.completions.create(**chat)
+    assert again.usage.prompt_tokens_details.cached_tokens >= 16
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 256 tokens"):
+        await client.chat.completions.create(**{**chat, "max_tokens": 250})
+    await client.close()
