@@ -9,7 +9,8 @@ from tqdm import tqdm
 
 from engine.engine_args import EngineArgs
 from engine.errors import InvalidRequest, RequestFailed
-from engine.llm_engine import LLMEngine, RequestOutput
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]

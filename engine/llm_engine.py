@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -19,6 +18,7 @@ from engine.engine_args import EngineArgs
 from engine.errors import InvalidRequest, KVBackendUnavailable
 from engine.metrics import EngineMetrics
 from engine.model_runner import ModelRunner, kv_bytes_per_block
+from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
@@ -27,27 +27,6 @@ from kvstore.keys import KVLayout, model_layout, root_key
 
 logger = logging.getLogger(__name__)
 _MAX_DEFAULT_MODEL_LEN = 8192
-
-
-@dataclass
-class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None = None  # "stop", "length", "abort"
-    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool
-    num_cached_tokens: int = 0
-    metrics: dict[str, float] = field(default_factory=dict)
-    error: str | None = None  # why the engine gave up on this request (finish_reason "abort")
 
 
 def resolve_model_dir(model: str) -> Path:

@@ -22,7 +22,8 @@ from aiohttp import web
 
 from engine.async_engine import AsyncEngine
 from engine.errors import InvalidRequest, ModelNotFound, TokenizerError
-from engine.llm_engine import LLMEngine, RequestOutput
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
 from engine.protocol import ChatCompletionRequest, CompletionRequest, resolve_max_tokens, sampling_params_from
 from engine.server_middleware import (
     MAX_BODY_KEY,

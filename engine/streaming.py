@@ -15,7 +15,7 @@ from contextlib import aclosing
 from aiohttp import web
 
 from engine.errors import error_body
-from engine.llm_engine import RequestOutput
+from engine.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 STREAM_KEY = web.RequestKey("sse_stream", web.StreamResponse)

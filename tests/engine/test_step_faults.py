@@ -11,7 +11,8 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.errors import RequestFailed
-from engine.llm_engine import LLMEngine, RequestOutput
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPTS = ["The quick brown", "Once upon a time", "The lazy dog"]
