@@ -90,6 +90,7 @@ class LLMEngine:
         eos = set(cfg.eos_token_ids) | set(getattr(self.tokenizer, "eos_token_ids", ()) or ())
         sched_cfg = SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, self.max_model_len)
         self.scheduler = Scheduler(sched_cfg, self.block_manager, eos, kv_scheduler)
+        self.runner.sampler.eos_token_ids = eos
         self.metrics = EngineMetrics(self.model_name)
         self.requests: dict[str, Sequence] = {}
         self._next_id = 0

@@ -1,5 +1,5 @@
-"""Next-token sampling: logit bias, repetition / frequency / presence penalties, greedy, temperature,
-min-p, top-k, top-p, per-request seeds (vLLM's order: bias and penalties also steer greedy decoding).
+"""Next-token sampling: logit bias, min_tokens, repetition / frequency / presence penalties, greedy,
+temperature, min-p, top-k, top-p, per-request seeds (vLLM's order: the first three steer greedy too).
 
 A request with a seed owns a `torch.Generator` seeded once, so its tokens do not depend on what else
 is in the batch. Sampling uses the exponential race (argmax of p / Exp(1) noise), which draws from
@@ -68,8 +68,9 @@ def apply_penalties(
 
 
 class Sampler:
-    def __init__(self) -> None:
+    def __init__(self, eos_token_ids: set[int] | None = None) -> None:
         self._generators: dict[str, torch.Generator] = {}
+        self.eos_token_ids = set(eos_token_ids or ())  # banned, with stop_token_ids, before min_tokens
 
     def generator_for(
         self, request_id: str, params: SamplingParams, device: torch.device
@@ -100,11 +101,18 @@ class Sampler:
         logits = logits.float()
         dev = logits.device
         biased = [i for i, p in enumerate(params) if p.logit_bias]
-        if biased:
+        early = [i for i, p in enumerate(params) if p.min_tokens and history is not None
+                 and len(history[i][1]) < p.min_tokens]  # fmt: skip
+        if biased or early:
             logits = logits.clone()
-            for i in biased:
-                ids = torch.tensor(list(params[i].logit_bias), dtype=torch.long, device=dev)
-                logits[i, ids] += torch.tensor(list(params[i].logit_bias.values()), device=dev)
+        for i in biased:
+            ids = torch.tensor(list(params[i].logit_bias), dtype=torch.long, device=dev)
+            logits[i, ids] += torch.tensor(list(params[i].logit_bias.values()), device=dev)
+        for i in early:  # vLLM's min_tokens: no stop token before that many output tokens
+            p = params[i]
+            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
+            if banned:
+                logits[i, torch.tensor(sorted(banned), dtype=torch.long, device=dev)] = float("-inf")
         penalized = [i for i, p in enumerate(params) if p.has_penalties]
         if penalized:
             assert history is not None, "penalties need each row's prompt and output token ids"

@@ -134,3 +134,13 @@ def test_a_row_that_fails_alone_fails_alone_and_seeds_stay_reproducible() -> Non
     clean = Sampler()
     expected = [clean(logits[:1], ["g"], [good])[0] for _ in range(3)]
     assert [tokens[0]] + [sampler(logits[:1], ["g"], [good])[0] for _ in range(2)] == expected
+
+
+def test_min_tokens_bans_eos_and_stop_tokens_until_reached_like_vllm() -> None:
+    logits = torch.tensor([[0.0, 1.0, 5.0, 4.0]])  # token 2 is the eos, 3 a stop token id
+    sampler = Sampler(eos_token_ids={2})
+    p = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[3])
+    assert sampler(logits, ["a"], [p], [([0], [1])]) == [1], "one output token so far: 2 and 3 are banned"
+    assert sampler(logits, ["a"], [p], [([0], [1, 1])]) == [2]
+    ignore = SamplingParams(temperature=0, min_tokens=2, ignore_eos=True)
+    assert sampler(logits, ["a"], [ignore], [([0], [])]) == [2], "ignore_eos: eos is an ordinary token"
