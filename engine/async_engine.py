@@ -32,8 +32,9 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         # One HTTP request keeps at most this many of its prompts in the engine, so a 2,000-prompt
-        # request cannot queue ahead of everything that arrives after it.
-        self.admission_window = engine.args.max_num_seqs
+        # request cannot queue ahead of everything that arrives after it. Twice the batch: a full
+        # batch running and the next one waiting, so the request alone still fills every step.
+        self.admission_window = 2 * engine.args.max_num_seqs
         self.draining = False
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
