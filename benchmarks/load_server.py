@@ -1,11 +1,15 @@
-"""Load test: N client processes put/get against a kvstore-server whose cpu tier has a fixed capacity.
+"""Load test: 8 honest clients put/get against a kvstore-server (cpu tier + a real valkey below it)
+while hostile clients attack it: slow headers, idle sockets, oversized concurrent puts, and a Redis
+that hangs (SIGSTOP) every few seconds.
 
-Checks, and prints: no request errors; every hit returns exactly the blob that was written; no lost
-acknowledged write (a miss of a key that was acknowledged while fewer bytes than the capacity were
-touched since, in any client, is a lost write); the server's RSS stays within its idle RSS + capacity
-+ a stated overhead.
+Checks, and prints: no honest request errors; every hit returns exactly the blob last acknowledged
+for its key (an older version is a wrong blob too: honest clients replace some keys); no lost
+acknowledged write (a miss of a key whose put was acknowledged in the cpu tier while fewer bytes than
+its capacity were touched since, over every client, hostile ones included); the server's peak RSS
+against idle + cpu capacity + the body budget + a stated allowance; the honest clients' latency.
 
     .venv/bin/python benchmarks/load_server.py --duration 60 --clients 8 --capacity 256MiB
+    .venv/bin/python benchmarks/load_server.py --no-hostile      # the same without the attackers
 """
 
 from __future__ import annotations
@@ -24,14 +28,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.hostile_clients import HostileConfig, HostileReport, run_hostile  # noqa: E402
 from kvstore.config import parse_size  # noqa: E402
 
 BLOB_TOKENS = (32, 128)  # [2, 2, T, 8, 64] fp16 -> 128 KiB and 512 KiB blobs (plus a small header)
-VARIANTS = 8  # distinct payloads per size; a key's payload is derived from the key
-# Overhead the server may use above idle RSS + capacity: request bodies in flight (each client's
-# largest request, received and joined once) plus allocator slack. Stated, measured, asserted.
+VARIANTS = 8  # distinct payloads per size; a key's payload is derived from the key and its version
+# What the server may use above idle RSS + cpu capacity + the body budget: allocator slack and Python
+# objects (fixed), and aiohttp's read buffer of every open connection (at most 2 x 64 KiB each).
 OVERHEAD_FIXED = 96 * 2**20
+PER_CONNECTION = 128 * 2**10
 PUT, HIT, MISS = 0, 1, 2
+REPUT = 0.05  # share of honest ops that replace a recent key with a new version
+OVERSIZED = 128 * 2**20
 
 
 def blob_table() -> list[list[bytes]]:
@@ -50,9 +58,9 @@ def key_of(worker: int, n: int) -> str:
     return f"{worker:04x}{n:028x}"
 
 
-def blob_for(table: list[list[bytes]], key: str) -> bytes:
+def blob_for(table: list[list[bytes]], key: str, version: int = 0) -> bytes:
     h = int(key[-8:], 16) * 2654435761 % 2**32
-    return table[h % len(table)][(h >> 8) % VARIANTS]
+    return table[h % len(table)][((h >> 8) + version) % VARIANTS]
 
 
 def rss_bytes(pid: int) -> int:
@@ -64,7 +72,9 @@ def rss_bytes(pid: int) -> int:
 
 
 def worker(args: tuple) -> dict:
-    """Random puts, gets, batches for `duration` s. Logs (time, key, bytes, kind) for the loss check."""
+    """Random puts, replaces, gets, batches for `duration` s. Logs (time, key, bytes, kind) for the
+    loss check and each op's latency."""
+    from kvstore.errors import Unavailable  # noqa: PLC0415
     from sdk.remote import RemoteBackend  # noqa: PLC0415
 
     wid, url, duration, table, seed = args
@@ -72,37 +82,53 @@ def worker(args: tuple) -> dict:
     be = RemoteBackend(url, timeout=30, retries=0)  # retries off: any failure is counted, not hidden
     log: list[tuple[float, str, int, int]] = []
     written: list[str] = []
+    version: dict[str, int] = {}  # the version last acknowledged for each key
     errors: list[str] = []
-    wrong = 0
+    latencies: list[float] = []
+    wrong = stale = refused = 0
     n = 0
-    ops = 0
     end = time.monotonic() + duration
 
     def check(key: str, blob) -> None:
-        nonlocal wrong
+        nonlocal wrong, stale
+        if key not in version:
+            return  # its last put failed: what it holds is not known
         if blob is None:
             log.append((time.monotonic(), key, 0, MISS))
-        elif bytes(blob) != blob_for(table, key):
-            wrong += 1
+            return
+        data = bytes(blob)
+        if data == blob_for(table, key, version[key]):
+            log.append((time.monotonic(), key, len(data), HIT))
+        elif any(data == blob_for(table, key, v) for v in range(version[key])):
+            stale += 1  # an older version of a replaced key
         else:
-            log.append((time.monotonic(), key, len(blob), HIT))
+            wrong += 1
+
+    def acked(key: str, v: int, tiers: list[str]) -> None:
+        version[key] = v
+        if "cpu" in tiers:
+            log.append((time.monotonic(), key, len(blob_for(table, key, v)), PUT))
 
     while time.monotonic() < end:
         r = rng.random()
+        t0 = time.perf_counter()
         try:
             if r < 0.3 or not written:
                 k = key_of(wid, n)
                 n += 1
-                be.put_blob(k, blob_for(table, k))
-                log.append((time.monotonic(), k, len(blob_for(table, k)), PUT))
                 written.append(k)
+                version.pop(k, None)
+                acked(k, 0, be.put_blob(k, blob_for(table, k)))
+            elif r < 0.3 + REPUT:  # a replace: the old version must never come back
+                k = written[-1 - min(len(written) - 1, int(rng.expovariate(0.3)))]
+                v = version.pop(k, 0) + 1
+                acked(k, v, be.put_blob(k, blob_for(table, k, v)))
             elif r < 0.4:
                 ks = [key_of(wid, n + i) for i in range(4)]
                 n += 4
-                be.batch_put([(k, blob_for(table, k)) for k in ks])
-                t = time.monotonic()
-                log.extend((t, k, len(blob_for(table, k)), PUT) for k in ks)
                 written.extend(ks)
+                for k, tiers in zip(ks, be.batch_put([(k, blob_for(table, k)) for k in ks]), strict=True):
+                    acked(k, 0, tiers)
             elif r < 0.65:  # recent keys: should hit
                 k = written[-1 - min(len(written) - 1, int(rng.expovariate(0.3)))]
                 check(k, be.get_blob(k))
@@ -117,20 +143,24 @@ def worker(args: tuple) -> dict:
                 be.batch_exists(rng.sample(written, min(8, len(written))))
             else:
                 be.lookup_prefix(written[-8:])
-            ops += 1
+        except Unavailable as e:  # refused fast (503): counted apart from errors
+            refused += 1
+            errors.append(f"{type(e).__name__}: {e}")
         except Exception as e:  # the load test's job is to count every failure, of any kind
             errors.append(f"{type(e).__name__}: {e}")
+        latencies.append(time.perf_counter() - t0)
     be.close()
-    return {"log": log, "errors": errors, "wrong": wrong, "ops": ops}
+    return {"log": log, "errors": errors, "wrong": wrong, "stale": stale, "refused": refused,
+            "latencies": latencies}  # fmt: skip
 
 
 def find_lost(logs: list[list[tuple]], capacity: int, slack: int) -> list[str]:
     """Misses of acknowledged writes that no amount of eviction explains.
 
-    Between a key's last acknowledged put and a miss of it, LRU can only have evicted it if at least
-    `capacity - slack` bytes of other blobs were put or read (touched) in between, counted over every
-    client. The sum over all touches bounds the distinct bytes touched from above, so a miss with
-    less than that is a write the store lost."""
+    Between a key's last acknowledged put into the cpu tier and a miss of it, LRU can only have
+    evicted it if at least `capacity - slack` bytes of other blobs were put or read (touched) in
+    between, counted over every client. The sum over all touches bounds the distinct bytes touched
+    from above, so a miss with less than that is a write the store lost."""
     events = sorted(e for log in logs for e in log)
     touched = [0]
     for e in events:
@@ -147,10 +177,18 @@ def find_lost(logs: list[list[tuple]], capacity: int, slack: int) -> list[str]:
     return lost
 
 
-def start_server(capacity: int) -> tuple[subprocess.Popen, str]:
+def start_valkey() -> object:
+    from tests.valkey import ValkeyProcess  # noqa: PLC0415
+
+    return ValkeyProcess(extra_args=["--maxmemory", "512mb", "--maxmemory-policy", "allkeys-lru"]).start()
+
+
+def start_server(capacity: int, budget: int, redis_url: str | None) -> tuple[subprocess.Popen, str]:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "server", "--tiers", "cpu", "--cpu-capacity", str(capacity), "--port", "0",
-           "--max-blob-size", "4MiB", "--log-level", "WARNING"]  # fmt: skip
+    tiers = ["--tiers", "cpu,redis", "--redis-url", redis_url] if redis_url else ["--tiers", "cpu"]
+    cmd = [sys.executable, "-m", "server", *tiers, "--cpu-capacity", str(capacity), "--port", "0",
+           "--max-blob-size", "160MiB", "--max-body-bytes-in-flight", str(budget),
+           "--log-level", "ERROR"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     assert proc.stdout is not None
     line = proc.stdout.readline()
@@ -160,12 +198,42 @@ def start_server(capacity: int) -> tuple[subprocess.Popen, str]:
     return proc, line.split()[-1]
 
 
-def run_load(duration: float, clients: int, capacity: int) -> dict:
+def oversized_blob(nbytes: int) -> bytes:
+    """A valid blob of about `nbytes` (made before any fork: torch in a forked child can deadlock)."""
+    import torch  # noqa: PLC0415
+
+    from kvstore.blob import encode_blob  # noqa: PLC0415
+
+    return encode_blob(torch.zeros(2, 2, nbytes // (2 * 2 * 8 * 256 * 2), 8, 256, dtype=torch.float16))
+
+
+def _hostile_process(port: int, duration: float, cfg: HostileConfig, blob: bytes, out: mp.Queue) -> None:
+    out.put(run_hostile(port, duration, cfg, blob))
+
+
+def percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
+
+
+def run_load(duration: float, clients: int, capacity: int, budget: int, hostile: bool) -> dict:
     table = blob_table()
     biggest = max(len(b) for row in table for b in row)
-    server, url = start_server(capacity)
+    oversized = min(OVERSIZED, capacity // 2)  # far over the honest blobs, still fits the cpu tier
+    big = oversized_blob(oversized) if hostile else b""
+    valkey = start_valkey()
+    server, url = start_server(capacity, budget, valkey.url)  # type: ignore[attr-defined]
+    port = int(url.rsplit(":", 1)[1])
     samples: list[int] = []
     stop = threading.Event()
+    ctx = mp.get_context("fork")
+    hostile_out: mp.Queue = ctx.Queue()
+    cfg = HostileConfig(
+        oversized_bytes=oversized,
+        redis_pid=valkey.proc.pid,  # type: ignore[attr-defined]
+        redis_hang_s=min(8.0, duration / 6),
+        redis_run_s=min(12.0, duration / 4),
+    )
     try:
         time.sleep(0.5)
         idle = rss_bytes(server.pid)
@@ -173,14 +241,22 @@ def run_load(duration: float, clients: int, capacity: int) -> dict:
         def sample() -> None:
             while not stop.is_set():
                 samples.append(rss_bytes(server.pid))
-                stop.wait(0.2)
+                stop.wait(0.1)
 
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
+        attacker = ctx.Process(
+            target=_hostile_process, args=(port, duration, cfg, big, hostile_out), daemon=True
+        )
+        if hostile:
+            attacker.start()
         start = time.monotonic()
-        with mp.get_context("fork").Pool(clients) as pool:
+        with ctx.Pool(clients) as pool:
             results = pool.map(worker, [(w, url, duration, table, w) for w in range(clients)])
         wall = time.monotonic() - start
+        rep = hostile_out.get(timeout=180) if hostile else HostileReport()
+        if hostile:
+            attacker.join(30)
         stop.set()
         sampler.join()
         from sdk.remote import RemoteBackend  # noqa: PLC0415
@@ -190,35 +266,47 @@ def run_load(duration: float, clients: int, capacity: int) -> dict:
     finally:
         server.terminate()
         server.wait(60)
-    logs = [r["log"] for r in results]
-    slack = clients * 4 * biggest  # puts in flight (a batch of 4 per client) when a miss is logged
+        valkey.close()  # type: ignore[attr-defined]
+    logs = [r["log"] for r in results] + [rep.log]
+    # in flight when a miss is logged: each client's batch of 4, and one admitted oversized put
+    slack = clients * 4 * biggest + (oversized if hostile else 0)
     lost = find_lost(logs, capacity, slack)
-    puts = sum(1 for log in logs for e in log if e[3] == PUT)
-    put_bytes = sum(e[2] for log in logs for e in log if e[3] == PUT)
-    hits = sum(1 for log in logs for e in log if e[3] == HIT)
-    misses = sum(1 for log in logs for e in log if e[3] == MISS)
-    allowance = OVERHEAD_FIXED + clients * 4 * biggest
+    honest = [e for r in results for e in r["log"]]
+    latencies = [x for r in results for x in r["latencies"]]
+    connections = clients + (cfg.slow_headers + cfg.idle_sockets + cfg.oversized_threads if hostile else 0)
+    allowance = OVERHEAD_FIXED + connections * PER_CONNECTION
+    rss_max = max(samples) if samples else idle
+    cpu = stats["tiers"][0]
     return {
         "duration_s": round(wall, 1),
         "clients": clients,
+        "hostile": hostile,
         "capacity": capacity,
-        "ops": sum(r["ops"] for r in results),
-        "ops_per_s": round(sum(r["ops"] for r in results) / wall),
-        "put_MBps": round(put_bytes / wall / 1e6, 1),
-        "acked_puts": puts,
-        "gets_hit": hits,
-        "gets_miss": misses,
+        "budget": budget,
+        "ops": len(latencies),
+        "ops_per_s": round(len(latencies) / wall),
+        "acked_puts": sum(1 for e in honest if e[3] == PUT),
+        "gets_hit": sum(1 for e in honest if e[3] == HIT),
+        "gets_miss": sum(1 for e in honest if e[3] == MISS),
         "errors": sum(len(r["errors"]) for r in results),
+        "refused": sum(r["refused"] for r in results),
         "error_samples": [e for r in results for e in r["errors"]][:5],
         "wrong_blobs": sum(r["wrong"] for r in results),
+        "stale_blobs": sum(r["stale"] for r in results),
         "lost_writes": len(lost),
         "lost_samples": lost[:5],
-        "evictions": stats["tiers"][0]["evictions"],
-        "stored_bytes": stats["tiers"][0]["bytes"],
+        "evictions": cpu["evictions"],
+        "stored_bytes": cpu["bytes"],
+        "invalidated_in_redis": stats["tiers"][1].get("invalidated", 0) if len(stats["tiers"]) > 1 else 0,
+        "latency_p50_ms": round(percentile(latencies, 0.5) * 1e3, 2),
+        "latency_p99_ms": round(percentile(latencies, 0.99) * 1e3, 2),
+        "latency_max_ms": round(max(latencies, default=0) * 1e3, 1),
         "rss_idle": idle,
-        "rss_max": max(samples) if samples else idle,
+        "rss_max": rss_max,
+        "rss_bound": idle + capacity + budget + allowance,
         "rss_allowance": allowance,
-        "rss_within_bound": (max(samples) if samples else idle) <= idle + capacity + allowance,
+        "rss_within_bound": rss_max <= idle + capacity + budget + allowance,
+        "hostile_report": {k: v for k, v in vars(rep).items() if k != "log"},
     }
 
 
@@ -227,27 +315,38 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=60.0, help="seconds of load")
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--capacity", default="256MiB", help="the server's cpu tier capacity")
+    ap.add_argument("--budget", default="512MiB", help="the server's --max-body-bytes-in-flight")
+    ap.add_argument("--no-hostile", dest="hostile", action="store_false", help="honest clients only")
     args = ap.parse_args()
-    r = run_load(args.duration, args.clients, parse_size(args.capacity))
+    r = run_load(
+        args.duration, args.clients, parse_size(args.capacity), parse_size(args.budget), args.hostile
+    )
     mib = 2**20
-    print(f"{r['clients']} clients x {r['duration_s']} s against a {r['capacity'] / mib:.0f} MiB cpu tier")
+    who = "beside hostile clients" if r["hostile"] else "alone"
+    print(f"{r['clients']} honest clients x {r['duration_s']} s {who}; cpu tier {r['capacity'] / mib:.0f} MiB "
+          f"over valkey, body budget {r['budget'] / mib:.0f} MiB")  # fmt: skip
+    print(f"  honest ops {r['ops']} ({r['ops_per_s']}/s), puts acknowledged {r['acked_puts']}")
+    print(f"  gets: {r['gets_hit']} hits, {r['gets_miss']} misses; cpu evictions {r['evictions']}")
+    print(f"  wrong blobs {r['wrong_blobs']} (older versions {r['stale_blobs']})  "
+          f"acknowledged-but-lost writes {r['lost_writes']}  errors {r['errors']} (503 refused {r['refused']})")  # fmt: skip
     print(
-        f"  ops {r['ops']} ({r['ops_per_s']}/s), puts acknowledged {r['acked_puts']} ({r['put_MBps']} MB/s)"
+        f"  honest latency p50 {r['latency_p50_ms']} ms, p99 {r['latency_p99_ms']} ms, max {r['latency_max_ms']} ms"
     )
-    print(f"  gets: {r['gets_hit']} hits, {r['gets_miss']} misses; evictions {r['evictions']}")
-    print(
-        f"  errors {r['errors']}  wrong blobs {r['wrong_blobs']}  lost acknowledged writes {r['lost_writes']}"
-    )
-    print(f"  server RSS: idle {r['rss_idle'] / mib:.0f} MiB, max {r['rss_max'] / mib:.0f} MiB; bound idle + "
-          f"capacity + {r['rss_allowance'] / mib:.0f} MiB = {(r['rss_idle'] + r['capacity'] + r['rss_allowance']) / mib:.0f}"
-          f" MiB -> {'OK' if r['rss_within_bound'] else 'EXCEEDED'}")  # fmt: skip
+    print(f"  server RSS: idle {r['rss_idle'] / mib:.0f} MiB, peak {r['rss_max'] / mib:.0f} MiB; bound idle + "
+          f"capacity + budget + {r['rss_allowance'] / mib:.0f} MiB = {r['rss_bound'] / mib:.0f} MiB -> "
+          f"{'OK' if r['rss_within_bound'] else 'EXCEEDED'}")  # fmt: skip
+    if r["hostile"]:
+        h = r["hostile_report"]
+        print(f"  hostile: slow headers closed with 408 {h['slow_closed_408']} (other {h['slow_closed_other']}), "
+              f"idle sockets closed {h['idle_closed']}, connections refused 503 {h['refused_503']}, "
+              f"oversized puts {h['oversized']}, redis hangs {h['redis_hangs']}")  # fmt: skip
     for sample in r["error_samples"] + r["lost_samples"]:
         print("   ", sample)
     out = Path.home() / ".cache" / "kvstore" / "bench"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "load_server.json").write_text(json.dumps(r, indent=1))
-    ok = not r["errors"] and not r["wrong_blobs"] and not r["lost_writes"] and r["rss_within_bound"]
-    sys.exit(0 if ok else 1)
+    (out / f"load_server{'_hostile' if r['hostile'] else ''}.json").write_text(json.dumps(r, indent=1))
+    ok = not r["errors"] and not r["wrong_blobs"] and not r["stale_blobs"] and not r["lost_writes"]
+    sys.exit(0 if ok and r["rss_within_bound"] else 1)
 
 
 if __name__ == "__main__":

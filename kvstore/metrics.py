@@ -51,7 +51,14 @@ class _TierCollector(Collector):
             err.add_metric([t.name], t.stats.errors + m.store_errors[t.name])
         for (tier, reason), n in sorted(m.store_drops.items()):
             drop.add_metric([tier, reason], n)
-        yield from (usage, cap, keys, ev, exp, err, drop)
+        inval = GaugeMetricFamily(
+            "kvstore_invalidated_keys",
+            "Keys a tier could not reach to delete or replace, waiting to be deleted there (never served)",
+            labels=["tier"],
+        )
+        for t in m.tiers:
+            inval.add_metric([t.name], t.stats.extra.get("invalidated", 0))
+        yield from (usage, cap, keys, ev, exp, err, drop, inval)
 
 
 class TierCounters:
@@ -153,6 +160,7 @@ class StoreMetrics:
                 "corrupt": g("kvstore_corrupt_blobs_total"),
                 "errors": g("kvstore_tier_errors_total"),
                 "dropped_writes": g("kvstore_dropped_writes_total"),
+                "invalidated": g("kvstore_invalidated_keys"),
                 "read_bytes": g("kvstore_read_bytes_total"),
                 "written_bytes": g("kvstore_written_bytes_total"),
             })  # fmt: skip

@@ -14,6 +14,7 @@ import torch
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError, InvalidArgument
 from kvstore.tiers import Tier, make_tier
+from kvstore.tiers.base import TierWriteError
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 KiB = 1024
@@ -90,7 +91,9 @@ def test_lru_eviction_and_exact_bytes(gpu) -> None:
     assert gpu.put(key(9), os.urandom(20 * KiB)) == [key(1)]
     assert not gpu.contains(key(1)) and gpu.contains(key(0))
     assert gpu.usage() == 60 * KiB and gpu.stats.evictions == 1
-    assert gpu.put(key(0), os.urandom(65 * KiB)) == []  # larger than the tier: not stored, old one gone
+    with pytest.raises(TierWriteError) as e:  # larger than the tier: not stored, old one gone
+        gpu.put(key(0), os.urandom(65 * KiB))
+    assert e.value.failed == {key(0): "too_large"}
     assert gpu.get(key(0)) is None and gpu.usage() == 40 * KiB
     assert sorted(gpu.keys()) == sorted([key(2), key(9)])
     assert gpu.delete(key(2)) and not gpu.delete(key(2)) and gpu.usage() == 20 * KiB

@@ -1,4 +1,5 @@
-"""The load test in short: 8 client processes for ~10 s against a fixed-capacity cpu tier."""
+"""The load test in short: 8 client processes for ~10 s against a fixed-capacity cpu tier over valkey,
+beside hostile clients (slow headers, idle sockets, oversized puts, a Redis that hangs)."""
 
 from __future__ import annotations
 
@@ -19,12 +20,15 @@ def test_find_lost_tells_eviction_from_loss():
 
 
 @pytest.mark.slow
-def test_load_8_clients_10s():
-    r = run_load(duration=10, clients=8, capacity=32 * MiB)
+def test_load_8_clients_10s_beside_hostile_clients():
+    r = run_load(duration=10, clients=8, capacity=32 * MiB, budget=64 * MiB, hostile=True)
     assert r["errors"] == 0, r["error_samples"]
-    assert r["wrong_blobs"] == 0
+    assert r["wrong_blobs"] == 0 and r["stale_blobs"] == 0
     assert r["lost_writes"] == 0, r["lost_samples"]
     assert r["acked_puts"] > 100 and r["gets_hit"] > 100
     assert r["evictions"] > 0  # the capacity was really exercised
     assert r["stored_bytes"] <= 32 * MiB
     assert r["rss_within_bound"], (r["rss_idle"], r["rss_max"], r["rss_allowance"])
+    h = r["hostile_report"]
+    assert h["redis_hangs"] >= 1 and h["oversized"].get("201", 0) >= 1
+    assert h["slow_closed_408"] == 0  # header_timeout is 10 s: none was due yet, all still held open
