@@ -4,9 +4,10 @@
   browser cannot send cross-origin without a CORS preflight; the server grants no CORS (it never sends
   Access-Control-Allow-*), so the preflight fails and the request is never sent (`server.body`).
 - Without a token, a page could still point a DNS name of its own at 127.0.0.1 (DNS rebinding) and be
-  "same-origin" with the server. So without a token every request must name in `Host` (and, when a
-  browser sends one, in `Origin`) an IP address, `localhost`, or a name listed in `allowed_hosts`
-  (`*` turns the check off). With a token the browser has nothing to send: no check is needed.
+  "same-origin" with the server. So without a token every request must name in `Host` an IP address,
+  `localhost`, or a name listed in `allowed_hosts` (`*` turns the check off); and an `Origin`, which
+  only browsers send, must be the server itself, a loopback address, `localhost` or an allowed name.
+  With a token the browser has nothing to send: no check is needed.
 """
 
 from __future__ import annotations
@@ -35,6 +36,13 @@ def _is_ip(host: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class HostCheck:
@@ -67,5 +75,7 @@ class HostCheck:
             )
         origin = request.headers.get("Origin")  # only browsers send it ("null" from sandboxes, files)
         if origin is not None:
-            if not self.allowed(_hostname(urlsplit(origin).netloc)):
+            name = _hostname(urlsplit(origin).netloc)
+            same_site = host is not None and name == _hostname(host)  # the dashboard's own requests
+            if not (same_site or self.any or name in self.names or name == "localhost" or _is_loopback(name)):
                 raise Forbidden(f"cross-origin request from {origin!r:.80} refused")

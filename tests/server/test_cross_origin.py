@@ -91,6 +91,8 @@ def test_without_a_token_a_foreign_origin_is_refused(srv):
     assert r.status == 403 and r.json()["type"] == "Forbidden"
     r = srv.request("GET", "/v1/stats", headers={"Origin": "null"})  # sandboxed frames, file:// pages
     assert r.status == 403
+    r = srv.request("GET", "/v1/stats", headers={"Origin": "http://203.0.113.9"})  # a page on a public IP
+    assert r.status == 403
     r = srv.request("GET", "/v1/stats", headers={"Origin": f"http://127.0.0.1:{srv.port}"})  # the dashboard
     assert r.status == 200
 
