@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from aiohttp import web
@@ -25,19 +26,36 @@ _SMALL = 64 * 1024
 
 async def send_buffers(request: web.Request, parts: list, content_type: str) -> web.StreamResponse:
     """Send `parts` back to back as the body. Large bodies go out as the headers, then each buffer as
-    is: aiohttp's Response would join headers and body into one new bytes first (a full copy)."""
+    is: aiohttp's Response would join headers and body into one new bytes first (a full copy).
+
+    A large body holds its blobs until the client has read it (an evicted blob stays in memory while a
+    slow reader takes it), so it is charged to the body budget (Busy before anything is sent) and must
+    be read within body_timeout, or the connection is closed."""
     total = sum(memoryview(p).nbytes for p in parts)
     request[BYTES_OUT] = total
     if total <= _SMALL:
         return web.Response(body=b"".join(parts), content_type=content_type, headers=_WIRE_HEADERS)
+    st = _state(request)
+    st.budget.reserve(request, total)
     resp = web.StreamResponse(headers=_WIRE_HEADERS)
     resp.content_type = content_type
     resp.content_length = total
     await resp.prepare(request)
+    try:
+        await asyncio.wait_for(_write_all(resp, parts), st.config.body_timeout)
+    except asyncio.TimeoutError:
+        if request.transport is not None:
+            request.transport.close()
+        raise ConnectionResetError(
+            f"the client did not read {total} bytes within {st.config.body_timeout:g} s"
+        ) from None
+    return resp
+
+
+async def _write_all(resp: web.StreamResponse, parts: list) -> None:
     for part in parts:
         await resp.write(part)
     await resp.write_eof()
-    return resp
 
 
 @routes.put(wire.CHUNKS_PATH + "/{key}", name="put")

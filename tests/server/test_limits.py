@@ -211,3 +211,27 @@ def test_at_a_real_fd_limit_no_stored_blob_is_a_404_and_no_lost_write_a_201(tmp_
             h.close()
         proc.terminate()
         proc.wait(30)
+
+
+def test_slow_readers_hold_the_budget_only_until_the_body_timeout(server_factory):
+    """A large response pins its blob until it is read (even once the tier evicted it): it is charged
+    to the same budget, and a client that does not read it within body_timeout is cut off."""
+    srv = server_factory(max_body_bytes_in_flight=64 << 20, body_timeout=1.0)  # large ones share 48 MiB
+    blob = make_blob(1, tokens=131_072)  # 16 MiB: more than loopback's socket buffers take at once
+    assert srv.request("PUT", wire.chunk_path(key(1)), blob).status == 201
+    readers = []
+    for _ in range(3):
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(("127.0.0.1", srv.port))
+        s.sendall(f"GET {wire.chunk_path(key(1))} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
+        readers.append(s)  # and never read
+    time.sleep(0.3)
+    r = srv.request("GET", wire.chunk_path(key(1)))  # 3 x 16 MiB in flight: this one must wait
+    assert r.status == 503 and r.json()["type"] == "Busy" and r.headers["retry-after"] == "1"
+    time.sleep(1.5)  # past body_timeout: the slow readers are dropped and their budget returned
+    assert srv.thread.state.budget.used == 0
+    got = srv.request("GET", wire.chunk_path(key(1)))
+    assert got.status == 200 and got.body == blob
+    for s in readers:
+        s.close()
