@@ -1,36 +1,49 @@
-"""kvstore-server (HTTP, sdk.remote.RemoteBackend) next to raw redis-py on Valkey, same machine, same run.
+"""kvstore-server next to Valkey (redis-py + hiredis) and memcpy: same machine, same run, one client.
 
-For 256 KiB / 1 MiB / 4 MiB chunks: get and put, single keys and batches of 8 (Valkey: MGET / MSET),
-1 and 8 client processes. Prints MB/s, p50/p99 latency per call and the kvstore/Valkey throughput ratio.
-Each cell runs kvstore and Valkey alternately `--repeats` times and keeps each one's best run, so that
-both see the same background load (this box is shared and noisy).
+Blobs of 256 KiB / 1 MiB / 4 MiB; single get and put, batches of 8 (Valkey: MGET / MSET); kvstore
+over each transport of `sdk.remote.RemoteBackend`:
+    http       HTTP/1.1 (the public API)
+    tcp        the binary data plane on the same port (kvstore.dataplane)
+    shm        the data plane with blobs in shared memory (kvstore.shm); `get` copies each blob into a
+               buffer the caller owns, as redis-py's GET does
+    shm-lease  the same, but the blob is lent (no copy) and verified (xxh3) before the lease ends:
+               what the engines' connectors do with a loaded chunk
+    memcpy     np.copyto of the same bytes between prefaulted buffers: the machine's ceiling
+Keys are distinct: gets walk a pool of stored keys larger than the CPU caches, puts overwrite a pool
+of keys in order; the client sends from distinct source buffers. Every round runs each system once per
+cell, in an order that rotates from round to round, so all of them see the same background load (the
+box is shared). Printed: the median MB/s of each system and, per kvstore transport, the median of its
+per-round ratios to Valkey with their min-max; then the figures the design asks for.
 
-    .venv/bin/python benchmarks/bench_server.py            # full table, ~3 minutes on 2 cores
-    .venv/bin/python benchmarks/bench_server.py --quick    # 1 MiB only
+    .venv/bin/python benchmarks/bench_server.py                 # ~2-4 minutes on 2 cores
+    .venv/bin/python benchmarks/bench_server.py --sizes 1MiB --rounds 3
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvstore.blob import encode_blob  # noqa: E402
+from kvstore.blob import encode_blob, verify_blob  # noqa: E402
 from sdk.remote import RemoteBackend  # noqa: E402
 from tests.valkey import ValkeyProcess  # noqa: E402
 
 SIZES = {"256KiB": 32, "1MiB": 128, "4MiB": 512}  # tokens of a [2, 4, T, 8, 64] fp16 chunk
 OUT = Path.home() / ".cache" / "kvstore" / "bench"
+KVSTORE = ("http", "tcp", "shm", "shm-lease")
+CELLS = [("get", 1), ("put", 1), ("get", 8), ("put", 8)]
 
 
 def make_blob(tokens: int, seed: int) -> bytes:
@@ -50,125 +63,222 @@ def start_server(capacity: str) -> tuple[subprocess.Popen, str]:
     return proc, line.split()[-1]
 
 
-def _worker(args: tuple) -> tuple[int, list[float]]:
-    """One client process: `calls` timed calls; returns bytes moved and per-call latencies."""
-    system, target, op, batch, blob, wid, calls = args
-    keys = [f"{wid:08x}{i:024x}" for i in range(2 * batch)]
-    if system == "kvstore":
-        be = RemoteBackend(target)
-        put1, get1 = be.put_blob, be.get_blob
+class System:
+    """One contender: calls over a pool of stored keys and a set of distinct source blobs."""
 
-        def putb(ks: list[str]) -> None:
-            be.batch_put([(k, blob) for k in ks])
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.cursor = 0
 
-        getb = be.batch_get
-    else:
+    def prepare(self, keys: list[str], blobs: list[bytes]) -> None:
+        self.keys, self.blobs = keys, blobs
+
+    def next_keys(self, n: int) -> list[str]:
+        out = [self.keys[(self.cursor + i) % len(self.keys)] for i in range(n)]
+        self.cursor += n
+        return out
+
+    def op(self, op: str, batch: int) -> Callable[[], int]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class KVStoreSystem(System):
+    def __init__(self, name: str, url: str) -> None:
+        super().__init__(name)
+        self.be = RemoteBackend(url, transport=name.removesuffix("-lease"), timeout=60)
+        assert self.be.transport == name.removesuffix("-lease"), (name, self.be.transport)
+
+    def prepare(self, keys: list[str], blobs: list[bytes]) -> None:
+        super().prepare(keys, blobs)
+        if self.name == "http":  # one store behind all transports: load it once
+            for i in range(0, len(keys), 8):
+                self.be.batch_put([(k, blobs[j % len(blobs)]) for j, k in enumerate(keys[i : i + 8], i)])
+
+    def op(self, op: str, batch: int) -> Callable[[], int]:
+        be, blobs = self.be, self.blobs
+        if op == "put":
+
+            def put() -> int:  # noqa: E306
+                ks = self.next_keys(batch)
+                items = [(k, blobs[(self.cursor + i) % len(blobs)]) for i, k in enumerate(ks)]
+                be.put_blob(*items[0]) if batch == 1 else be.batch_put(items)
+                return sum(len(b) for _, b in items)
+
+            return put
+        if self.name.endswith("-lease"):
+
+            def lease() -> int:  # noqa: E306
+                with be.lease(self.next_keys(batch)) as got:
+                    for blob in got:
+                        verify_blob(blob)
+                    return sum(len(b) for b in got)
+
+            return lease
+        if batch == 1:
+            return lambda: len(be.get_blob(self.next_keys(1)[0]))
+        return lambda: sum(len(b) for b in be.batch_get(self.next_keys(batch)))
+
+    def close(self) -> None:
+        self.be.close()
+
+
+class ValkeySystem(System):
+    def __init__(self, url: str) -> None:
+        super().__init__("valkey")
         import redis  # noqa: PLC0415
 
-        r = redis.Redis.from_url(target)
-        put1, get1 = r.set, r.get
+        self.r = redis.Redis.from_url(url)
 
-        def putb(ks: list[str]) -> None:
-            r.mset({k: blob for k in ks})
+    def prepare(self, keys: list[str], blobs: list[bytes]) -> None:
+        super().prepare(keys, blobs)
+        self.r.flushall()
+        for i in range(0, len(keys), 8):
+            self.r.mset({k: blobs[j % len(blobs)] for j, k in enumerate(keys[i : i + 8], i)})
 
-        getb = r.mget
-    for k in keys:  # the keys a get reads exist; a put overwrites them
-        put1(k, blob)
-    groups = [keys[i : i + batch] for i in range(0, len(keys), batch)]
-    lat = []
-    moved = 0
-    for i in range(calls):
-        ks = groups[i % len(groups)]
-        t = time.perf_counter()
-        if op == "get":
-            got = get1(ks[0]) if batch == 1 else getb(ks)
-            n = len(got) if batch == 1 else sum(len(x) for x in got)
-        else:
-            put1(ks[0], blob) if batch == 1 else putb(ks)
-            n = len(blob) * len(ks)
-        lat.append(time.perf_counter() - t)
-        moved += n
-    if system == "kvstore":
-        be.close()
-    return moved, lat
+    def op(self, op: str, batch: int) -> Callable[[], int]:
+        r, blobs = self.r, self.blobs
+        if op == "put":
+
+            def put() -> int:  # noqa: E306
+                ks = self.next_keys(batch)
+                items = {k: blobs[(self.cursor + i) % len(blobs)] for i, k in enumerate(ks)}
+                r.set(ks[0], items[ks[0]]) if batch == 1 else r.mset(items)
+                return sum(len(b) for b in items.values())
+
+            return put
+        if batch == 1:
+            return lambda: len(r.get(self.next_keys(1)[0]))
+        return lambda: sum(len(b) for b in r.mget(self.next_keys(batch)))
 
 
-def run_cell(pool_ctx, system: str, target: str, op: str, batch: int, clients: int, blob: bytes, budget: int):
-    calls = max(4, budget // (len(blob) * batch * clients))
-    args = [(system, target, op, batch, blob, w, calls) for w in range(clients)]
+class MemcpySystem(System):
+    """A get copies a stored buffer into a caller's buffer; a put copies a source into a stored one."""
+
+    def __init__(self) -> None:
+        super().__init__("memcpy")
+
+    def prepare(self, keys: list[str], blobs: list[bytes]) -> None:
+        super().prepare(keys, blobs)
+        self.stored = [np.frombuffer(blobs[i % len(blobs)], np.uint8).copy() for i in range(len(keys))]
+        self.sources = [np.frombuffer(b, np.uint8) for b in blobs]
+        self.dest = [np.ones(len(blobs[0]), np.uint8) for _ in range(8)]
+
+    def op(self, op: str, batch: int) -> Callable[[], int]:
+        def copy() -> int:
+            n = 0
+            for i in range(batch):
+                j = self.cursor % len(self.stored)
+                if op == "get":
+                    np.copyto(self.dest[i], self.stored[j])
+                else:
+                    np.copyto(self.stored[j], self.sources[self.cursor % len(self.sources)])
+                self.cursor += 1
+                n += len(self.dest[i])
+            return n
+
+        return copy
+
+
+def timed(fn: Callable[[], int], budget: int) -> float:
+    """MB/s of calls of `fn` until about `budget` bytes moved (4 calls at least)."""
+    moved, calls = 0, 0
     start = time.perf_counter()
-    if clients == 1:
-        results = [_worker(args[0])]
-    else:
-        with pool_ctx.Pool(clients) as pool:
-            start = time.perf_counter()  # the pool is up; setup puts are inside, as for one client
-            results = pool.map(_worker, args)
-    wall = time.perf_counter() - start
-    moved = sum(m for m, _ in results)
-    lat = sorted(x for _, ls in results for x in ls)
-    return {
-        "MBps": moved / wall / 1e6,
-        "p50_ms": statistics.median(lat) * 1e3,
-        "p99_ms": lat[min(len(lat) - 1, int(0.99 * len(lat)))] * 1e3,
-    }
+    while moved < budget or calls < 4:
+        moved += fn()
+        calls += 1
+    return moved / (time.perf_counter() - start) / 1e6
+
+
+def spread(xs: list[float]) -> str:
+    return f"{statistics.median(xs):5.2f} [{min(xs):.2f}-{max(xs):.2f}]"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="1 MiB chunks only")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--budget-mib", type=int, default=96, help="bytes moved per cell run")
-    ap.add_argument("--clients", default="1,8")
+    ap.add_argument("--sizes", default=",".join(SIZES), help="comma-separated, of " + ",".join(SIZES))
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--budget-mib", type=int, default=32, help="bytes each system moves per cell and round")
+    ap.add_argument("--pool-mib", type=int, default=256, help="bytes of distinct stored keys per size")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    sizes = {"1MiB": SIZES["1MiB"]} if args.quick else SIZES
-    client_counts = [int(c) for c in args.clients.split(",")]
-    ctx = mp.get_context("fork")
-    server, url = start_server("2GiB")
+    server, url = start_server(f"{2 * args.pool_mib + 256}MiB")
     valkey = ValkeyProcess().start()
+    systems: list[System] = [
+        *(KVStoreSystem(n, url) for n in KVSTORE),
+        ValkeySystem(valkey.url),
+        MemcpySystem(),
+    ]
     rows = []
     try:
-        for size_name, tokens in sizes.items():
-            blob = make_blob(tokens, 0)
-            for op in ("get", "put"):
-                for batch in (1, 8):
-                    for clients in client_counts:
-                        best: dict[str, dict] = {}
-                        for _ in range(args.repeats):
-                            for system, target in (("kvstore", url), ("valkey", valkey.url)):
-                                r = run_cell(
-                                    ctx, system, target, op, batch, clients, blob, args.budget_mib << 20
-                                )
-                                if system not in best or r["MBps"] > best[system]["MBps"]:
-                                    best[system] = r
-                        row = {"size": size_name, "op": op, "batch": batch, "clients": clients, **{
-                            f"{s}_{k}": v for s, r in best.items() for k, v in r.items()
-                        }}  # fmt: skip
-                        row["ratio"] = row["kvstore_MBps"] / row["valkey_MBps"]
-                        rows.append(row)
-                        print_row(row, header=len(rows) == 1)
+        for size_name in args.sizes.split(","):
+            tokens = SIZES[size_name]
+            blob0 = make_blob(tokens, 0)
+            variants = max(16, (64 << 20) // len(blob0))
+            blobs = [blob0] + [make_blob(tokens, s) for s in range(1, variants)]
+            keys = [f"{tokens:04x}{i:028x}" for i in range(max(64, (args.pool_mib << 20) // len(blob0)))]
+            for s in systems:
+                s.prepare(keys, blobs)
+            for op, batch in CELLS:
+                runs: dict[str, list[float]] = {s.name: [] for s in systems}
+                for r in range(args.rounds):
+                    for s in systems[r % len(systems) :] + systems[: r % len(systems)]:
+                        runs[s.name].append(timed(s.op(op, batch), args.budget_mib << 20))
+                row = {"size": size_name, "op": op, "batch": batch, "MBps": runs}
+                rows.append(row)
+                print_row(row, header=len(rows) == 1)
     finally:
+        for s in systems:
+            s.close()
         server.terminate()
         server.wait(30)
         valkey.close()
+    summarize(rows)
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "bench_server.json").write_text(json.dumps(rows, indent=1))
     print(f"\nwrote {OUT / 'bench_server.json'}")
 
 
+def ratios(row: dict, a: str, b: str) -> list[float]:
+    return [x / y for x, y in zip(row["MBps"][a], row["MBps"][b], strict=True)]
+
+
 def print_row(row: dict, header: bool) -> None:
+    names = list(row["MBps"])
     if header:
-        print(
-            f"{'size':>7} {'op':>4} {'batch':>5} {'cli':>3} | {'kvstore MB/s':>12} {'p50 ms':>7} {'p99 ms':>7} | "
-            f"{'valkey MB/s':>11} {'p50 ms':>7} {'p99 ms':>7} | {'ratio':>5}"
-        )
-    print(
-        f"{row['size']:>7} {row['op']:>4} {row['batch']:>5} {row['clients']:>3} | "
-        f"{row['kvstore_MBps']:>12.0f} {row['kvstore_p50_ms']:>7.2f} {row['kvstore_p99_ms']:>7.2f} | "
-        f"{row['valkey_MBps']:>11.0f} {row['valkey_p50_ms']:>7.2f} {row['valkey_p99_ms']:>7.2f} | "
-        f"{row['ratio']:>5.2f}",
-        flush=True,
-    )
+        print(f"{'size':>6} {'op':>3} {'n':>1} | " + " ".join(f"{n:>9}" for n in names)
+              + " | " + " ".join(f"{n + '/valkey':>21}" for n in KVSTORE))  # fmt: skip
+        print("  (MB/s: median of rounds; ratios: median [min-max] of per-round ratios)")
+    mbps = " ".join(f"{statistics.median(row['MBps'][n]):9.0f}" for n in names)
+    vs = " ".join(f"{spread(ratios(row, n, 'valkey')):>21}" for n in KVSTORE)
+    print(f"{row['size']:>6} {row['op']:>3} {row['batch']:>1} | {mbps} | {vs}", flush=True)
+
+
+def summarize(rows: list[dict]) -> None:
+    cell = {(r["size"], r["op"], r["batch"]): r for r in rows}
+    print("\nwhat the design asks for (median [min-max] of per-round ratios):")
+    for (size, op, batch), r in cell.items():
+        if batch == 1:
+            best = (
+                "tcp" if op == "get" else max(("tcp", "shm"), key=lambda n: statistics.median(r["MBps"][n]))
+            )
+            print(f"  {size:>6} single {op} {best} / valkey: {spread(ratios(r, best, 'valkey'))}")
+        if (size, op, 1) in cell and batch == 8:
+            for n in ("tcp", "shm"):
+                single = cell[(size, op, 1)]["MBps"][n]
+                per_round = [b / s for b, s in zip(r["MBps"][n], single, strict=True)]
+                print(f"  {size:>6} batch {op} x8 {n} / single {op} {n}: {spread(per_round)}")
+            if op == "get":
+                print(
+                    f"  {size:>6} batch get x8 shm-lease / valkey MGET: {spread(ratios(r, 'shm-lease', 'valkey'))}"
+                )
+    for (size, op, batch), r in cell.items():
+        if op == "get" and batch == 1:
+            lease = r["MBps"]["shm-lease"]
+            print(f"  {size:>6} shm-lease get: {statistics.median(lease) / 1e3:.2f} GB/s, "
+                  f"{spread(ratios(r, 'shm-lease', 'memcpy'))} of memcpy")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ from kvstore.lru import check_ttl
 from kvstore.metrics import StoreMetrics
 from kvstore.miss_log import MissLog
 from kvstore.tiers import Blob, Tier, make_tier
-from kvstore.tiers.base import QUEUE_FULL, TierWriteError
+from kvstore.tiers.base import QUEUE_FULL, TierWriteError, immutable
 from kvstore.write_back import WriteBack
 
 logger = logging.getLogger(__name__)
@@ -178,7 +178,7 @@ class TieredStore:
             if found and level == 0 and self._admission:
                 self._count_reads(found)
             if found and level > 0:  # promote into every tier above
-                items = [(k, b if isinstance(b, bytes) else bytes(b)) for k, b in found]
+                items = [(k, immutable(b)) for k, b in found]
                 for upper in self.tiers[:level]:
                     self._put_tier(upper, items)
                 self.miss_log.written([k for k, _ in items], time.monotonic())  # a fresh TTL above
@@ -206,7 +206,7 @@ class TieredStore:
                     continue
                 if n + 1 >= self._admission:
                     del self._probation[key]
-                    admitted.append((key, blob if isinstance(blob, bytes) else bytes(blob)))
+                    admitted.append((key, immutable(blob)))
                 else:
                     self._probation[key] = n + 1
         self._write_lower(admitted)
@@ -293,7 +293,7 @@ class TieredStore:
 
     # -- writes ----------------------------------------------------------------------------------------
 
-    def _checked(self, key: str, blob: Blob) -> bytes:
+    def _checked(self, key: str, blob: Blob) -> bytes | memoryview:
         validate_key(key)
         if not isinstance(blob, (bytes, bytearray, memoryview)):
             raise InvalidArgument(f"a blob is bytes-like, got {type(blob).__name__}")
@@ -301,7 +301,7 @@ class TieredStore:
         if size > self.config.max_blob_size:
             raise TooLarge(f"blob of {size} bytes is over max_blob_size {self.config.max_blob_size}")
         verify_blob(blob)  # raises CorruptBlob: nothing is stored
-        return blob if isinstance(blob, bytes) else bytes(blob)  # immutable: tiers and the queue keep it
+        return immutable(blob)  # tiers and the write-back queue keep it
 
     def _store(self, items: list[tuple[str, bytes]]) -> list[list[str]]:
         """Write `items`; return the tiers now holding each, or raise what `acks.put_error` says.

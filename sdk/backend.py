@@ -1,74 +1,113 @@
-"""The backend interface behind `sdk.Store`: blob-level, sync and async.
+"""The backend behind `sdk.Store`: blob-level, sync, with async twins that run it on threads.
 
-`Store` encodes and decodes tensors itself (client side), so a backend only moves verified blobs.
-Two implementations: `sdk.local.LocalBackend` (an in-process `kvstore.store.TieredStore`) and
-`sdk.remote.RemoteBackend` (the HTTP server, Spec 6). Both raise only `kvstore.errors` types.
+`Store` encodes and decodes tensors itself (client side), so a backend only moves blobs. Two
+implementations: `sdk.local.LocalBackend` (an in-process `kvstore.store.TieredStore`) and
+`sdk.remote.RemoteBackend` (kvstore-server over its data plane or HTTP, Spec 6). Both raise only
+`kvstore.errors` types, and `Store` never asks which one it has.
 
 Semantics every backend keeps:
 - keys are validated with `kvstore.keys.validate_key` (bad key -> InvalidKey);
-- `put_blob` rejects a blob that does not verify (CorruptBlob) or is over the size limit (TooLarge),
-  storing nothing; it returns the tiers that stored it (`batch_put`: per blob, in order), and raises
-  NotStored / Unavailable when no tier did (a full disk is an error, never an acknowledgement);
+- `put_blob` / `batch_put` store nothing from a request with a blob that does not verify (CorruptBlob)
+  or is over the size limit (TooLarge): the store verifies on receipt, so the client does not. They
+  return the tiers that stored each blob, and raise NotStored / Unavailable when no tier did (a full
+  disk is an error, never an acknowledgement);
 - a missing key is `None` / `False`, never an exception;
 - batch calls keep the order of their inputs; `lookup` is (the number of leading keys present, why the
   next one is missing: kvstore/miss_log.py's reasons), `lookup_prefix` its first half;
-- `batch_get(keys, reasons)`: a list given as `reasons` receives why each miss missed (None for a hit).
+- `batch_get(keys, reasons)`: a list given as `reasons` receives why each miss missed (None for a hit);
+- `get_blob` / `batch_get` return buffers the caller owns; `lease` lends them (`sdk.buffers`). Blobs
+  are verified by whoever uses them (`decode_blob` does), unless a lease's header says it was.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Protocol, runtime_checkable
+import asyncio
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
-Blob = bytes | bytearray | memoryview
+from kvstore.tiers.base import Blob
+from sdk.buffers import BlobLease
+
+T = TypeVar("T")
 
 
-@runtime_checkable
-class Backend(Protocol):
-    # sync
+class Backend(ABC):
+    @abstractmethod
     def get_blob(self, key: str) -> Blob | None: ...
 
-    def put_blob(self, key: str, blob: Blob) -> list[str]: ...
-
-    def exists(self, key: str) -> bool: ...
-
-    def delete(self, key: str) -> bool: ...
-
+    @abstractmethod
     def batch_get(
         self, keys: Sequence[str], reasons: list[str | None] | None = None
     ) -> list[Blob | None]: ...
 
+    @abstractmethod
+    def lease(self, keys: Sequence[str]) -> BlobLease: ...
+
+    @abstractmethod
+    def put_blob(self, key: str, blob: Blob) -> list[str]: ...
+
+    @abstractmethod
     def batch_put(self, items: Sequence[tuple[str, Blob]]) -> list[list[str]]: ...
 
+    @abstractmethod
+    def exists(self, key: str) -> bool: ...
+
+    @abstractmethod
     def batch_exists(self, keys: Sequence[str]) -> list[bool]: ...
 
+    @abstractmethod
+    def delete(self, key: str) -> bool: ...
+
+    @abstractmethod
     def lookup(self, keys: Sequence[str]) -> tuple[int, str | None]: ...
 
-    def lookup_prefix(self, keys: Sequence[str]) -> int: ...
+    def lookup_prefix(self, keys: Sequence[str]) -> int:
+        return self.lookup(keys)[0]
 
+    @abstractmethod
     def stats(self) -> dict[str, Any]: ...
 
+    @abstractmethod
     def close(self) -> None: ...
 
-    # async twins
-    async def aget_blob(self, key: str) -> Blob | None: ...
+    # -- async twins: the blocking call on a thread, so an event loop never waits on a socket or a disk
 
-    async def aput_blob(self, key: str, blob: Blob) -> list[str]: ...
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.to_thread(fn, *args)
 
-    async def aexists(self, key: str) -> bool: ...
+    async def aget_blob(self, key: str) -> Blob | None:
+        return await self._run(self.get_blob, key)
 
-    async def adelete(self, key: str) -> bool: ...
+    async def abatch_get(self, keys: Sequence[str]) -> list[Blob | None]:
+        return await self._run(self.batch_get, keys)
 
-    async def abatch_get(self, keys: Sequence[str]) -> list[Blob | None]: ...
+    async def alease(self, keys: Sequence[str]) -> BlobLease:
+        return await self._run(self.lease, keys)
 
-    async def abatch_put(self, items: Sequence[tuple[str, Blob]]) -> list[list[str]]: ...
+    async def aput_blob(self, key: str, blob: Blob) -> list[str]:
+        return await self._run(self.put_blob, key, blob)
 
-    async def abatch_exists(self, keys: Sequence[str]) -> list[bool]: ...
+    async def abatch_put(self, items: Sequence[tuple[str, Blob]]) -> list[list[str]]:
+        return await self._run(self.batch_put, items)
 
-    async def alookup(self, keys: Sequence[str]) -> tuple[int, str | None]: ...
+    async def aexists(self, key: str) -> bool:
+        return await self._run(self.exists, key)
 
-    async def alookup_prefix(self, keys: Sequence[str]) -> int: ...
+    async def abatch_exists(self, keys: Sequence[str]) -> list[bool]:
+        return await self._run(self.batch_exists, keys)
 
-    async def astats(self) -> dict[str, Any]: ...
+    async def adelete(self, key: str) -> bool:
+        return await self._run(self.delete, key)
 
-    async def aclose(self) -> None: ...
+    async def alookup(self, keys: Sequence[str]) -> tuple[int, str | None]:
+        return await self._run(self.lookup, keys)
+
+    async def alookup_prefix(self, keys: Sequence[str]) -> int:
+        return await self._run(self.lookup_prefix, keys)
+
+    async def astats(self) -> dict[str, Any]:
+        return await self._run(self.stats)
+
+    async def aclose(self) -> None:
+        await self._run(self.close)

@@ -1,51 +1,49 @@
-"""`LocalBackend`: the SDK's in-process mode, a `kvstore.store.TieredStore` behind the Backend protocol.
+"""`LocalBackend`: the SDK's in-process mode, a `kvstore.store.TieredStore` behind `sdk.backend.Backend`.
 
-The async twins run the blocking store calls in a worker thread (`asyncio.to_thread`), so an event
-loop is never blocked by a disk read or a Redis round trip.
+Blobs come straight from the tiers (immutable buffers the store has just verified, so a lease carries
+their headers and nothing is verified twice); the async twins run the store calls on a worker thread.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-from kvstore.blob import BlobHeader
 from kvstore.store import TieredStore
 from kvstore.tiers.base import Blob
+from sdk.backend import Backend
+from sdk.buffers import BlobLease
 
 
-class LocalBackend:
+class LocalBackend(Backend):
     def __init__(self, store: TieredStore) -> None:
         self.store = store
 
     def get_blob(self, key: str) -> Blob | None:
-        return self.store.get_blob(key)
-
-    def get_verified(self, key: str) -> tuple[Blob, BlobHeader] | None:
-        """The blob and its parsed header: the store has just verified it, so decoding need not again."""
-        return self.store.get_verified(key)
-
-    def batch_get_verified(self, keys: Sequence[str]) -> list[tuple[Blob, BlobHeader] | None]:
-        return self.store.batch_get_verified(keys)
-
-    def put_blob(self, key: str, blob: Blob) -> list[str]:
-        return self.store.put_blob(key, blob)
-
-    def exists(self, key: str) -> bool:
-        return self.store.exists(key)
-
-    def delete(self, key: str) -> bool:
-        return self.store.delete(key)
+        return self.store.get_blob(key)  # tiers hand out immutable buffers: safe for the caller to keep
 
     def batch_get(self, keys: Sequence[str], reasons: list[str | None] | None = None) -> list[Blob | None]:
         return self.store.batch_get(keys, reasons)
 
+    def lease(self, keys: Sequence[str]) -> BlobLease:
+        keys = list(keys)
+        hits = [self.store.get_verified(keys[0])] if len(keys) == 1 else self.store.batch_get_verified(keys)
+        return BlobLease([h and h[0] for h in hits], [h and h[1] for h in hits])
+
+    def put_blob(self, key: str, blob: Blob) -> list[str]:
+        return self.store.put_blob(key, blob)
+
     def batch_put(self, items: Sequence[tuple[str, Blob]]) -> list[list[str]]:
         return self.store.batch_put(items)
 
+    def exists(self, key: str) -> bool:
+        return self.store.exists(key)
+
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         return self.store.batch_exists(keys)
+
+    def delete(self, key: str) -> bool:
+        return self.store.delete(key)
 
     def lookup(self, keys: Sequence[str]) -> tuple[int, str | None]:
         return self.store.lookup(keys)
@@ -58,42 +56,3 @@ class LocalBackend:
 
     def close(self) -> None:
         self.store.close()
-
-    async def aget_blob(self, key: str) -> Blob | None:
-        return await asyncio.to_thread(self.store.get_blob, key)
-
-    async def aget_verified(self, key: str) -> tuple[Blob, BlobHeader] | None:
-        return await asyncio.to_thread(self.store.get_verified, key)
-
-    async def abatch_get_verified(self, keys: Sequence[str]) -> list[tuple[Blob, BlobHeader] | None]:
-        return await asyncio.to_thread(self.store.batch_get_verified, keys)
-
-    async def aput_blob(self, key: str, blob: Blob) -> list[str]:
-        return await asyncio.to_thread(self.store.put_blob, key, blob)
-
-    async def aexists(self, key: str) -> bool:
-        return await asyncio.to_thread(self.store.exists, key)
-
-    async def adelete(self, key: str) -> bool:
-        return await asyncio.to_thread(self.store.delete, key)
-
-    async def abatch_get(self, keys: Sequence[str]) -> list[Blob | None]:
-        return await asyncio.to_thread(self.store.batch_get, keys)
-
-    async def abatch_put(self, items: Sequence[tuple[str, Blob]]) -> list[list[str]]:
-        return await asyncio.to_thread(self.store.batch_put, items)
-
-    async def abatch_exists(self, keys: Sequence[str]) -> list[bool]:
-        return await asyncio.to_thread(self.store.batch_exists, keys)
-
-    async def alookup(self, keys: Sequence[str]) -> tuple[int, str | None]:
-        return await asyncio.to_thread(self.store.lookup, keys)
-
-    async def alookup_prefix(self, keys: Sequence[str]) -> int:
-        return await asyncio.to_thread(self.store.lookup_prefix, keys)
-
-    async def astats(self) -> dict[str, Any]:
-        return await asyncio.to_thread(self.store.stats)
-
-    async def aclose(self) -> None:
-        await asyncio.to_thread(self.store.close)

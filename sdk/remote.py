@@ -1,174 +1,46 @@
-"""`RemoteBackend`: the Backend protocol over the kvstore-server HTTP API (DESIGN.md, Spec 6).
+"""`RemoteBackend`: `sdk.backend.Backend` against a kvstore-server, over the fastest transport it offers.
 
-Sync calls use a lean HTTP/1.1 client on raw sockets: a keep-alive pool, TCP_NODELAY, blobs sent with
-`sendall` straight from the caller's buffer and bodies received with `recv_into` one preallocated
-buffer (no per-chunk copies, no http.client line parsing of large bodies). Async calls use an aiohttp
-session. Every call is retried with exponential backoff on connection errors and 502/503/504: all of
-them are idempotent (a blob's key names its content, so re-putting it is harmless). Errors arrive as
-the `kvstore.errors` type the server named in its JSON body.
+`transport`:
+- "auto" (default): the binary data plane on the server's port (`kvstore.dataplane`), with blobs in
+  shared memory when the server runs on this host (`kvstore.shm`), else on the socket; plain HTTP
+  when the server does not speak the data plane.
+- "shm": the same, but an error (Unavailable) when shared memory cannot be set up.
+- "tcp": the data plane, never shared memory. "http": HTTP only (DESIGN.md, Spec 6).
+Auth, limits, checksums and errors are the same on every transport: the server applies them all.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import functools
 import logging
-import socket
 import ssl
-import sys
 import threading
-import time
-from collections.abc import Sequence
-from typing import Any
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-from kvstore import wire
-from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
+from kvstore import dataplane as dp
+from kvstore import shm, wire
+from kvstore.errors import InvalidArgument, KVStoreError, TooLarge, Unavailable
 from kvstore.keys import validate_key
+from kvstore.tiers.base import Blob
+from sdk.backend import Backend
+from sdk.buffers import BlobLease, BufferPool, Free, Loan, LoanBook, fresh_buffer
+from sdk.dataplane import DataPlaneClient, NotSpoken, SegmentGone
+from sdk.http import HttpClient
+from sdk.shm import ClientSegment
 
 log = logging.getLogger(__name__)
-Blob = bytes | bytearray | memoryview
-RETRY_STATUSES = frozenset({502, 503, 504})
-_SMALL = 64 * 1024  # bodies up to this size are sent in one write with the headers
+T = TypeVar("T")
+TRANSPORTS = ("auto", "shm", "tcp", "http")
+SHM_MIN_BLOB = 16 * 1024  # smaller blobs gain nothing from shared memory: they ride in the request
 
 
-class BufferPool:
-    """Receive buffers that are reused once nobody holds them any more.
-
-    A fresh 1 MiB buffer costs its page faults on every response (measured: it halves loopback
-    throughput). A pooled bytearray is handed out again only when the pool's own reference is the last
-    one: a caller still holding the blob (or any memoryview slice of it) keeps it out of reuse, so a
-    returned blob is never overwritten under its holder."""
-
-    def __init__(self, max_bytes: int = 256 * 2**20, max_buffers: int = 64) -> None:
-        self.max_bytes, self.max_buffers = max_bytes, max_buffers
-        self._buffers: list[bytearray] = []
-        self._lock = threading.Lock()
-
-    def take(self, n: int) -> memoryview:
-        with self._lock:
-            for buf in self._buffers:
-                # 3 references: the pool's list, the loop variable and getrefcount's argument
-                if n <= len(buf) <= 2 * n and sys.getrefcount(buf) <= 3:
-                    return memoryview(buf)[:n]
-            buf = bytearray(n)
-            if n >= _SMALL and len(self._buffers) < self.max_buffers:
-                if sum(len(b) for b in self._buffers) + n <= self.max_bytes:
-                    self._buffers.append(buf)
-            return memoryview(buf)
-
-
-class Response:
-    __slots__ = ("status", "headers", "body")
-
-    def __init__(self, status: int, headers: dict[str, str], body: bytearray | memoryview) -> None:
-        self.status, self.headers, self.body = status, headers, body
-
-    def json(self) -> Any:
-        return json.loads(bytes(self.body))
-
-
-class _Connection:
-    """One keep-alive HTTP/1.1 connection."""
-
-    def __init__(
-        self,
-        host: str,
-        port: int,
-        timeout: float,
-        connect_timeout: float,
-        tls: ssl.SSLContext | None,
-        pool: BufferPool,
-    ) -> None:
-        self.pool = pool
-        sock = socket.create_connection((host, port), timeout=connect_timeout)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if tls is not None:
-            sock = tls.wrap_socket(sock, server_hostname=host)
-        sock.settimeout(timeout)
-        self.sock = sock
-        self.pending = bytearray()  # bytes received past the end of the last response (none normally)
-
-    def close(self) -> None:
-        try:
-            self.sock.close()
-        except OSError:
-            pass
-
-    def send(self, head: bytes, body: Sequence[Blob]) -> None:
-        total = sum(memoryview(b).nbytes for b in body)
-        if total <= _SMALL:
-            self.sock.sendall(b"".join([head, *body]))
-            return
-        self.sock.sendall(head)
-        for part in body:
-            self.sock.sendall(part)
-
-    def _fill(self) -> None:
-        # Small reads while looking for the end of the headers: the body then lands in its own buffer
-        # through recv_into, instead of being copied out of this one.
-        data = self.sock.recv(16 * 1024)
-        if not data:
-            raise ConnectionError("server closed the connection")
-        self.pending += data
-
-    def receive(self, head_only: bool) -> tuple[Response, bool]:
-        """The next response, and whether the connection may be reused."""
-        while (end := self.pending.find(b"\r\n\r\n")) < 0:
-            if len(self.pending) > 1 << 16:
-                raise InvalidArgument("response headers over 64 KiB")
-            self._fill()
-        lines = bytes(self.pending[:end]).decode("latin-1").split("\r\n")
-        del self.pending[: end + 4]
-        parts = lines[0].split(" ", 2)
-        if len(parts) < 2 or not parts[0].startswith("HTTP/1."):
-            raise ConnectionError(f"not an HTTP response: {lines[0]!r:.80}")
-        status = int(parts[1])
-        headers = {}
-        for line in lines[1:]:
-            name, _, value = line.partition(":")
-            headers[name.strip().lower()] = value.strip()
-        keep = headers.get("connection", "").lower() != "close" and parts[0] == "HTTP/1.1"
-        if head_only or status in (204, 304):
-            return Response(status, headers, bytearray()), keep
-        if "chunked" in headers.get("transfer-encoding", "").lower():
-            return Response(status, headers, self._read_chunked()), keep
-        if "content-length" not in headers:  # body runs until the server closes
-            while True:
-                try:
-                    self._fill()
-                except ConnectionError:
-                    body, self.pending = self.pending, bytearray()
-                    return Response(status, headers, body), False
-        return Response(status, headers, self._read_exact(int(headers["content-length"]))), keep
-
-    def _read_exact(self, n: int) -> memoryview:
-        view = body = self.pool.take(n)
-        got = min(n, len(self.pending))
-        view[:got] = self.pending[:got]
-        del self.pending[:got]
-        while got < n:
-            r = self.sock.recv_into(view[got:], n - got)
-            if r == 0:
-                raise ConnectionError(f"server closed the connection after {got} of {n} body bytes")
-            got += r
-        return body
-
-    def _read_chunked(self) -> bytearray:
-        body = bytearray()
-        while True:
-            while (end := self.pending.find(b"\r\n")) < 0:
-                self._fill()
-            size = int(bytes(self.pending[:end]).split(b";")[0], 16)
-            del self.pending[: end + 2]
-            chunk = bytes(self._read_exact(size + 2))
-            if size == 0:
-                return body
-            body += chunk[:size]
-
-
-class RemoteBackend:
-    """Talks to a kvstore-server. Thread-safe (a pool of connections); one aiohttp session for async."""
+class RemoteBackend(Backend):
+    """Talks to a kvstore-server. Thread-safe (pools of connections)."""
 
     def __init__(
         self,
@@ -181,264 +53,353 @@ class RemoteBackend:
         backoff: float = 0.05,
         pool_size: int = 16,
         verify_tls: bool | str = True,
+        transport: str = "auto",
+        shm_size: int = 256 * 2**20,
     ) -> None:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise InvalidArgument(f"server URL must be http(s)://host[:port], got {url!r}")
+        if transport not in TRANSPORTS:
+            raise InvalidArgument(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         self.url = url.rstrip("/")
-        self.host = parts.hostname
-        self.port = parts.port or (443 if parts.scheme == "https" else 80)
-        self.timeout, self.connect_timeout = timeout, connect_timeout
-        self.retries, self.backoff, self.pool_size = retries, backoff, pool_size
-        self._tls: ssl.SSLContext | None = None
+        self.host, self.port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
+        tls: ssl.SSLContext | None = None
         if parts.scheme == "https":
-            self._tls = ssl.create_default_context(cafile=verify_tls if isinstance(verify_tls, str) else None)
+            tls = ssl.create_default_context(cafile=verify_tls if isinstance(verify_tls, str) else None)
             if verify_tls is False:
-                self._tls.check_hostname = False
-                self._tls.verify_mode = ssl.CERT_NONE
-        host_header = self.host if ":" not in self.host else f"[{self.host}]"
-        auth = f"Authorization: Bearer {token}\r\n" if token else ""
-        self._common = (
-            f"Host: {host_header}:{self.port}\r\n{auth}{wire.WIRE_VERSION_HEADER}: {wire.WIRE_VERSION}\r\n"
-        )
-        self._token = token
-        self._idle: list[_Connection] = []
+                tls.check_hostname = False
+                tls.verify_mode = ssl.CERT_NONE
+        self._conn_args: dict[str, Any] = dict(
+            timeout=timeout, connect_timeout=connect_timeout, retries=retries, backoff=backoff,
+            pool_size=pool_size,
+        )  # fmt: skip
+        self._tls, self._token = tls, token
+        self.http = HttpClient(self.host, self.port, tls, token, **self._conn_args)
+        self.wanted = transport
+        self.shm_size = shm_size
+        self._plane: DataPlaneClient | None = None
+        self._plane_state = "off" if transport == "http" else "untried"  # -> "on" / "off"
+        self._segment: ClientSegment | None = None
+        self._shm_state = "done" if transport in ("http", "tcp") else "untried"  # done: _segment is final
         self._buffers = BufferPool()
+        self._loans = LoanBook()  # leases whose views were still exported when released
+        self._blob_hint = 8 * 2**20  # room a get asks for per key in shared memory; grows with what it sees
         self._lock = threading.Lock()
-        self._session: Any = None  # aiohttp.ClientSession, created on first async call
-        self._session_loop: asyncio.AbstractEventLoop | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._pool_size = pool_size
         self._closed = False
+        self.counts: Counter[str] = Counter()  # calls by the path their blobs took: shm, tcp, http
 
-    # -- sync transport ------------------------------------------------------------------------------
+    # -- transport negotiation ---------------------------------------------------------------------------
 
-    def _connect(self) -> _Connection:
-        with self._lock:
-            if self._idle:
-                return self._idle.pop()
-        return _Connection(self.host, self.port, self.timeout, self.connect_timeout, self._tls, self._buffers)
+    @property
+    def transport(self) -> str:
+        """What calls use now: "shm", "tcp" or "http" (negotiates on first use)."""
+        plane = self._data_plane()
+        if plane is None:
+            return "http"
+        return "shm" if self._shm() is not None else "tcp"
 
-    def _release(self, conn: _Connection) -> None:
-        with self._lock:
-            if not self._closed and len(self._idle) < self.pool_size:
-                self._idle.append(conn)
-                return
-        conn.close()
-
-    def request(
-        self, method: str, path: str, body: Sequence[Blob] = (), content_type: str = wire.BLOB_CONTENT_TYPE
-    ) -> Response:
-        """One HTTP exchange, retried on connection errors and 502/503/504; raises on any other >= 400
-        except a 404 from a chunk route, which the caller turns into None / False."""
+    def _data_plane(self) -> DataPlaneClient | None:
         if self._closed:
             raise InvalidArgument("this RemoteBackend is closed")
-        length = sum(memoryview(b).nbytes for b in body)
-        head = (
-            f"{method} {path} HTTP/1.1\r\n{self._common}Content-Type: {content_type}\r\n"
-            f"Content-Length: {length}\r\n\r\n"
-        ).encode()
-        for attempt in range(self.retries + 1):
-            conn = None
-            try:
-                conn = self._connect()
-                try:
-                    conn.send(head, body)
-                except OSError:
-                    pass  # the server may have answered early (401, 413) and closed: read that answer
-                resp, keep = conn.receive(head_only=method == "HEAD")
-                if keep:
-                    self._release(conn)
-                else:
-                    conn.close()
-                conn = None
-            except (OSError, ConnectionError) as e:
-                if conn is not None:
-                    conn.close()
-                if attempt == self.retries:
-                    raise Unavailable(f"{method} {self.url}{path} failed: {e}") from None
-                time.sleep(self.backoff * 2**attempt)
-                continue
-            if resp.status in RETRY_STATUSES and attempt < self.retries:
-                time.sleep(self.backoff * 2**attempt)
-                continue
-            if resp.status >= 400 and not (resp.status == 404 and path.startswith(wire.CHUNKS_PATH)):
-                raise wire.error_from_response(resp.status, bytes(resp.body))
-            return resp
-        raise AssertionError("unreachable")
+        if self._plane_state == "untried":
+            with self._lock:
+                if self._plane_state == "untried":
+                    try:
+                        self._plane = DataPlaneClient(
+                            self.host, self.port, self._tls, self._token, **self._conn_args
+                        )
+                        self._plane_state = "on"
+                    except NotSpoken:
+                        log.info("%s does not speak the data plane: using HTTP", self.url)
+                        self._plane_state = "off"
+                    except (OSError, ConnectionError) as e:  # try again on the next call; HTTP now
+                        log.debug("data plane of %s not reachable (%s)", self.url, e)
+        if self._plane_state == "off" and self.wanted in ("shm", "tcp"):
+            raise Unavailable(f"{self.url} does not offer the data plane (transport={self.wanted!r})")
+        return self._plane
 
-    def _keys_request(self, path: str, keys: Sequence[str]) -> Response:
-        for key in keys:
-            validate_key(key)
-        payload = json.dumps({"keys": list(keys)}).encode()
-        return self.request("POST", path, [payload], wire.JSON_CONTENT_TYPE)
+    def _shm(self) -> ClientSegment | None:
+        plane = self._plane
+        if self._shm_state == "untried" and plane is not None:
+            with self._lock:
+                if self._shm_state == "untried":
+                    self._segment = self._open_segment(plane)
+                    self._shm_state = "done"
+        if self._segment is None and self.wanted == "shm":
+            raise Unavailable(f"shared memory with {self.url} is not available")
+        return self._segment
 
-    # -- sync API --------------------------------------------------------------------------------------
+    def _open_segment(self, plane: DataPlaneClient) -> ClientSegment | None:
+        if not plane.hello.get("shm") or plane.hello.get("host") != shm.host_id() or not shm.host_id():
+            return None  # the server offers none, or runs on another host
+        try:
+            opened = plane.open_segment(self.shm_size)
+        except (KVStoreError, OSError, ConnectionError) as e:
+            log.info("no shared memory from %s (%s): blobs go over TCP", self.url, e)
+            return None
+        if opened is None:
+            log.info("%s has no shared memory to give (budget spent?): blobs go over TCP", self.url)
+            return None
+        meta, conn = opened
+        mapped = shm.open_segment(meta["path"], meta["size"], meta["nonce"])
+        if mapped is None:  # another PID namespace or user: closing the connection frees the segment
+            plane.drop(conn)
+            log.info("cannot map the shared memory of %s: blobs go over TCP", self.url)
+            return None
+        plane.keep(conn)
+        return ClientSegment(meta["seg"], meta["size"], meta["nonce"], mapped)
+
+    def _forget_segment(self, seg: ClientSegment) -> None:
+        """The server restarted and lost `seg`: the next call maps a new one (leases of it stay valid)."""
+        with self._lock:
+            if self._segment is seg:
+                self._segment, self._shm_state = None, "untried"
+        log.info("the shared-memory segment of %s is gone (server restart?): mapping a new one", self.url)
+
+    # -- gets --------------------------------------------------------------------------------------------
+
+    def _fetch(
+        self, keys: list[str], lend: bool, reasons: list[str | None] | None = None
+    ) -> tuple[list[Blob | None], Loan | None]:
+        """The blobs of `keys` in caller-owned buffers (lend=False) or in lent ones, with their Loan;
+        `reasons` (if given) receives why each miss missed."""
+        self._loans.retry()
+        plane = self._data_plane()
+        if plane is None:
+            self.counts["http"] += 1
+            return self._fetch_http(keys, lend, reasons)
+        seg = self._shm()
+        got = self._fetch_shm(plane, seg, keys, lend) if seg is not None else None
+        if got is None:
+            self.counts["tcp"] += 1
+            into, loan_free = self._into(lend)
+            head, meta, body = plane.call(dp.GET, {"k": keys}, into=into)
+            got = meta, self._split(meta, body, len(keys), loan_free)
+        meta, (blobs, loan) = got
+        if reasons is not None:
+            given = meta.get("r") if isinstance(meta.get("r"), list) and len(meta["r"]) == len(keys) else None
+            reasons[:] = [
+                None if b is not None else (given and given[i]) or "not_stored" for i, b in enumerate(blobs)
+            ]
+        return blobs, loan
+
+    def _fetch_shm(
+        self, plane: DataPlaneClient, seg: ClientSegment, keys: list[str], lend: bool
+    ) -> tuple[dict, tuple[list[Blob | None], Loan | None]] | None:
+        capacity = min(seg.largest(), len(keys) * self._blob_hint)
+        offset = seg.reserve(capacity) if capacity > 0 else None
+        if offset is None:
+            return None  # the segment is full of leases: the socket
+        try:
+            into, loan_free = self._into(lend)
+            meta_in = {"k": keys, "s": [seg.seg_id, offset, capacity]}
+            head, meta, body = plane.call(dp.GET, meta_in, flags=dp.FLAG_SHM, into=into, segment=seg)
+        except SegmentGone:
+            self._forget_segment(seg)
+            return None
+        except BaseException:
+            seg.free(offset, capacity)
+            raise
+        lens = dp.meta_lens(meta, len(keys), allow_missing=True)
+        if not head.flags & dp.FLAG_SHM:  # did not fit: the answer came on the socket
+            self.counts["tcp"] += 1
+            seg.free(offset, capacity)
+            self._blob_hint = max(self._blob_hint, max(lens))
+            return meta, self._split(meta, body, len(keys), loan_free)
+        self.counts["shm"] += 1
+        used = dp.total(lens)
+        assert meta.get("o") == offset, "the server wrote elsewhere than asked"
+        seg.allocator.shrink(offset, capacity, used)
+        views = seg.views(offset, lens)
+        if lend:
+            return meta, (views, Loan([v for v in views if v is not None], lambda: seg.free(offset, used)))
+        owned: list[Blob | None] = [None if v is None else bytes(v) for v in views]
+        for v in views:
+            if v is not None:
+                v.release()
+        seg.free(offset, used)
+        return meta, (owned, None)
+
+    def _into(self, lend: bool) -> tuple[Callable[[int], memoryview], list[Free]]:
+        """Where a socket body goes: a fresh buffer the caller keeps, or a pooled one with its free()."""
+        if not lend:
+            return fresh_buffer, []
+        frees: list[Free] = []
+
+        def into(n: int) -> memoryview:
+            view, free = self._buffers.take(n)
+            frees.append(free)
+            return view
+
+        return into, frees
+
+    def _split(
+        self, meta: dict, body: memoryview | None, n: int, frees: list[Free]
+    ) -> tuple[list[Blob | None], Loan | None]:
+        lens = dp.meta_lens(meta, n, allow_missing=True)
+        if dp.total(lens) != (0 if body is None else len(body)):
+            raise InvalidArgument("the server's answer does not match the lengths it announced")
+        blobs: list[Blob | None] = []
+        pos = 0
+        for length in lens:
+            if length < 0:
+                blobs.append(None)
+                continue
+            assert body is not None
+            blobs.append(body if length == len(body) and n == 1 else body[pos : pos + length])
+            pos += length
+        if not frees:
+            return blobs, None
+        blobs = [None if b is None else b.toreadonly() for b in blobs]  # lent: read-only
+        views = [b for b in blobs if isinstance(b, memoryview)] + ([body] if body is not None else [])
+        return blobs, Loan(views, _all(frees))
+
+    def _fetch_http(
+        self, keys: list[str], lend: bool, reasons: list[str | None] | None
+    ) -> tuple[list[Blob | None], Loan | None]:
+        into, frees = self._into(lend)
+        if len(keys) == 1 and reasons is None:
+            resp = self.http.request("GET", wire.chunk_path(keys[0]), into=into)
+            blobs: list[Blob | None] = [None if resp.status == 404 else resp.body]
+        else:
+            resp = self.http.keys_request(wire.BATCH_GET_PATH, keys, into=into)
+            got_keys, views = wire.decode_frame(resp.body, allow_missing=True)
+            if got_keys != keys:
+                raise InvalidArgument("server answered a batch get with other keys than asked")
+            blobs = list(views)
+            if reasons is not None:
+                reasons[:] = _miss_reasons(resp.body, blobs)
+        if not frees:
+            return blobs, None
+        blobs = [None if b is None else memoryview(b).toreadonly() for b in blobs]  # lent: read-only
+        views_out = [b for b in blobs if isinstance(b, memoryview)] + [resp.body]
+        return blobs, Loan(views_out, _all(frees))
 
     def get_blob(self, key: str) -> Blob | None:
-        resp = self.request("GET", wire.chunk_path(validate_key(key)))
-        return None if resp.status == 404 else resp.body
-
-    def put_blob(self, key: str, blob: Blob) -> list[str]:
-        resp = self.request("PUT", wire.chunk_path(validate_key(key)), [blob])
-        return _tiers(resp.headers.get(wire.STORED_IN_HEADER.lower()))
-
-    def exists(self, key: str) -> bool:
-        return self.request("HEAD", wire.chunk_path(validate_key(key))).status == 200
-
-    def delete(self, key: str) -> bool:
-        return self.request("DELETE", wire.chunk_path(validate_key(key))).status != 404
+        return self._fetch([validate_key(key)], lend=False)[0][0]
 
     def batch_get(self, keys: Sequence[str], reasons: list[str | None] | None = None) -> list[Blob | None]:
         if not keys:
+            if reasons is not None:
+                reasons[:] = []
             return []
-        resp = self._keys_request(wire.BATCH_GET_PATH, keys)
-        got_keys, blobs = wire.decode_frame(resp.body, allow_missing=True)
-        if got_keys != list(keys):
-            raise InvalidArgument("server answered a batch get with other keys than asked")
-        if reasons is not None:
-            reasons[:] = _miss_reasons(resp.body, blobs)
-        return blobs
+        return self._fetch([validate_key(k) for k in keys], lend=False, reasons=reasons)[0]
+
+    def lease(self, keys: Sequence[str]) -> BlobLease:
+        if not keys:
+            return BlobLease([])
+        blobs, loan = self._fetch([validate_key(k) for k in keys], lend=True)
+        if loan is None:
+            return BlobLease(blobs)
+        return BlobLease(blobs, on_release=lambda: self._loans.end(loan))
+
+    # -- puts and the rest -------------------------------------------------------------------------------
+
+    def put_blob(self, key: str, blob: Blob) -> list[str]:
+        return self.batch_put([(key, blob)])[0]
 
     def batch_put(self, items: Sequence[tuple[str, Blob]]) -> list[list[str]]:
+        """Store the blobs; returns the tiers that stored each one (the server's acknowledgement)."""
         if not items:
             return []
         keys = [validate_key(k) for k, _ in items]
-        resp = self.request(
-            "POST",
-            wire.BATCH_PUT_PATH,
-            wire.encode_frame(keys, [b for _, b in items]),
-            wire.BATCH_CONTENT_TYPE,
-        )
-        return resp.json()["stored_in"]
+        blobs = [b for _, b in items]
+        lens = [memoryview(b).nbytes for b in blobs]
+        plane = self._data_plane()
+        if plane is None:
+            self.counts["http"] += 1
+            if len(items) == 1:
+                self.http.request("PUT", wire.chunk_path(keys[0]), blobs)
+            else:
+                self.http.request(
+                    "POST", wire.BATCH_PUT_PATH, wire.encode_frame(keys, blobs), wire.BATCH_CONTENT_TYPE
+                )
+            return
+        limit = plane.hello["max_blob"] if len(items) == 1 else plane.hello["max_request"]
+        if sum(lens) > limit or max(lens) > plane.hello["max_blob"]:
+            raise TooLarge(f"put of {sum(lens)} bytes is over the server's limit ({limit})")
+        self._loans.retry()
+        seg = self._shm() if sum(lens) >= SHM_MIN_BLOB else None
+        offset = seg.reserve(sum(lens)) if seg is not None else None
+        if seg is None or offset is None:
+            self.counts["tcp"] += 1
+            return plane.call(dp.PUT, {"k": keys, "l": lens}, blobs)[1]["stored_in"]
+        try:
+            seg.write(offset, blobs)
+            region = [seg.seg_id, offset, sum(lens)]
+            reply = plane.call(dp.PUT, {"k": keys, "l": lens, "s": region}, flags=dp.FLAG_SHM, segment=seg)[1]
+            self.counts["shm"] += 1
+            return reply["stored_in"]
+        except SegmentGone:
+            self._forget_segment(seg)
+            return plane.call(dp.PUT, {"k": keys, "l": lens}, blobs)[1]["stored_in"]
+        finally:
+            seg.free(offset, sum(lens))
+
+    def _keys_call(self, op: int, keys: Sequence[str]) -> dict:
+        plane = self._data_plane()
+        assert plane is not None
+        return plane.call(op, {"k": list(keys)})[1]
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key])[0]
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         if not keys:
             return []
-        return [bool(x) for x in self._keys_request(wire.BATCH_EXISTS_PATH, keys).json()["exists"]]
+        keys = [validate_key(k) for k in keys]
+        if self._data_plane() is None:
+            if len(keys) == 1:
+                return [self.http.request("HEAD", wire.chunk_path(keys[0])).status == 200]
+            return [bool(x) for x in self.http.keys_request(wire.BATCH_EXISTS_PATH, keys).json()["exists"]]
+        return [bool(x) for x in self._keys_call(dp.EXISTS, keys)["e"]]
+
+    def delete(self, key: str) -> bool:
+        key = validate_key(key)
+        if self._data_plane() is None:
+            return self.http.request("DELETE", wire.chunk_path(key)).status != 404
+        return bool(self._keys_call(dp.DELETE, [key])["d"][0])
 
     def lookup(self, keys: Sequence[str]) -> tuple[int, str | None]:
         if not keys:
             return 0, None
-        return _lookup_answer(self._keys_request(wire.LOOKUP_PATH, keys).json())
-
-    def lookup_prefix(self, keys: Sequence[str]) -> int:
-        return self.lookup(keys)[0]
+        keys = [validate_key(k) for k in keys]
+        if self._data_plane() is None:
+            answer = self.http.keys_request(wire.LOOKUP_PATH, keys).json()
+            n, miss = answer["prefix"], answer.get("miss")  # servers before miss reasons answer without it
+        else:
+            answer = self._keys_call(dp.LOOKUP, keys)
+            n, miss = answer["n"], answer.get("miss")
+        return int(n), miss if isinstance(miss, str) else None
 
     def stats(self) -> dict[str, Any]:
-        return self.request("GET", wire.STATS_PATH).json()
+        return self.http.request("GET", wire.STATS_PATH).json()
 
     def health(self) -> bool:
         try:
-            return self.request("GET", "/healthz").status == 200
+            return self.http.request("GET", "/healthz").status == 200
         except KVStoreError:
             return False
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            idle, self._idle = self._idle, []
-        for conn in idle:
-            conn.close()
+            plane, self._plane, self._plane_state = self._plane, None, "off"
+            seg, self._segment, self._shm_state = self._segment, None, "done"
+        if plane is not None:
+            plane.close()
+        if seg is not None:
+            seg.close()
+        self.http.close()
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
 
-    # -- async -------------------------------------------------------------------------------------------
-
-    async def _arequest(
-        self, method: str, path: str, data: Any = None, content_type: str = wire.BLOB_CONTENT_TYPE
-    ) -> tuple[int, bytes]:
-        status, _, body = await self._arequest_headers(method, path, data, content_type)
-        return status, body
-
-    async def _arequest_headers(
-        self, method: str, path: str, data: Any = None, content_type: str = wire.BLOB_CONTENT_TYPE
-    ) -> tuple[int, Any, bytes]:
-        import aiohttp  # noqa: PLC0415 (only async users pay for it)
-
-        loop = asyncio.get_running_loop()
-        if self._session is not None and self._session_loop is not loop:
-            self._session = None  # a session belongs to one event loop; this is a new one (asyncio.run again)
-        if self._session is None or self._session.closed:
-            self._session_loop = loop
-            ssl_arg: Any = self._tls if self._tls is not None else None
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self.pool_size, ssl=ssl_arg),
-                timeout=aiohttp.ClientTimeout(total=self.timeout, connect=self.connect_timeout),
-            )
-        headers = {wire.WIRE_VERSION_HEADER: wire.WIRE_VERSION, "Content-Type": content_type}
-        if self._token:
-            headers["Authorization"] = f"Bearer {self._token}"
-        for attempt in range(self.retries + 1):
-            try:
-                async with self._session.request(method, self.url + path, data=data, headers=headers) as resp:
-                    status, resp_headers, body = resp.status, resp.headers, await resp.read()
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-                if attempt == self.retries:
-                    raise Unavailable(f"{method} {self.url}{path} failed: {e!r}") from None
-                await asyncio.sleep(self.backoff * 2**attempt)
-                continue
-            if status in RETRY_STATUSES and attempt < self.retries:
-                await asyncio.sleep(self.backoff * 2**attempt)
-                continue
-            if status >= 400 and not (status == 404 and path.startswith(wire.CHUNKS_PATH)):
-                raise wire.error_from_response(status, body)
-            return status, resp_headers, body
-        raise AssertionError("unreachable")
-
-    async def _akeys(self, path: str, keys: Sequence[str]) -> bytes:
-        for key in keys:
-            validate_key(key)
-        return (await self._arequest("POST", path, json.dumps({"keys": list(keys)}), wire.JSON_CONTENT_TYPE))[
-            1
-        ]
-
-    async def aget_blob(self, key: str) -> Blob | None:
-        status, body = await self._arequest("GET", wire.chunk_path(validate_key(key)))
-        return None if status == 404 else body
-
-    async def aput_blob(self, key: str, blob: Blob) -> list[str]:
-        _, headers, _ = await self._arequest_headers("PUT", wire.chunk_path(validate_key(key)), blob)
-        return _tiers(headers.get(wire.STORED_IN_HEADER))
-
-    async def aexists(self, key: str) -> bool:
-        return (await self._arequest("HEAD", wire.chunk_path(validate_key(key))))[0] == 200
-
-    async def adelete(self, key: str) -> bool:
-        return (await self._arequest("DELETE", wire.chunk_path(validate_key(key))))[0] != 404
-
-    async def abatch_get(self, keys: Sequence[str]) -> list[Blob | None]:
-        if not keys:
-            return []
-        got_keys, blobs = wire.decode_frame(await self._akeys(wire.BATCH_GET_PATH, keys), allow_missing=True)
-        if got_keys != list(keys):
-            raise InvalidArgument("server answered a batch get with other keys than asked")
-        return blobs
-
-    async def abatch_put(self, items: Sequence[tuple[str, Blob]]) -> list[list[str]]:
-        if not items:
-            return []
-        keys = [validate_key(k) for k, _ in items]
-        body = b"".join(wire.encode_frame(keys, [b for _, b in items]))
-        _, reply = await self._arequest("POST", wire.BATCH_PUT_PATH, body, wire.BATCH_CONTENT_TYPE)
-        return json.loads(reply)["stored_in"]
-
-    async def abatch_exists(self, keys: Sequence[str]) -> list[bool]:
-        if not keys:
-            return []
-        return [bool(x) for x in json.loads(await self._akeys(wire.BATCH_EXISTS_PATH, keys))["exists"]]
-
-    async def alookup(self, keys: Sequence[str]) -> tuple[int, str | None]:
-        if not keys:
-            return 0, None
-        return _lookup_answer(json.loads(await self._akeys(wire.LOOKUP_PATH, keys)))
-
-    async def alookup_prefix(self, keys: Sequence[str]) -> int:
-        return (await self.alookup(keys))[0]
-
-    async def astats(self) -> dict[str, Any]:
-        return json.loads((await self._arequest("GET", wire.STATS_PATH))[1])
-
-    async def aclose(self) -> None:
-        if self._session is not None and not self._session.closed:
-            await self._session.close()
-        self.close()
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(self._pool_size, thread_name_prefix="kvstore-sdk")
+        return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args))
 
     def __enter__(self) -> RemoteBackend:
         return self
@@ -447,9 +408,12 @@ class RemoteBackend:
         self.close()
 
 
-def _lookup_answer(answer: dict[str, Any]) -> tuple[int, str | None]:
-    miss = answer.get("miss")  # servers before miss reasons answer without it
-    return int(answer["prefix"]), miss if isinstance(miss, str) else None
+def _all(frees: list[Free]) -> Free:
+    def free() -> None:
+        for f in frees:
+            f()
+
+    return free
 
 
 def _miss_reasons(frame: Any, blobs: Sequence[Blob | None]) -> list[str | None]:

@@ -7,8 +7,11 @@
         n = store.lookup_prefix(keys)      # leading chunks present
         n, why = store.lookup(keys)        # ... and why the next one is missing (evicted, expired...)
 
-Tensors are encoded (codec, lz4) and decoded here, on the client; backends only move verified blobs.
-Every call has an async twin with an `a` prefix (`aput`, `aget`, ...). Errors are kvstore.errors types.
+Tensors are encoded (codec, lz4) and decoded here, on the client; backends only move blobs. A blob is
+verified where it crosses a trust boundary: by the store when it receives one, by the reader when it
+uses one (`get` does; `get_blob` callers decode or `verify_blob` themselves). `lease_blobs` lends
+blobs without a copy until released (`sdk.buffers`). Every call has an async twin with an `a` prefix
+(`aput`, `aget`, ...). Errors are kvstore.errors types.
 """
 
 from __future__ import annotations
@@ -22,11 +25,13 @@ from typing import Any
 import torch
 from pydantic import ValidationError
 
-from kvstore.blob import BlobHeader, decode_blob, encode_blob, verify_blob
+from kvstore.blob import BlobHeader, decode_blob, encode_blob
 from kvstore.config import StoreConfig, default_data_dir
 from kvstore.errors import ConfigError, CorruptBlob, InvalidArgument
 from kvstore.store import TieredStore
-from sdk.backend import Backend, Blob
+from kvstore.tiers.base import Blob
+from sdk.backend import Backend
+from sdk.buffers import BlobLease
 from sdk.local import LocalBackend
 
 logger = logging.getLogger(__name__)
@@ -76,7 +81,8 @@ class Store:
         codec_options: dict | None = None,
         **options: Any,
     ) -> Store:
-        """A store served by `kvstore-server` at `url`; `options` go to `sdk.remote.RemoteBackend`."""
+        """A store served by `kvstore-server` at `url`; `options` go to `sdk.remote.RemoteBackend`
+        (timeout, retries, pool_size, verify_tls, transport="auto"|"shm"|"tcp"|"http", shm_size)."""
         from sdk.remote import RemoteBackend  # noqa: PLC0415 (the HTTP client is only needed here)
 
         return cls(
@@ -86,11 +92,11 @@ class Store:
     # -- encoding (client side) -------------------------------------------------------------------------
 
     def encode(self, kv_or_blob: KVOrBlob) -> Blob:
-        """A tensor becomes a blob with this store's codec; a bytes-like must already be a valid blob."""
+        """A tensor becomes a blob with this store's codec; a bytes-like must already be a valid blob
+        (the store verifies it on receipt: CorruptBlob and nothing stored)."""
         if isinstance(kv_or_blob, torch.Tensor):
             return encode_blob(kv_or_blob, codec=self.codec, lz4=self.lz4, **self.codec_options)
         if isinstance(kv_or_blob, (bytes, bytearray, memoryview)):
-            verify_blob(kv_or_blob)
             return kv_or_blob
         raise InvalidArgument(f"put takes a KV tensor or a blob, got {type(kv_or_blob).__name__}")
 
@@ -101,7 +107,7 @@ class Store:
             return None
         try:
             return decode_blob(blob, out=out, header=header)
-        except CorruptBlob as e:  # cannot happen locally (the store verifies); remote: damaged in transit
+        except CorruptBlob as e:  # locally the store has verified it; remote: damaged on the way
             logger.warning("blob %s does not decode (%s): treated as a miss", key, e)
             return None
 
@@ -113,13 +119,17 @@ class Store:
 
     def get(self, key: str, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """The KV tensor under `key` or None; `out` (right shape and dtype) receives it without allocating."""
-        if isinstance(self.backend, LocalBackend):  # verified in this process just now: skip a 2nd pass
-            hit = self.backend.get_verified(key)
-            return None if hit is None else self.decode(key, hit[0], out, header=hit[1])
-        return self.decode(key, self.backend.get_blob(key), out)
+        with self.backend.lease([key]) as lease:
+            return self.decode(key, lease.blobs[0], out, header=lease.headers[0])
 
     def get_blob(self, key: str) -> Blob | None:
+        """The blob under `key` in a buffer the caller owns, or None; verify it before use."""
         return self.backend.get_blob(key)
+
+    def lease_blobs(self, keys: Sequence[str]) -> BlobLease:
+        """The blobs of `keys` (None for misses) lent until `release()`: no copy on the way to the caller.
+        `lease.headers[i]` is set where blob i was verified in this process already."""
+        return self.backend.lease(keys)
 
     def exists(self, key: str) -> bool:
         return self.backend.exists(key)
@@ -131,21 +141,17 @@ class Store:
         return self.backend.batch_put([(key, self.encode(x)) for key, x in items])
 
     def batch_get(self, keys: Sequence[str]) -> list[torch.Tensor | None]:
-        if isinstance(self.backend, LocalBackend):
-            return self._decode_verified(keys, self.backend.batch_get_verified(keys))
-        return [self.decode(k, b) for k, b in zip(keys, self.backend.batch_get(keys), strict=True)]
+        with self.backend.lease(keys) as lease:
+            return self._decode_all(keys, lease)
 
-    def _decode_verified(
-        self, keys: Sequence[str], hits: list[tuple[Blob, BlobHeader] | None]
-    ) -> list[torch.Tensor | None]:
-        return [
-            None if h is None else self.decode(k, h[0], header=h[1]) for k, h in zip(keys, hits, strict=True)
-        ]
+    def _decode_all(self, keys: Sequence[str], lease: BlobLease) -> list[torch.Tensor | None]:
+        return [self.decode(k, b, header=h) for k, b, h in zip(keys, lease.blobs, lease.headers, strict=True)]
 
     def batch_get_blobs(
         self, keys: Sequence[str], reasons: list[str | None] | None = None
     ) -> list[Blob | None]:
-        """Blobs in key order, None for misses; a list given as `reasons` receives why each one missed."""
+        """Blobs in key order (buffers the caller owns), None for misses; a list given as `reasons`
+        receives why each one missed."""
         return self.backend.batch_get(keys, reasons)
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
@@ -179,14 +185,14 @@ class Store:
         return await self.backend.aput_blob(key, await asyncio.to_thread(self.encode, kv_or_blob))
 
     async def aget(self, key: str, out: torch.Tensor | None = None) -> torch.Tensor | None:
-        if isinstance(self.backend, LocalBackend):
-            hit = await self.backend.aget_verified(key)
-            return None if hit is None else await asyncio.to_thread(self.decode, key, hit[0], out, hit[1])
-        blob = await self.backend.aget_blob(key)
-        return None if blob is None else await asyncio.to_thread(self.decode, key, blob, out)
+        with await self.backend.alease([key]) as lease:
+            return await asyncio.to_thread(self.decode, key, lease.blobs[0], out, lease.headers[0])
 
     async def aget_blob(self, key: str) -> Blob | None:
         return await self.backend.aget_blob(key)
+
+    async def alease_blobs(self, keys: Sequence[str]) -> BlobLease:
+        return await self.backend.alease(keys)
 
     async def aexists(self, key: str) -> bool:
         return await self.backend.aexists(key)
@@ -199,11 +205,8 @@ class Store:
         return await self.backend.abatch_put(blobs)
 
     async def abatch_get(self, keys: Sequence[str]) -> list[torch.Tensor | None]:
-        if isinstance(self.backend, LocalBackend):
-            hits = await self.backend.abatch_get_verified(keys)
-            return await asyncio.to_thread(self._decode_verified, keys, hits)
-        blobs = await self.backend.abatch_get(keys)
-        return await asyncio.to_thread(lambda: [self.decode(k, b) for k, b in zip(keys, blobs, strict=True)])
+        with await self.backend.alease(keys) as lease:
+            return await asyncio.to_thread(self._decode_all, keys, lease)
 
     async def abatch_get_blobs(self, keys: Sequence[str]) -> list[Blob | None]:
         return await self.backend.abatch_get(keys)

@@ -16,7 +16,7 @@ from server.config import ServerConfig
 from server.middleware import make_middlewares
 from server.origin import HostCheck
 from server.routes import routes as data_routes
-from server.state import SAMPLER, STATE, ServerState
+from server.state import DATAPLANE, SAMPLER, STATE, ServerState
 
 log = logging.getLogger(__name__)
 control = web.RouteTableDef()
@@ -31,9 +31,12 @@ async def healthz(request: web.Request) -> web.Response:
 async def stats(request: web.Request) -> web.Response:
     st: ServerState = request.app[STATE]
     data = await st.call(st.store.stats)
-    data = dict(
-        data, server={"requests": st.metrics.totals["requests"], "errors": st.metrics.totals["errors"]}
-    )
+    server = {"requests": st.metrics.totals["requests"], "errors": st.metrics.totals["errors"]}
+    plane = request.app.get(DATAPLANE)
+    if plane is not None:
+        server["dataplane_connections"] = len(plane.connections)
+        server["shm"] = {"segments": len(plane.shm), "bytes": plane.shm.used, "budget": plane.shm.budget}
+    data = dict(data, server=server)
     return web.json_response(data, dumps=lambda d: json.dumps(d, default=str))
 
 

@@ -1,13 +1,15 @@
 """What one connection may cost the server, before a request reaches the middlewares.
 
-- A connection limit: beyond `max_connections` open connections a new one gets a canned 503 (JSON,
-  Retry-After) and is closed before a byte of its request is read. The limit is kept below the
+- A connection limit: beyond `max_connections` open connections (HTTP and data plane together) a new
+  one gets a canned 503 (JSON, Retry-After) and is closed before a byte of its request is read
+  (server.listener applies it when a connection opens). The limit is kept below the
   process's file-descriptor limit (RLIMIT_NOFILE) minus a reserve for the tiers' own files and
   sockets, so that the disk tier and Redis never see EMFILE because clients took every descriptor.
 - A header-read timeout: a request whose headers have not all arrived `header_timeout` seconds after
   their first byte gets a 408 and the connection is closed (slow-loris clients).
 - A keep-alive idle timeout (`keepalive_timeout`): aiohttp closes a connection that sends nothing for
-  that long, also one that connected and never sent anything.
+  that long; server.listener closes one that connected and never sent anything, and the data plane
+  its idle connections, after the same time.
 - Requests the HTTP parser rejects (bad request line, bad Content-Length...) get our JSON error body.
 """
 
@@ -18,6 +20,7 @@ import json
 import logging
 import resource
 from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
@@ -70,23 +73,25 @@ def _canned(status: int, reason: str, message: str, type_name: str, extra: str =
     return head.encode() + body
 
 
+def refuse(transport: asyncio.BaseTransport, guard: ConnectionGuard) -> None:
+    """Answer a connection over the limit with a canned 503 before reading a byte of it, and close it."""
+    guard.metrics.refused_connections.inc()
+    message = f"over the server's limit of {guard.max_connections} connections; retry shortly"
+    transport.write(_canned(503, "Service Unavailable", message, "Busy", "Retry-After: 1\r\n"))  # type: ignore[attr-defined]
+    transport.close()
+
+
 class GuardedHandler(RequestHandler):
-    """aiohttp's per-connection protocol, with the limits of the module docstring."""
+    """aiohttp's per-connection protocol, with the header timeout and JSON parser errors of the module
+    docstring (server.listener builds one per HTTP connection and applies the connection limit). The
+    constructor, `handle_error` and the attributes read here are aiohttp internals:
+    tests/server/test_aiohttp_canary.py fails loudly when they change (pyproject pins aiohttp)."""
 
     _header_timer: asyncio.TimerHandle | None = None
 
-    @property
-    def guard(self) -> ConnectionGuard:
-        return self._manager.guard  # type: ignore[union-attr]
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        super().connection_made(transport)
-        guard = self.guard
-        if len(self._manager._connections) > guard.max_connections:  # type: ignore[union-attr]
-            guard.metrics.refused_connections.inc()
-            message = f"over the server's limit of {guard.max_connections} connections; retry shortly"
-            transport.write(_canned(503, "Service Unavailable", message, "Busy", "Retry-After: 1\r\n"))  # type: ignore[attr-defined]
-            self.force_close()
+    def __init__(self, manager: web.Server, guard: ConnectionGuard, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self.guard = guard
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
@@ -123,22 +128,3 @@ class GuardedHandler(RequestHandler):
         resp = json_error(status, text, type_name)
         resp.force_close()
         return resp
-
-
-class GuardedAppRunner(web.AppRunner):
-    """An AppRunner whose connections are GuardedHandlers."""
-
-    def __init__(self, app: web.Application, guard: ConnectionGuard, **kwargs: object) -> None:
-        super().__init__(app, **kwargs)  # type: ignore[arg-type]
-        self.guard = guard
-
-    async def _make_server(self) -> web.Server:
-        server = await super()._make_server()
-        # aiohttp builds one RequestHandler per connection in Server.__call__; swap in ours.
-        server.__class__ = type("GuardedServer", (web.Server,), {"__call__": _make_handler})
-        server.guard = self.guard  # type: ignore[attr-defined]
-        return server
-
-
-def _make_handler(self: web.Server) -> RequestHandler:
-    return GuardedHandler(self, loop=self._loop, **self._kwargs)

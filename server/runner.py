@@ -15,8 +15,10 @@ from aiohttp import web
 from kvstore.config import StoreConfig
 from server.app import make_app
 from server.config import ServerConfig
-from server.connections import ConnectionGuard, GuardedAppRunner, connection_limit, raise_fd_limit
-from server.state import STATE
+from server.connections import ConnectionGuard, connection_limit, raise_fd_limit
+from server.dataplane import DataPlane
+from server.listener import Listener
+from server.state import DATAPLANE, STATE
 
 log = logging.getLogger(__name__)
 
@@ -37,13 +39,15 @@ class RunningServer:
         self.app = make_app(store, store_config, config)
         metrics = self.app[STATE].metrics
         limit = connection_limit(config.max_connections, config.store_threads)
-        self.runner = GuardedAppRunner(
-            self.app,
-            ConnectionGuard(limit, config.header_timeout, metrics),
-            access_log=log if config.access_log else None,
-            shutdown_timeout=config.shutdown_timeout,
-            keepalive_timeout=config.keepalive_timeout,
-        )
+        self.guard = ConnectionGuard(limit, config.header_timeout, metrics)
+        self.plane = DataPlane(self.app[STATE], config.token()) if config.dataplane else None
+        self.app[DATAPLANE] = self.plane
+        self.runner = web.AppRunner(self.app, shutdown_timeout=config.shutdown_timeout)
+        self._handler_kwargs = {
+            "access_log": log if config.access_log else None,
+            "keepalive_timeout": config.keepalive_timeout,
+        }
+        self.listener: asyncio.Server | None = None
         self.port: int | None = None
 
     @property
@@ -53,20 +57,14 @@ class RunningServer:
 
     async def start(self) -> str:
         await self.runner.setup()
-        web_server = self.runner.server
-        assert web_server is not None
-        self.app[STATE].metrics.connections = lambda: len(web_server.connections)
-        site = web.TCPSite(
-            self.runner,
-            self.config.host,
-            self.config.port,
-            ssl_context=self.config.ssl_context(),
-            backlog=1024,
+        http = self.runner.server
+        assert http is not None
+        factory = Listener(http, self.guard, self._handler_kwargs, self.plane, self.config.keepalive_timeout)
+        self.app[STATE].metrics.connections = factory.open_connections
+        self.listener = await asyncio.get_running_loop().create_server(
+            factory, self.config.host, self.config.port, ssl=self.config.ssl_context(), backlog=1024
         )
-        await site.start()
-        server = site._server  # the asyncio Server: the only place the port bound for port 0 is known
-        assert server is not None and server.sockets
-        self.port = server.sockets[0].getsockname()[1]
+        self.port = self.listener.sockets[0].getsockname()[1]
         log.info("kvstore-server listening on %s (tiers %s)", self.url, ",".join(self.store_config.tiers))
         return self.url
 
@@ -74,9 +72,9 @@ class RunningServer:
         """Stop accepting connections and wait (up to shutdown_timeout) until no request is in flight.
 
         aiohttp's own cleanup stops reading from every connection at once, which would cut off an
-        upload still arriving; so the listening sockets close first and the uploads get to finish."""
-        for site in list(self.runner.sites):
-            await site.stop()
+        upload still arriving; so the listening socket closes first and the uploads get to finish."""
+        if self.listener is not None:
+            self.listener.close()
         metrics = self.app[STATE].metrics
         deadline = asyncio.get_running_loop().time() + self.config.shutdown_timeout
         while metrics.in_flight > 0 and asyncio.get_running_loop().time() < deadline:
@@ -84,6 +82,8 @@ class RunningServer:
         if metrics.in_flight:
             log.warning("%d requests still in flight after %.0f s; closing them", metrics.in_flight,
                         self.config.shutdown_timeout)  # fmt: skip
+        if self.plane is not None:
+            self.plane.close()
         await self.runner.cleanup()
 
     async def stop(self) -> None:

@@ -54,6 +54,7 @@ class ServerState:
 
 STATE = web.AppKey("state", ServerState)
 SAMPLER = web.AppKey("sampler", asyncio.Task)
+DATAPLANE: Any = web.AppKey("dataplane", object)  # server.dataplane.DataPlane, or None when it is off
 # Body bytes received / sent, for the metrics middleware (typed keys since aiohttp 3.12; plain before).
 _RequestKey = getattr(web, "RequestKey", None)
 BYTES_IN: Any = _RequestKey("bytes_in", int) if _RequestKey else "kvstore_bytes_in"

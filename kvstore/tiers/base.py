@@ -64,6 +64,24 @@ class TierWriteError(Exception):
         self.stale, self.evicted = frozenset(stale), list(evicted)
 
 
+def immutable(blob: Blob) -> bytes | memoryview:
+    """`blob` as a buffer that may be kept: a `bytes`, or a read-only flat byte memoryview, as it is
+    (handing one over promises that nothing writes its memory any more: the server receives request
+    bodies into such buffers, so a put is never copied between the socket and the tier); anything
+    else is copied into bytes."""
+    if isinstance(blob, bytes):
+        return blob
+    if (
+        isinstance(blob, memoryview)
+        and blob.readonly
+        and blob.c_contiguous
+        and blob.ndim == 1
+        and blob.itemsize == 1
+    ):
+        return blob
+    return bytes(blob)
+
+
 @dataclass
 class TierStats:
     """Counters a tier keeps about itself; the store turns them into metrics."""

@@ -1,7 +1,7 @@
 """The `cpu` tier: blobs in host memory, LRU within a byte capacity, optional TTL.
 
-Zero-copy: a `bytes` blob is kept as the very object that was put and `get` hands that object back
-(bytes are immutable, so nobody can change it under the tier). Other buffers are copied once on put.
+Zero-copy: a `bytes` blob (or a read-only memoryview, `kvstore.tiers.base.immutable`) is kept as the
+very object that was put and `get` hands that object back. Other buffers are copied once on put.
 With CUDA present the blobs live in pinned (page-locked) host memory instead, so the GPU tier and the
 engine can copy them to the device asynchronously; `get` then returns a read-only memoryview of the
 pinned buffer. `torch.empty(..., pin_memory=True)` raises without CUDA, hence the check.
@@ -20,7 +20,7 @@ import torch
 from kvstore.config import StoreConfig
 from kvstore.errors import InvalidArgument
 from kvstore.lru import Entry, LRUIndex, check_ttl
-from kvstore.tiers.base import Blob, TierStats
+from kvstore.tiers.base import Blob, TierStats, immutable
 from kvstore.tiers.indexed import IndexedTier
 
 logger = logging.getLogger(__name__)
@@ -58,13 +58,9 @@ class CpuTier(IndexedTier):
         """An immutable buffer holding `blob` that the tier may keep."""
         if self.pinned:
             return _pinned_copy(blob)
-        if isinstance(blob, bytes):
-            return blob
-        if isinstance(blob, memoryview) and blob.readonly and isinstance(blob.obj, bytes):
-            return blob if blob.contiguous else bytes(blob)
-        if not isinstance(blob, (bytearray, memoryview)):
+        if not isinstance(blob, (bytes, bytearray, memoryview)):
             raise InvalidArgument(f"a blob is bytes-like, got {type(blob).__name__}")
-        return bytes(blob)
+        return immutable(blob)
 
     def get(self, key: str) -> Blob | None:
         now = self._clock()

@@ -25,7 +25,7 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
-from redis.connection import PythonRespSerializer, parse_url
+from redis.connection import Encoder, PythonRespSerializer, parse_url
 from redis.crc import key_slot
 from redis.exceptions import AskError, AuthenticationError, RedisClusterException
 from redis.retry import Retry
@@ -42,18 +42,30 @@ BACKOFF_MIN_S, BACKOFF_MAX_S = 0.1, 5.0
 BACKEND_ERRORS = (redis.RedisError, RedisClusterException, OSError)
 NETWORK_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
 FAIL = object()  # a call that did not reach the server (or that the server refused)
+PACK_CUTOFF = 6000  # values longer than this are sent as they are (redis-py's own cutoff)
+
+
+def _zero_copy(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Connection options that send values as they are: redis-py's hiredis packer copies every value
+    into one new buffer, its Python packer passes large values through. `command_packer` is a
+    constructor argument of redis-py connections (not a documented one: the canary in
+    tests/kvstore/test_redis_canary.py fails when it stops passing values through; pyproject pins
+    redis below the next major version)."""
+    encoder = Encoder(kwargs.get("encoding", "utf-8"), kwargs.get("encoding_errors", "strict"), False)
+    return {"command_packer": PythonRespSerializer(PACK_CUTOFF, encoder.encode), **kwargs}
 
 
 class ZeroCopyConnection(redis.Connection):
-    """Sends values as they are: redis-py's hiredis packer copies every value into one new buffer."""
+    """A connection that sends values without copying them (a class, because a Cluster client takes
+    a `connection_class` but drops a `command_packer` option)."""
 
-    def _construct_command_packer(self, packer: Any) -> Any:
-        return packer or PythonRespSerializer(self._buffer_cutoff, self.encoder.encode)
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**_zero_copy(kwargs))
 
 
 class ZeroCopySSLConnection(redis.SSLConnection):
-    def _construct_command_packer(self, packer: Any) -> Any:
-        return packer or PythonRespSerializer(self._buffer_cutoff, self.encoder.encode)
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**_zero_copy(kwargs))
 
 
 class Breaker:

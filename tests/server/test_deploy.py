@@ -33,7 +33,7 @@ def exported(tmp_path_factory) -> set[str]:
         be.put_blob(key(1), make_blob(1))
         be.get_blob(key(1))
         be.batch_get([key(1), key(2)])
-        text = bytes(be.request("GET", "/metrics").body).decode()
+        text = bytes(be.http.request("GET", "/metrics").body).decode()
         be.close()
     return {
         line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")

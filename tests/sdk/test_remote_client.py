@@ -1,4 +1,5 @@
-"""RemoteBackend against real servers: pooling, retries across a restart, Unavailable, many threads."""
+"""RemoteBackend against real servers, on every transport: pooling, retries across a restart,
+Unavailable, many threads."""
 
 from __future__ import annotations
 
@@ -34,16 +35,31 @@ def test_bad_urls(url):
         RemoteBackend(url)
 
 
-def test_pooled_connections_survive_a_server_restart(tmp_path):
-    """A pooled keep-alive socket goes stale when the server restarts; the retry reconnects."""
+TRANSPORTS = ["http", "tcp", "shm"]
+
+
+def _idle(be: RemoteBackend) -> int:
+    return len(be.http._idle) if be.transport == "http" else len(be._plane._idle)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_pooled_connections_survive_a_server_restart(tmp_path, transport):
+    """A pooled keep-alive socket goes stale when the server restarts; the retry reconnects (and a
+    shared-memory client maps the new server's segment)."""
     port = free_port()
     config = StoreConfig(tiers=["disk"], disk_path=tmp_path / "disk")
-    be = RemoteBackend(f"http://127.0.0.1:{port}", retries=3, backoff=0.05)
+    be = RemoteBackend(f"http://127.0.0.1:{port}", retries=3, backoff=0.05, transport=transport)
+    blob = make_blob(1, tokens=512)
     with ServerThread(TieredStore(config), config, ServerConfig(port=port), close_store=True):
-        be.put_blob(key(1), make_blob(1))
-        assert len(be._idle) == 1  # the connection went back to the pool
-    with ServerThread(TieredStore(config), config, ServerConfig(port=port), close_store=True):
-        assert bytes(be.get_blob(key(1))) == make_blob(1)  # the disk tier kept it; the stale socket retried
+        be.put_blob(key(1), blob)
+        assert be.transport == transport
+        assert _idle(be) >= 1  # the connection went back to the pool
+    with ServerThread(TieredStore(config), config, ServerConfig(port=port), close_store=True) as srv:
+        assert bytes(be.get_blob(key(1))) == blob  # the disk tier kept it; the stale socket retried
+        be.put_blob(key(2), blob)
+        assert bytes(be.get_blob(key(2))) == blob and be.transport == transport
+        if transport == "shm":
+            assert srv.state.metrics.totals["requests"] and srv.server.plane.shm.used > 0
     be.close()
 
 
@@ -69,14 +85,15 @@ def test_retries_on_503_then_succeeds():
     t = threading.Thread(target=serve, daemon=True)
     t.start()
     be = RemoteBackend(f"http://127.0.0.1:{port}", retries=2, backoff=0.01)
-    assert be.request("GET", "/healthz").json() == {"status": "ok"}
+    assert be.http.request("GET", "/healthz").json() == {"status": "ok"}
     t.join(5)
     listener.close()
     assert len(seen) == 2 and all(s.startswith(b"GET /healthz HTTP/1.1") for s in seen)
 
 
-def test_many_threads_share_one_backend(server):
-    be = RemoteBackend(server.url, pool_size=4)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_many_threads_share_one_backend(server, transport):
+    be = RemoteBackend(server.url, pool_size=4, transport=transport)
 
     def work(i: int) -> bool:
         blob = make_blob(i)
@@ -88,14 +105,15 @@ def test_many_threads_share_one_backend(server):
     with ThreadPoolExecutor(8) as pool:
         assert all(pool.map(work, range(64)))
     assert server.usage()[0] == 64
-    assert len(be._idle) <= 4
+    assert _idle(be) <= 4
     be.close()
     with pytest.raises(InvalidArgument):
         be.get_blob(key(1))
 
 
-def test_large_batches_roundtrip(server):
-    be = RemoteBackend(server.url)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_large_batches_roundtrip(server, transport):
+    be = RemoteBackend(server.url, transport=transport)
     items = [(key(i), make_blob(i, tokens=2048)) for i in range(8)]  # 8 x 128 KiB
     be.batch_put(items)
     got = be.batch_get([k for k, _ in items])
@@ -103,28 +121,11 @@ def test_large_batches_roundtrip(server):
     be.close()
 
 
-def test_pooled_receive_buffers_never_overwrite_a_held_blob(server):
-    be = RemoteBackend(server.url)
-    a, b = make_blob(1, tokens=2048), make_blob(2, tokens=2048)  # 128 KiB: pooled sizes
-    be.batch_put([(key(1), a), (key(2), b)])
-    held = be.get_blob(key(1))
-    held_slice = be.batch_get([key(1)])[0]  # a slice of a pooled frame buffer
-    for _ in range(5):
-        assert bytes(be.get_blob(key(2))) == b
-        assert bytes(be.batch_get([key(2)])[0]) == b
-    assert bytes(held) == a and bytes(held_slice) == a
-    pooled = be._buffers._buffers
-    assert len(pooled) <= 4  # the two held, plus the ones released and reused across 10 responses
-    again = be.get_blob(key(1))
-    assert any(again.obj is buf for buf in pooled)  # a reused buffer: no fresh allocation per response
-    assert bytes(again) == a
-    be.close()
-
-
-def test_async_calls_from_successive_event_loops(server):
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_async_calls_from_successive_event_loops(server, transport):
     import asyncio
 
-    be = RemoteBackend(server.url)
+    be = RemoteBackend(server.url, transport=transport)
     asyncio.run(be.aput_blob(key(1), make_blob(1)))
     assert asyncio.run(be.aexists(key(1)))  # a new loop: the session of the first one is not reused
     assert bytes(asyncio.run(be.aget_blob(key(1)))) == make_blob(1)

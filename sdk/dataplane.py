@@ -1,0 +1,224 @@
+"""The SDK side of the binary data plane (kvstore.dataplane): a pool of connections that said HELLO.
+
+Sync and thread-safe like `sdk.http.HttpClient`, with the same retries: every call is idempotent.
+A request sends its header, meta and blobs in one `sendmsg` (no join); a response's body lands with
+`recv_into` in the buffer the caller picks. Connections that named a shared-memory segment remember
+it, so a segment is attached once per connection.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from kvstore import dataplane as dp
+from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
+from kvstore.tiers.base import Blob
+from sdk.buffers import fresh_buffer
+from sdk.http import Into, connect
+
+log = logging.getLogger(__name__)
+_RX = 4096  # first read of a response: its header and meta, a few body bytes at most
+
+
+class NotSpoken(Exception):
+    """The server does not speak the data plane (an older server, or it is turned off)."""
+
+
+class SegmentGone(Exception):
+    """The server no longer knows a shared-memory segment (it restarted): map a new one."""
+
+
+def _sendmsg(sock: socket.socket, parts: list[Any]) -> None:
+    if isinstance(sock, ssl.SSLSocket):  # TLS sockets have no sendmsg
+        for part in parts:
+            sock.sendall(part)
+        return
+    views = [memoryview(p).cast("B") for p in parts]
+    while views:
+        sent = sock.sendmsg(views)
+        while views and sent >= len(views[0]):
+            sent -= len(views[0])
+            views.pop(0)
+        if views and sent:
+            views[0] = views[0][sent:]
+
+
+class _Conn:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.rx = bytearray(_RX)
+        self.segments: set[int] = set()
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+    def exchange(
+        self, op: int, meta: dict, body: Sequence[Blob] = (), flags: int = 0, into: Into = fresh_buffer
+    ) -> tuple[dp.Head, dict, memoryview | None]:
+        body_len = sum(memoryview(b).nbytes for b in body)
+        _sendmsg(self.sock, [dp.pack_head(op, dp.pack_meta(meta), body_len, flags), *body])
+        return self.receive(into)
+
+    def receive(self, into: Into) -> tuple[dp.Head, dict, memoryview | None]:
+        rx = memoryview(self.rx)
+        have = 0
+        while have < dp.HEAD_SIZE:
+            have += self._recv(rx[have:])
+        if rx[:5] == b"HTTP/":
+            raise NotSpoken("the server answered the data-plane preface with HTTP")
+        head = dp.parse_head(rx)
+        end = dp.HEAD_SIZE + head.meta_len
+        if end > len(self.rx):
+            rx.release()
+            self.rx.extend(bytes(end - len(self.rx)))
+            rx = memoryview(self.rx)
+        while have < end:
+            have += self._recv(rx[have:end])
+        meta = dp.parse_meta(rx[dp.HEAD_SIZE : end])
+        if not head.body_len:
+            return head, meta, None
+        body = into(head.body_len) if head.status < 300 or head.status == 404 else fresh_buffer(head.body_len)
+        got = have - end
+        body[:got] = rx[end:have]
+        while got < head.body_len:
+            got += self._recv(body[got:])
+        return head, meta, body
+
+    def _recv(self, view: memoryview) -> int:
+        n = self.sock.recv_into(view)
+        if n == 0:
+            raise ConnectionError("server closed the data-plane connection")
+        return n
+
+
+class DataPlaneClient:
+    """Connections to one server's data plane. `hello` is the server's HELLO answer (its limits)."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        tls: ssl.SSLContext | None,
+        token: str | None,
+        *,
+        timeout: float,
+        connect_timeout: float,
+        retries: int,
+        backoff: float,
+        pool_size: int,
+    ) -> None:
+        self.host, self.port, self.tls, self.token = host, port, tls, token
+        self.timeout, self.connect_timeout = timeout, connect_timeout
+        self.retries, self.backoff, self.pool_size = retries, backoff, pool_size
+        self.hello: dict[str, Any] = {}
+        self._idle: list[_Conn] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self._release(self._open())  # NotSpoken / Unauthorized / OSError now, not on the first call
+
+    def _open(self) -> _Conn:
+        sock = connect(self.host, self.port, self.timeout, self.connect_timeout, self.tls)
+        conn = _Conn(sock)
+        try:
+            sock.sendall(dp.PREFACE)
+            head, meta, _ = conn.exchange(dp.HELLO, {"v": dp.VERSION, "token": self.token})
+        except BaseException:
+            conn.close()
+            raise
+        if head.status != 200:
+            conn.close()
+            raise dp.error_from_meta(head.status, meta)
+        self.hello = meta
+        return conn
+
+    def _take(self) -> _Conn:
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+        return self._open()
+
+    def _release(self, conn: _Conn) -> None:
+        with self._lock:
+            if not self._closed and len(self._idle) < self.pool_size:
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    def call(
+        self,
+        op: int,
+        meta: dict,
+        body: Sequence[Blob] = (),
+        flags: int = 0,
+        into: Into = fresh_buffer,
+        segment: Any = None,
+    ) -> tuple[dp.Head, dict, memoryview | None]:
+        """One request, retried on connection errors; raises the server's error for a status >= 400
+        other than 404. `segment` (sdk.shm.ClientSegment): attach it first on a connection that has not."""
+        if self._closed:
+            raise InvalidArgument("this client is closed")
+        for attempt in range(self.retries + 1):
+            conn = None
+            try:
+                conn = self._take()
+                if segment is not None and segment.seg_id not in conn.segments:
+                    h, m, _ = conn.exchange(dp.SHM_ATTACH, {"seg": segment.seg_id, "nonce": segment.nonce})
+                    if h.status != 200:
+                        self._release(conn)
+                        raise SegmentGone(m.get("error"))
+                    conn.segments.add(segment.seg_id)
+                head, reply, body = conn.exchange(op, meta, body, flags, into)
+                self._release(conn)
+            except (OSError, ConnectionError) as e:
+                if conn is not None:
+                    conn.close()
+                if attempt == self.retries:
+                    raise Unavailable(
+                        f"{dp.OP_NAMES.get(op, op)} on {self.host}:{self.port} failed: {e}"
+                    ) from None
+                time.sleep(self.backoff * 2**attempt)
+                continue
+            if head.status >= 400 and head.status != 404:
+                raise dp.error_from_meta(head.status, reply)
+            return head, reply, body
+        raise AssertionError("unreachable")
+
+    def open_segment(self, size: int) -> tuple[dict, Any] | None:
+        """SHM_OPEN on a pooled connection: the server's answer and the connection, which stays out of
+        the pool until `keep` (mapped: it is attached) or `drop` (not mapped: closing frees it); None
+        when the server has no segment to give."""
+        conn = self._take()
+        try:
+            head, meta, _ = conn.exchange(dp.SHM_OPEN, {"size": size})
+        except (OSError, ConnectionError, KVStoreError):
+            conn.close()
+            raise
+        if head.status != 200 or meta.get("seg") is None:
+            self._release(conn)
+            if head.status != 200:
+                raise dp.error_from_meta(head.status, meta)
+            return None
+        conn.segments.add(meta["seg"])
+        return meta, conn
+
+    def keep(self, conn: _Conn) -> None:
+        self._release(conn)
+
+    def drop(self, conn: _Conn) -> None:
+        conn.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()

@@ -1,0 +1,173 @@
+"""What each data-plane request does (kvstore.dataplane): the same store calls, limits, auth and
+metric names as the HTTP routes, so the two transports cannot drift apart in what they allow."""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvstore import dataplane as dp
+from kvstore import shm
+from kvstore.errors import InvalidArgument, TooLarge, Unauthorized
+from kvstore.wire import MAX_BATCH_KEYS
+
+if TYPE_CHECKING:
+    from server.dataplane import DataPlaneProtocol
+
+MAX_SEGMENTS_PER_CONNECTION = 4
+inline_ops = frozenset({dp.HELLO, dp.SHM_OPEN, dp.SHM_ATTACH})  # never touch the store
+
+
+@dataclass
+class Request:
+    op: int
+    flags: int
+    meta: dict[str, Any]
+    bufs: list[memoryview]  # a socket put's blobs, read-only, each exactly one blob
+    started: float
+
+
+@dataclass
+class Reply:
+    status: int = 200
+    meta: dict[str, Any] = field(default_factory=dict)
+    body: list[Any] = field(default_factory=list)  # buffers sent after the header, as they are
+    flags: int = 0
+    close: bool = False
+    op_name: str = ""  # the HTTP route's name, for the request metrics
+    bytes_in: int = 0
+    bytes_out: int = 0
+
+
+def handle(conn: DataPlaneProtocol, req: Request) -> Reply:
+    if req.op == dp.HELLO:
+        return _hello(conn, req)
+    if req.op == dp.SHM_OPEN:
+        return _shm_open(conn, req)
+    if req.op == dp.SHM_ATTACH:
+        return _shm_attach(conn, req)
+    keys = dp.meta_keys(req.meta)
+    single = len(keys) == 1
+    if req.op == dp.GET:
+        return _get(conn, req, keys)
+    if req.op == dp.PUT:
+        return _put(conn, req, keys)
+    store = conn.st.store
+    if req.op == dp.EXISTS:
+        found = [store.exists(keys[0])] if single else store.batch_exists(keys)
+        status = 404 if single and not found[0] else 200
+        return Reply(status, {"e": [bool(f) for f in found]}, op_name="head" if single else "batch_exists")
+    if req.op == dp.DELETE:
+        gone = [bool(store.delete(k)) for k in keys]
+        status = 404 if single and not gone[0] else 200
+        return Reply(status, {"d": gone}, op_name="delete" if single else "batch_delete")
+    if req.op == dp.LOOKUP:
+        n, reason = store.lookup(keys)
+        return Reply(200, {"n": int(n), "miss": reason}, op_name="lookup")
+    raise InvalidArgument(f"unknown data-plane op {req.op}")
+
+
+def _hello(conn: DataPlaneProtocol, req: Request) -> Reply:
+    if req.meta.get("v") != dp.VERSION:
+        raise InvalidArgument(f"data-plane version {req.meta.get('v')!r} is not {dp.VERSION}")
+    token = conn.plane.token
+    if token is not None:
+        given = req.meta.get("token")
+        given_b = given.encode() if isinstance(given, str) else b""
+        if not hmac.compare_digest(given_b, token.encode()):
+            raise Unauthorized("missing bearer token" if not given_b else "wrong bearer token")
+    conn.authed = True
+    st = conn.st
+    return Reply(meta={
+        "v": dp.VERSION, "max_blob": st.store_config.max_blob_size, "max_request": st.config.max_request_size,
+        "max_keys": MAX_BATCH_KEYS, "shm": conn.plane.shm.enabled, "host": shm.host_id(),
+    }, op_name="hello")  # fmt: skip
+
+
+def _region(conn: DataPlaneProtocol, req: Request, need: int) -> tuple[shm.Segment, int, int]:
+    seg_id, offset, capacity = dp.meta_region(req.meta)
+    seg = conn.segments.get(seg_id)
+    if seg is None:
+        raise InvalidArgument(f"shared-memory segment {seg_id} is not attached to this connection")
+    if offset < shm.DATA_START or offset + capacity > seg.size or need > capacity:
+        raise InvalidArgument(f"region [{offset}, +{capacity}) of segment {seg_id} is out of bounds")
+    return seg, offset, capacity
+
+
+def _get(conn: DataPlaneProtocol, req: Request, keys: list[str]) -> Reply:
+    store = conn.st.store
+    single = len(keys) == 1
+    reasons: list[str | None] = []
+    blobs = [store.get_blob(keys[0], reasons)] if single else store.batch_get(keys, reasons)
+    lens = [dp.MISSING if b is None else memoryview(b).nbytes for b in blobs]
+    total = dp.total(lens)
+    meta: dict[str, Any] = {"l": lens}
+    if any(b is None for b in blobs):
+        meta["r"] = reasons  # why each miss missed (kvstore/miss_log.py)
+    reply = Reply(404 if single and blobs[0] is None else 200, meta, bytes_out=total,
+                  op_name="get" if single else "batch_get")  # fmt: skip
+    present = [b for b in blobs if b is not None]
+    if req.flags & dp.FLAG_SHM:
+        seg, offset, capacity = _region(conn, req, 0)
+        if total <= capacity:  # else the blobs come back on the socket, in this same reply
+            pos = offset
+            for b in present:
+                n = memoryview(b).nbytes
+                seg.view[pos : pos + n] = b
+                pos += n
+            reply.flags, reply.meta["o"] = dp.FLAG_SHM, offset
+            return reply
+    reply.body = present
+    return reply
+
+
+def _put(conn: DataPlaneProtocol, req: Request, keys: list[str]) -> Reply:
+    st = conn.st
+    lens = dp.meta_lens(req.meta, len(keys))
+    total = sum(lens)
+    limit = st.store_config.max_blob_size if len(keys) == 1 else st.config.max_request_size
+    if total > limit:
+        raise TooLarge(f"put of {total} bytes is over the limit ({limit})")
+    if req.flags & dp.FLAG_SHM:
+        seg, offset, _ = _region(conn, req, total)
+        blobs: list[Any] = []
+        pos = offset
+        for n in lens:  # copied out before the store verifies: the client cannot change what is checked
+            blobs.append(bytes(seg.view[pos : pos + n]))
+            pos += n
+    else:
+        blobs = req.bufs
+    # The store verifies every blob (CorruptBlob -> 422) and its size before it stores the first one,
+    # and raises (507, 503...) when no tier stored it: a 201 says where each one is.
+    if len(keys) == 1:
+        stored_in = [st.store.put_blob(keys[0], blobs[0])]
+    else:
+        stored_in = st.store.batch_put(list(zip(keys, blobs, strict=True)))
+    meta = {"stored": len(keys), "stored_in": stored_in}
+    return Reply(201, meta, op_name="put" if len(keys) == 1 else "batch_put", bytes_in=total)
+
+
+def _shm_open(conn: DataPlaneProtocol, req: Request) -> Reply:
+    size = req.meta.get("size")
+    if type(size) is not int or size <= 0:
+        raise InvalidArgument("SHM_OPEN needs a positive 'size'")
+    if len(conn.segments) >= MAX_SEGMENTS_PER_CONNECTION:
+        raise InvalidArgument(f"a connection may hold {MAX_SEGMENTS_PER_CONNECTION} segments at most")
+    seg = conn.plane.shm.open(size) if conn.plane.shm.enabled else None
+    if seg is None:  # off, or the budget is spent: a plain "no", the client stays on the socket
+        return Reply(meta={"seg": None}, op_name="shm_open")
+    conn.segments[seg.seg_id] = seg
+    meta = {"seg": seg.seg_id, "path": seg.path, "size": seg.size, "nonce": seg.nonce}
+    return Reply(meta=meta, op_name="shm_open")
+
+
+def _shm_attach(conn: DataPlaneProtocol, req: Request) -> Reply:
+    seg_id, nonce = req.meta.get("seg"), req.meta.get("nonce")
+    if type(seg_id) is not int or not isinstance(nonce, bytes):
+        raise InvalidArgument("SHM_ATTACH needs 'seg' and 'nonce'")
+    if seg_id not in conn.segments:
+        if len(conn.segments) >= MAX_SEGMENTS_PER_CONNECTION:
+            raise InvalidArgument(f"a connection may hold {MAX_SEGMENTS_PER_CONNECTION} segments at most")
+        conn.segments[seg_id] = conn.plane.shm.attach(seg_id, nonce)
+    return Reply(op_name="shm_attach")

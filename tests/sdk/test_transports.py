@@ -1,0 +1,203 @@
+"""The SDK's transports against a real server: shared memory and the TCP data plane move the same
+bytes as HTTP, obey the same auth and limits, and fall back when the faster path is not there."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import pytest
+import torch
+
+from kvstore import shm
+from kvstore.blob import verify_blob
+from kvstore.errors import CorruptBlob, InvalidArgument, InvalidKey, TooLarge, Unauthorized, Unavailable
+from sdk.remote import RemoteBackend
+from sdk.store import Store
+from tests.server.conftest import key, make_blob
+
+TOKEN = "t0ken"
+pytestmark = pytest.mark.skipif(not shm.available(), reason="needs memfd and /proc (Linux)")
+
+
+def memfds() -> int:
+    """File descriptors of shared-memory segments open in this process (the in-process test servers
+    hold theirs here; each mmap of a segment holds one too)."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:kvstore-shm")
+        except OSError:
+            pass
+    return n
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp", "http"])
+def test_round_trips_are_bit_exact(server, transport):
+    be = RemoteBackend(server.url, transport=transport)
+    assert be.transport == transport
+    blobs = {key(i): make_blob(i, tokens=t) for i, t in enumerate([1, 64, 512, 2048, 8192])}  # 180 B-1 MiB
+    for k, b in blobs.items():
+        be.put_blob(k, b)
+    for k, b in blobs.items():
+        got = be.get_blob(k)
+        assert bytes(got) == b
+        verify_blob(got)
+    ks = [*blobs, key(99)]
+    assert [None if g is None else bytes(g) for g in be.batch_get(ks)] == [*blobs.values(), None]
+    with be.lease(ks) as lease:
+        assert [None if g is None else bytes(g) for g in lease] == [*blobs.values(), None]
+    be.batch_put([(key(100 + i), b) for i, b in enumerate(blobs.values())])
+    assert [bytes(b) for b in be.batch_get([key(100 + i) for i in range(5)])] == list(blobs.values())
+    assert be.batch_exists([key(0), key(99)]) == [True, False] and be.lookup_prefix(ks) == 5
+    assert be.delete(key(0)) and not be.delete(key(0)) and be.get_blob(key(0)) is None
+    if transport == "shm":
+        assert be.counts["shm"] > 0
+    be.close()
+
+
+def test_store_tensors_over_shared_memory(server):
+    with Store.connect(server.url, transport="shm") as store:
+        kv = torch.randn(2, 4, 256, 8, 64).half()  # 4 MiB
+        store.put(key(1), kv)
+        out = torch.empty_like(kv)
+        assert torch.equal(store.get(key(1)), kv) and torch.equal(store.get(key(1), out=out), kv)
+        assert [torch.equal(t, kv) for t in store.batch_get([key(1), key(1)])] == [True, True]
+        assert store.backend.counts["shm"] >= 3
+
+
+def test_a_released_lease_is_reused_and_its_views_are_dead(server):
+    be = RemoteBackend(server.url, transport="shm")
+    a, b = make_blob(1, tokens=4096), make_blob(2, tokens=4096)
+    be.batch_put([(key(1), a), (key(2), b)])
+    owned = be.get_blob(key(1))
+    lease = be.lease([key(1)])
+    view = lease.blobs[0]
+    assert bytes(view) == a
+    lease.release()
+    with pytest.raises(ValueError):
+        bytes(view)  # released with its lease: a stale use fails loudly instead of reading new data
+    for _ in range(3):
+        with be.lease([key(2)]) as again:
+            assert bytes(again[0]) == b
+    assert bytes(owned) == a  # a get_blob buffer belongs to the caller: never overwritten
+    be.close()
+
+
+def test_an_exported_view_keeps_its_region_out_of_reuse(server):
+    be = RemoteBackend(server.url, transport="shm")
+    a, b = make_blob(1, tokens=4096), make_blob(2, tokens=4096)
+    be.batch_put([(key(1), a), (key(2), b)])
+    lease = be.lease([key(1)])
+    held = pickle.PickleBuffer(lease.blobs[0])  # holds an export of the lent view, as C extensions do
+    lease.release()  # the region cannot be reused while `held` reads it
+    for _ in range(4):
+        with be.lease([key(2)]) as other:
+            assert bytes(other[0]) == b
+    assert bytes(held) == a
+    held.release()
+    with be.lease([key(1)]) as again:
+        assert bytes(again[0]) == a
+    be.close()
+
+
+def test_a_full_segment_falls_back_to_the_socket(server):
+    be = RemoteBackend(server.url, transport="shm", shm_size=4 * 2**20)
+    blob = make_blob(1, tokens=16384)  # 2 MiB: one fits in a 4 MiB segment
+    be.put_blob(key(1), blob)
+    leases = [be.lease([key(1)]) for _ in range(4)]
+    assert all(bytes(lease[0]) == blob for lease in leases)
+    assert be.counts["shm"] == 2 and be.counts["tcp"] == 3  # the put and one lease; the rest: socket
+    for lease in leases:
+        lease.release()
+    be.close()
+
+
+def test_auth_applies_to_the_data_plane(server_factory):
+    srv = server_factory(auth_token=TOKEN)
+    for transport in ("shm", "tcp"):
+        for token in (None, "wrong"):
+            with pytest.raises(Unauthorized):
+                RemoteBackend(srv.url, token=token, transport=transport, retries=0).get_blob(key(1))
+        be = RemoteBackend(srv.url, token=TOKEN, transport=transport)
+        be.put_blob(key(1), make_blob(1, tokens=512))
+        assert bytes(be.get_blob(key(1))) == make_blob(1, tokens=512)
+        be.close()
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_limits_and_checks_apply_unchanged(server_factory, transport):
+    srv = server_factory({"max_blob_size": 1 << 20}, max_request_size=3 << 20)
+    be = RemoteBackend(srv.url, transport=transport)
+    before = srv.usage()
+    big = make_blob(1, tokens=1 << 14)  # 2 MiB
+    with pytest.raises(TooLarge):
+        be.put_blob(key(1), big)
+    blob = make_blob(2, tokens=8000)  # 1 MiB - a little
+    with pytest.raises(TooLarge):  # 4 of them: over max_request_size
+        be.batch_put([(key(i), blob) for i in range(4)])
+    bad = bytearray(blob)
+    bad[-1] ^= 1
+    with pytest.raises(CorruptBlob):
+        be.put_blob(key(3), bytes(bad))
+    with pytest.raises(CorruptBlob):  # a batch with one bad blob stores none of them
+        be.batch_put([(key(4), blob), (key(5), bytes(bad))])
+    with pytest.raises(InvalidKey):
+        be.put_blob("not-hex", blob)
+    with pytest.raises(InvalidArgument):
+        be.batch_exists([key(i) for i in range(5000)])
+    assert srv.usage() == before
+    be.close()
+
+
+def test_fallbacks(server_factory, monkeypatch):
+    http_only = server_factory(dataplane=False)
+    be = RemoteBackend(http_only.url)
+    be.put_blob(key(1), make_blob(1))
+    assert be.transport == "http" and bytes(be.get_blob(key(1))) == make_blob(1)
+    with pytest.raises(Unavailable):
+        RemoteBackend(http_only.url, transport="tcp").get_blob(key(1))
+
+    no_shm = server_factory(shm_budget=0)
+    be = RemoteBackend(no_shm.url)
+    be.put_blob(key(1), make_blob(1, tokens=512))
+    assert be.transport == "tcp" and bytes(be.get_blob(key(1))) == make_blob(1, tokens=512)
+    with pytest.raises(Unavailable):
+        RemoteBackend(no_shm.url, transport="shm").get_blob(key(1))
+
+    srv = server_factory(shm_budget=64 << 20)
+    first = RemoteBackend(srv.url, shm_size=64 << 20)
+    assert first.transport == "shm"
+    second = RemoteBackend(srv.url)  # the budget is spent: TCP
+    assert second.transport == "tcp"
+    first.close()
+
+    plane = srv.thread.server.plane
+    wait_for(lambda: plane.shm.used == 0)
+    monkeypatch.setattr(shm, "open_segment", lambda *a: None)  # as in another PID namespace
+    third = RemoteBackend(srv.url)
+    third.put_blob(key(2), make_blob(2, tokens=512))
+    assert third.transport == "tcp" and bytes(third.get_blob(key(2))) == make_blob(2, tokens=512)
+    wait_for(lambda: plane.shm.used == 0)  # the segment it could not map was freed
+    assert srv.thread.state.metrics.totals["errors"] == 0
+    second.close()
+    third.close()
+
+
+def test_segments_go_with_their_connections(server):
+    plane = server.thread.server.plane
+    before = memfds()
+    be = RemoteBackend(server.url, transport="shm", pool_size=2)
+    be.put_blob(key(1), make_blob(1, tokens=512))
+    assert len(plane.shm) == 1 and memfds() > before
+    be.close()
+    wait_for(lambda: len(plane.shm) == 0 and plane.shm.used == 0 and memfds() == before)
+
+
+def wait_for(cond, timeout: float = 10.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
