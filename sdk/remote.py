@@ -311,12 +311,12 @@ class RemoteBackend(Backend):
         if plane is None:
             self.counts["http"] += 1
             if len(items) == 1:
-                self.http.request("PUT", wire.chunk_path(keys[0]), blobs)
-            else:
-                self.http.request(
-                    "POST", wire.BATCH_PUT_PATH, wire.encode_frame(keys, blobs), wire.BATCH_CONTENT_TYPE
-                )
-            return
+                resp = self.http.request("PUT", wire.chunk_path(keys[0]), blobs)
+                return [_tiers(resp.headers.get(wire.STORED_IN_HEADER.lower()))]
+            frame = wire.encode_frame(keys, blobs)
+            return self.http.request("POST", wire.BATCH_PUT_PATH, frame, wire.BATCH_CONTENT_TYPE).json()[
+                "stored_in"
+            ]
         limit = plane.hello["max_blob"] if len(items) == 1 else plane.hello["max_request"]
         if sum(lens) > limit or max(lens) > plane.hello["max_blob"]:
             raise TooLarge(f"put of {sum(lens)} bytes is over the server's limit ({limit})")
