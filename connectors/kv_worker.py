@@ -24,7 +24,7 @@ import time
 import warnings
 from collections import defaultdict
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
@@ -132,21 +132,31 @@ class KVStoreWorker:
             return self._fail(spec, spec.first_chunk, "unreachable")
         try:
             reasons: list[str | None] = []
-            blobs = self.handle.batch_get_blobs(spec.keys, reasons)
+            lease = self.handle.lease_blobs(spec.keys, reasons)
         except KVStoreError as e:
             if is_unreachable(e):
                 self.handle.mark_unreachable(e)
             return self._fail(spec, spec.first_chunk, "unreachable" if is_unreachable(e) else "corrupt")
         futures = []
-        for i, (c, blob) in enumerate(zip(spec.chunk_indices(), blobs, strict=True)):
-            lo, hi = max(spec.start_token, c * cs), min(spec.end_token, (c + 1) * cs)
-            blocks = spec.block_ids[lo // bs : hi // bs]
-            why = reasons[i] if reasons else None
-            if why in (None, "not_stored"):  # the lookup found it, the load did not: it was there
-                why = "evicted"
-            futures.append(
-                (c, self._load_pool.submit(self._load_chunk, blob, blocks, (lo - c * cs) // bs, why))
-            )
+        try:
+            for i, (c, blob) in enumerate(zip(spec.chunk_indices(), lease.blobs, strict=True)):
+                lo, hi = max(spec.start_token, c * cs), min(spec.end_token, (c + 1) * cs)
+                blocks = spec.block_ids[lo // bs : hi // bs]
+                why = reasons[i] if reasons else None
+                if why in (None, "not_stored"):  # the lookup found it, the load did not: it was there
+                    why = "evicted"
+                load = self._load_chunk
+                futures.append(
+                    (
+                        c,
+                        self._load_pool.submit(
+                            load, blob, lease.headers[i], blocks, (lo - c * cs) // bs, why
+                        ),
+                    )
+                )
+        finally:  # the lent blobs stay valid until every chunk is scattered
+            wait([f for _, f in futures])
+            lease.release()
         failed_at: tuple[int, str] | None = None
         for c, fut in futures:
             try:
@@ -160,14 +170,19 @@ class KVStoreWorker:
             self._fail(spec, *failed_at)
 
     def _load_chunk(
-        self, blob: object, block_ids: Sequence[int], first_block: int, miss_reason: str = "evicted"
+        self,
+        blob: object,
+        header: BlobHeader | None,
+        block_ids: Sequence[int],
+        first_block: int,
+        miss_reason: str = "evicted",
     ) -> tuple[int, int]:
         if blob is None:
             raise _ChunkLoadError(miss_reason if miss_reason in MISS_REASONS else "evicted")
         geo = self.geometry
         shape = geo.chunk_shape(self.config.chunk_size)
         try:
-            header = verify_blob(blob)
+            header = header or verify_blob(blob)  # verified already when the store is in this process
             if header.shape != shape or header.dtype != geo.dtype:
                 raise CorruptBlob(
                     f"chunk holds {header.shape} {header.dtype}, this engine needs {shape} {geo.dtype}"

@@ -57,10 +57,10 @@ class StoreHandle:
         """(leading chunks stored, the store's reason the next one is missing)."""
         return self.store.lookup(list(keys))
 
-    def batch_get_blobs(
-        self, keys: Sequence[str], reasons: list[str | None] | None = None
-    ) -> list[Blob | None]:
-        return self.store.batch_get_blobs(list(keys), reasons)
+    def lease_blobs(self, keys: Sequence[str], reasons: list[str | None] | None = None) -> Any:
+        """The chunks' blobs lent until `release()` (sdk.buffers.BlobLease): no copy from a server on
+        this host (shared memory) or from an in-process store."""
+        return self.store.lease_blobs(list(keys), reasons)
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         return self.store.batch_exists(list(keys))

@@ -42,7 +42,7 @@ class Backend(ABC):
     ) -> list[Blob | None]: ...
 
     @abstractmethod
-    def lease(self, keys: Sequence[str]) -> BlobLease: ...
+    def lease(self, keys: Sequence[str], reasons: list[str | None] | None = None) -> BlobLease: ...
 
     @abstractmethod
     def put_blob(self, key: str, blob: Blob) -> list[str]: ...
@@ -82,8 +82,8 @@ class Backend(ABC):
     async def abatch_get(self, keys: Sequence[str]) -> list[Blob | None]:
         return await self._run(self.batch_get, keys)
 
-    async def alease(self, keys: Sequence[str]) -> BlobLease:
-        return await self._run(self.lease, keys)
+    async def alease(self, keys: Sequence[str], reasons: list[str | None] | None = None) -> BlobLease:
+        return await self._run(self.lease, keys, reasons)
 
     async def aput_blob(self, key: str, blob: Blob) -> list[str]:
         return await self._run(self.put_blob, key, blob)

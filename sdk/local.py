@@ -25,9 +25,12 @@ class LocalBackend(Backend):
     def batch_get(self, keys: Sequence[str], reasons: list[str | None] | None = None) -> list[Blob | None]:
         return self.store.batch_get(keys, reasons)
 
-    def lease(self, keys: Sequence[str]) -> BlobLease:
+    def lease(self, keys: Sequence[str], reasons: list[str | None] | None = None) -> BlobLease:
         keys = list(keys)
-        hits = [self.store.get_verified(keys[0])] if len(keys) == 1 else self.store.batch_get_verified(keys)
+        if len(keys) == 1 and reasons is None:  # the store's metrics tell single gets from batches
+            hits = [self.store.get_verified(keys[0])]
+        else:
+            hits = self.store.batch_get_verified(keys, reasons)
         return BlobLease([h and h[0] for h in hits], [h and h[1] for h in hits])
 
     def put_blob(self, key: str, blob: Blob) -> list[str]:

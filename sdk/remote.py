@@ -287,10 +287,12 @@ class RemoteBackend(Backend):
             return []
         return self._fetch([validate_key(k) for k in keys], lend=False, reasons=reasons)[0]
 
-    def lease(self, keys: Sequence[str]) -> BlobLease:
+    def lease(self, keys: Sequence[str], reasons: list[str | None] | None = None) -> BlobLease:
         if not keys:
+            if reasons is not None:
+                reasons[:] = []
             return BlobLease([])
-        blobs, loan = self._fetch([validate_key(k) for k in keys], lend=True)
+        blobs, loan = self._fetch([validate_key(k) for k in keys], lend=True, reasons=reasons)
         if loan is None:
             return BlobLease(blobs)
         return BlobLease(blobs, on_release=lambda: self._loans.end(loan))

@@ -126,10 +126,11 @@ class Store:
         """The blob under `key` in a buffer the caller owns, or None; verify it before use."""
         return self.backend.get_blob(key)
 
-    def lease_blobs(self, keys: Sequence[str]) -> BlobLease:
-        """The blobs of `keys` (None for misses) lent until `release()`: no copy on the way to the caller.
-        `lease.headers[i]` is set where blob i was verified in this process already."""
-        return self.backend.lease(keys)
+    def lease_blobs(self, keys: Sequence[str], reasons: list[str | None] | None = None) -> BlobLease:
+        """The blobs of `keys` (None for misses) lent until `release()`: no copy on the way to the caller
+        (from a same-host server: its shared memory). `lease.headers[i]` is set where blob i was
+        verified in this process already; a list given as `reasons` receives why each one missed."""
+        return self.backend.lease(keys, reasons)
 
     def exists(self, key: str) -> bool:
         return self.backend.exists(key)
@@ -191,8 +192,8 @@ class Store:
     async def aget_blob(self, key: str) -> Blob | None:
         return await self.backend.aget_blob(key)
 
-    async def alease_blobs(self, keys: Sequence[str]) -> BlobLease:
-        return await self.backend.alease(keys)
+    async def alease_blobs(self, keys: Sequence[str], reasons: list[str | None] | None = None) -> BlobLease:
+        return await self.backend.alease(keys, reasons)
 
     async def aexists(self, key: str) -> bool:
         return await self.backend.aexists(key)

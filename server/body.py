@@ -1,11 +1,18 @@
 """Reading a request body whole, within a size limit, the in-flight budget (server/budget.py) and a
-deadline, joined once into bytes."""
+deadline.
+
+A blob lands in one buffer allocated from its declared length (Content-Length, or its length in a
+batch frame): aiohttp's parser hands the body over in chunks, and each is copied straight into place
+instead of being kept and joined (which held the body twice). The buffer goes to the store as a
+read-only view that nothing writes any more, so the tier keeps it without another copy.
+"""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any
 
+import numpy as np
 from aiohttp import web
 
 from kvstore import wire
@@ -77,11 +84,42 @@ async def _read(request: web.BaseRequest, expected: int | None, limit: int) -> b
     return b"".join(chunks)
 
 
+async def read_blob(request: web.BaseRequest, limit: int, timeout: float, content_type: str) -> memoryview:
+    """A single blob's body in one buffer sized from Content-Length (read_body's rules otherwise)."""
+    check_content_type(request, content_type)
+    expected = declared_length(request, limit)
+    if expected is None:  # chunked: the length is not known up front
+        return memoryview(await read_body(request, limit, timeout, content_type))
+    _budget(request).reserve(request, expected)  # Busy (503) when too much is in flight
+    try:
+        return await asyncio.wait_for(_read_into(request.content, expected, "truncated body", True), timeout)
+    except asyncio.TimeoutError:
+        raise InvalidArgument(
+            f"truncated body: not all of the declared {expected} bytes arrived within {timeout:g} s"
+        ) from None
+
+
+async def _read_into(stream: Any, n: int, what: str, whole: bool = False) -> memoryview:
+    """Exactly `n` bytes into one new buffer (not zeroed first: every byte is written), read-only;
+    `whole`: they are the whole body (aiohttp ends the payload at Content-Length, so this is a check)."""
+    view = memoryview(np.empty(n, np.uint8))
+    got = 0
+    while got < n:
+        chunk = await stream.read(n - got)
+        if not chunk:
+            raise InvalidArgument(f"{what}: {got} of the declared {n} bytes")
+        view[got : got + len(chunk)] = chunk
+        got += len(chunk)
+    if whole and await stream.read(1):
+        raise InvalidArgument("body is longer than its Content-Length")
+    return view.toreadonly()
+
+
 async def read_frame(
     request: web.BaseRequest, limit: int, blob_limit: int, timeout: float
-) -> tuple[list[str], list[bytes]]:
-    """A batch frame (kvstore.wire) read into one bytes object per blob, so that a stored blob
-    never pins the memory of the whole request. Any malformation raises before a blob is returned."""
+) -> tuple[list[str], list[memoryview]]:
+    """A batch frame (kvstore.wire) read into one buffer per blob, so that a stored blob never pins
+    the memory of the whole request. Any malformation raises before a blob is returned."""
     check_content_type(request, wire.BATCH_CONTENT_TYPE)
     expected = declared_length(request, limit)
     try:
@@ -104,7 +142,7 @@ async def _read_exactly(stream: Any, n: int) -> bytes:
 
 async def _read_frame(
     request: web.BaseRequest, expected: int | None, limit: int, blob_limit: int
-) -> tuple[list[str], list[bytes]]:
+) -> tuple[list[str], list[memoryview]]:
     stream = request.content
     preamble = await _read_exactly(stream, wire.PREAMBLE_SIZE)
     hlen = wire.parse_preamble(preamble)
@@ -117,9 +155,8 @@ async def _read_frame(
     for key, n in zip(header.keys, header.lens, strict=True):
         if n > blob_limit:
             raise TooLarge(f"blob for {key} is {n} bytes, over the {blob_limit}-byte limit")
-    # Busy (503) when too much is in flight: the blobs, and the chunks of the one being joined
-    _budget(request).reserve(request, total + max(header.lens, default=0))
-    blobs = [await _read_exactly(stream, n) for n in header.lens]
+    _budget(request).reserve(request, total)  # Busy (503) when too much is in flight: the blobs
+    blobs = [await _read_into(stream, n, "truncated batch body") for n in header.lens]
     if expected is None and await stream.read(1):
         raise InvalidArgument("batch body is longer than its frame")
     return header.keys, blobs

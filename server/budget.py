@@ -1,9 +1,10 @@
 """The request-body budget: bytes of request bodies received or being stored at once, over every
 connection, so that the server's memory stays within idle + tier capacity + the budget.
 
-A body reserves what reading it holds at its peak before a byte of it is read: twice its declared
-Content-Length for one blob (its chunks, then the bytes they are joined into), the frame's payloads
-plus its largest blob for a batch (chunked bodies: as the chunks come). Beyond the budget the request
+A body reserves what reading it holds at its peak before a byte of it is read: its declared
+Content-Length for one blob (read in place, server/body.py), the frame's payloads for a batch, twice
+the length of a JSON body (its chunks, then the bytes they are joined into); chunked bodies: as the
+chunks come. Beyond the budget the request
 is a 503 with Retry-After, its body never read (aiohttp drains it into nothing). A request that
 needs more than the whole budget could never fit: 413. Large bodies (over an
 eighth of the budget) share at most three quarters of it, so a flood of big uploads leaves room for

@@ -5,18 +5,25 @@ from __future__ import annotations
 
 import hmac
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from kvstore import dataplane as dp
 from kvstore import shm
 from kvstore.errors import InvalidArgument, TooLarge, Unauthorized
 from kvstore.wire import MAX_BATCH_KEYS
-
-if TYPE_CHECKING:
-    from server.dataplane import DataPlaneProtocol
+from server.state import ServerState
 
 MAX_SEGMENTS_PER_CONNECTION = 4
 inline_ops = frozenset({dp.HELLO, dp.SHM_OPEN, dp.SHM_ATTACH})  # never touch the store
+
+
+class Connection(Protocol):
+    """What a handler sees of its connection (server.dataplane.DataPlaneProtocol)."""
+
+    st: ServerState
+    plane: Any  # server.dataplane.DataPlane: token, shm pool
+    segments: dict[int, shm.Segment]
+    authed: bool
 
 
 @dataclass
@@ -40,7 +47,7 @@ class Reply:
     bytes_out: int = 0
 
 
-def handle(conn: DataPlaneProtocol, req: Request) -> Reply:
+def handle(conn: Connection, req: Request) -> Reply:
     if req.op == dp.HELLO:
         return _hello(conn, req)
     if req.op == dp.SHM_OPEN:
@@ -68,7 +75,7 @@ def handle(conn: DataPlaneProtocol, req: Request) -> Reply:
     raise InvalidArgument(f"unknown data-plane op {req.op}")
 
 
-def _hello(conn: DataPlaneProtocol, req: Request) -> Reply:
+def _hello(conn: Connection, req: Request) -> Reply:
     if req.meta.get("v") != dp.VERSION:
         raise InvalidArgument(f"data-plane version {req.meta.get('v')!r} is not {dp.VERSION}")
     token = conn.plane.token
@@ -85,7 +92,7 @@ def _hello(conn: DataPlaneProtocol, req: Request) -> Reply:
     }, op_name="hello")  # fmt: skip
 
 
-def _region(conn: DataPlaneProtocol, req: Request, need: int) -> tuple[shm.Segment, int, int]:
+def _region(conn: Connection, req: Request, need: int) -> tuple[shm.Segment, int, int]:
     seg_id, offset, capacity = dp.meta_region(req.meta)
     seg = conn.segments.get(seg_id)
     if seg is None:
@@ -95,7 +102,7 @@ def _region(conn: DataPlaneProtocol, req: Request, need: int) -> tuple[shm.Segme
     return seg, offset, capacity
 
 
-def _get(conn: DataPlaneProtocol, req: Request, keys: list[str]) -> Reply:
+def _get(conn: Connection, req: Request, keys: list[str]) -> Reply:
     store = conn.st.store
     single = len(keys) == 1
     reasons: list[str | None] = []
@@ -122,7 +129,7 @@ def _get(conn: DataPlaneProtocol, req: Request, keys: list[str]) -> Reply:
     return reply
 
 
-def _put(conn: DataPlaneProtocol, req: Request, keys: list[str]) -> Reply:
+def _put(conn: Connection, req: Request, keys: list[str]) -> Reply:
     st = conn.st
     lens = dp.meta_lens(req.meta, len(keys))
     total = sum(lens)
@@ -148,7 +155,7 @@ def _put(conn: DataPlaneProtocol, req: Request, keys: list[str]) -> Reply:
     return Reply(201, meta, op_name="put" if len(keys) == 1 else "batch_put", bytes_in=total)
 
 
-def _shm_open(conn: DataPlaneProtocol, req: Request) -> Reply:
+def _shm_open(conn: Connection, req: Request) -> Reply:
     size = req.meta.get("size")
     if type(size) is not int or size <= 0:
         raise InvalidArgument("SHM_OPEN needs a positive 'size'")
@@ -162,7 +169,7 @@ def _shm_open(conn: DataPlaneProtocol, req: Request) -> Reply:
     return Reply(meta=meta, op_name="shm_open")
 
 
-def _shm_attach(conn: DataPlaneProtocol, req: Request) -> Reply:
+def _shm_attach(conn: Connection, req: Request) -> Reply:
     seg_id, nonce = req.meta.get("seg"), req.meta.get("nonce")
     if type(seg_id) is not int or not isinstance(nonce, bytes):
         raise InvalidArgument("SHM_ATTACH needs 'seg' and 'nonce'")

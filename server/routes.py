@@ -10,7 +10,7 @@ from aiohttp import web
 from kvstore import wire
 from kvstore.errors import InvalidArgument
 from kvstore.keys import validate_key
-from server.body import read_body, read_frame
+from server.body import read_blob, read_body, read_frame
 from server.state import BYTES_IN, BYTES_OUT, STATE, ServerState
 
 routes = web.RouteTableDef()
@@ -62,7 +62,7 @@ async def _write_all(resp: web.StreamResponse, parts: list) -> None:
 async def put_chunk(request: web.Request) -> web.Response:
     st = _state(request)
     key = validate_key(request.match_info["key"])
-    body = await read_body(
+    body = await read_blob(
         request, st.store_config.max_blob_size, st.config.body_timeout, wire.BLOB_CONTENT_TYPE
     )
     request[BYTES_IN] = len(body)
