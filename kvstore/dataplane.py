@@ -6,7 +6,8 @@ by one byte) and then speak lean request/response messages, one at a time per co
 
     offset  size  field (little-endian)
     0       1     op (HELLO, GET, PUT, ...)
-    1       1     flags (FLAG_SHM: the payloads are in a shared-memory segment, not on the socket)
+    1       1     flags (FLAG_SHM: the payloads are in a shared-memory segment, not on the socket;
+                  FLAG_CLOSE, in a response: the server closes the connection after it)
     2       2     status: 0 in requests; the HTTP status of the answer in responses (200, 404, 413...)
     4       4     meta length M (msgpack map, at most MAX_META bytes)
     8       8     body length B (the payloads, concatenated, on the socket)
@@ -17,8 +18,10 @@ Request metas: `k` the keys; PUT adds `l` (blob lengths); with FLAG_SHM a put or
 region `s` = [segment id, offset, capacity] instead of carrying bytes on the socket. Response metas:
 GET `l` (lengths, -1 for a miss) and, with FLAG_SHM, `o` (where the first blob starts); EXISTS `e`;
 DELETE `d`; LOOKUP `n`; PUT whatever the HTTP route answers; errors `error` and `type` as in
-`kvstore.wire` (the status field carries the HTTP status). The first message must be HELLO (token,
-wire version); anything else, or a wrong token, is answered with 401 and the connection closes.
+`kvstore.wire` (the status field carries the HTTP status; a 503 Busy adds `retry_after`). The first
+message must be HELLO (token, wire version); anything else, or a wrong token, is answered with 401
+and the connection closes. The server's limits are the HTTP side's: sizes, the body budget, the
+connection limit, and the idle / header / body deadlines.
 
 Same-host shared memory (SHM_OPEN / SHM_ATTACH) is described in `kvstore.shm`.
 """
@@ -51,6 +54,7 @@ OP_NAMES = {
     SHM_OPEN: "shm_open", SHM_ATTACH: "shm_attach",
 }  # fmt: skip
 FLAG_SHM = 1
+FLAG_CLOSE = 2  # in a response: the server closes the connection after it (do not reuse it)
 
 
 @dataclass(frozen=True)

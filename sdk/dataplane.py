@@ -20,7 +20,7 @@ from kvstore import dataplane as dp
 from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
 from kvstore.tiers.base import Blob
 from sdk.buffers import fresh_buffer
-from sdk.http import Into, connect
+from sdk.http import RETRY_STATUSES, Into, connect
 
 log = logging.getLogger(__name__)
 _RX = 4096  # first read of a response: its header and meta, a few body bytes at most
@@ -65,7 +65,12 @@ class _Conn:
         self, op: int, meta: dict, body: Sequence[Blob] = (), flags: int = 0, into: Into = fresh_buffer
     ) -> tuple[dp.Head, dict, memoryview | None]:
         body_len = sum(memoryview(b).nbytes for b in body)
-        _sendmsg(self.sock, [dp.pack_head(op, dp.pack_meta(meta), body_len, flags), *body])
+        try:
+            _sendmsg(self.sock, [dp.pack_head(op, dp.pack_meta(meta), body_len, flags), *body])
+        except OSError:
+            if not body_len:
+                raise
+            # the server may have answered early (413, 503 Busy) and closed: read that answer
         return self.receive(into)
 
     def receive(self, into: Into) -> tuple[dp.Head, dict, memoryview | None]:
@@ -176,8 +181,11 @@ class DataPlaneClient:
                         self._release(conn)
                         raise SegmentGone(m.get("error"))
                     conn.segments.add(segment.seg_id)
-                head, reply, body = conn.exchange(op, meta, body, flags, into)
-                self._release(conn)
+                head, reply, got = conn.exchange(op, meta, body, flags, into)
+                if head.flags & dp.FLAG_CLOSE:
+                    conn.close()
+                else:
+                    self._release(conn)
             except (OSError, ConnectionError) as e:
                 if conn is not None:
                     conn.close()
@@ -187,9 +195,12 @@ class DataPlaneClient:
                     ) from None
                 time.sleep(self.backoff * 2**attempt)
                 continue
+            if head.status in RETRY_STATUSES and attempt < self.retries:  # Busy: retried, as over HTTP
+                time.sleep(max(self.backoff * 2**attempt, min(float(reply.get("retry_after", 0)), 1.0)))
+                continue
             if head.status >= 400 and head.status != 404:
                 raise dp.error_from_meta(head.status, reply)
-            return head, reply, body
+            return head, reply, got
         raise AssertionError("unreachable")
 
     def open_segment(self, size: int) -> tuple[dict, Any] | None:

@@ -19,7 +19,7 @@ import numpy as np
 
 from kvstore import dataplane as dp
 from kvstore.errors import InvalidArgument, KVStoreError, TooLarge, Unauthorized
-from server.dataplane_ops import Reply, Request, handle, inline_ops
+from server.dataplane_ops import Reply, Request, error_reply, handle, inline_ops
 from server.shm_pool import ShmPool
 from server.state import ServerState
 
@@ -58,7 +58,9 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         self._parts: list[memoryview] | None = None  # where the body of the pending request goes
         self._part_i = self._part_off = 0
         self._pending: tuple[dp.Head, dict, list[memoryview]] | None = None
-        self._body_timer: asyncio.TimerHandle | None = None
+        self._timer: asyncio.TimerHandle | None = None  # the one deadline running now:
+        self._deadline = ""  # "idle", "header" or "body"
+        self._held: dict = {}  # this request's reservation in the body budget (server/budget.py)
         self._busy = False  # a request is in the store's thread pool; reading is paused
         self._closed = False
 
@@ -67,6 +69,7 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
     def connection_made(self, transport: Any) -> None:
         self.transport = transport
         self.plane.connections.add(self)
+        self._arm_idle()
 
     def start(self, initial: bytes) -> None:
         """Called by the listener with the bytes it read to pick this protocol (the whole preface first)."""
@@ -82,9 +85,9 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
         self.plane.connections.discard(self)
-        if self._body_timer is not None:
-            self._body_timer.cancel()
+        self._disarm()
         if not self._busy:
+            self.st.budget.release(self._held)
             self._release_segments()
 
     def _release_segments(self) -> None:
@@ -95,6 +98,30 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
     def close(self) -> None:
         if self.transport is not None and not self._closed:
             self.transport.close()
+
+    # -- deadlines: an idle connection closes after keepalive_timeout, a message must arrive whole within
+    # header_timeout (its header and meta) and body_timeout (its body), as on the HTTP side
+
+    def _arm(self, seconds: float, fire: Any, deadline: str) -> None:
+        self._disarm()
+        self._timer = asyncio.get_running_loop().call_later(seconds, fire)
+        self._deadline = deadline
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer, self._deadline = None, ""
+
+    def _arm_idle(self) -> None:
+        self._arm(self.st.config.keepalive_timeout, self.close, "idle")
+
+    def _header_late(self) -> None:
+        timeout = self.st.config.header_timeout
+        self._fail(InvalidArgument(f"request header did not arrive within {timeout:g} s"), status=408)
+
+    def _body_stalled(self) -> None:
+        timeout = self.st.config.body_timeout
+        self._fail(InvalidArgument(f"truncated body: it did not arrive within {timeout:g} s"))
 
     def pause_writing(self) -> None:  # the client reads slower than we answer: stop taking requests
         self.transport.pause_reading()
@@ -127,9 +154,7 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         if self._part_i < len(self._parts):
             return
         self._parts = None
-        if self._body_timer is not None:
-            self._body_timer.cancel()
-            self._body_timer = None
+        self._disarm()
         pending, self._pending = self._pending, None
         assert pending is not None
         self._dispatch(*pending)
@@ -137,13 +162,16 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
 
     def _process(self) -> None:
         """Parse and serve every complete request in the head buffer (a client may pipeline small ones)."""
-        while not self._busy and not self._closed and self._parts is None and self._have >= dp.HEAD_SIZE:
+        while not self._busy and not self._closed and self._parts is None:
+            if self._have < dp.HEAD_SIZE:
+                return self._wait_for_header()
             view = memoryview(self._head)
             try:
                 head = dp.parse_head(view)
                 end = dp.HEAD_SIZE + head.meta_len
                 if self._have < end:
-                    return  # get_buffer grows the buffer while the meta does not fit
+                    view.release()
+                    return self._wait_for_header()  # get_buffer grows the buffer for a large meta
                 meta = dp.parse_meta(view[dp.HEAD_SIZE : end])
                 bufs = self._body_buffers(head, meta)
             except KVStoreError as e:
@@ -163,10 +191,15 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
                 self._parts, self._pending = bufs, (head, meta, bufs)
                 self._part_i, self._part_off = 0, 0
                 self._skip_filled(got)
-                timeout = self.st.config.body_timeout
-                self._body_timer = asyncio.get_running_loop().call_later(timeout, self._body_stalled)
+                self._arm(self.st.config.body_timeout, self._body_stalled, "body")
                 return
             self._dispatch(head, meta, bufs)
+
+    def _wait_for_header(self) -> None:
+        if not self._have:
+            self._arm_idle()
+        elif self._deadline != "header":  # part of a message is here: the rest has header_timeout
+            self._arm(self.st.config.header_timeout, self._header_late, "header")
 
     def _skip_filled(self, got: int) -> None:
         assert self._parts is not None
@@ -188,13 +221,8 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         limit = self.st.store_config.max_blob_size if len(lens) == 1 else self.st.config.max_request_size
         if head.body_len > limit or max(lens) > self.st.store_config.max_blob_size:
             raise TooLarge(f"put of {head.body_len} bytes is over the limit ({limit})")
+        self.st.budget.reserve(self._held, head.body_len)  # Busy (503) when too much is in flight
         return [memoryview(np.empty(n, np.uint8)) for n in lens]  # not zeroed: recv_into fills it
-
-    def _body_stalled(self) -> None:
-        self._body_timer = None
-        self._fail(
-            InvalidArgument(f"truncated body: it did not arrive within {self.st.config.body_timeout:g} s")
-        )
 
     # -- serving -----------------------------------------------------------------------------------------
 
@@ -203,6 +231,13 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
             return self._fail(Unauthorized("the first data-plane message must be HELLO"))
         req = Request(head.op, head.flags, meta, [b.toreadonly() for b in bufs], time.perf_counter())
         self.st.metrics.in_flight += 1
+        self._disarm()
+        if head.op == dp.PUT and head.flags & dp.FLAG_SHM:  # copied out of the segment: budgeted too
+            try:
+                self.st.budget.reserve(self._held, dp.total(dp.meta_lens(meta, len(dp.meta_keys(meta)))))
+            except KVStoreError as e:
+                self._finish(req, error_reply(e))
+                return
         if self.st.inline or head.op in inline_ops:
             self._finish(req, self._serve(req))
             return
@@ -216,7 +251,9 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         try:
             return handle(self, req)
         except KVStoreError as e:
-            return Reply(e.status, dp.error_meta(e), close=req.op == dp.HELLO)
+            reply = error_reply(e)
+            reply.close = req.op == dp.HELLO
+            return reply
         except Exception as e:  # a bug in the server, not the client's fault: logged, answered with 500
             log.exception("unexpected error while serving a data-plane request", exc_info=e)
             return Reply(500, {"error": f"internal error: {type(e).__name__}", "type": "KVStoreError"})
@@ -224,6 +261,7 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
     def _finish(self, req: Request, reply: Reply) -> None:
         st = self.st
         st.metrics.in_flight -= 1
+        st.budget.release(self._held)  # the body's bytes are a tier's now, or garbage
         st.metrics.observe(reply.op_name or "unmatched", reply.status, time.perf_counter() - req.started,
                            reply.bytes_in, reply.bytes_out)  # fmt: skip
         was_busy, self._busy = self._busy, False
@@ -233,23 +271,23 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
             return
         body_len = sum(len(b) for b in reply.body)
         packed = dp.pack_meta(reply.meta)
-        self.transport.writelines(
-            [dp.pack_head(req.op, packed, body_len, reply.flags, reply.status), *reply.body]
-        )
+        flags = reply.flags | (dp.FLAG_CLOSE if reply.close else 0)
+        self.transport.writelines([dp.pack_head(req.op, packed, body_len, flags, reply.status), *reply.body])
         if reply.close:
             self.transport.close()
             return
-        if was_busy:
+        if was_busy:  # an inline request returns to the loop in _process, which goes on by itself
             self.transport.resume_reading()
             self._process()
 
-    def _fail(self, exc: KVStoreError) -> None:
-        """A request that cannot be answered in step (bad framing, a body too large to skip, a stall):
-        answer once and close the connection."""
+    def _fail(self, exc: KVStoreError, status: int | None = None) -> None:
+        """A request that cannot be answered in step (bad framing, a body too large or too many to take,
+        a stall): answer once and close the connection (its unread body cannot be skipped)."""
         if self._closed:
             return
-        self.st.metrics.observe("unmatched", exc.status, 0.0, 0, 0)
-        meta = dp.pack_meta(dp.error_meta(exc))
-        self.transport.write(dp.pack_head(0, meta, 0, 0, exc.status))
+        status = status or exc.status
+        self.st.metrics.observe("unmatched", status, 0.0, 0, 0)
+        meta = dp.pack_meta(error_reply(exc).meta)
+        self.transport.write(dp.pack_head(0, meta, 0, dp.FLAG_CLOSE, status))
         self.transport.close()
         self._closed = True

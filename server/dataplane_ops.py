@@ -9,7 +9,7 @@ from typing import Any, Protocol
 
 from kvstore import dataplane as dp
 from kvstore import shm
-from kvstore.errors import InvalidArgument, TooLarge, Unauthorized
+from kvstore.errors import Busy, InvalidArgument, KVStoreError, TooLarge, Unauthorized
 from kvstore.wire import MAX_BATCH_KEYS
 from server.state import ServerState
 
@@ -45,6 +45,13 @@ class Reply:
     op_name: str = ""  # the HTTP route's name, for the request metrics
     bytes_in: int = 0
     bytes_out: int = 0
+
+
+def error_reply(exc: KVStoreError) -> Reply:
+    meta = dp.error_meta(exc)
+    if isinstance(exc, Busy):
+        meta["retry_after"] = exc.retry_after
+    return Reply(exc.status, meta)
 
 
 def handle(conn: Connection, req: Request) -> Reply:

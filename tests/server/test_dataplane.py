@@ -191,3 +191,35 @@ def test_a_server_without_the_data_plane_answers_it_with_http(server_factory):
     assert (
         answer.startswith(b"HTTP/1.") and b" 400 " in answer.split(b"\r\n")[0]
     )  # JSON, as for any bad request
+
+
+def test_limits_of_the_http_side_apply(server_factory):
+    srv = server_factory(keepalive_timeout=0.5, header_timeout=0.5, max_connections=4)
+    idle = Raw(srv.port)  # said HELLO, then nothing: closed after keepalive_timeout
+    start = time.monotonic()
+    assert idle.closed() and time.monotonic() - start < 5
+    half = Raw(srv.port)
+    half.sock.sendall(dp.pack_head(dp.EXISTS, dp.pack_meta({"k": [key(1)]}))[:10])  # half a header
+    head, meta, _ = half.receive()
+    assert head.status == 408 and half.closed()
+    hogs = [Raw(srv.port) for _ in range(4)]  # the limit counts data-plane connections too
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as extra:
+        assert extra.recv(4096).startswith(b"HTTP/1.1 503")
+    for h in hogs:
+        h.sock.close()
+
+
+def test_put_bodies_share_the_http_body_budget(server_factory):
+    srv = server_factory(max_body_bytes_in_flight=2 << 20)
+    big = make_blob(1, tokens=8000)  # ~1000 KiB
+    slow = Raw(srv.port)
+    slow.send(dp.PUT, {"k": [key(1)], "l": [len(big)]}, big[:1000], body_len=len(big))  # and waits
+    time.sleep(0.2)
+    other = Raw(srv.port)
+    head, meta, _ = other.call(dp.PUT, {"k": [key(2)], "l": [len(big)]}, big)
+    assert head.status == 503 and meta["type"] == "Busy" and meta["retry_after"] == 1
+    assert head.flags & dp.FLAG_CLOSE and other.closed()  # its body could not be skipped
+    assert srv.thread.state.budget.used == len(big)
+    slow.sock.sendall(big[1000:])
+    assert slow.receive()[0].status == 201
+    assert srv.thread.state.budget.used == 0

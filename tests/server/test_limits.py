@@ -108,21 +108,21 @@ def _slow_put(port: int, k: str, blob: bytes, sent: threading.Event, go: threadi
 
 def test_request_bodies_in_flight_have_a_budget(server_factory):
     srv = server_factory(max_body_bytes_in_flight=2 << 20)  # 2 MiB; "large" is over 256 KiB
-    big = make_blob(1, tokens=4800)  # ~600 KiB, reserves ~1.2 MiB while read
+    big = make_blob(1, tokens=8000)  # ~1000 KiB, reserved while read (into one buffer)
     sent, go = threading.Event(), threading.Event()
     result: list[int] = []
     slow = threading.Thread(target=lambda: result.append(_slow_put(srv.port, key(1), big, sent, go)))
     slow.start()
     try:
         assert sent.wait(10)
-        time.sleep(0.3)  # its 600 KiB are reserved while the rest of its body trickles in
+        time.sleep(0.3)  # its 1000 KiB are reserved while the rest of its body trickles in
         before = srv.usage()
-        r = srv.request("PUT", wire.chunk_path(key(2)), make_blob(2, tokens=4800))
+        r = srv.request("PUT", wire.chunk_path(key(2)), make_blob(2, tokens=8000))
         assert r.status == 503 and r.headers["retry-after"] == "1" and r.json()["type"] == "Busy"
         assert srv.usage() == before  # refused before its body was read; nothing stored
         small = srv.request("PUT", wire.chunk_path(key(3)), make_blob(3))  # small bodies still fit
         assert small.status == 201
-        too_big = make_blob(4, tokens=9000)  # 1.1 MiB needs 2.2 MiB: over the whole budget, never fits
+        too_big = make_blob(4, tokens=17000)  # 2.1 MiB: over the whole budget, never fits
         assert srv.request("PUT", wire.chunk_path(key(4)), too_big).status == 413
         assert "kvstore_http_body_bytes_in_flight" in srv.request("GET", "/metrics").body.decode()
     finally:
@@ -130,7 +130,7 @@ def test_request_bodies_in_flight_have_a_budget(server_factory):
         slow.join(30)
     assert result == [201]
     assert srv.thread.state.budget.used == 0  # every reservation returned
-    assert srv.request("PUT", wire.chunk_path(key(2)), make_blob(2, tokens=4800)).status == 201
+    assert srv.request("PUT", wire.chunk_path(key(2)), make_blob(2, tokens=8000)).status == 201
 
 
 _FD_SERVER = """
