@@ -25,6 +25,7 @@ from server.state import ServerState
 
 log = logging.getLogger(__name__)
 _HEAD_BUF = 64 * 1024
+_SMALL_ANSWER = 64 * 1024  # answers over this are charged to the body budget until they are read
 
 
 class DataPlane:
@@ -61,6 +62,7 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         self._timer: asyncio.TimerHandle | None = None  # the one deadline running now:
         self._deadline = ""  # "idle", "header" or "body"
         self._held: dict = {}  # this request's reservation in the body budget (server/budget.py)
+        self._held_out: dict = {}  # and its answer's, while the client has not read it all
         self._busy = False  # a request is in the store's thread pool; reading is paused
         self._closed = False
 
@@ -86,6 +88,7 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         self._closed = True
         self.plane.connections.discard(self)
         self._disarm()
+        self.st.budget.release(self._held_out)
         if not self._busy:
             self.st.budget.release(self._held)
             self._release_segments()
@@ -123,12 +126,22 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         timeout = self.st.config.body_timeout
         self._fail(InvalidArgument(f"truncated body: it did not arrive within {timeout:g} s"))
 
+    def _read_too_slowly(self) -> None:
+        log.info(
+            "a data-plane client did not read its answer within %g s: closed", self.st.config.body_timeout
+        )
+        self.transport.abort()
+
     def pause_writing(self) -> None:  # the client reads slower than we answer: stop taking requests
         self.transport.pause_reading()
 
     def resume_writing(self) -> None:
-        if not self._busy:
+        if self._deadline == "drain":  # the answer is (nearly) all read: its blobs are free again
+            self._disarm()
+            self.st.budget.release(self._held_out)
+        if not self._busy and not self._closed:
             self.transport.resume_reading()
+            self._process()
 
     # -- receiving ---------------------------------------------------------------------------------------
 
@@ -162,7 +175,7 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
 
     def _process(self) -> None:
         """Parse and serve every complete request in the head buffer (a client may pipeline small ones)."""
-        while not self._busy and not self._closed and self._parts is None:
+        while not self._busy and not self._closed and self._parts is None and self._deadline != "drain":
             if self._have < dp.HEAD_SIZE:
                 return self._wait_for_header()
             view = memoryview(self._head)
@@ -270,12 +283,21 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
                 self._release_segments()
             return
         body_len = sum(len(b) for b in reply.body)
+        if body_len > _SMALL_ANSWER:  # it pins its blobs until the client has read them: budgeted
+            try:
+                st.budget.reserve(self._held_out, body_len)
+            except KVStoreError as e:  # Busy: nothing is sent but the error
+                reply, body_len = error_reply(e), 0
         packed = dp.pack_meta(reply.meta)
         flags = reply.flags | (dp.FLAG_CLOSE if reply.close else 0)
         self.transport.writelines([dp.pack_head(req.op, packed, body_len, flags, reply.status), *reply.body])
         if reply.close:
             self.transport.close()
             return
+        if self.transport.get_write_buffer_size():  # the rest goes out as the client reads it
+            self._arm(st.config.body_timeout, self._read_too_slowly, "drain")
+            return  # resume_writing goes on
+        st.budget.release(self._held_out)
         if was_busy:  # an inline request returns to the loop in _process, which goes on by itself
             self.transport.resume_reading()
             self._process()

@@ -12,6 +12,7 @@ import pytest
 from kvstore import dataplane as dp
 from kvstore import shm
 from sdk.remote import RemoteBackend
+from tests.sdk.test_transports import wait_for
 from tests.server.conftest import key, make_blob
 
 
@@ -223,3 +224,16 @@ def test_put_bodies_share_the_http_body_budget(server_factory):
     slow.sock.sendall(big[1000:])
     assert slow.receive()[0].status == 201
     assert srv.thread.state.budget.used == 0
+
+
+def test_an_answer_a_client_does_not_read_is_budgeted_and_times_out(server_factory):
+    srv = server_factory(body_timeout=0.5)
+    blob = make_blob(1, tokens=1 << 18)  # 32 MiB: more than the socket buffers hold
+    RemoteBackend(srv.url, transport="tcp").put_blob(key(1), blob)
+    c = Raw(srv.port)
+    c.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    c.send(dp.GET, {"k": [key(1)]})  # and never reads the answer
+    budget = srv.thread.state.budget
+    wait_for(lambda: budget.used > 0)
+    wait_for(lambda: budget.used == 0)  # closed after body_timeout, its blobs let go
+    assert len(srv.thread.server.plane.connections) == 0
