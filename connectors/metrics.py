@@ -17,7 +17,11 @@ connector sees:
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 MISS_REASONS = ("not_stored", "evicted", "expired", "corrupt", "unreachable")
 _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -103,6 +107,12 @@ class ConnectorMetrics:
         if chunks > 0:
             self.chunk_misses.labels(reason).inc(chunks)
 
+    def render(self, model_name: str) -> bytes:
+        """Prometheus text of these metrics with a `model_name` label on every sample (as vLLM's)."""
+        labelled = CollectorRegistry()
+        labelled.register(_WithLabel(self.registry, "model_name", model_name))
+        return generate_latest(labelled)
+
     def snapshot(self) -> dict[str, float]:
         """Flat name -> value map of every sample (tests and the demo print it)."""
         out: dict[str, float] = {}
@@ -119,3 +129,19 @@ class ConnectorMetrics:
         snap = self.snapshot()
         q = snap.get("vllm:external_prefix_cache_queries_total", 0.0)
         return snap.get("vllm:external_prefix_cache_hits_total", 0.0) / q if q else 0.0
+
+
+class _WithLabel(Collector):
+    """Another registry's metrics with one more label on every sample."""
+
+    def __init__(self, registry: CollectorRegistry, name: str, value: str) -> None:
+        self._registry, self._name, self._value = registry, name, value
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._registry.collect():
+            out = Metric(family.name, family.documentation, family.type, family.unit)
+            for s in family.samples:
+                out.add_sample(
+                    s.name, {**s.labels, self._name: self._value}, s.value, s.timestamp, s.exemplar
+                )
+            yield out

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import errno
 import json
 import logging
-import socket
 import sys
 from pathlib import Path
 
@@ -14,6 +12,7 @@ from engine.engine_args import EngineArgs
 from engine.errors import EngineError
 from kvstore import __version__
 from kvstore.errors import KVStoreError
+from kvstore.settings import check_port_free
 
 logger = logging.getLogger("engine.cli")
 
@@ -140,27 +139,6 @@ def _serve(ns: argparse.Namespace) -> None:
     engine = LLMEngine(args)
     print(f"serving {engine.model_name} on http://{ns.host}:{ns.port}/v1", file=sys.stderr)
     serve(engine, ns.host, ns.port, ns.shutdown_timeout)
-
-
-class PortInUse(EngineError):
-    status = 400
-
-
-def check_port_free(host: str, port: int) -> None:
-    """Raise PortInUse (one line for the user) when `host:port` cannot be bound right now."""
-    if port == 0:
-        return
-    try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        with socket.socket(family, socket.SOCK_STREAM) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as aiohttp binds
-            s.bind((host, port))
-    except OSError as e:
-        if e.errno == errno.EADDRINUSE:
-            raise PortInUse(
-                f"port {port} on {host} is in use; stop what holds it or choose another --port"
-            ) from None
-        raise PortInUse(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
 def _bench(ns: argparse.Namespace) -> None:

@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 import torch
-from prometheus_client import generate_latest
 
 from connectors.base import KVConnectorBase, KVConnectorRole
 from connectors.factory import create_connector
@@ -207,7 +206,7 @@ class LLMEngine:
         body = self.metrics.render()
         connector = self.scheduler.connector
         if connector is not None and getattr(connector, "metrics", None) is not None:
-            body += generate_latest(connector.metrics.registry)
+            body += connector.metrics.render(self.model_name)  # labelled with model_name, like ours
         return body
 
     def shutdown(self) -> None:
@@ -236,6 +235,10 @@ class LLMEngine:
         return outputs
 
     def _run_scheduled(self, sched_out: SchedulerOutput) -> list[RequestOutput]:
+        started = time.monotonic()
+        for sched in sched_out.scheduled:
+            if sched.seq.first_scheduled_time is None:
+                sched.seq.first_scheduled_time = started
         try:
             sampled = self.runner.execute_model(sched_out)
         except Exception as e:
@@ -286,6 +289,7 @@ class LLMEngine:
         if seq.first_token_time is None:
             seq.first_token_time = now
             m.time_to_first_token.observe(now - seq.arrival_time)
+            m.request_prefill_time.observe(now - (seq.first_scheduled_time or seq.arrival_time))
             m.prompt_tokens.inc(seq.num_prompt_tokens)
         else:
             m.inter_token_latency.observe(now - seq.last_token_time)

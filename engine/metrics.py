@@ -60,6 +60,9 @@ class EngineMetrics:
         self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens.")
         self.request_success = counter("vllm:request_success", "Finished requests.")
         self.time_to_first_token = histogram("vllm:time_to_first_token_seconds", "Arrival to first token.")
+        self.request_prefill_time = histogram(
+            "vllm:request_prefill_time_seconds", "First scheduled to first token (the prefill phase)."
+        )
         self.inter_token_latency = histogram(
             "vllm:inter_token_latency_seconds", "Time between output tokens."
         )

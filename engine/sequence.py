@@ -48,6 +48,7 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)
     stop_reason: int | str | None = None
     output_text: str = ""
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None

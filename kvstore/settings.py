@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import errno
 import os
+import socket
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any
@@ -163,3 +165,21 @@ def load_settings(
         data.update({k: v for k, v in given.items() if k in mine})
         out.append(model(**data) if dataclasses.is_dataclass(model) else build(model, data))
     return out
+
+
+def check_port_free(host: str, port: int) -> None:
+    """ConfigError (one line for the user) when `host:port` cannot be bound now. Commands call it before
+    slow start-up work (opening a disk tier, loading a model), so a taken port fails in a second."""
+    if port == 0:
+        return
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as aiohttp binds
+            s.bind((host, port))
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise ConfigError(
+                f"port {port} on {host} is in use; stop what holds it or choose another --port"
+            ) from None
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None

@@ -13,6 +13,7 @@ from aiohttp import web
 from kvstore import wire
 from kvstore.config import StoreConfig
 from server.config import ServerConfig
+from server.metrics import BUCKETS
 from server.middleware import make_middlewares
 from server.origin import HostCheck
 from server.routes import routes as data_routes
@@ -49,7 +50,11 @@ async def history(request: web.Request) -> web.Response:
     except ValueError:
         raise web.HTTPBadRequest(text="since must be a unix timestamp") from None
     assert st.history is not None
-    return web.json_response({"interval": st.config.sample_interval, "samples": st.history.as_list(since_t)})
+    return web.json_response({
+        "interval": st.config.sample_interval,
+        "latency_buckets": list(BUCKETS),  # upper bounds in seconds; each list has one more: +Inf
+        "samples": st.history.as_list(since_t),
+    })  # fmt: skip
 
 
 @control.get("/metrics", name="metrics")
@@ -78,7 +83,9 @@ async def _start_sampler(app: web.Application) -> None:
         return await st.call(st.store.stats)
 
     app[SAMPLER] = asyncio.create_task(
-        st.history.run(st.config.sample_interval, sample, lambda: dict(st.metrics.totals))
+        st.history.run(
+            st.config.sample_interval, sample, lambda: dict(st.metrics.totals), st.metrics.registry
+        )
     )
 
 

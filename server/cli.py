@@ -1,7 +1,9 @@
 """`kvstore-server`: serve a tiered KV-cache store over HTTP.
 
-Flags override KVSTORE_* environment variables, which override `--config FILE` (YAML), which overrides
-the defaults (tiers cpu,disk under ~/.cache/kvstore/data, 127.0.0.1:8100, no auth).
+Flags override KVSTORE_* environment variables, which override `--config FILE` (YAML; default
+$KVSTORE_CONFIG), which overrides the defaults (tiers cpu,disk under ~/.cache/kvstore/data/disk,
+127.0.0.1:8100, no auth). Every setting has a flag: `--cpu-capacity 8GiB` is `cpu_capacity: 8GiB` in
+YAML and KVSTORE_CPU_CAPACITY=8GiB in the environment.
 """
 
 from __future__ import annotations
@@ -11,49 +13,88 @@ import asyncio
 import logging
 import sys
 
+from pydantic import BaseModel
+
+from kvstore import __version__
+from kvstore.config import StoreConfig
 from kvstore.errors import KVStoreError
-from server.config import load_configs
+from kvstore.settings import check_port_free
+from server.config import ServerConfig, load_configs
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+# the flags users reach for, with their help; every other setting gets a flag from its field name below
+STORE_FLAGS = {
+    "tiers": "ordered tiers, any of gpu,cpu,disk,redis (default cpu,disk)",
+    "cpu_capacity": "e.g. 8GiB (default 4GiB)",
+    "disk_capacity": "e.g. 64GiB (default)",
+    "gpu_capacity": "e.g. 4GiB (default)",
+    "disk_path": "directory of the disk tier (default ~/.cache/kvstore/data/disk)",
+    "redis_url": "redis://host:port/db (Valkey works too); for a Cluster, any node plus --redis-cluster",
+    "write_policy": "through (default): lower tiers before the ack; back: a background queue",
+    "ttl": "seconds a blob lives (default: until evicted)",
+    "codec": "default codec of tensors put through the local SDK (raw, fp8, int4)",
+    "max_blob_size": "largest single blob accepted, e.g. 256MiB (default)",
+    "redis_prefix": "prefix of every Redis key (default kvstore:)",
+    "redis_cluster": "the Redis URL names Cluster nodes",
+    "write_back_queue": "blobs waiting for lower tiers (write_policy back) before writes to them drop (default 256)",
+    "admission_hits": "a blob reaches lower tiers only after this many hits (default 0: always)",
+    "lz4": "lz4 after the codec, for tensors put through the local SDK (rarely pays on KV)",
+    "miss_log_keys": "recently written keys remembered to tell evicted/expired misses apart (default 65536)",
+}
+SERVER_FLAGS = {
+    "host": "address to bind (default 127.0.0.1)",
+    "port": "port to bind (default 8100; 0 picks a free one)",
+    "auth_token_file": "file holding the bearer token clients must send (make one: openssl rand -hex 32 > token)",
+    "auth_token": "the bearer token itself (prefer --auth-token-file: flags show in `ps`)",
+    "tls_cert": "PEM certificate: serve HTTPS",
+    "tls_key": "PEM private key of --tls-cert",
+    "allowed_hosts": "without a token: host names clients may use besides IPs and localhost (comma list; * = any)",
+    "engine_metrics": "an engine's URL whose /metrics the dashboard reads (repeatable or comma list)",
+    "sample_interval": "seconds between dashboard samples (default 5)",
+    "shutdown_timeout": "seconds in-flight requests get on SIGTERM (default 30)",
+    "max_request_size": "largest batch body accepted, e.g. 1GiB (default)",
+    "max_body_bytes_in_flight": "request body bytes being received at once, e.g. 1GiB (then 503)",
+    "max_connections": "open connections (then a fast 503; default 1024)",
+    "header_timeout": "seconds for a request's headers (default 10)",
+    "keepalive_timeout": "seconds an idle connection stays (default 30)",
+    "body_timeout": "seconds to receive a whole body (default 30)",
+    "history_size": "dashboard samples kept (default 720: an hour at 5 s)",
+    "store_threads": "threads for store calls that may touch disk or Redis (default 4)",
+    "metrics_auth": "/metrics needs the token too (default; --no-metrics-auth opens it)",
+    "access_log": "log every request",
+}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _add_model_flags(group: argparse._ArgumentGroup, model: type[BaseModel], helps: dict[str, str]) -> None:
+    """One flag per field of `model`, in the order of `helps`, then the rest; all default to None so the
+    YAML and environment layers show through."""
+    for name in [*helps, *(n for n in model.model_fields if n not in helps)]:
+        field = model.model_fields[name]
+        default = field.default if field.default_factory is None else field.default_factory()
+        help_text = helps.get(name) or f"{name} (default {default!r})"
+        if field.annotation in (bool, "bool"):
+            group.add_argument(
+                _flag(name), action=argparse.BooleanOptionalAction, default=None, help=help_text
+            )
+        elif name == "engine_metrics":
+            group.add_argument(_flag(name), action="append", metavar="URL", help=help_text)
+        else:
+            group.add_argument(_flag(name), metavar=name.split("_")[-1].upper(), help=help_text)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvstore-server", description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", metavar="FILE", help="YAML file with store and server settings")
-    s = p.add_argument_group("store")
-    s.add_argument("--tiers", help="ordered tiers, any of gpu,cpu,disk,redis (default cpu,disk)")
-    s.add_argument("--gpu-capacity", help="e.g. 4GiB")
-    s.add_argument("--cpu-capacity", help="e.g. 8GiB")
-    s.add_argument("--disk-capacity", help="e.g. 64GiB")
-    s.add_argument("--disk-path", help="directory of the disk tier")
-    s.add_argument("--redis-url", help="redis://host:port/db (Valkey works too)")
-    s.add_argument(
-        "--redis-cluster", action="store_true", default=None, help="the Redis URL is a Cluster node"
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    p.add_argument(
+        "--config", metavar="FILE", help="YAML file of store and server settings (default $KVSTORE_CONFIG)"
     )
-    s.add_argument("--write-policy", choices=["through", "back"])
-    s.add_argument("--ttl", type=float, help="seconds a blob lives (default: until evicted)")
-    s.add_argument("--codec", help="default codec of tensors put through the local SDK (raw, fp8, int4)")
-    s.add_argument("--max-blob-size", help="largest single blob accepted, e.g. 256MiB")
-    h = p.add_argument_group("server")
-    h.add_argument("--host", help="address to bind (default 127.0.0.1)")
-    h.add_argument("--port", type=int, help="port to bind (default 8100; 0 picks a free one)")
-    h.add_argument("--auth-token", help="require 'Authorization: Bearer TOKEN' (prefer --auth-token-file)")
-    h.add_argument("--auth-token-file", help="file holding the bearer token")
-    h.add_argument(
-        "--allowed-hosts",
-        help="without a token: host names clients may use besides IPs and localhost (comma list; * = any)",
-    )
-    h.add_argument("--tls-cert", help="PEM certificate; serve HTTPS")
-    h.add_argument("--tls-key", help="PEM private key of --tls-cert")
-    h.add_argument("--max-request-size", help="largest batch body accepted, e.g. 1GiB")
-    h.add_argument(
-        "--max-body-bytes-in-flight", help="request body bytes being received at once, e.g. 1GiB (then 503)"
-    )
-    h.add_argument("--max-connections", type=int, help="open connections (then a fast 503; default 1024)")
-    h.add_argument("--header-timeout", type=float, help="seconds for a request's headers (default 10)")
-    h.add_argument("--keepalive-timeout", type=float, help="seconds an idle connection stays (default 30)")
-    h.add_argument("--sample-interval", type=float, help="seconds between dashboard samples (default 5)")
-    h.add_argument("--shutdown-timeout", type=float, help="seconds in-flight requests get on SIGTERM")
-    h.add_argument("--access-log", action="store_true", default=None, help="log every request")
-    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING...")
+    p.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="default INFO")
+    _add_model_flags(p.add_argument_group("store"), StoreConfig, STORE_FLAGS)
+    _add_model_flags(p.add_argument_group("server"), ServerConfig, SERVER_FLAGS)
     return p
 
 
@@ -67,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         store_config, config = load_configs(args.config, **overrides)
         config.token()  # fail early on an unreadable token file
         config.ssl_context()
+        check_port_free(config.host, config.port)  # before the disk tier is opened and indexed
     except KVStoreError as e:
         print(f"kvstore-server: {e}", file=sys.stderr)
         return 2
@@ -82,8 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     except KVStoreError as e:
         print(f"kvstore-server: {e}", file=sys.stderr)
         return 2
-    except OSError as e:  # e.g. the port is taken
-        print(f"kvstore-server: cannot serve: {e}", file=sys.stderr)
+    except OSError as e:  # e.g. the port was taken between the check and the bind
+        print(f"kvstore-server: cannot serve: {e.strerror or e}", file=sys.stderr)
         return 1
     return 0
 

@@ -52,6 +52,7 @@ class ServerConfig(BaseModel):
     dataplane: bool = True
     shm_budget: Size = 1 << 30
     shm_max_segment: Size = 512 << 20
+    engine_metrics: list[str] = Field(default_factory=list)  # engines' /metrics URLs the dashboard reads
 
     def __init__(self, **data: Any) -> None:
         try:
@@ -59,9 +60,9 @@ class ServerConfig(BaseModel):
         except ValidationError as e:  # one error type for every bad setting, as StoreConfig gives
             raise human_error(e, "server settings") from None
 
-    @field_validator("allowed_hosts", mode="before")
+    @field_validator("allowed_hosts", "engine_metrics", mode="before")
     @classmethod
-    def _hosts(cls, v: Any) -> Any:
+    def _comma_list(cls, v: Any) -> Any:
         return [h.strip() for h in v.split(",") if h.strip()] if isinstance(v, str) else v
 
     @model_validator(mode="after")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 # Latency buckets from 100 µs (a small HEAD) to 10 s (a large batch over a slow link).
-_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10)
+BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10)
 _MISS_OPS = frozenset({"get", "head", "delete"})  # a 404 there is a cache miss, not an error
 
 
@@ -18,7 +18,7 @@ class ServerMetrics:
             "kvstore_request_seconds",
             "Time to serve an HTTP request, by operation",
             ["op"],
-            buckets=_BUCKETS,
+            buckets=BUCKETS,
             registry=self.registry,
         )
         self.requests = Counter(

@@ -34,7 +34,7 @@ class ServerState:
         self.budget = BodyBudget(self.config.max_body_bytes_in_flight)
         self.metrics.body_bytes = lambda: self.budget.used
         if self.history is None:
-            self.history = StatsHistory(self.config.history_size)
+            self.history = StatsHistory(self.config.history_size, self.config.engine_metrics)
         # Memory-only stores answer in microseconds: calling them inline beats a thread hop. A store with
         # disk or Redis tiers may block, so its calls run on threads and the event loop keeps serving.
         self.inline = set(self.store_config.tiers) <= MEMORY_TIERS

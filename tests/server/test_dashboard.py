@@ -1,4 +1,6 @@
-"""/dashboard rendered by headless Chromium: its charts draw the server's own samples.
+"""/dashboard rendered by headless Chromium with real traffic from two SmolLM2 engines behind it: the
+funnel starts at the engines' own prefix cache, the store's tiers serve the rest, the charts draw the
+server's samples, and the token lives for the browser session only.
 
 Chromium comes from the Debian package; the fixture installs it when missing and running as root.
 A screenshot is kept as a test artifact in artifacts/dashboard.png (gitignored).
@@ -11,11 +13,14 @@ import re
 import shutil
 import subprocess
 import time
+import urllib.error
 from pathlib import Path
 
 import pytest
 
 from sdk.remote import RemoteBackend
+from tests.connectors.engine_util import ENGINE, doc, free_port
+from tests.connectors.test_engine_pd import Proc, http_json, metric
 from tests.server.conftest import key, make_blob
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
@@ -40,10 +45,10 @@ def chromium() -> str:
     return found
 
 
-def _run_chromium(chromium: str, tmp_path: Path, url: str, *extra: str) -> subprocess.CompletedProcess:
+def _run_chromium(chromium: str, profile: Path, url: str, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [chromium, *FLAGS, f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=5000",
-         "--window-size=1280,900", *extra, url],
+        [chromium, *FLAGS, f"--user-data-dir={profile}", "--virtual-time-budget=5000",
+         "--window-size=1400,1300", *extra, url],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
 
@@ -52,46 +57,105 @@ def _attrs(tag: str) -> dict[str, str]:
     return dict(re.findall(r'([\w-]+)="([^"]*)"', tag))
 
 
-@pytest.mark.slow
-def test_dashboard_draws_charts_with_data(server_factory, chromium, tmp_path):
-    srv = server_factory(
-        store={"tiers": ["cpu", "disk"], "cpu_capacity": "1MiB"}, auth_token=TOKEN, sample_interval=0.2
+def _stages(dom: str, box: str) -> dict[str, float]:
+    """data-stage -> data-value of the rows in the funnel box `box` (funnel or reasons)."""
+    part = dom.split(f'id="{box}"', 1)[1].split("</div></div>", 1)[0] if f'id="{box}"' in dom else ""
+    rows = re.findall(
+        r'<div class="row" data-stage="([\w-]+)" data-value="([\d.e+-]+)"><span>([^<]*)</span>', part
     )
+    return {label: float(value) for _, value, label in rows}
+
+
+def start_engine(port: int, store_url: str) -> Proc:
+    args = ["serve", "--port", str(port), "--kv-backend", "kvstore", "--kv-store-url", store_url,
+            "--max-model-len", str(ENGINE["max_model_len"]), "--kv-cache-memory", ENGINE["kv_cache_memory"],
+            "--num-threads", "1"]  # fmt: skip
+    proc = Proc(args)
+    proc.drain()
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.proc.poll() is not None:
+            raise RuntimeError(f"engine exited: {''.join(proc.tail)[-3000:]}")
+        try:
+            http_json(f"http://127.0.0.1:{port}/health", timeout=2)
+            return proc
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            time.sleep(0.5)
+    proc.stop()
+    raise RuntimeError("engine did not start")
+
+
+@pytest.mark.slow
+def test_dashboard_tells_the_cache_story_with_real_engines(server_factory, chromium, tmp_path):
+    ports = [free_port(), free_port()]
+    srv = server_factory(
+        store={"tiers": ["cpu", "disk"], "cpu_capacity": "64MiB"}, sample_interval=0.5,
+        engine_metrics=[f"http://127.0.0.1:{p}" for p in ports],
+    )  # fmt: skip
+    engines = []
+    try:
+        for p in ports:
+            engines.append(start_engine(p, srv.url))
+        body = {"prompt": doc(600, 77), "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+        first, second = (f"http://127.0.0.1:{p}" for p in ports)
+        http_json(first + "/v1/completions", body)  # cold: computed, its chunks saved
+        http_json(first + "/v1/completions", body)  # the engine's own prefix cache
+        http_json(second + "/v1/completions", body)  # another engine: the store
+        http_json(second + "/v1/completions", {**body, "prompt": doc(300, 78)})  # new: a not_stored miss
+        assert metric(second, "vllm:external_prefix_cache_hits_total") == 512
+        time.sleep(1.5)  # a few samples that include all of it
+        url = f"{srv.url}/dashboard"
+        run = _run_chromium(chromium, tmp_path / "profile", url, "--dump-dom")
+        assert run.returncode == 0, run.stderr[-2000:]
+        dom = run.stdout
+        assert re.search(r'<span id="status" class="">\d+ samples', dom), dom[:3000]
+        funnel = _stages(dom, "funnel")
+        assert set(funnel) == {"engine prefix cache", "store: cpu", "store: disk", "recomputed"}, funnel
+        assert funnel["engine prefix cache"] >= 512 and funnel["store: cpu"] == 512, funnel
+        assert funnel["store: disk"] == 0 and funnel["recomputed"] > 0
+        hit_rate = float(re.search(r'id="kpi-hit-rate" data-value="([\d.]+)"', dom).group(1))
+        prompt_tokens = sum(funnel.values())
+        assert hit_rate == pytest.approx((funnel["engine prefix cache"] + 512) / prompt_tokens, rel=1e-6)
+        assert re.search(r'id="kpi-seconds-saved">[\d.]+ (ms|s)<', dom), "prefill time saved, with a unit"
+        assert _stages(dom, "reasons")["not stored"] >= 1
+        charts = {_attrs(t)["id"]: _attrs(t) for t in re.findall(r"<svg [^>]*>", dom)}
+        assert set(charts) == {f"chart-{n}" for n in ("hitrate", "latency", "bytes", "evictions", "requests")}
+        assert all(int(c["data-points"]) >= 2 for c in charts.values()), charts
+        series = {_attrs(t)["data-series"] for t in re.findall(r"<path [^>]*data-series=[^>]*>", dom)}
+        assert {
+            "prompt tokens not recomputed",
+            "store reads",
+            "cpu",
+            "get p50",
+            "get p99",
+            "put p99",
+        } <= series
+        assert "0.0" not in re.findall(r'class="label"[^>]*>([^<]*)<', dom), "axes read in units, not 0.0"
+        assert re.search(r"<tr><td>cpu</td><td>[1-9]", dom), "the tier table shows the stored chunks"
+        ARTIFACTS.mkdir(exist_ok=True)
+        shot = _run_chromium(
+            chromium, tmp_path / "profile", url, f"--screenshot={ARTIFACTS / 'dashboard.png'}"
+        )
+        assert shot.returncode == 0 and (ARTIFACTS / "dashboard.png").stat().st_size > 20_000
+    finally:
+        for e in engines:
+            e.stop()
+
+
+@pytest.mark.slow
+def test_token_lives_for_the_session_only(server_factory, chromium, tmp_path):
+    srv = server_factory(auth_token=TOKEN, sample_interval=0.2)
     be = RemoteBackend(srv.url, token=TOKEN)
-    for i in range(8):  # traffic across several samples: hits, misses, evictions to disk
-        be.put_blob(key(i), make_blob(i, tokens=2048))
-        be.get_blob(key(0))
-        be.get_blob(key(10_000 + i))
+    for i in range(3):
+        be.put_blob(key(i), make_blob(i))
+        be.get_blob(key(100 + i))
         time.sleep(0.25)
     be.close()
-    url = f"{srv.url}/dashboard#token={TOKEN}"
-    run = _run_chromium(chromium, tmp_path, url, "--dump-dom")
-    assert run.returncode == 0, run.stderr[-2000:]
-    dom = run.stdout
-    charts = {_attrs(t)["id"]: _attrs(t) for t in re.findall(r"<svg [^>]*>", dom)}
-    assert set(charts) == {"chart-hitrate", "chart-bytes", "chart-requests"}, dom[:2000]
-    for chart in charts.values():
-        assert int(chart["data-points"]) >= 5, chart
-    series = [_attrs(t) for t in re.findall(r"<path [^>]*data-series=[^>]*>", dom)]
-    by_chart = {
-        name: [s for s in series if s["data-series"] == name] for name in ("cpu", "disk", "requests/s")
-    }
-    assert len(by_chart["cpu"]) == 2 and len(by_chart["disk"]) == 2  # hit rate and bytes, per tier
-    assert all(int(s["data-points"]) >= 5 for s in series if s["data-series"] in ("cpu", "requests/s"))
-    assert all(len(s["d"].split("L")) == int(s["data-points"]) for s in series)  # one vertex per point
-    assert re.search(r'<body[^>]*data-samples="(\d+)"', dom)
-    assert re.search(r'<div id="status" class="">\d+ samples', dom), "the page reports an error"
-    row = re.search(r"<tr><td>cpu</td><td>(\d+)</td>", dom)
-    assert row and int(row.group(1)) >= 1  # the tier table shows the latest sample
-    ARTIFACTS.mkdir(exist_ok=True)
-    shot = _run_chromium(chromium, tmp_path, url, f"--screenshot={ARTIFACTS / 'dashboard.png'}")
-    assert shot.returncode == 0 and (ARTIFACTS / "dashboard.png").stat().st_size > 10_000
-
-
-@pytest.mark.slow
-def test_dashboard_without_token_says_so(server_factory, chromium, tmp_path):
-    srv = server_factory(auth_token=TOKEN)
-    run = _run_chromium(chromium, tmp_path, f"{srv.url}/dashboard", "--dump-dom")
-    assert run.returncode == 0
-    assert "401: open /dashboard#token=YOUR_TOKEN" in run.stdout
-    assert 'data-points="' not in run.stdout  # nothing drawn without data
+    profile = tmp_path / "profile"
+    run = _run_chromium(chromium, profile, f"{srv.url}/dashboard#token={TOKEN}", "--dump-dom")
+    assert run.returncode == 0 and re.search(r'<span id="status" class="">\d+ samples', run.stdout)
+    assert _stages(run.stdout, "reasons")["not stored"] == 3
+    # the same browser profile, a new session: the token is gone (it was never in localStorage)
+    again = _run_chromium(chromium, profile, f"{srv.url}/dashboard", "--dump-dom")
+    assert "401: open /dashboard#token=YOUR_TOKEN" in again.stdout
+    assert 'data-points="' not in again.stdout  # nothing drawn without data

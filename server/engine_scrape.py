@@ -1,0 +1,96 @@
+"""The engines' side of the dashboard: their Prometheus `/metrics`, read by the server's sampler.
+
+`kvstore-server --engine-metrics http://engine:8000` (repeatable) makes the server read each engine's
+metrics (vLLM's names, which kvstore-engine exports too) every sample, so the dashboard's funnel starts
+at the engine: prompt tokens -> the engine's own prefix cache -> this store -> recompute. An engine
+that does not answer within the timeout counts as down for that sample; it never delays the store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+log = logging.getLogger(__name__)
+
+# sample name -> the field it adds to, summed over engines
+COUNTERS = {
+    "vllm:prefix_cache_queries_total": "prompt_tokens",  # every prompt token is looked up locally first
+    "vllm:prefix_cache_hits_total": "engine_hit_tokens",
+    "vllm:external_prefix_cache_queries_total": "store_query_tokens",
+    "vllm:external_prefix_cache_hits_total": "store_hit_tokens",
+    "vllm:request_prefill_time_seconds_sum": "prefill_seconds",
+    "vllm:request_prefill_time_seconds_count": "prefills",
+    "vllm:num_preemptions_total": "preemptions",
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+}
+ENGINE_FIELDS = (*dict.fromkeys(COUNTERS.values()), "engines_up", "engines")
+
+
+def metrics_url(url: str) -> str:
+    """An engine's base URL or its metrics URL -> its metrics URL."""
+    url = url.rstrip("/")
+    return url if url.endswith("/metrics") else url + "/metrics"
+
+
+def parse_engine_metrics(text: str) -> dict[str, float]:
+    """The funnel's fields from one engine's Prometheus text (absent metrics count as 0)."""
+    out = dict.fromkeys(COUNTERS.values(), 0.0)
+    misses: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            field = COUNTERS.get(s.name)
+            if field is not None:
+                out[field] += s.value
+            elif s.name == "kvstore_connector_chunk_misses_total" and "reason" in s.labels:
+                misses[s.labels["reason"]] = misses.get(s.labels["reason"], 0.0) + s.value
+    out.update({f"chunk_misses_{r}": v for r, v in misses.items()})
+    return out
+
+
+class EngineScraper:
+    def __init__(self, urls: Sequence[str], timeout: float = 2.0) -> None:
+        self.urls = [metrics_url(u) for u in urls]
+        self.timeout = aiohttp.ClientTimeout(total=timeout)
+        self._session: aiohttp.ClientSession | None = None
+        self._warned: set[str] = set()
+
+    async def _one(self, session: aiohttp.ClientSession, url: str) -> dict[str, float] | None:
+        try:
+            async with session.get(url) as resp:
+                if resp.status != 200:
+                    raise aiohttp.ClientError(f"HTTP {resp.status}")
+                parsed = parse_engine_metrics(await resp.text())
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+            if url not in self._warned:
+                log.warning("engine metrics at %s: %s (the dashboard counts that engine as down)", url, e)
+                self._warned.add(url)
+            return None
+        self._warned.discard(url)
+        return parsed
+
+    async def scrape(self) -> dict[str, Any] | None:
+        """The sum over every engine that answered, plus `engines_up` / `engines`; None without engines."""
+        if not self.urls:
+            return None
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=self.timeout)
+        results = await asyncio.gather(*(self._one(self._session, u) for u in self.urls))
+        total: dict[str, Any] = dict.fromkeys(COUNTERS.values(), 0.0)
+        for r in results:
+            for k, v in (r or {}).items():
+                total[k] = total.get(k, 0.0) + v
+        total["engines_up"] = sum(r is not None for r in results)
+        total["engines"] = len(self.urls)
+        return total
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
