@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 from collections.abc import Callable
@@ -11,12 +12,25 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvstore.codecs.cpu_bits import KIND_BF16, KIND_F16, KIND_F32
 from kvstore.errors import CodecError
 
+KIND_F16, KIND_BF16, KIND_F32 = 0, 1, 2  # the dtype codes the CPU kernels take
 KINDS = {torch.float16: KIND_F16, torch.bfloat16: KIND_BF16, torch.float32: KIND_F32}
 _BITS = {torch.float16: (torch.int16, np.uint16), torch.bfloat16: (torch.int16, np.uint16),
          torch.float32: (torch.int32, np.uint32)}  # fmt: skip
+
+
+def cpu_kernels(module: str) -> Any:
+    """The numba kernels of a codec (`cpu_int4`, `cpu_fp8`), imported on first use: numba is the
+    `codecs` extra, which a server that only verifies and moves blobs does not need."""
+    try:
+        return importlib.import_module(f"kvstore.codecs.{module}")
+    except ImportError as e:
+        if e.name is None or not e.name.startswith("numba"):
+            raise
+        raise CodecError(
+            f"the {module.removeprefix('cpu_')} codec on CPU needs numba: pip install 'kvstore[codecs]'"
+        ) from None
 
 
 def check_kv(kv: Any, codec: str) -> torch.Tensor:

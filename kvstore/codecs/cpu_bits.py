@@ -12,7 +12,7 @@ import numpy as np
 from numba import njit, types
 from numba.extending import intrinsic
 
-KIND_F16, KIND_BF16, KIND_F32 = 0, 1, 2
+from kvstore.codecs.common import KIND_BF16, KIND_F16, KIND_F32  # noqa: F401 (the kernels' dtype codes)
 
 
 @intrinsic
@@ -157,10 +157,3 @@ def fwht(buf: np.ndarray, norm: float) -> None:
         h *= 2
     for i in range(n):
         buf[i] = buf[i] * norm
-
-
-def e4m3_table() -> np.ndarray:
-    """float32 value of each of the 256 e4m3fn codes (NaN codes decode to NaN)."""
-    import torch  # noqa: PLC0415 (only to read torch's own fp8 definition)
-
-    return torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()

@@ -24,8 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvstore.codecs import common, cpu_fp8
-from kvstore.codecs.cpu_bits import e4m3_table
+from kvstore.codecs import common
 from kvstore.errors import CodecError
 
 DEFAULTS = {"fp8_scale": "token"}
@@ -35,7 +34,8 @@ _TABLE: np.ndarray | None = None
 def _table() -> np.ndarray:
     global _TABLE
     if _TABLE is None:
-        _TABLE = e4m3_table()
+        # float32 value of each of the 256 e4m3fn codes (NaN codes decode to NaN), by torch's definition
+        _TABLE = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
     return _TABLE
 
 
@@ -70,6 +70,7 @@ class Fp8Codec:
             scales = cur.take(np.float32, (_nscales(shape, mode),))
             x = common.bits(kv.contiguous()).reshape(2, -1, shape[4])
             kind = common.KINDS[kv.dtype]
+            cpu_fp8 = common.cpu_kernels("cpu_fp8")
 
             def encode_half(half: int) -> None:  # keys, values
                 if mode == "tensor":
@@ -122,6 +123,7 @@ class Fp8Codec:
         per_row = mode == "token"
         sc = scales.reshape(2, -1)
         table, kind = _table(), common.KINDS[dtype]
+        cpu_fp8 = common.cpu_kernels("cpu_fp8")
         common.run_parts(
             [
                 lambda h=h: cpu_fp8.decode_rows(codes[h], sc[h], per_row, table, kind, obits[h])

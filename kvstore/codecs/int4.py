@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvstore.codecs import common, cpu_int4
+from kvstore.codecs import common
 from kvstore.codecs.int4_layout import Int4Layout, layout_for, row_jobs
 from kvstore.errors import CodecError
 
@@ -141,6 +141,7 @@ class _Out:
 
 
 def _encode_cpu(x: np.ndarray, kind: int, lay: Int4Layout, p: dict[str, np.ndarray]) -> None:
+    cpu_int4 = common.cpu_kernels("cpu_int4")
     _, nl, _, nh, d = lay.shape
     norm, tf, codes = np.float32(1 / math.sqrt(d)), lay.full_tokens, p["codes"]
 
@@ -159,6 +160,7 @@ def _encode_cpu(x: np.ndarray, kind: int, lay: Int4Layout, p: dict[str, np.ndarr
 
 
 def _decode_cpu(p: dict[str, np.ndarray], kind: int, lay: Int4Layout, out: np.ndarray) -> None:
+    cpu_int4 = common.cpu_kernels("cpu_int4")
     _, nl, _, nh, d = lay.shape
     norm, tf, codes = np.float32(1 / math.sqrt(d)), lay.full_tokens, p["codes"]
 
