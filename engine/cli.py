@@ -29,6 +29,19 @@ def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+# what pyproject's `engine` extra brings (the core install has none of it)
+ENGINE_EXTRA = {
+    "tokenizers",
+    "jinja2",
+    "safetensors",
+    "tqdm",
+    "psutil",
+    "numba",
+    "triton",
+    "gguf",
+    "transformers",
+    "uvloop",
+}
 
 
 def _log_level(value: str) -> str:
@@ -171,6 +184,14 @@ def main(argv: list[str] | None = None) -> int:
         handler(ns)
     except (EngineError, KVStoreError) as e:
         print(f"kvstore-engine: error: {e}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:  # a kvstore installed without the engine extra
+        if (e.name or "").split(".")[0] not in ENGINE_EXTRA:
+            raise
+        print(
+            f"kvstore-engine: error: the engine needs {e.name}: pip install 'kvstore[engine]'",
+            file=sys.stderr,
+        )
         return 2
     except OSError as e:  # e.g. the port was taken between the check and the bind
         print(f"kvstore-engine: error: {e.strerror or e}", file=sys.stderr)

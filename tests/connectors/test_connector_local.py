@@ -105,7 +105,8 @@ def test_generated_chunks_are_saved_and_a_preempted_request_reloads(engines, spy
     # loaded chunks are not saved again: no save is even planned (a planned one would reach the store
     # as an existence check and count as skipped, so the saved count alone cannot tell)
     assert "batch_put" not in spy.calls and "batch_exists" not in spy.calls, spy.calls
-    assert snap["kvstore_connector_saved_chunks_total"] == 2 and snap["kvstore_connector_skipped_saves_total"] == 0
+    assert snap["kvstore_connector_saved_chunks_total"] == 2
+    assert snap["kvstore_connector_skipped_saves_total"] == 0
 
 
 def test_finished_request_waits_for_its_save_which_reads_a_copy(engines, spy_store) -> None:

@@ -1,0 +1,102 @@
+"""Packaging: a fresh virtualenv with only `kvstore[server]` runs kvstore-server and the SDK, and
+holds none of the engine's dependencies (triton, numba, tokenizers, transformers...). jinja2 is the one
+exception, and only because torch itself requires it (the blob format's dtypes are torch's). pip
+resolves from the machine's configured indexes and wheel cache (torch's CPU wheel); nothing of the
+test's own venv is shared."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ENGINE_ONLY = {"triton", "numba", "tokenizers", "jinja2", "transformers", "safetensors", "gguf", "tqdm"}
+SDK_SCRIPT = """
+import torch
+from sdk import Store
+from kvstore.errors import CodecError
+from kvstore.keys import KVLayout, chunk_keys
+keys = chunk_keys(range(64), KVLayout("m", "h", num_layers=2, num_kv_heads=1, head_dim=8, chunk_size=32))
+kv = torch.randn(2, 2, 32, 1, 8, dtype=torch.float16)
+with Store.connect(URL) as store:
+    store.put(keys[0], kv)
+    assert torch.equal(store.get(keys[0]), kv)
+    assert store.lookup(keys) == (1, "not_stored")
+with Store.local(tiers=["cpu"]) as local:
+    try:
+        local.codec = "int4"
+        local.put(keys[1], kv)
+    except CodecError as e:
+        assert "kvstore[codecs]" in str(e), e
+    else:
+        raise AssertionError("int4 on CPU without numba must say which extra it needs")
+print("sdk ok")
+"""
+
+
+@pytest.mark.slow
+def test_server_extra_alone_runs_the_server_and_the_sdk(tmp_path: Path) -> None:
+    env_dir = tmp_path / "venv"
+    venv.EnvBuilder(with_pip=True).create(env_dir)
+    py, bin_dir = env_dir / "bin" / "python", env_dir / "bin"
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PYTHONPATH", "VIRTUAL_ENV") and not k.startswith("KVSTORE_")
+    }
+    env["KVSTORE_DATA_DIR"] = str(tmp_path / "data")
+    src = tmp_path / "src"  # what the Dockerfile copies: the build writes into its source tree, not ours
+    for name in ("pyproject.toml", "README.md", "constraints.txt"):
+        shutil.copy(ROOT / name, src / name) if src.exists() else (
+            src.mkdir(),
+            shutil.copy(ROOT / name, src / name),
+        )
+    for room in ("kvstore", "sdk", "server", "connectors", "engine"):
+        shutil.copytree(ROOT / room, src / room, ignore=shutil.ignore_patterns("__pycache__"))
+    install = subprocess.run(
+        [py, "-m", "pip", "install", "-q", "-c", str(src / "constraints.txt"), f"{src}[server]"],
+        capture_output=True, text=True, timeout=1200, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    assert install.returncode == 0, install.stderr[-3000:]
+    listed = subprocess.run(
+        [py, "-m", "pip", "list", "--format=json"], capture_output=True, text=True, env=env
+    )
+    names = {p["name"].lower().replace("_", "-") for p in json.loads(listed.stdout)}
+    assert {"kvstore", "torch", "aiohttp", "uvloop"} <= names
+    shown = subprocess.run([py, "-m", "pip", "show", "torch"], capture_output=True, text=True, env=env).stdout
+    from_torch = {r.strip().lower() for r in shown.split("Requires:")[1].splitlines()[0].split(",")}
+    pulled = names & ENGINE_ONLY - from_torch
+    assert pulled == set(), f"the server extra pulled {pulled}"
+    assert "triton" not in names and "numba" not in names and "tokenizers" not in names
+
+    server = subprocess.Popen(
+        [bin_dir / "kvstore-server", "--port", "0", "--tiers", "cpu"], stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    try:
+        line = server.stdout.readline()
+        m = re.search(r"listening on (http://\S+)", line)
+        assert m, line + server.stdout.read(2000)
+        sdk = subprocess.run(
+            [py, "-c", SDK_SCRIPT.replace("URL", repr(m.group(1)))], capture_output=True, text=True,
+            env=env, cwd=tmp_path, timeout=120,
+        )  # fmt: skip
+        assert sdk.returncode == 0 and "sdk ok" in sdk.stdout, sdk.stderr[-3000:]
+    finally:
+        server.terminate()
+        server.wait(30)
+    engine = subprocess.run(
+        [bin_dir / "kvstore-engine", "generate", "--prompt", "hi"], capture_output=True, text=True, env=env,
+        cwd=tmp_path, timeout=120,
+    )  # fmt: skip
+    assert engine.returncode == 2 and "pip install 'kvstore[engine]'" in engine.stderr, engine.stderr[-2000:]
+    assert "Traceback" not in engine.stderr
+    assert sys.prefix != str(env_dir)  # the test's own interpreter was never used for any of it
