@@ -63,7 +63,10 @@ class ServerConfig(BaseModel):
     @field_validator("allowed_hosts", "engine_metrics", mode="before")
     @classmethod
     def _comma_list(cls, v: Any) -> Any:
-        return [h.strip() for h in v.split(",") if h.strip()] if isinstance(v, str) else v
+        items = [v] if isinstance(v, str) else v  # "a,b", or a list of such (a repeated flag)
+        if isinstance(items, list) and all(isinstance(i, str) for i in items):
+            return [h.strip() for i in items for h in i.split(",") if h.strip()]
+        return v
 
     @model_validator(mode="after")
     def _check(self) -> ServerConfig:
