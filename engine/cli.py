@@ -40,7 +40,6 @@ ENGINE_EXTRA = {
     "triton",
     "gguf",
     "transformers",
-    "uvloop",
 }
 
 
