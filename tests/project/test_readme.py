@@ -60,7 +60,7 @@ def test_readme_runs_as_written(smollm2_dir: Path, tmp_path: Path) -> None:
     swap = re.compile(r"(?<!\d)(" + "|".join(map(str, PORTS)) + r")(?!\d)")
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
     env.update(HOME=str(home), PYTHONPATH=str(ROOT), PATH=f"{Path(sys.executable).parent}:{env['PATH']}")
-    holder = subprocess.Popen(["sleep", "3600"], start_new_session=True)  # the group every server joins
+    holder = subprocess.Popen(["sleep", "3600"], process_group=0)  # the group every block and server joins
     log = work / "readme.log"
     outputs = []
     try:
