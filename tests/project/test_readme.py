@@ -93,5 +93,6 @@ def test_readme_runs_as_written(smollm2_dir: Path, tmp_path: Path) -> None:
     assert "Paris" in everything, "the engine answered the tour's question"
     assert '"choices"' in everything, "the OpenAI server answered"
     runs = re.findall(r"kvstore: (\d+) of (\d+) prompt tokens came from the store", everything)
-    assert [int(h) for h, _ in runs] == [0, 512], runs
+    (first, n), (second, n2) = [(int(h), int(q)) for h, q in runs]
+    assert first == 0 and n2 == n and second == (n - 1) // 256 * 256 >= 512, runs  # every full chunk
     assert "cpu_capacity: not a size: 'lots'" in everything
