@@ -129,6 +129,14 @@ class RedisTier:
     def _group(self, keys: Sequence[str]) -> dict[Endpoint | None, list[int]]:
         return self._servers.group([self._rk(k) for k in keys])
 
+    def _valid_groups(self, keys: Sequence[str]) -> dict[Endpoint | None, list[int]]:
+        """`_group` without the invalidated keys (reads skip them: they are misses)."""
+        if not len(self._invalid):
+            return self._group(keys)
+        idx = [i for i, k in enumerate(keys) if k not in self._invalid]
+        groups = self._servers.group([self._rk(keys[i]) for i in idx])
+        return {ep: [idx[j] for j in js] for ep, js in groups.items()}
+
     # ---- the index behind usage() and len() ---------------------------------------------------
 
     def usage(self) -> int:
@@ -195,11 +203,6 @@ class RedisTier:
 
     def get_many(self, keys: Sequence[str]) -> list[Blob | None]:
         out: list[Blob | None] = [None] * len(keys)
-        if len(self._invalid):
-            valid = [i for i, k in enumerate(keys) if k not in self._invalid]
-            for i, blob in zip(valid, self.get_many([keys[i] for i in valid]) if valid else [], strict=True):
-                out[i] = blob
-            return out
 
         def fetch(ep: Endpoint | None, idx: list[int]) -> None:
             rkeys = [self._rk(keys[i]) for i in idx]
@@ -210,7 +213,7 @@ class RedisTier:
             for j, i in enumerate(idx):
                 out[i] = self._seen(keys[i], FAIL if values is FAIL else values[j])
 
-        self._servers.per_node(self._group(keys), fetch)
+        self._servers.per_node(self._valid_groups(keys), fetch)
         return out
 
     def _failed(self, op: str, key: str, reply: Any) -> bool:
@@ -336,13 +339,6 @@ class RedisTier:
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
         """`contains` for each key in one round trip per server (pipelined EXISTS); down => False."""
         out = [False] * len(keys)
-        if len(self._invalid):
-            valid = [i for i, k in enumerate(keys) if k not in self._invalid]
-            for i, hit in zip(
-                valid, self.contains_many([keys[i] for i in valid]) if valid else [], strict=True
-            ):
-                out[i] = hit
-            return out
 
         def check(ep: Endpoint | None, idx: list[int]) -> None:
             cmds = [("exists", self._rk(keys[i])) for i in idx]
@@ -350,7 +346,7 @@ class RedisTier:
             for j, i in enumerate(idx):
                 out[i] = self._exists(keys[i], FAIL if replies is FAIL else replies[j])
 
-        self._servers.per_node(self._group(keys), check)
+        self._servers.per_node(self._valid_groups(keys), check)
         return out
 
     def _exists(self, key: str, reply: Any) -> bool:

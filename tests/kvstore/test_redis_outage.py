@@ -60,15 +60,24 @@ def in_redis(server: ValkeyProcess, k: str) -> bytes | None:
 
 def test_a_delete_during_an_outage_is_replayed_and_never_resurrects(durable, store) -> None:
     store.put_blob(key(1), blob(1))
+    store.put_blob(key(5), blob(5))
     durable.kill()
     assert store.delete(key(1)) is True  # remembered, not lost
     assert store.get_blob(key(1)) is None
+    redis_tier = store.tiers[1]  # batches that mix an invalidated key with others
+    assert redis_tier.get_many([key(1), key(5)]) == [None, None]
+    assert redis_tier.contains_many([key(1), key(5)]) == [False, False]
     durable.start()  # the AOF brings the old blob back on the server
     assert in_redis(durable, key(1)) == blob(1)
+    store.tiers[0].delete(key(5))  # only redis has key 5: batches mix it with the invalidated key 1
     for _ in range(20):  # from the moment it answers until the replay: a miss, never the old blob
         assert store.get_blob(key(1)) is None and not store.exists(key(1))
         assert store.lookup_prefix([key(1)]) == 0
+        assert store.batch_exists([key(5), key(1)]) in ([True, False], [False, False])  # (5: in backoff)
+        assert store.tiers[1].get_many([key(1), key(5)])[0] is None
     wait_until(lambda: in_redis(durable, key(1)) is None)  # replayed
+    assert store.batch_exists([key(5), key(1)]) == [True, False]
+    assert store.tiers[1].get_many([key(1), key(5)]) == [None, blob(5)]
     assert store.get_blob(key(1)) is None
     wait_until(lambda: store.tiers[1].stats.extra["invalidated"] == 0)
 
