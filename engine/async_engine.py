@@ -87,9 +87,9 @@ class AsyncEngine:
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            for rid in self._aborts:
-                self.engine.abort_request(rid)
-            self._aborts.clear()
+            aborts, self._aborts = self._aborts, set()
+            for rid in aborts:
+                self._abort(rid)
             if not self.engine.has_unfinished_requests():
                 self._wake.clear()
                 await self._wake.wait()
@@ -100,7 +100,7 @@ class AsyncEngine:
             except Exception as e:  # the engine could not pin it on a request: fail them all, keep serving
                 logger.exception("engine step failed")
                 for rid in list(self.engine.requests):
-                    self.engine.abort_request(rid)
+                    self._abort(rid)
                 for q in self._queues.values():
                     q.put_nowait(RequestFailed(f"the engine step failed: {e!r}"))
                 continue
@@ -108,6 +108,12 @@ class AsyncEngine:
                 q = self._queues.get(out.request_id)
                 if q is not None:
                     q.put_nowait(out if out.error is None else RequestFailed(out.error))
+
+    def _abort(self, request_id: str) -> None:
+        try:
+            self.engine.abort_request(request_id)
+        except Exception:  # never let one abort stop the loop that serves everyone
+            logger.exception("aborting %s failed", request_id)
 
     async def generate(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
