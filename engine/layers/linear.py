@@ -3,6 +3,10 @@
 `QKVLinear` fuses q_proj/k_proj/v_proj and `MergedLinear` fuses gate_proj/up_proj into one matmul;
 each parameter carries a `weight_loader(param, tensor, shard_id)` that copies a checkpoint tensor
 into its slice.
+
+After loading, `process_weights_after_loading(use_cpu_kernels=True)` (vLLM's name) repacks 16-bit
+weights for the CPU kernels (`cpu_ops.gemm_w16`: 16-bit weights, fp32 activations) and drops the
+original; fp32 weights keep torch's `F.linear` (the exactness reference).
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from engine.layers import cpu_ops
 
 
 def default_weight_loader(
@@ -23,7 +29,37 @@ def default_weight_loader(
     param.data.copy_(loaded)
 
 
-class MergedLinear(nn.Module):
+class LinearBase(nn.Module):
+    """`y = x @ W.T (+ b)`: torch's F.linear, or the CPU kernel on repacked 16-bit weights."""
+
+    weight: nn.Parameter
+    bias: nn.Parameter | None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.packed: torch.Tensor | None = None  # [ceil(out/32), in, 32] for cpu_ops.gemm_w16
+        self.out_features = 0
+        self._bias_f32: torch.Tensor | None = None
+
+    def process_weights_after_loading(self, use_cpu_kernels: bool, keep_weight: bool = False) -> None:
+        """Repack a 16-bit CPU weight for the CPU kernels; `keep_weight` when another module shares it
+        (a tied embedding)."""
+        w = self.weight
+        if not (use_cpu_kernels and w.device.type == "cpu" and w.dtype in (torch.bfloat16, torch.float16)):
+            return
+        self.out_features = w.shape[0]
+        self.packed = cpu_ops.pack_weight(w.data)
+        self._bias_f32 = None if self.bias is None else self.bias.data.float().contiguous()
+        if not keep_weight:
+            self.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return cpu_ops.gemm_w16(x, self.packed, self.out_features, self._bias_f32)
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedLinear(LinearBase):
     """`y = x @ W.T (+ b)` with W the row-wise concatenation of `output_sizes` shards."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
@@ -57,9 +93,6 @@ class MergedLinear(nn.Module):
             )
         param.data.narrow(0, self.offsets[i], self.output_sizes[i]).copy_(loaded)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
-
 
 class QKVLinear(MergedLinear):
     """q, k and v projections in one matmul; shards are "q", "k", "v"."""
@@ -75,8 +108,8 @@ class QKVLinear(MergedLinear):
         return {"q": 0, "k": 1, "v": 2}[shard_id] if isinstance(shard_id, str) else shard_id
 
 
-class RowLinear(nn.Module):
-    """A plain `y = x @ W.T (+ b)` that loads one checkpoint tensor (o_proj, down_proj)."""
+class RowLinear(LinearBase):
+    """A plain `y = x @ W.T (+ b)` that loads one checkpoint tensor (o_proj, down_proj, lm_head)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
@@ -87,6 +120,3 @@ class RowLinear(nn.Module):
             self.bias.weight_loader = default_weight_loader
         else:
             self.register_parameter("bias", None)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)

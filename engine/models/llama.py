@@ -2,6 +2,10 @@
 
 All tokens of a step (prefill chunks and decode tokens of many sequences) travel as one flat batch
 [N, hidden]; `AttentionMetadata` tells attention where each sequence's tokens and cached KV are.
+
+Activations run in the weights' dtype, except with 16-bit weights on the CPU kernels
+(`process_weights_after_loading(use_cpu_kernels=True)`): then they are fp32 and only the weights (and
+the KV cache) are 16-bit, which is both faster and closer to fp32 on CPUs without bf16 arithmetic.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from engine.layers.activation import SiluAndMul
 from engine.layers.attention import Attention
 from engine.layers.layernorm import RMSNorm
 from engine.layers.linear import MergedLinear, QKVLinear, RowLinear
-from engine.layers.rotary_embedding import RotaryEmbedding, apply_rotary_emb
+from engine.layers.rotary_embedding import RoPEStep, RotaryEmbedding
 
 
 class LlamaAttention(nn.Module):
@@ -39,18 +43,11 @@ class LlamaAttention(nn.Module):
         )
 
     def forward(
-        self,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        hidden_states: torch.Tensor,
-        attn_metadata: AttentionMetadata,
+        self, rope: RoPEStep, hidden_states: torch.Tensor, attn_metadata: AttentionMetadata
     ) -> torch.Tensor:
-        n = hidden_states.shape[0]
         q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = apply_rotary_emb(
-            q.view(n, self.num_heads, self.head_dim), k.view(n, self.num_kv_heads, self.head_dim), *rope
-        )
-        o = self.attn(q.reshape(n, -1), k.reshape(n, -1), v.contiguous(), attn_metadata)
-        return self.o_proj(o)
+        q, k = rope.apply(q, k, self.num_heads, self.num_kv_heads)
+        return self.o_proj(self.attn(q, k, v, attn_metadata))
 
 
 class LlamaMLP(nn.Module):
@@ -75,7 +72,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: RoPEStep,
         hidden_states: torch.Tensor,
         residual: torch.Tensor | None,
         attn_metadata: AttentionMetadata,
@@ -98,11 +95,14 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # One table for all layers (as in HF); its positions are looked up once per step.
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
+        self.act_dtype: torch.dtype | None = None  # None: the weights' dtype
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
     ) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
+        if self.act_dtype is not None:
+            hidden_states = hidden_states.to(self.act_dtype)
         rope = self.rotary_emb(positions)
         residual = None
         for layer in self.layers:
@@ -125,9 +125,29 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = RowLinear(config.hidden_size, config.vocab_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def process_weights_after_loading(self, use_cpu_kernels: bool) -> None:
+        """After the load (and the cast to the serving dtype) every layer prepares for its kernels: the
+        paged decode attention kernel serves any dtype; with 16-bit weights the GEMMs, norms, RoPE
+        and SiLU run in the CPU kernels too, on fp32 activations. fp32 weights keep torch's GEMMs."""
+        weights = self.model.embed_tokens.weight
+        w16 = (
+            use_cpu_kernels
+            and weights.device.type == "cpu"
+            and weights.dtype in (torch.bfloat16, torch.float16)
+        )
+        tied = self.config.tie_word_embeddings
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.process_weights_after_loading(use_cpu_kernels)
+            elif module is self.lm_head:
+                module.process_weights_after_loading(w16, keep_weight=tied)
+            elif module is not self and hasattr(module, "process_weights_after_loading"):
+                module.process_weights_after_loading(w16)
+        self.model.act_dtype = torch.float32 if w16 else None
 
     @property
     def num_layers(self) -> int:

@@ -1,0 +1,405 @@
+/* CPU kernels of the engine (AVX-512F), compiled on first use by engine/layers/cpu_ops.py.
+ *
+ * Why: on CPUs without AVX-512 BF16 or AMX (e.g. Ice Lake), oneDNN/MKL run bf16 GEMMs by emulation,
+ * 2x slower than fp32 at decode sizes. These kernels keep 16-bit weights in memory (half the bytes a
+ * weight-bound decode step reads) and widen them in registers to fp32 FMAs; activations stay fp32.
+ *
+ * - gemm_w16: y[M,N] = x[M,K] @ W^T (+ bias), W bf16/fp16 packed as [ceil(N/32)][K][32];
+ * - paged_decode_attention: one query token per sequence against its paged KV, read in place from
+ *   the cache blocks (fp32, bf16, fp16, or fp8 e4m3 with a scale per KV head), GQA aware;
+ * - store_kv: writes new K/V rows into their cache slots (rounding to the cache dtype);
+ * - rms_norm (optionally fused with the residual add), rope (rotate_half layout), silu_and_mul.
+ *
+ * Every entry point works on rows [row_begin, row_end) or panels [p_begin, p_end) so the caller can
+ * split work across threads. All activations are fp32, contiguous in their last dimension.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { F32 = 0, BF16 = 1, F16 = 2, FP8_E4M3 = 3 };
+#define NR 32 /* output columns per packed weight panel */
+#define MR 8  /* rows of x per micro-kernel call */
+
+/* ---- 16/8-bit to fp32 ------------------------------------------------------------------------- */
+static inline __m512 cvt_bf16(__m256i v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+static inline __m512 load16(const void* p, int type) {
+    /* 16 values at p (element index already applied) as fp32; fp8 values still need x256 (see below) */
+    switch (type) {
+    case BF16: return cvt_bf16(_mm256_loadu_si256((const __m256i*)p));
+    case F16: return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+    case FP8_E4M3: {
+        /* e4m3 s.eeee.mmm -> fp16 s.0eeee.mmm0000000: the same value scaled by 2^-8 (exponent bias 7 vs
+           15), subnormals included; the caller folds the 2^8 into its scale. */
+        __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p));
+        __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7),
+                                    _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
+        return _mm512_cvtph_ps(h);
+    }
+    default: return _mm512_loadu_ps((const float*)p);
+    }
+}
+static inline int64_t elem_size(int type) { return type == F32 ? 4 : (type == FP8_E4M3 ? 1 : 2); }
+static inline float type_scale(int type) { return type == FP8_E4M3 ? 256.0f : 1.0f; }
+
+/* ---- fp32 to 16-bit, round to nearest even ----------------------------------------------------- */
+static inline __m256i to_bf16(__m512 x) {
+    __m512i u = _mm512_castps_si512(x);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q); /* keep NaN a (quiet) NaN */
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+/* ---- exp ------------------------------------------------------------------------------------- */
+static inline __m512 exp512(__m512 x) {
+    /* 2^n * p(r), r = x - n ln2, |r| <= ln2/2; relative error ~2e-7 */
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* ---- GEMM with 16-bit weights ----------------------------------------------------------------- */
+static inline __attribute__((always_inline)) void gemm_micro(const float* x, int64_t ldx, const uint16_t* w,
+                                                             int wtype, int64_t K, float* y, int64_t ldy,
+                                                             const float* bias, int mr, __mmask16 m0,
+                                                             __mmask16 m1) {
+    __m512 acc[MR][2];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        /* one cache line of weights per k; the hardware prefetcher alone falls behind */
+        _mm_prefetch((const char*)(w + (k + 128) * NR), _MM_HINT_T0);
+        __m512 w0 = load16(w + k * NR, wtype), w1 = load16(w + k * NR + 16, wtype);
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; i++) {
+            if (i < mr) {
+                __m512 xv = _mm512_set1_ps(x[i * ldx + k]);
+                acc[i][0] = _mm512_fmadd_ps(xv, w0, acc[i][0]);
+                acc[i][1] = _mm512_fmadd_ps(xv, w1, acc[i][1]);
+            }
+        }
+    }
+    __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+    if (bias) {
+        b0 = _mm512_maskz_loadu_ps(m0, bias);
+        b1 = _mm512_maskz_loadu_ps(m1, bias + 16);
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; i++) {
+        if (i < mr) {
+            _mm512_mask_storeu_ps(y + i * ldy, m0, _mm512_add_ps(acc[i][0], b0));
+            _mm512_mask_storeu_ps(y + i * ldy + 16, m1, _mm512_add_ps(acc[i][1], b1));
+        }
+    }
+}
+
+static inline __mmask16 lane_mask(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? 0 : (__mmask16)((1u << n) - 1); }
+
+#define GEMM_CASE(R)                                                                                       \
+    case R: gemm_micro(x + m * ldx, ldx, wp, wtype, K, y + m * ldy + n0, ldy, b, R, m0, m1); break;
+
+void gemm_w16(const float* x, int64_t ldx, const uint16_t* w, int wtype, const float* bias, float* y,
+              int64_t ldy, int64_t M, int64_t N, int64_t K, int64_t p_begin, int64_t p_end) {
+    for (int64_t p = p_begin; p < p_end; p++) {
+        const uint16_t* wp = w + p * K * NR;
+        int64_t n0 = p * NR;
+        __mmask16 m0 = lane_mask(N - n0), m1 = lane_mask(N - n0 - 16);
+        const float* b = bias ? bias + n0 : 0;
+        for (int64_t m = 0; m < M; m += MR) {
+            switch (M - m < MR ? M - m : MR) {
+                GEMM_CASE(1) GEMM_CASE(2) GEMM_CASE(3) GEMM_CASE(4)
+                GEMM_CASE(5) GEMM_CASE(6) GEMM_CASE(7) GEMM_CASE(8)
+            }
+        }
+    }
+}
+
+/* ---- paged decode attention ------------------------------------------------------------------- */
+#define MAX_D16 16 /* head_dim up to 256 */
+#define MAX_G 16   /* query heads per KV head */
+
+typedef struct {
+    const void *k_cache, *v_cache;
+    int kv_type;
+    int64_t s_block, s_tok, s_head, block_size, esz;
+    const int32_t* table;
+} PagedKV;
+
+static inline const char* kv_row(const PagedKV* c, const void* base, int64_t pos, int64_t h) {
+    return (const char*)base +
+           (c->table[pos / c->block_size] * c->s_block + (pos % c->block_size) * c->s_tok + h * c->s_head) * c->esz;
+}
+
+/* One KV head of one sequence: its G query heads attend to positions [first, first + n). Two passes
+ * over the blocks (scores, then the weighted sum of V) with a softmax in between; `scores` holds G*n.
+ * G and D16 are compile-time constants in the specialised copies below, so q, the accumulators and
+ * the K/V rows stay in registers. */
+static inline __attribute__((always_inline)) void attend_head(const PagedKV* c, const float* q, int64_t ldh,
+                                                              float* out, int64_t h, int64_t first, int64_t n,
+                                                              float ks, float vs, float* scores, const int G,
+                                                              const int D16, const int kv_type) {
+    __m512 qv[MAX_G][MAX_D16];
+#pragma GCC unroll 16
+    for (int g = 0; g < G; g++)
+#pragma GCC unroll 16
+        for (int d = 0; d < D16; d++) qv[g][d] = _mm512_mul_ps(_mm512_loadu_ps(q + g * ldh + d * 16), _mm512_set1_ps(ks));
+    float mx[MAX_G];
+#pragma GCC unroll 16
+    for (int g = 0; g < G; g++) mx[g] = -INFINITY;
+    /* walk the block table block by block: no division per token */
+    for (int64_t t = 0, pos = first; t < n;) {
+        const int64_t off = pos % c->block_size, len = c->block_size - off < n - t ? c->block_size - off : n - t;
+        const char* kp = kv_row(c, c->k_cache, pos, h);
+        for (int64_t j = 0; j < len; j++, t++, kp += c->s_tok * c->esz) {
+            __m512 kv[MAX_D16];
+#pragma GCC unroll 16
+            for (int d = 0; d < D16; d++) kv[d] = load16(kp + d * 16 * c->esz, kv_type);
+#pragma GCC unroll 16
+            for (int g = 0; g < G; g++) {
+                __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
+#pragma GCC unroll 16
+                for (int d = 1; d < D16; d++) acc = _mm512_fmadd_ps(qv[g][d], kv[d], acc);
+                const float s = _mm512_reduce_add_ps(acc);
+                scores[g * n + t] = s;
+                mx[g] = s > mx[g] ? s : mx[g];
+            }
+        }
+        pos += len;
+    }
+    float inv[MAX_G];
+    for (int g = 0; g < G; g++) {
+        float* s = scores + g * n;
+        const __m512 m = _mm512_set1_ps(mx[g]);
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t t = 0; t < n; t += 16) {
+            const __mmask16 mk = lane_mask(n - t);
+            const __m512 e = _mm512_maskz_mov_ps(mk, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, s + t), m)));
+            _mm512_mask_storeu_ps(s + t, mk, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        inv[g] = vs / _mm512_reduce_add_ps(sum);
+    }
+    __m512 acc[MAX_G][MAX_D16];
+#pragma GCC unroll 16
+    for (int g = 0; g < G; g++)
+#pragma GCC unroll 16
+        for (int d = 0; d < D16; d++) acc[g][d] = _mm512_setzero_ps();
+    for (int64_t t = 0, pos = first; t < n;) {
+        const int64_t off = pos % c->block_size, len = c->block_size - off < n - t ? c->block_size - off : n - t;
+        const char* vp = kv_row(c, c->v_cache, pos, h);
+        for (int64_t j = 0; j < len; j++, t++, vp += c->s_tok * c->esz) {
+            __m512 vv[MAX_D16];
+#pragma GCC unroll 16
+            for (int d = 0; d < D16; d++) vv[d] = load16(vp + d * 16 * c->esz, kv_type);
+#pragma GCC unroll 16
+            for (int g = 0; g < G; g++) {
+                const __m512 p = _mm512_set1_ps(scores[g * n + t]);
+#pragma GCC unroll 16
+                for (int d = 0; d < D16; d++) acc[g][d] = _mm512_fmadd_ps(p, vv[d], acc[g][d]);
+            }
+        }
+        pos += len;
+    }
+#pragma GCC unroll 16
+    for (int g = 0; g < G; g++)
+#pragma GCC unroll 16
+        for (int d = 0; d < D16; d++)
+            _mm512_storeu_ps(out + g * ldh + d * 16, _mm512_mul_ps(acc[g][d], _mm512_set1_ps(inv[g])));
+}
+
+typedef void (*attend_fn)(const PagedKV*, const float*, int64_t, float*, int64_t, int64_t, int64_t, float, float,
+                          float*);
+#define ATTEND(G, D16)                                                                                     \
+    static void attend_##G##_##D16(const PagedKV* c, const float* q, int64_t ldh, float* out, int64_t h,     \
+                                   int64_t first, int64_t n, float ks, float vs, float* scores) {           \
+        switch (c->kv_type) { /* the dtype is a constant inside each copy too */                             \
+        case BF16: attend_head(c, q, ldh, out, h, first, n, ks, vs, scores, G, D16, BF16); break;            \
+        case F16: attend_head(c, q, ldh, out, h, first, n, ks, vs, scores, G, D16, F16); break;              \
+        case FP8_E4M3: attend_head(c, q, ldh, out, h, first, n, ks, vs, scores, G, D16, FP8_E4M3); break;    \
+        default: attend_head(c, q, ldh, out, h, first, n, ks, vs, scores, G, D16, F32); break;               \
+        }                                                                                                    \
+    }
+#define ATTEND_G(G) ATTEND(G, 1) ATTEND(G, 2) ATTEND(G, 4) ATTEND(G, 8)
+ATTEND_G(1) ATTEND_G(2) ATTEND_G(3) ATTEND_G(4) ATTEND_G(5) ATTEND_G(6) ATTEND_G(7) ATTEND_G(8)
+#define ROW(G) {attend_##G##_1, attend_##G##_2, 0, attend_##G##_4, 0, 0, 0, attend_##G##_8}
+static const attend_fn ATTEND_TABLE[9][8] = {{0}, ROW(1), ROW(2), ROW(3), ROW(4), ROW(5), ROW(6), ROW(7), ROW(8)};
+
+static void attend_generic(const PagedKV* c, const float* q, int64_t ldh, float* out, int64_t h, int64_t first,
+                           int64_t n, float ks, float vs, float* scores, int G, int D16) {
+    /* shapes without a specialised copy: one query head at a time (G = 1 per call) */
+    for (int g = 0; g < G; g++) {
+        float* s = scores;
+        for (int64_t t = 0; t < n; t++) {
+            const char* kp = kv_row(c, c->k_cache, first + t, h);
+            __m512 acc = _mm512_setzero_ps();
+            for (int d = 0; d < D16; d++)
+                acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * ldh + d * 16), load16(kp + d * 16 * c->esz, c->kv_type), acc);
+            s[t] = _mm512_reduce_add_ps(acc) * ks;
+        }
+        float mx = -INFINITY, sum = 0.0f;
+        for (int64_t t = 0; t < n; t++) mx = s[t] > mx ? s[t] : mx;
+        for (int64_t t = 0; t < n; t++) sum += (s[t] = expf(s[t] - mx));
+        for (int d = 0; d < D16; d++) {
+            __m512 acc = _mm512_setzero_ps();
+            for (int64_t t = 0; t < n; t++)
+                acc = _mm512_fmadd_ps(_mm512_set1_ps(s[t]),
+                                      load16(kv_row(c, c->v_cache, first + t, h) + d * 16 * c->esz, c->kv_type), acc);
+            _mm512_storeu_ps(out + g * ldh + d * 16, _mm512_mul_ps(acc, _mm512_set1_ps(vs / sum)));
+        }
+    }
+}
+
+/* q: [*, Hq, D] rows `rows[b]` (or b); out: the same rows; caches: base pointers of K and V for this
+ * layer with element strides per block, token and head; k_scale/v_scale: [Hkv] fp32 or NULL (= 1). */
+void paged_decode_attention(const float* q, int64_t ldq, float* out, int64_t ldo, const void* k_cache,
+                            const void* v_cache, int kv_type, int64_t s_block, int64_t s_tok, int64_t s_head,
+                            const float* k_scale, const float* v_scale, const int32_t* block_tables,
+                            int64_t ld_table, const int32_t* context_lens, const int64_t* rows, float scale,
+                            int64_t window, int64_t Hq, int64_t Hkv, int64_t D, int64_t block_size,
+                            int64_t b_begin, int64_t b_end) {
+    const int G = (int)(Hq / Hkv), D16 = (int)(D / 16);
+    const attend_fn fn = G <= 8 && D16 <= 8 ? ATTEND_TABLE[G][D16 - 1] : 0;
+    const float tscale = type_scale(kv_type);
+    PagedKV c = {k_cache, v_cache, kv_type, s_block, s_tok, s_head, block_size, elem_size(kv_type), 0};
+    float* scores = 0;
+    int64_t cap = 0;
+    for (int64_t b = b_begin; b < b_end; b++) {
+        const int64_t ctx = context_lens[b], row = rows ? rows[b] : b;
+        const int64_t first = window > 0 && ctx > window ? ctx - window : 0, n = ctx - first;
+        if (n * G > cap) {
+            free(scores);
+            cap = n * G + 1024;
+            scores = (float*)malloc(sizeof(float) * cap);
+        }
+        c.table = block_tables + b * ld_table;
+        for (int64_t h = 0; h < Hkv; h++) {
+            const float ks = (k_scale ? k_scale[h] : 1.0f) * tscale * scale;
+            const float vs = (v_scale ? v_scale[h] : 1.0f) * tscale;
+            const float* qh = q + row * ldq + h * G * D;
+            float* oh = out + row * ldo + h * G * D;
+            if (fn) fn(&c, qh, D, oh, h, first, n, ks, vs, scores);
+            else attend_generic(&c, qh, D, oh, h, first, n, ks, vs, scores, G, D16);
+        }
+    }
+    free(scores);
+}
+
+/* ---- KV store --------------------------------------------------------------------------------- */
+/* k/v: [N, Hkv*D] fp32 rows; slot s goes to block s / block_size, token s % block_size; a negative
+ * slot is skipped. Cache types F32, BF16, F16 (fp8 is quantised by the caller). */
+void store_kv(const float* k, int64_t ldk, const float* v, int64_t ldv, void* k_cache, void* v_cache,
+              int kv_type, int64_t s_block, int64_t s_tok, const int64_t* slots, int64_t block_size,
+              int64_t row_elems, int64_t n_begin, int64_t n_end) {
+    const int64_t esz = elem_size(kv_type);
+    for (int64_t i = n_begin; i < n_end; i++) {
+        const int64_t s = slots[i];
+        if (s < 0) continue;
+        const int64_t off = ((s / block_size) * s_block + (s % block_size) * s_tok) * esz;
+        for (int which = 0; which < 2; which++) {
+            const float* src = which ? v + i * ldv : k + i * ldk;
+            char* dst = (char*)(which ? v_cache : k_cache) + off;
+            if (kv_type == F32) {
+                memcpy(dst, src, row_elems * 4);
+                continue;
+            }
+            for (int64_t e = 0; e < row_elems; e += 16) {
+                __mmask16 mk = lane_mask(row_elems - e);
+                __m512 x = _mm512_maskz_loadu_ps(mk, src + e);
+                __m256i h = kv_type == BF16 ? to_bf16(x) : _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT);
+                _mm256_mask_storeu_epi16(dst + e * 2, mk, h);
+            }
+        }
+    }
+}
+
+/* ---- RMSNorm, RoPE, SiLU ---------------------------------------------------------------------- */
+/* out = weight * x / rms(x); with residual: residual += x first and the norm is of the sum (the
+ * pre-norm pattern; x is left as is). weight: fp32 or 16-bit (wtype). */
+void rms_norm(const float* x, int64_t ldx, float* residual, int64_t ldr, const void* weight, int wtype,
+              float eps, float* out, int64_t ldo, int64_t H, int64_t r_begin, int64_t r_end) {
+    for (int64_t r = r_begin; r < r_end; r++) {
+        const float* src = x + r * ldx;
+        float* h = residual ? residual + r * ldr : (float*)src;
+        __m512 ss = _mm512_setzero_ps();
+        for (int64_t e = 0; e < H; e += 16) {
+            __mmask16 mk = lane_mask(H - e);
+            __m512 v = _mm512_maskz_loadu_ps(mk, src + e);
+            if (residual) {
+                v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mk, h + e));
+                _mm512_mask_storeu_ps(h + e, mk, v);
+            }
+            ss = _mm512_fmadd_ps(v, v, ss);
+        }
+        const float inv = 1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)H + eps);
+        const __m512 iv = _mm512_set1_ps(inv);
+        for (int64_t e = 0; e < H; e += 16) {
+            __mmask16 mk = lane_mask(H - e);
+            __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, h + e), iv);
+            __m512 w;
+            if (wtype == F32) w = _mm512_maskz_loadu_ps(mk, (const float*)weight + e);
+            else {
+                const __m256i raw = _mm256_maskz_loadu_epi16(mk, (const uint16_t*)weight + e);
+                w = wtype == BF16 ? cvt_bf16(raw) : _mm512_cvtph_ps(raw);
+            }
+            _mm512_mask_storeu_ps(out + r * ldo + e, mk, _mm512_mul_ps(v, w));
+        }
+    }
+}
+
+/* In place on q [N, Hq*D] and k [N, Hk*D] rows: x * cos + rotate_half(x) * sin, with cos/sin from
+ * `cos_sin` [max_pos, D] ([cos | sin] halves of D/2 each, the two halves of a head share them). */
+void rope(float* q, int64_t ldq, float* k, int64_t ldk, const int64_t* positions, const float* cos_sin,
+          int64_t Hq, int64_t Hk, int64_t D, int64_t r_begin, int64_t r_end) {
+    const int64_t half = D / 2;
+    for (int64_t r = r_begin; r < r_end; r++) {
+        const float* c = cos_sin + positions[r] * D;
+        const float* s = c + half;
+        for (int which = 0; which < 2; which++) {
+            float* base = which ? k + r * ldk : q + r * ldq;
+            const int64_t heads = which ? Hk : Hq;
+            for (int64_t hd = 0; hd < heads; hd++) {
+                float* x = base + hd * D;
+                for (int64_t e = 0; e < half; e += 16) {
+                    __mmask16 mk = lane_mask(half - e);
+                    __m512 x1 = _mm512_maskz_loadu_ps(mk, x + e), x2 = _mm512_maskz_loadu_ps(mk, x + half + e);
+                    __m512 cv = _mm512_maskz_loadu_ps(mk, c + e), sv = _mm512_maskz_loadu_ps(mk, s + e);
+                    /* HF: [x1, x2] * cos + [-x2, x1] * sin */
+                    _mm512_mask_storeu_ps(x + e, mk, _mm512_fmsub_ps(x1, cv, _mm512_mul_ps(x2, sv)));
+                    _mm512_mask_storeu_ps(x + half + e, mk, _mm512_fmadd_ps(x2, cv, _mm512_mul_ps(x1, sv)));
+                }
+            }
+        }
+    }
+}
+
+/* out[r, :I] = silu(x[r, :I]) * x[r, I:2I] */
+void silu_and_mul(const float* x, int64_t ldx, float* out, int64_t ldo, int64_t I, int64_t r_begin,
+                  int64_t r_end) {
+    for (int64_t r = r_begin; r < r_end; r++) {
+        const float* g = x + r * ldx;
+        const float* u = g + I;
+        for (int64_t e = 0; e < I; e += 16) {
+            __mmask16 mk = lane_mask(I - e);
+            __m512 gv = _mm512_maskz_loadu_ps(mk, g + e);
+            __m512 sig = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f),
+                                                         exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+            _mm512_mask_storeu_ps(out + r * ldo + e, mk, _mm512_mul_ps(sig, _mm512_maskz_loadu_ps(mk, u + e)));
+        }
+    }
+}

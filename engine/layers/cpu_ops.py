@@ -1,0 +1,261 @@
+"""The engine's CPU kernels (`cpu_kernels.c`): compiled with the system C compiler on first use, cached
+under `$KVSTORE_CACHE_DIR/kernels` (default `~/.cache/kvstore/kernels`) and called through ctypes.
+
+They need x86-64 with AVX-512F and a C compiler (`$CC`, `cc` or `gcc`); without either, or with
+`KVSTORE_CPU_KERNELS=0`, `available()` is False and the layers keep their torch paths. Calls release
+the GIL, so with more than one torch thread a call's rows are split over a small thread pool.
+
+Every wrapper takes fp32 activations contiguous in their last dimension (asserted).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SRC = Path(__file__).with_name("cpu_kernels.c")
+_FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-fno-math-errno", "-std=c11")
+PANEL = 32  # output columns per packed weight panel (NR in the C source)
+KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3}
+W_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+_i64, _f32, _ptr, _int = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
+_SIGNATURES = {
+    "gemm_w16": [_ptr, _i64, _ptr, _int, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64],
+    "paged_decode_attention": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _int, _i64, _i64, _i64, _ptr, _ptr, _ptr,
+                               _i64, _ptr, _ptr, _f32, _i64, _i64, _i64, _i64, _i64, _i64, _i64],
+    "store_kv": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _int, _i64, _i64, _ptr, _i64, _i64, _i64, _i64],
+    "rms_norm": [_ptr, _i64, _ptr, _i64, _ptr, _int, _f32, _ptr, _i64, _i64, _i64, _i64],
+    "rope": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64],
+    "silu_and_mul": [_ptr, _i64, _ptr, _i64, _i64, _i64, _i64],
+}  # fmt: skip
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _supported() -> str | None:
+    """Why the kernels cannot run here, or None."""
+    if os.environ.get("KVSTORE_CPU_KERNELS", "1") == "0":
+        return "KVSTORE_CPU_KERNELS=0"
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"{platform.machine()} is not x86-64"
+    if "avx512f" not in _cpu_flags().split():
+        return "the CPU has no AVX-512F"
+    return None
+
+
+def _build() -> Path:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise OSError("no C compiler (set CC, or install gcc)")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256(
+        b"\0".join(s.encode() for s in (_SRC.read_text(), " ".join(_FLAGS), version, _cpu_flags()))
+    ).hexdigest()[:16]
+    root = os.environ.get("KVSTORE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kvstore")
+    out = Path(root) / "kernels" / f"cpu_kernels-{key}.so"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        so = Path(tmp) / out.name
+        r = subprocess.run(
+            [cc, *_FLAGS, str(_SRC), "-o", str(so), "-lm"], capture_output=True, text=True, timeout=300
+        )
+        if r.returncode != 0:
+            raise OSError(f"{cc} failed: {r.stderr[-2000:]}")
+        os.replace(so, out)  # atomic: a concurrent build by another process wins or loses whole
+    logger.info("compiled %s", out)
+    return out
+
+
+@functools.cache
+def _lib() -> ctypes.CDLL | None:
+    reason = _supported()
+    if reason is None:
+        try:
+            lib = ctypes.CDLL(str(_build()))
+        except (OSError, subprocess.SubprocessError) as e:
+            reason = f"cannot build them: {e}"
+        else:
+            for name, args in _SIGNATURES.items():
+                fn = getattr(lib, name)
+                fn.argtypes, fn.restype = args, None
+            return lib
+    logger.warning("engine CPU kernels off (%s): torch paths instead", reason)
+    return None
+
+
+def available() -> bool:
+    return _lib() is not None
+
+
+@functools.cache
+def _pool(n: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(n, thread_name_prefix="cpu-kernel")
+
+
+def _split(fn, total: int, *args) -> None:
+    """fn(*args, begin, end) over [0, total), split over torch's intra-op thread count."""
+    n = min(torch.get_num_threads(), total)
+    if n <= 1:
+        fn(*args, 0, total)
+        return
+    bounds = [total * i // n for i in range(n + 1)]
+    futures = [_pool(n).submit(fn, *args, bounds[i], bounds[i + 1]) for i in range(n)]
+    for f in futures:
+        f.result()
+
+
+def _ptr_of(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _rows(t: torch.Tensor) -> None:
+    assert t.dtype == torch.float32 and t.dim() == 2 and t.stride(1) == 1, (t.dtype, t.shape, t.stride())
+
+
+# ---- GEMM ------------------------------------------------------------------------------------------
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] bf16/fp16 -> [ceil(N/32), K, 32] (zero-padded panels of 32 output columns)."""
+    n, k = weight.shape
+    panels = -(-n // PANEL)
+    padded = torch.zeros(panels * PANEL, k, dtype=weight.dtype)
+    padded[:n] = weight
+    return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
+
+
+def gemm_w16(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] fp32 @ W.T (+ bias fp32 [N]) -> [M, N] fp32, W packed by `pack_weight`."""
+    _rows(x)
+    m, k = x.shape
+    assert packed.shape[1] == k and packed.dtype in (torch.bfloat16, torch.float16), packed.shape
+    assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())
+    y = torch.empty(m, n, dtype=torch.float32)
+    if m:
+        lib = _lib()
+        _split(lib.gemm_w16, packed.shape[0], x.data_ptr(), x.stride(0), packed.data_ptr(), W_TYPES[packed.dtype],
+               _ptr_of(bias), y.data_ptr(), n, m, n, k)  # fmt: skip
+    return y
+
+
+# ---- attention -------------------------------------------------------------------------------------
+def paged_decode_attention(
+    q: torch.Tensor,
+    out: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    rows: torch.Tensor | None,
+    scale: float,
+    window: int | None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    """Decode rows of q [N, Hq, D] (`rows[b]` for sequence b, or row b) attend to their paged KV;
+    results go to the same rows of `out`. Caches: [num_blocks, block_size, Hkv, D], any KV dtype of
+    KV_TYPES; fp8 values are multiplied by `k_scale`/`v_scale` [Hkv] (fp32)."""
+    n, hq, d = q.shape
+    _, bs, hkv, dk = k_cache.shape
+    assert (
+        q.dtype == out.dtype == torch.float32
+        and q.stride(2) == 1
+        and q.stride(1) == d
+        and out.is_contiguous()
+    )
+    assert dk == d and d % 16 == 0 and d <= 256 and hq % hkv == 0 and hq // hkv <= 16, (
+        q.shape,
+        k_cache.shape,
+    )
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and k_cache.dtype == v_cache.dtype
+    assert block_tables.dtype == context_lens.dtype == torch.int32 and block_tables.stride(1) == 1
+    assert rows is None or (rows.dtype == torch.int64 and rows.is_contiguous())
+    for s in (k_scale, v_scale):
+        assert s is None or (s.dtype == torch.float32 and s.is_contiguous() and s.numel() == hkv)
+    b = context_lens.shape[0]
+    sb, st, sh, _ = k_cache.stride()
+    _split(_lib().paged_decode_attention, b, q.data_ptr(), q.stride(0), out.data_ptr(), hq * d, k_cache.data_ptr(),
+           v_cache.data_ptr(), KV_TYPES[k_cache.dtype], sb, st, sh, _ptr_of(k_scale), _ptr_of(v_scale),
+           block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(), _ptr_of(rows), scale,
+           int(window or 0), hq, hkv, d, bs)  # fmt: skip
+
+
+def store_kv(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """key/value [N, Hkv*D] fp32 rows into caches [num_blocks, block_size, Hkv, D] (fp32/bf16/fp16,
+    rounded to nearest even); a negative slot is skipped."""
+    _rows(key)
+    _rows(value)
+    nb, bs, hkv, d = k_cache.shape
+    assert k_cache.dtype in (torch.float32, torch.bfloat16, torch.float16) and k_cache.dtype == v_cache.dtype
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(2) == d and k_cache.stride(3) == 1
+    assert key.shape == value.shape and key.shape[1] == hkv * d and slots.dtype == torch.int64
+    assert slots.is_contiguous() and slots.shape[0] == key.shape[0]
+    sb, st = k_cache.stride(0), k_cache.stride(1)
+    _lib().store_kv(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), k_cache.data_ptr(),
+                    v_cache.data_ptr(), KV_TYPES[k_cache.dtype], sb, st, slots.data_ptr(), bs, hkv * d, 0,
+                    key.shape[0])  # fmt: skip
+
+
+# ---- elementwise -----------------------------------------------------------------------------------
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """weight * norm(x), or with `residual` (updated in place to x + residual) weight * norm(x + residual)."""
+    _rows(x)
+    if residual is not None:
+        _rows(residual)
+        assert residual.shape == x.shape
+    assert weight.is_contiguous() and weight.dtype in W_TYPES and weight.shape == (x.shape[1],)
+    out = torch.empty_like(x)
+    _split(_lib().rms_norm, x.shape[0], x.data_ptr(), x.stride(0), _ptr_of(residual),
+           residual.stride(0) if residual is not None else 0, weight.data_ptr(), W_TYPES[weight.dtype], eps,
+           out.data_ptr(), out.stride(0), x.shape[1])  # fmt: skip
+    return out
+
+
+def rope(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_heads: int,
+    num_kv_heads: int,
+) -> None:  # fmt: skip
+    """In place on q [N, Hq*D] and k [N, Hk*D] (rows may be strided views of one qkv tensor)."""
+    _rows(q)
+    _rows(k)
+    d = cos_sin.shape[1]
+    assert cos_sin.dtype == torch.float32 and cos_sin.is_contiguous() and d % 2 == 0
+    assert positions.dtype == torch.int64 and positions.is_contiguous() and positions.shape[0] == q.shape[0]
+    assert q.shape[1] == num_heads * d and k.shape[1] == num_kv_heads * d
+    _split(_lib().rope, q.shape[0], q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), positions.data_ptr(),
+           cos_sin.data_ptr(), num_heads, num_kv_heads, d)  # fmt: skip
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[N, 2I] -> silu(x[:, :I]) * x[:, I:]"""
+    _rows(x)
+    i = x.shape[1] // 2
+    out = torch.empty(x.shape[0], i, dtype=torch.float32)
+    _split(_lib().silu_and_mul, x.shape[0], x.data_ptr(), x.stride(0), out.data_ptr(), i, i)
+    return out
