@@ -93,6 +93,8 @@ def scatter_chunk(
             f"chunk {tuple(chunk.shape)} does not match the cache's heads/head_dim {(h, d)}"
         )
     src = chunk.to(device=first.device, dtype=first.dtype)
+    if first.dtype == torch.float8_e4m3fn:  # index_copy_ has no fp8 kernel: copy the bytes
+        src, kv_caches = src.view(torch.uint8), [c.view(torch.uint8) for c in kv_caches]
     idx = _index(block_ids, first.device)
     for layer, cache in enumerate(kv_caches):
         for kv in (0, 1):

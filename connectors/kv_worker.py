@@ -68,6 +68,7 @@ class KVStoreWorker:
         self.metrics = handle.metrics
         self.kv_caches: list[torch.Tensor] = []
         self.geometry: CacheGeometry | None = None
+        self.codec = config.codec  # what saves use (register_kv_caches: raw for an fp8 cache)
         self._load_pool = ThreadPoolExecutor(config.load_threads, thread_name_prefix="kv-load")
         self._save_pool = ThreadPoolExecutor(config.save_threads, thread_name_prefix="kv-save")
         self._async_loads = ThreadPoolExecutor(1, thread_name_prefix="kv-load-async")
@@ -97,10 +98,12 @@ class KVStoreWorker:
             raise InvalidArgument(
                 f"KV caches (layers, kv_heads, head_dim, dtype, block_size)={have} != config {want}"
             )
+        # An fp8 KV cache is already quantised: its blocks are stored as they are, never quantised again.
+        self.codec = "raw" if geo.dtype == torch.float8_e4m3fn else self.config.codec
+        if self.codec != self.config.codec:
+            logger.info("fp8 KV cache: chunks are stored raw (as fp8), not with codec %s", self.config.codec)
         if self.config.saves:  # a codec that cannot encode this layout fails now, not on every save
-            encode_blob(
-                torch.zeros(geo.chunk_shape(self.config.chunk_size), dtype=geo.dtype), self.config.codec
-            )
+            encode_blob(torch.zeros(geo.chunk_shape(self.config.chunk_size), dtype=geo.dtype), self.codec)
         self.kv_caches = list(kv_caches)
         self.geometry = geo
 
@@ -261,7 +264,7 @@ class KVStoreWorker:
             keys = [spec.key for spec, _ in batch]
             present = self.handle.batch_exists(keys)
             items = [
-                (spec.key, encode_blob(kv, codec=self.config.codec))
+                (spec.key, encode_blob(kv, codec=self.codec))
                 for (spec, kv), have in zip(batch, present, strict=True)
                 if not have
             ]

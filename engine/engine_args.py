@@ -21,6 +21,7 @@ from typing import Any
 from connectors.base import canonical_kv_role
 from connectors.factory import KV_BACKENDS, backend_for_connector
 from engine.errors import InvalidRequest
+from engine.kv_cache.spec import KV_CACHE_DTYPES, KV_SCALE_GRANULARITIES
 from kvstore.errors import KVStoreError
 from kvstore.settings import load_settings
 from kvstore.settings import parse_size as _parse_size
@@ -74,6 +75,8 @@ class EngineArgs:
     max_num_seqs: int = 64
     max_model_len: int | None = None  # default: the model's max_position_embeddings, capped at 8192
     dtype: str = "float32"
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype), bfloat16, float16, float32, fp8 (e4m3)
+    kv_scale_granularity: str = "head"  # fp8: a calibrated scale per KV head, or per layer ("tensor")
     device: str = "cpu"
     enable_prefix_caching: bool = True
     kv_transfer_config: str | dict | None = None  # vLLM's KVTransferConfig as JSON text or a mapping
@@ -107,6 +110,14 @@ class EngineArgs:
             raise InvalidRequest("kv_cache_memory must be positive")
         if self.dtype not in DTYPES:
             raise InvalidRequest(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidRequest(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
+        if self.kv_scale_granularity not in KV_SCALE_GRANULARITIES:
+            raise InvalidRequest(
+                f"kv_scale_granularity must be one of {KV_SCALE_GRANULARITIES}, got {self.kv_scale_granularity!r}"
+            )
         if not isinstance(self.model, (str, os.PathLike)) or not str(self.model):
             raise InvalidRequest("model must be a model directory or 'smollm2'")
         self.model = str(self.model)
@@ -185,6 +196,11 @@ class EngineArgs:
         p.add_argument("--max-num-seqs", type=int, help="requests per batch (default 64)")
         p.add_argument("--max-model-len", type=int, help="default: the model's, at most 8192")
         p.add_argument("--dtype", choices=DTYPES, help="default float32")
+        p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
+                       help="what the paged KV cache stores: auto (default: the model dtype) or fp8 (e4m3, "
+                       "half the memory)")  # fmt: skip
+        p.add_argument("--kv-scale-granularity", choices=KV_SCALE_GRANULARITIES,
+                       help="fp8 KV cache: a calibrated scale per KV head (default) or per layer (tensor)")  # fmt: skip
         p.add_argument("--device", help="default cpu")
         p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                        default=None)  # fmt: skip

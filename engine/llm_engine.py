@@ -15,6 +15,8 @@ from engine.block_manager import BlockManager
 from engine.config import ModelConfig, parse_dtype
 from engine.engine_args import EngineArgs
 from engine.errors import InvalidRequest, KVBackendUnavailable
+from engine.kv_cache.fp8_scales import CALIBRATION_TEXT, KVScales, calibrate_kv_scales
+from engine.kv_cache.spec import resolve_kv_cache_dtype
 from engine.metrics import EngineMetrics
 from engine.model_runner import ModelRunner, kv_bytes_per_block
 from engine.outputs import CompletionOutput, RequestOutput
@@ -59,9 +61,12 @@ class LLMEngine:
             raise InvalidRequest(
                 f"max_model_len {self.max_model_len} exceeds the model's {cfg.max_position_embeddings} positions"
             )
+        self.kv_cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, self.dtype)
+        fp8 = self.kv_cache_dtype == torch.float8_e4m3fn
+        self.kv_scales: KVScales | None = None  # fp8: calibrated once, on a fixed text (kv_cache.fp8_scales)
         bs = args.block_size
         per_block = kv_bytes_per_block(
-            cfg.num_hidden_layers, bs, cfg.num_key_value_heads, cfg.head_dim, self.dtype
+            cfg.num_hidden_layers, bs, cfg.num_key_value_heads, cfg.head_dim, self.kv_cache_dtype
         )
         num_blocks = args.num_kv_blocks or args.kv_cache_memory // per_block
         if num_blocks * bs < self.max_model_len:  # checked before the (slow) weight load
@@ -69,7 +74,8 @@ class LLMEngine:
                 f"a KV cache of {num_blocks} blocks x {bs} tokens cannot hold one sequence of max_model_len "
                 f"{self.max_model_len}; give it more memory (kv_cache_memory) or lower max_model_len"
             )
-        kv_scheduler, kv_worker = self._make_kv_connectors(args, cfg)  # bad KV settings fail before the load
+        # Bad KV settings fail before the load; an fp8 cache's layout needs its scales, so it connects after.
+        kv_scheduler, kv_worker = (None, None) if fp8 else self._make_kv_connectors(args, cfg)
         try:
             self.model, self.model_config = load_model(self.model_dir, self.dtype, self.device)
         except BaseException:
@@ -80,11 +86,21 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
         cfg = self.model_config
         self.model_name = args.served_model_name or cfg.model_name
+        if fp8:
+            vocab = cfg.vocab_size  # (a tokenizer may know more ids than the model)
+            calibration = [t for t in self.tokenizer.encode(CALIBRATION_TEXT) if t < vocab][
+                : self.max_model_len - 1
+            ]
+            self.kv_scales = calibrate_kv_scales(self.model, calibration, args.kv_scale_granularity)
+            kv_scheduler, kv_worker = self._make_kv_connectors(args, cfg)
         self.runner = ModelRunner(
             self.model, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, bs, num_blocks,
-            self.dtype, self.device, kv_worker,
+            self.kv_cache_dtype, self.device, kv_worker, self.kv_scales,
         )  # fmt: skip
-        layout = KVLayout.for_model(cfg.raw, model=cfg.model_name, kv_dtype=str(self.dtype), chunk_size=bs)
+        layout = KVLayout.for_model(
+            cfg.raw, model=cfg.model_name, kv_dtype=str(self.kv_cache_dtype), chunk_size=bs,
+            kv_scales=self.kv_scales.digest() if self.kv_scales is not None else "",
+        )  # fmt: skip
         self.block_manager = BlockManager(num_blocks, bs, args.enable_prefix_caching, root_key(layout))
         eos = set(cfg.eos_token_ids) | set(getattr(self.tokenizer, "eos_token_ids", ()) or ())
         sched_cfg = SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, self.max_model_len)
@@ -173,7 +189,10 @@ class LLMEngine:
         config = {
             **args.kv_connector_extra_config, "kv_role": args.kv_role, "block_size": args.block_size,
             # kvstore.keys.model_layout: the same fingerprint as every other engine (vLLM's connector)
-            "layout": model_layout(cfg.raw, model=cfg.model_name, kv_dtype=str(self.dtype)),
+            "layout": model_layout(
+                cfg.raw, model=cfg.model_name, kv_dtype=str(self.kv_cache_dtype),
+                kv_scales=self.kv_scales.digest() if self.kv_scales is not None else "",
+            ),
         }  # fmt: skip
         try:
             scheduler_side = create_connector(args.kv_backend, KVConnectorRole.SCHEDULER, config)

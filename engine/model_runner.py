@@ -1,8 +1,9 @@
 """Runs one scheduled step: builds the varlen-paged inputs, calls the model, samples.
 
-The KV cache is ONE tensor `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`; each
-attention module's `kv_cache` is a view of its layer (the store connector reads and writes blocks
-through the same views).
+The KV cache is ONE tensor `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]` in the
+KV cache dtype (`--kv-cache-dtype`); each attention module's `kv_cache` is a view of its layer (the
+store connector reads and writes blocks through the same views), and with an fp8 cache its
+`k_scale`/`v_scale` are that layer's scales.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from connectors.base import KVConnectorBase
 from engine.attention_metadata import AttentionMetadata
 from engine.errors import EngineError
+from engine.kv_cache.fp8_scales import KVScales
 from engine.sampler import Sampler
 from engine.scheduler import SchedulerOutput
 
@@ -39,6 +41,7 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         connector: KVConnectorBase | None = None,
+        kv_scales: KVScales | None = None,
     ) -> None:
         self.model = model
         self.block_size = block_size
@@ -55,17 +58,23 @@ class ModelRunner:
             raise EngineError(
                 f"found {len(attn_modules)} attention modules with a kv_cache, expected {num_layers}"
             )
+        if (dtype == torch.float8_e4m3fn) != (kv_scales is not None):
+            raise EngineError("an fp8 KV cache needs scales, and only an fp8 cache takes them")
         for layer, module in enumerate(attn_modules):
             module.kv_cache = self.kv_cache[layer]
+            if kv_scales is not None:
+                module.k_scale = kv_scales.scales[layer, 0].to(device).contiguous()
+                module.v_scale = kv_scales.scales[layer, 1].to(device).contiguous()
         self.connector = connector  # worker side of the KV connector (--kv-backend), or None
         self.invalid_block_ids: set[int] = set()  # blocks whose KV failed to load in the last step
         self.sample_errors: dict[str, Exception] = {}  # requests the sampler failed in the last step
         if connector is not None:
             connector.register_kv_caches([self.kv_cache[layer] for layer in range(num_layers)])
         logger.info(
-            "KV cache: %d blocks x %d tokens, %.1f MiB",
+            "KV cache: %d blocks x %d tokens, %s, %.1f MiB",
             num_blocks,
             block_size,
+            str(dtype).removeprefix("torch."),
             self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
         )
 

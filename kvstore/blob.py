@@ -7,7 +7,7 @@ Layout, all little-endian:
     4      2    format version (1)
     6      1    codec id (kvstore.codecs: raw=0, fp8=1, int4=2)
     7      1    compression (0 none, 1 lz4), applied after the codec
-    8      1    KV dtype id (1 float16, 2 bfloat16, 3 float32)
+    8      1    KV dtype id (1 float16, 2 bfloat16, 3 float32, 4 float8_e4m3fn: an fp8 KV cache, raw only)
     9      1    ndim (5: [2, layers, tokens, kv_heads, head_dim])
     10     2    reserved, zero
     12     20   shape, 5 x uint32
@@ -44,7 +44,7 @@ HEADER_SIZE = _HEAD.size + _CHECK.size
 assert HEADER_SIZE == 52
 
 COMPRESSION_NONE, COMPRESSION_LZ4 = 0, 1
-DTYPE_IDS = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
+DTYPE_IDS = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float8_e4m3fn: 4}
 DTYPES = {v: k for k, v in DTYPE_IDS.items()}
 MAX_PARAMS = 1 << 16
 
@@ -90,6 +90,8 @@ def encode_blob(kv: torch.Tensor, codec: str = "raw", lz4: bool = False, **optio
     if kv.dtype not in DTYPE_IDS:
         raise CodecError(f"KV dtype must be one of {[str(d) for d in DTYPE_IDS]}, got {kv.dtype}")
     c = get_codec(codec)
+    if kv.dtype == torch.float8_e4m3fn and c.codec_id != RawCodec.codec_id:
+        raise CodecError(f"an fp8 KV cache is stored as is (raw codec), not quantised again with {c.name}")
     payload, params = c.encode(kv, **options)
     compression = COMPRESSION_NONE
     if lz4:

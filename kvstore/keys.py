@@ -7,8 +7,9 @@ A key never depends on the process, the machine, PYTHONHASHSEED or the codec. Re
     key_i     = blake2b-128( key_{i-1} ‖ tokens_i as little-endian int32 ‖ extra )      key_{-1} = root
     partial   = blake2b-128( key_{i-1} ‖ b"partial" ‖ uint32 n ‖ tokens as little-endian int32 ‖ extra )
 
-`layout.fingerprint()` is the UTF-8 JSON of the layout fields with sorted keys and no spaces. Keys are
-16 raw bytes, printed as 32 lowercase hex characters. Changing any of this is a new KEY_VERSION.
+`layout.fingerprint()` is the UTF-8 JSON of the layout fields with sorted keys and no spaces (an
+empty `kv_scales`, the usual case, is left out). Keys are 16 raw bytes, printed as 32 lowercase hex
+characters. Changing any of this is a new KEY_VERSION.
 
 Every engine builds its layout with `KVLayout.for_model` (or `model_layout` when the chunk size is
 filled in later), from the model's own config.json, so KV computed by one engine (the bundled one, vLLM)
@@ -50,6 +51,10 @@ class KVLayout:
     chunk_size: int = 256
     tp_rank: int = 0
     tp_world_size: int = 1
+    # fp8 KV: the engine's scale scheme and a digest of its scales ("head:<hex>"); values quantised
+    # with other scales must never share keys. Empty for unscaled dtypes (and absent from the
+    # fingerprint then, so those keys are unchanged).
+    kv_scales: str = ""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "chunk_size", "tp_world_size"):
@@ -61,7 +66,10 @@ class KVLayout:
             raise InvalidArgument(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
 
     def fingerprint(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
+        fields = asdict(self)
+        if not fields["kv_scales"]:
+            del fields["kv_scales"]
+        return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
 
     @classmethod
     def for_model(
@@ -73,11 +81,13 @@ class KVLayout:
         chunk_size: int,
         tp_rank: int = 0,
         tp_world_size: int = 1,
+        kv_scales: str = "",
     ) -> KVLayout:
         """The layout of `model`'s KV cache from its config.json; see `model_layout`."""
         fields = model_layout(
-            config, model=model, kv_dtype=kv_dtype, tp_rank=tp_rank, tp_world_size=tp_world_size
-        )
+            config, model=model, kv_dtype=kv_dtype, tp_rank=tp_rank, tp_world_size=tp_world_size,
+            kv_scales=kv_scales,
+        )  # fmt: skip
         return cls(**fields, chunk_size=chunk_size)
 
 
@@ -99,14 +109,21 @@ def model_identity_hash(config: Mapping[str, Any]) -> str:
 
 
 def model_layout(
-    config: Mapping[str, Any], *, model: str, kv_dtype: str, tp_rank: int = 0, tp_world_size: int = 1
+    config: Mapping[str, Any],
+    *,
+    model: str,
+    kv_dtype: str,
+    tp_rank: int = 0,
+    tp_world_size: int = 1,
+    kv_scales: str = "",
 ) -> dict[str, Any]:
     """Every `KVLayout` field but `chunk_size`, computed the same way for every engine.
 
     `config` is the model's config.json as read from disk (not a library's config object, which adds
     defaults that vary by version); `kv_dtype` the dtype of the KV cache (`torch.bfloat16` or
-    `"bfloat16"`). Under tensor parallelism each rank holds `num_key_value_heads / tp_world_size` KV
-    heads (at least one; a rank replicates a head when there are more ranks than heads).
+    `"bfloat16"`), and an fp8 cache's `kv_scales` digest. Under tensor parallelism each rank holds
+    `num_key_value_heads / tp_world_size` KV heads (at least one; a rank replicates a head when
+    there are more ranks than heads).
     """
     text = config.get("text_config") if "num_hidden_layers" not in config else None
     geo = text if isinstance(text, Mapping) else config
@@ -128,6 +145,7 @@ def model_layout(
         "kv_dtype": str(kv_dtype).removeprefix("torch."),
         "tp_rank": tp_rank,
         "tp_world_size": tp_world_size,
+        **({"kv_scales": kv_scales} if kv_scales else {}),
     }
 
 

@@ -90,6 +90,19 @@ def smollm2_dir() -> Path:
     return ensure_smollm2()
 
 
+@pytest.fixture(scope="session")
+def tiny_engine_dir(tiny_checkpoints, smollm2_dir, tmp_path_factory) -> Path:
+    """The tiny llama checkpoint with SmolLM2's tokenizer (ids below 320 decode fine): for engine,
+    CLI and server mechanics that need a tokenizer but not a real model."""
+    import shutil
+
+    out = tmp_path_factory.mktemp("tiny_engine") / "tiny-llama"
+    shutil.copytree(tiny_checkpoints["llama"], out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm2_dir / name, out / name)
+    return out
+
+
 class PagedKV:
     """A hand-built stand-in for the runner in model-level tests: one KV cache tensor, blocks handed
     out from a shuffled free list (so block tables are never contiguous), and `step()` building the

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -21,16 +20,6 @@ from engine.bench.serve import ServeOptions, run_serve
 from engine.errors import InvalidRequest
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def tiny_engine_dir(tiny_checkpoints, smollm2_dir, tmp_path_factory) -> Path:
-    """The tiny llama checkpoint with SmolLM2's tokenizer (its ids < 320 decode fine)."""
-    out = tmp_path_factory.mktemp("tiny_engine") / "tiny-llama"
-    shutil.copytree(tiny_checkpoints["llama"], out)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(smollm2_dir / name, out / name)
-    return out
 
 
 def _cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
