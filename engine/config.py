@@ -38,6 +38,19 @@ def parse_dtype(name: str | torch.dtype | None, default: torch.dtype = torch.flo
     return _DTYPES[key]
 
 
+def resolve_dtype(
+    name: str, checkpoint_dtype: torch.dtype, device: str | torch.device = "cpu"
+) -> torch.dtype:
+    """`--dtype`. "auto", as in vLLM: bfloat16 on CPU whatever the checkpoint holds (the CPU kernels'
+    fast path: 16-bit weights, fp32 arithmetic); on a GPU the checkpoint's 16-bit dtype, bfloat16 for
+    an fp32 checkpoint."""
+    if name != "auto":
+        return parse_dtype(name)
+    if torch.device(device).type == "cpu" or checkpoint_dtype not in (torch.float16, torch.bfloat16):
+        return torch.bfloat16
+    return checkpoint_dtype
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())

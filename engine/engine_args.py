@@ -74,7 +74,7 @@ class EngineArgs:
     max_num_batched_tokens: int = 1024
     max_num_seqs: int = 64
     max_model_len: int | None = None  # default: the model's max_position_embeddings, capped at 8192
-    dtype: str = "float32"
+    dtype: str = "auto"  # auto: bfloat16 on CPU (engine.config.resolve_dtype); float32 = the exact reference
     kv_cache_dtype: str = "auto"  # auto (the model's dtype), bfloat16, float16, float32, fp8 (e4m3)
     kv_scale_granularity: str = "head"  # fp8: a calibrated scale per KV head, or per layer ("tensor")
     device: str = "cpu"
@@ -195,7 +195,9 @@ class EngineArgs:
         p.add_argument("--max-num-batched-tokens", type=int, help="tokens per engine step (default 1024)")
         p.add_argument("--max-num-seqs", type=int, help="requests per batch (default 64)")
         p.add_argument("--max-model-len", type=int, help="default: the model's, at most 8192")
-        p.add_argument("--dtype", choices=DTYPES, help="default float32")
+        p.add_argument("--dtype", choices=DTYPES,
+                       help="weights: auto (default; bfloat16 on CPU) or float32 (token-identical to "
+                       "transformers fp32)")  # fmt: skip
         p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
                        help="what the paged KV cache stores: auto (default: the model dtype) or fp8 (e4m3, "
                        "half the memory)")  # fmt: skip

@@ -12,7 +12,7 @@ import torch
 from connectors.base import KVConnectorBase, KVConnectorRole
 from connectors.factory import create_connector
 from engine.block_manager import BlockManager
-from engine.config import ModelConfig, parse_dtype
+from engine.config import ModelConfig, resolve_dtype
 from engine.engine_args import EngineArgs
 from engine.errors import InvalidRequest, KVBackendUnavailable
 from engine.kv_cache.fp8_scales import CALIBRATION_TEXT, KVScales, calibrate_kv_scales
@@ -55,7 +55,7 @@ class LLMEngine:
         self.model_dir = resolve_model_dir(args.model)
         self.device = torch.device(args.device)
         cfg = ModelConfig.from_pretrained(self.model_dir)
-        self.dtype = cfg.dtype if args.dtype == "auto" else parse_dtype(args.dtype)
+        self.dtype = resolve_dtype(args.dtype, cfg.dtype, self.device)
         self.max_model_len = args.max_model_len or min(cfg.max_position_embeddings, _MAX_DEFAULT_MODEL_LEN)
         if self.max_model_len > cfg.max_position_embeddings:
             raise InvalidRequest(

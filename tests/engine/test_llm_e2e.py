@@ -68,7 +68,7 @@ def hf_greedy(smollm2_dir: Path):
 
 @pytest.fixture(scope="module")
 def llm(smollm2_dir: Path) -> LLM:
-    return LLM(str(smollm2_dir), max_model_len=512, kv_cache_memory="64MiB")
+    return LLM(str(smollm2_dir), dtype="float32", max_model_len=512, kv_cache_memory="64MiB")
 
 
 @pytest.mark.parametrize(
@@ -85,7 +85,7 @@ def llm(smollm2_dir: Path) -> LLM:
 )
 @pytest.mark.timeout(600)
 def test_greedy_matches_transformers(smollm2_dir: Path, hf_greedy, llm: LLM, engine_args: dict) -> None:
-    engine = llm if not engine_args else LLM(str(smollm2_dir), **engine_args)
+    engine = llm if not engine_args else LLM(str(smollm2_dir), dtype="float32", **engine_args)
     outputs = engine.generate(PROMPTS, GREEDY)
     for out in outputs:
         assert out.outputs[0].token_ids == hf_greedy(out.prompt_token_ids), out.prompt
