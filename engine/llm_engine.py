@@ -15,7 +15,7 @@ from engine.block_manager import BlockManager
 from engine.config import ModelConfig, resolve_dtype
 from engine.engine_args import EngineArgs
 from engine.errors import InvalidRequest, KVBackendUnavailable
-from engine.kv_cache.fp8_scales import CALIBRATION_TEXT, KVScales, calibrate_kv_scales
+from engine.kv_cache.fp8_scales import KVScales, engine_kv_scales
 from engine.kv_cache.spec import resolve_kv_cache_dtype
 from engine.metrics import EngineMetrics
 from engine.model_runner import ModelRunner, kv_bytes_per_block
@@ -87,11 +87,8 @@ class LLMEngine:
         cfg = self.model_config
         self.model_name = args.served_model_name or cfg.model_name
         if fp8:
-            vocab = cfg.vocab_size  # (a tokenizer may know more ids than the model)
-            calibration = [t for t in self.tokenizer.encode(CALIBRATION_TEXT) if t < vocab][
-                : self.max_model_len - 1
-            ]
-            self.kv_scales = calibrate_kv_scales(self.model, calibration, args.kv_scale_granularity)
+            self.kv_scales = engine_kv_scales(self.model, self.tokenizer.encode, cfg.vocab_size,
+                                              self.max_model_len - 1, args.kv_scale_granularity)  # fmt: skip
             kv_scheduler, kv_worker = self._make_kv_connectors(args, cfg)
         self.runner = ModelRunner(
             self.model, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, bs, num_blocks,

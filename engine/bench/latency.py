@@ -30,7 +30,8 @@ class LatencyOptions:
 def run_latency(args: EngineArgs, opts: LatencyOptions) -> dict:
     engine = LLMEngine(args)
     print("== bench latency ==")
-    print(f"model {engine.model_name} ({engine.dtype}, {args.device}), torch threads {torch.get_num_threads()}, "
+    kv = str(engine.kv_cache_dtype).removeprefix("torch.")
+    print(f"model {engine.model_name} ({engine.dtype}, kv cache {kv}, {args.device}), torch threads {torch.get_num_threads()}, "
           f"kv blocks {engine.block_manager.num_blocks} x {args.block_size}")  # fmt: skip
     print(f"  input_len={opts.input_len}, output_len={opts.output_len}, batch_size={opts.batch_size}")
     params = SamplingParams(temperature=0.0, max_tokens=opts.output_len, ignore_eos=True)

@@ -84,7 +84,8 @@ def run_throughput(args: EngineArgs, opts: ThroughputOptions) -> dict:
         raise InvalidRequest(f"a request needs {longest} positions; max_model_len is {engine.max_model_len}")
     threads = torch.get_num_threads()
     print("== bench throughput ==")
-    print(f"model {engine.model_name} ({engine.dtype}, {args.device}), "
+    kv = str(engine.kv_cache_dtype).removeprefix("torch.")
+    print(f"model {engine.model_name} ({engine.dtype}, kv cache {kv}, {args.device}), "
           f"torch threads {threads}, kv blocks {engine.block_manager.num_blocks} x {args.block_size}")  # fmt: skip
     print(f"  dataset {opts.dataset}: {len(requests)} requests, "
           f"{sum(len(r.prompt_token_ids) for r in requests)} prompt tokens, "

@@ -52,6 +52,13 @@ def _power_of_two_scale(amax: torch.Tensor) -> torch.Tensor:
     return torch.exp2(torch.ceil(torch.log2(target))).to(torch.float32)
 
 
+def engine_kv_scales(model: nn.Module, encode, vocab_size: int, max_len: int, granularity: str) -> KVScales:
+    """The scales an engine serves with: CALIBRATION_TEXT through its tokenizer (`encode`), keeping the
+    ids the model knows and at most `max_len` of them."""
+    ids = [t for t in encode(CALIBRATION_TEXT) if t < vocab_size][:max_len]
+    return calibrate_kv_scales(model, ids, granularity)
+
+
 @torch.inference_mode()
 def calibrate_kv_scales(model: nn.Module, token_ids: list[int], granularity: str = "head") -> KVScales:
     """Run `token_ids` as one prefill through `model` (a scratch fp32 cache, every layer's real cache
