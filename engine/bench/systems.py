@@ -28,11 +28,17 @@ from engine.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
+CPU_TICK = 0.01  # the resolution of the OS's CPU-time counters; a shorter round counts as one tick
+
+
 @dataclass(frozen=True)
 class RoundResult:
     wall: float  # seconds
-    cpu: float  # CPU-seconds of the processes doing the work
+    cpu: float  # CPU-seconds of the processes doing the work (at least CPU_TICK)
     output_tokens: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "cpu", max(self.cpu, CPU_TICK))
 
 
 class EngineSystem:
