@@ -48,6 +48,9 @@ class LLM:
             raise InvalidRequest(f"{len(prompts)} prompts but {len(params)} sampling params")
         for p in prompts:  # validate everything before the first request is queued
             self._check_prompt(p)
+        for sp in params:  # and compile every constraint (a bad one raises InvalidRequest here)
+            if isinstance(sp, SamplingParams) and sp.structured_outputs is not None:
+                self.engine.structured_output.compile(sp.structured_outputs)
         ids: list[str] = []
         try:
             for prompt, sp in zip(prompts, params, strict=True):

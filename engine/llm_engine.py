@@ -23,6 +23,7 @@ from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
+from engine.structured_output.manager import StructuredOutputManager
 from kvstore.errors import KVStoreError
 from kvstore.keys import KVLayout, model_layout, root_key
 
@@ -90,16 +91,19 @@ class LLMEngine:
             self.kv_scales = engine_kv_scales(self.model, self.tokenizer.encode, cfg.vocab_size,
                                               self.max_model_len - 1, args.kv_scale_granularity)  # fmt: skip
             kv_scheduler, kv_worker = self._make_kv_connectors(args, cfg)
+        eos = set(cfg.eos_token_ids) | set(getattr(self.tokenizer, "eos_token_ids", ()) or ())
+        self.structured_output = StructuredOutputManager(
+            self.tokenizer.backend_tokenizer, cfg.vocab_size, eos, args.max_num_seqs
+        )
         self.runner = ModelRunner(
             self.model, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, bs, num_blocks,
-            self.kv_cache_dtype, self.device, kv_worker, self.kv_scales,
+            self.kv_cache_dtype, self.device, kv_worker, self.kv_scales, structured_output=self.structured_output,
         )  # fmt: skip
         layout = KVLayout.for_model(
             cfg.raw, model=cfg.model_name, kv_dtype=str(self.kv_cache_dtype), chunk_size=bs,
             kv_scales=self.kv_scales.digest() if self.kv_scales is not None else "",
         )  # fmt: skip
         self.block_manager = BlockManager(num_blocks, bs, args.enable_prefix_caching, root_key(layout))
-        eos = set(cfg.eos_token_ids) | set(getattr(self.tokenizer, "eos_token_ids", ()) or ())
         sched_cfg = SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, self.max_model_len)
         self.scheduler = Scheduler(sched_cfg, self.block_manager, eos, kv_scheduler)
         self.runner.sampler.eos_token_ids = eos
@@ -142,6 +146,8 @@ class LLMEngine:
         token_ids = self.tokenize(prompt)
         self.check_request(token_ids, params)
         seq = Sequence(request_id, token_ids, params, prompt=prompt if isinstance(prompt, str) else None)
+        if params.structured_outputs is not None:  # compiled (or a cache hit) before anything is queued
+            seq.structured_output = self.structured_output.new_request(params.structured_outputs)
         self.requests[request_id] = seq
         self.scheduler.add_sequence(seq)
         self._update_gauges()
@@ -336,6 +342,7 @@ class LLMEngine:
         seq.finished_time = now
         self.requests.pop(seq.request_id, None)
         self.runner.sampler.release(seq.request_id)
+        seq.structured_output = None  # the matcher is done; free it now
         if seq.status is not SequenceStatus.FINISHED_ABORTED:
             self.metrics.e2e_request_latency.observe(now - seq.arrival_time)
             self.metrics.request_success.inc()

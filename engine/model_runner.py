@@ -19,6 +19,7 @@ from engine.errors import EngineError
 from engine.kv_cache.fp8_scales import KVScales
 from engine.sampler import Sampler
 from engine.scheduler import SchedulerOutput
+from engine.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -42,12 +43,14 @@ class ModelRunner:
         device: torch.device,
         connector: KVConnectorBase | None = None,
         kv_scales: KVScales | None = None,
+        structured_output: StructuredOutputManager | None = None,
     ) -> None:
         self.model = model
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.device = device
         self.sampler = Sampler()
+        self.structured_output = structured_output  # masks the logits of grammar-constrained rows
         shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
         try:
             self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
@@ -137,11 +140,17 @@ class ModelRunner:
             last = meta.cu_seqlens_q[1:].long() - 1
             logits = self.model.compute_logits(hidden[last[rows]])
             seqs = [out.scheduled[i].seq for i in rows]
+            grammar_errors = {}
+            if self.structured_output is not None:
+                grammar_errors = self.structured_output.apply_grammar_bitmask(
+                    logits, [s.structured_output for s in seqs]
+                )
             tokens, errors = self.sampler.sample_isolated(
                 logits, [s.request_id for s in seqs], [s.sampling_params for s in seqs],
                 [(s.prompt_token_ids, s.output_token_ids) for s in seqs],
             )  # fmt: skip
             for i, tok in zip(rows, tokens, strict=True):
                 sampled[i] = tok
+            errors.update(grammar_errors)
             self.sample_errors = {seqs[j].request_id: e for j, e in errors.items()}
         return sampled

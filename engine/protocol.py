@@ -2,7 +2,8 @@
 
 Unknown fields are ignored (and logged), as OpenAI clients send many. Fields this server knows but
 cannot honour (`best_of`, `suffix`, `tools`, `logprobs`, ...) are a 400 naming the field whenever they
-carry anything but their no-op value: nothing a client asks for is silently dropped.
+carry anything but their no-op value: nothing a client asks for is silently dropped. Structured output
+comes as `response_format` or `structured_outputs` (engine/structured_output/protocol.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.errors import InvalidRequest
 from engine.sampling_params import SamplingParams
+from engine.structured_output.protocol import (
+    ResponseFormat,
+    StructuredOutputsRequest,
+    structured_outputs_params,
+)
 
 logger = logging.getLogger(__name__)
 _R = TypeVar("_R", bound="_SamplingFields")
@@ -56,9 +62,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "vllm_xargs": (None,),
     "repetition_detection": (None,),
     "thinking_token_budget": (None, -1),
-    # Structured output (issue 14) is not implemented yet: a constraint is never ignored.
-    "response_format": (None, {"type": "text"}),
-    "structured_outputs": (None,),
+    # vLLM removed these and ignores them silently; here they are a 400 (use structured_outputs)
     "guided_json": (None,),
     "guided_regex": (None,),
     "guided_choice": (None,),
@@ -108,6 +112,8 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
 
     @classmethod
     def from_body(cls: type[_R], body: dict[str, Any]) -> _R:
@@ -239,4 +245,5 @@ def sampling_params_from(req: _SamplingFields, max_tokens: int) -> SamplingParam
         include_stop_str_in_output=req.include_stop_str_in_output,
         ignore_eos=req.ignore_eos,
         skip_special_tokens=req.skip_special_tokens,
+        structured_outputs=structured_outputs_params(req.response_format, req.structured_outputs),
     )

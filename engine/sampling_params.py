@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequest
+from engine.structured_output.params import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -44,6 +45,7 @@ class SamplingParams:
     unless `include_stop_str_in_output`). Ranges are vLLM's; a value outside them is an
     InvalidRequest (a 400 from the server), never an error inside the shared engine step. Limits that
     depend on the model (token ids and `top_k` against the vocabulary) are checked by the engine.
+    `structured_outputs` constrains the output to a JSON schema, regex, choice or EBNF grammar.
     """
 
     temperature: float = 1.0
@@ -62,6 +64,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -124,6 +127,9 @@ class SamplingParams:
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(f"{name} must be a bool, got {_show(getattr(self, name))}")
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise bad(f"structured_outputs must be StructuredOutputsParams, got {type(so).__name__}")
 
     def check_vocab(self, vocab_size: int) -> None:
         """The limits that depend on the model: token ids inside the vocabulary, top_k at most its size."""

@@ -187,6 +187,14 @@ class Scheduler:
             assert token is not None
             seq.append_token(token)
             updated.append(seq)
+            if seq.structured_output is not None and not seq.structured_output.accept_token(token):
+                # the mask allowed only grammar tokens, so this is a bug: never return broken output silently
+                seq.error = (
+                    f"sampled token {token} breaks its {seq.structured_output.params.kind.value} constraint"
+                )
+                logger.error("%s: %s; aborting it", seq.request_id, seq.error)
+                self._finish(seq, SequenceStatus.FINISHED_ABORTED)
+                continue
             status = self._check_stop(seq, token)
             if status is not None:
                 self._finish(seq, status)

@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.structured_output.request import StructuredOutputRequest
 
 
 class SequenceStatus(enum.Enum):
@@ -53,6 +57,7 @@ class Sequence:
     last_token_time: float | None = None
     finished_time: float | None = None
     error: str | None = None  # set when the engine gave up on it (a fault in its step)
+    structured_output: StructuredOutputRequest | None = None  # the grammar state, when constrained
 
     def __post_init__(self) -> None:
         assert self.prompt_token_ids, "a sequence needs at least one prompt token"

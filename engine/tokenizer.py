@@ -84,6 +84,11 @@ class Tokenizer:
         )
 
     @property
+    def backend_tokenizer(self) -> Any:
+        """The `tokenizers.Tokenizer` underneath (transformers' name for it)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 

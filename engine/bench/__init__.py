@@ -3,7 +3,8 @@
 - `latency`: TTFT / inter-token / end-to-end percentiles of a batch run together (latency.py);
 - `throughput`: tokens/s and CPU-seconds, optionally next to transformers and vLLM in the same run,
   interleaved round by round (throughput.py, systems.py);
-- `serve`: load a running OpenAI-compatible server (serve.py).
+- `serve`: load a running OpenAI-compatible server (serve.py);
+- `latency|throughput --structured-output json`: JSON-schema vs free decoding (structured.py).
 The prompts come from datasets.py (random or JSONL), the statistics from stats.py.
 """
 
@@ -30,6 +31,12 @@ def _dataset_args(p: argparse.ArgumentParser, num_prompts: int, input_len: int, 
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
 
 
+def _structured_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--structured-output", choices=["none", "json"], default="none",
+                   help="json: JSON-schema vs free decoding of the same prompts, rounds interleaved "
+                        "(structured.py): per-token overhead, grammar compile time")  # fmt: skip
+
+
 def add_bench_parsers(bench: argparse._SubParsersAction) -> None:
     lat = bench.add_parser("latency", help="TTFT and inter-token latency percentiles")
     EngineArgs.add_cli_args(lat)
@@ -40,6 +47,7 @@ def add_bench_parsers(bench: argparse._SubParsersAction) -> None:
     lat.add_argument("--num-iters-warmup", type=int, default=1)
     lat.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     lat.add_argument("--output-json", default=None, help="also write the figures to this JSON file")
+    _structured_arg(lat)
 
     thr = bench.add_parser("throughput", help="tokens/s and CPU-seconds, optionally vs transformers and vLLM")
     EngineArgs.add_cli_args(thr)
@@ -55,6 +63,7 @@ def add_bench_parsers(bench: argparse._SubParsersAction) -> None:
     thr.add_argument("--measure-decode", action="store_true",
                      help="also time 1-token runs: decode tokens/s and ms per decode step")  # fmt: skip
     thr.add_argument("--output-json", default=None, help="also write the figures to this JSON file")
+    _structured_arg(thr)
 
     srv = bench.add_parser("serve", help="load a running OpenAI-compatible server (like vllm bench serve)")
     srv.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
@@ -89,10 +98,17 @@ def main(ns: argparse.Namespace) -> dict:
             ) from None
         return run_serve(_options(ServeOptions, ns, metric_percentiles=ps))
     args = EngineArgs.from_cli_args(ns)
+    structured = getattr(ns, "structured_output", "none") == "json"
+    if structured:
+        from engine.bench import structured as so_bench
     if ns.bench == "latency":
         from engine.bench.latency import LatencyOptions, run_latency
 
+        if structured:
+            return so_bench.run_latency(args, _options(LatencyOptions, ns))
         return run_latency(args, _options(LatencyOptions, ns))
     from engine.bench.throughput import ThroughputOptions, run_throughput
 
+    if structured:
+        return so_bench.run_throughput(args, _options(ThroughputOptions, ns))
     return run_throughput(args, _options(ThroughputOptions, ns))

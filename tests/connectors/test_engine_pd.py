@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine import SamplingParams
+from engine.structured_output import StructuredOutputsParams
 from tests.connectors.engine_util import ENGINE, GREEDY, doc, free_port, requires_kv_engine
 
 pytestmark = [pytest.mark.slow, requires_kv_engine]
@@ -115,6 +117,21 @@ def test_pd_handoff_through_the_proxy_gives_a_single_engines_tokens(off, shared_
         # the decode engine took every full chunk below the last prompt token from the store
         assert metric(decode_url, "vllm:external_prefix_cache_hits_total") == 512
         assert metric(prefill_url, "vllm:generation_tokens_total") == 1, "prefill stops after one token"
+
+        # a JSON-schema request: both sides get the constraint (the prefill side rejects a bad one
+        # before any work); the decode side builds its matcher from it and answers as one engine does
+        schema = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 24},
+                  "pages": {"type": "integer", "minimum": 1, "maximum": 999}}, "required": ["title", "pages"]}  # fmt: skip
+        so = StructuredOutputsParams(json=schema)
+        (want,) = off.generate([prompt], SamplingParams(temperature=0, max_tokens=40, structured_outputs=so))
+        fmt = {"type": "json_schema", "json_schema": {"name": "book", "schema": schema}}
+        constrained = {**body, "max_tokens": 40, "ignore_eos": False, "response_format": fmt}
+        got = http_json(proxy_url + "/v1/completions", constrained)["choices"][0]
+        assert got["text"] == want.outputs[0].text and got["finish_reason"] == "stop"
+        assert set(json.loads(got["text"])) == {"title", "pages"}
+        with pytest.raises(urllib.error.HTTPError) as bad:
+            http_json(proxy_url + "/v1/completions", {**body, "structured_outputs": {"regex": "(unclosed"}})
+        assert bad.value.code == 400 and "cannot be compiled" in bad.value.read().decode()
     finally:
         for p in reversed(procs):
             p.stop()

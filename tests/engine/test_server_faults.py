@@ -171,7 +171,7 @@ async def test_bad_sampling_values_are_400_json_naming_the_field(
 ) -> None:
     cases = [({"seed": 2**64}, "seed"), ({"top_k": 2**63}, "top_k"), ({"top_k": 100000}, "top_k"),
              ({"logit_bias": {"999999": 1}}, "logit_bias"), ({"best_of": 3}, "best_of"),
-             ({"response_format": {"type": "json_object"}}, "response_format"),
+             ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
              ({"max_tokens": 256}, "max_tokens"), ({"prompt": [1, 2, 99999]}, "prompt")]  # fmt: skip
     for body, param in cases:
         for stream in (False, True):

@@ -1,0 +1,332 @@
+"""Structured output without a model forward: constraint parameters, the TokenizerInfo built from
+SmolLM2's tokenizer.json (checked against xgrammar's own detection and from_huggingface), the compile
+cache, bad constraints as typed errors, the batched bitmask and its CPU masking, matcher replay."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine.errors import InvalidRequest
+from engine.sampling_params import SamplingParams
+from engine.structured_output import StructuredOutputsParams as SO
+from engine.structured_output.params import MAX_JSON_NESTING, choice_as_grammar
+
+xgr = pytest.importorskip("xgrammar")
+
+from engine.structured_output.compiler import GrammarCache  # noqa: E402
+from engine.structured_output.manager import StructuredOutputManager, apply_bitmask_  # noqa: E402
+from engine.structured_output.tokenizer_info import build_tokenizer_info, detect_vocab_type  # noqa: E402
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(smollm2_dir: Path):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(smollm2_dir / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def manager(hf_tokenizer) -> StructuredOutputManager:
+    return StructuredOutputManager(hf_tokenizer, 49152, {2}, max_num_seqs=4)
+
+
+def ids(tok, text: str) -> list[int]:
+    return tok.encode(text, add_special_tokens=False).ids
+
+
+def allowed(matcher, vocab: int = 49152) -> np.ndarray:
+    bitmask = xgr.allocate_token_bitmask(1, vocab)
+    matcher.fill_next_token_bitmask(bitmask, 0)
+    return np.unpackbits(bitmask.numpy().view(np.uint8), bitorder="little")[:vocab].astype(bool)
+
+
+# ---- parameters ----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({}, "exactly one"),
+        ({"json": SCHEMA, "regex": "a"}, "exactly one"),
+        ({"json_object": False}, "exactly one"),
+        ({"json": "{not json"}, "not a valid JSON"),
+        ({"json": [1, 2]}, "JSON schema"),
+        ({"regex": ""}, "non-empty"),
+        ({"regex": "a\x00"}, "NUL"),
+        ({"choice": []}, "non-empty list"),
+        ({"choice": ["a", ""]}, "non-empty string"),
+        ({"choice": "abc"}, "non-empty list"),
+        ({"grammar": "  "}, "EBNF"),
+        ({"json_object": "yes"}, "bool"),
+        ({"json_object": True, "disable_any_whitespace": 1}, "bool"),
+    ],
+)
+def test_bad_parameters_are_invalid_requests(kwargs: dict, message: str) -> None:
+    with pytest.raises(InvalidRequest, match=message):
+        SO(**kwargs)
+
+
+def test_schema_nesting_is_bounded_like_vllm() -> None:
+    def nested(depth: int) -> dict:
+        schema: dict = {"type": "integer"}
+        for _ in range(depth - 1):
+            schema = {"type": "array", "items": schema}
+        return schema
+
+    SO(json=nested(MAX_JSON_NESTING))
+    with pytest.raises(InvalidRequest, match="nests"):
+        SO(json=nested(MAX_JSON_NESTING + 1))
+    with pytest.raises(InvalidRequest, match="nests"):  # deeper than Python's recursion limit: no crash
+        SO(json="[" * 5000 + "]" * 5000)
+
+
+def test_cache_key_ignores_spacing_but_keeps_property_order() -> None:
+    a = SO(json=json.dumps(SCHEMA, indent=4))
+    assert a.key == SO(json=SCHEMA).key and a.json == SCHEMA
+    swapped = {"type": "object", "properties": {"b": {}, "a": {}}}
+    assert SO(json=swapped).key != SO(json={"type": "object", "properties": {"a": {}, "b": {}}}).key
+    assert SO(json=SCHEMA).key != SO(json=SCHEMA, disable_any_whitespace=True).key
+    assert SO(regex="x").key == ("regex", "x", False)
+
+
+def test_sampling_params_take_only_the_dataclass() -> None:
+    assert SamplingParams(structured_outputs=SO(regex="a+")).structured_outputs.regex == "a+"
+    with pytest.raises(InvalidRequest, match="structured_outputs"):
+        SamplingParams(structured_outputs={"regex": "a+"})
+
+
+# ---- the tokenizer as xgrammar sees it -----------------------------------------------------------
+def test_smollm2_is_byte_level_like_xgrammars_own_detection(hf_tokenizer) -> None:
+    spec = json.loads(hf_tokenizer.to_str())
+    vocab_type, prefix = detect_vocab_type(spec)
+    assert (vocab_type, prefix) == (xgr.VocabType.BYTE_LEVEL, False)
+    theirs = xgr.TokenizerInfo._detect_metadata_from_hf(hf_tokenizer.to_str())
+    assert theirs == {"vocab_type": vocab_type, "add_prefix_space": prefix}
+
+
+def test_byte_fallback_metaspace_tokenizer_is_detected(hf_tokenizer) -> None:
+    """A Llama-2 style tokenizer.json (ByteFallback decoder, Metaspace pre-tokenizer)."""
+    spec = {
+        "normalizer": None,
+        "pre_tokenizer": {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "first"},
+        "decoder": {"type": "Sequence", "decoders": [
+            {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+            {"type": "ByteFallback"}, {"type": "Fuse"},
+            {"type": "Strip", "content": " ", "start": 1, "stop": 0},
+        ]},
+    }  # fmt: skip
+    assert detect_vocab_type(spec) == (xgr.VocabType.BYTE_FALLBACK, True)
+    theirs = xgr.TokenizerInfo._detect_metadata_from_hf(json.dumps(spec))
+    assert theirs == {"vocab_type": xgr.VocabType.BYTE_FALLBACK, "add_prefix_space": True}
+    assert detect_vocab_type({"decoder": {"type": "WordPiece"}}) == (xgr.VocabType.RAW, False)
+
+
+def test_tokenizer_info_matches_from_huggingface_except_special_tokens(
+    smollm2_dir: Path, hf_tokenizer
+) -> None:
+    from transformers import AutoTokenizer
+
+    ours, _ = build_tokenizer_info(hf_tokenizer, 49152, [2])
+    theirs = xgr.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(smollm2_dir), vocab_size=49152)
+    assert ours.vocab_type == theirs.vocab_type and ours.add_prefix_space == theirs.add_prefix_space
+    assert ours.stop_token_ids == theirs.stop_token_ids == [2]
+    special = {i for i, t in hf_tokenizer.get_added_tokens_decoder().items() if t.special} - {2}
+    assert set(ours.special_token_ids) == special and theirs.special_token_ids == []
+    mine, hf = ours.decoded_vocab, theirs.decoded_vocab
+    assert all(mine[i] == hf[i] for i in range(49152) if i not in special)
+    assert hf[ids(hf_tokenizer, " hello")[0]] == b" hello"  # byte-level decoding: "Ġhello" -> " hello"
+
+
+def test_special_tokens_never_appear_inside_constrained_text(hf_tokenizer, manager) -> None:
+    """With from_huggingface's info a regex like [<|>a-z_]+ lets the model emit <|im_start|> (id 1) as
+    if it were text; ours masks every special token and allows only the stop token at the end."""
+    so = SO(regex=r"[<|>a-z_]+")
+    theirs_info = xgr.TokenizerInfo(
+        [t for t, _ in sorted(hf_tokenizer.get_vocab(with_added_tokens=True).items(), key=lambda kv: kv[1])],
+        xgr.VocabType.BYTE_LEVEL, vocab_size=49152, stop_token_ids=[2],
+    )  # fmt: skip
+    theirs = xgr.GrammarMatcher(xgr.GrammarCompiler(theirs_info).compile_regex(so.regex))
+    assert allowed(theirs)[1], "the from_huggingface-style info allows <|im_start|> as text"
+    ours = manager.new_request(so).matcher
+    mask = allowed(ours)
+    assert not mask[:17].any(), "no special token (ids 0-16) is ever text"
+    assert ours.accept_string("abc") and allowed(ours)[2], "the stop token ends it"
+
+
+# ---- compiling -----------------------------------------------------------------------------------
+def test_compile_cache_counts_hits_and_is_keyed_by_the_tokenizer(hf_tokenizer) -> None:
+    info, fingerprint = build_tokenizer_info(hf_tokenizer, 49152, [2])
+    cache = GrammarCache(info, fingerprint)
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}}
+    first = cache.get(SO(json=schema))
+    assert (cache.stats.hits, cache.stats.misses) == (0, 1)
+    assert cache.get(SO(json=json.dumps(schema, indent=2))) is first
+    assert (cache.stats.hits, cache.stats.misses) == (1, 1) and cache.stats.bytes > 0
+    _, other = build_tokenizer_info(hf_tokenizer, 49152, [0, 2])  # other stop tokens: another grammar
+    assert other != fingerprint
+
+
+def test_cache_evicts_least_recently_used_within_its_byte_limit(hf_tokenizer) -> None:
+    info, fingerprint = build_tokenizer_info(hf_tokenizer, 49152, [2])
+    cache = GrammarCache(info, fingerprint, limit_bytes=1)  # keeps only the newest entry
+    cache.get(SO(regex="a+"))
+    cache.get(SO(regex="b+"))
+    assert cache.stats.entries == 1
+    cache.get(SO(regex="b+"))
+    cache.get(SO(regex="a+"))
+    assert (cache.stats.hits, cache.stats.misses) == (1, 3)
+
+
+@pytest.mark.parametrize(
+    "so, message",
+    [
+        (SO(regex="("), "regex constraint cannot be compiled: Regex parsing error"),
+        (SO(grammar="root ::= foo"), 'Rule "foo" is not defined'),
+        (SO(grammar='root := "a"'), "EBNF lexer error"),
+        (SO(json={"type": "foo"}), 'Unsupported type "foo"'),
+        (SO(json={"type": "integer", "minimum": 5, "maximum": 1}), "minimum greater than maximum"),
+        (SO(json={"$ref": "#/$defs/missing"}), "json constraint cannot be compiled"),
+        (SO(json={"type": "string", "pattern": "(unclosed"}), "parenthesis is not closed"),
+    ],
+)
+def test_uncompilable_constraints_are_invalid_requests_with_xgrammars_reason(manager, so, message) -> None:
+    for _ in range(2):  # the second time from the error cache, with the same message
+        with pytest.raises(InvalidRequest, match=message.replace("(", r"\(")) as e:
+            manager.compile(so)
+        assert "/project/cpp" not in str(e.value), "the C++ source location is stripped"
+
+
+def test_a_compile_that_takes_too_long_is_an_invalid_request(hf_tokenizer) -> None:
+    info, fingerprint = build_tokenizer_info(hf_tokenizer, 49152, [2])
+    cache = GrammarCache(info, fingerprint, timeout_s=0.001)
+    with pytest.raises(InvalidRequest, match="did not compile within"):
+        cache.get(SO(regex="([a-z]{1,100}){100}"))  # ~0.5 s of automaton building
+
+
+def test_choice_literals_are_escaped(manager) -> None:
+    choices = ['say "hi"', "back\\slash", "two\nlines", "tab\there", "caf\u00e9", "ctl\x01"]
+    assert choice_as_grammar(["a"]) == 'root ::= "a"'
+    so = SO(choice=choices)
+    for choice in choices:
+        matcher = manager.new_request(so).matcher
+        assert matcher.accept_string(choice) and matcher.is_completed(), choice
+    matcher = manager.new_request(so).matcher
+    assert not matcher.accept_string('say "ho"')
+
+
+# ---- masking -------------------------------------------------------------------------------------
+def test_cpu_masking_equals_xgrammars_kernel() -> None:
+    gen = torch.Generator().manual_seed(0)
+    vocab = 49152
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (5, (vocab + 31) // 32), dtype=torch.int32, generator=gen)
+    logits = torch.randn(5, vocab, generator=gen)
+    for rows in ([0, 1, 2, 3, 4], [1, 3], [4]):
+        want = logits.clone()
+        xgr.apply_token_bitmask_inplace(want, bitmask, indices=rows)
+        got = logits.clone()
+        apply_bitmask_(got, bitmask.numpy(), rows)
+        assert torch.equal(got, want)
+        untouched = [i for i in range(5) if i not in rows]
+        assert torch.equal(got[untouched], logits[untouched])
+
+
+def test_unconstrained_batches_never_touch_xgrammar(hf_tokenizer) -> None:
+    fresh = StructuredOutputManager(hf_tokenizer, 49152, {2}, max_num_seqs=4)
+    logits = torch.randn(3, 49152)
+    before = logits.clone()
+    fresh.apply_grammar_bitmask(logits, [None, None, None])
+    assert torch.equal(logits, before)
+    assert fresh._cache is None, "no vocabulary read, no compiler built"
+
+
+def test_one_batched_fill_masks_only_constrained_rows(hf_tokenizer, manager) -> None:
+    digits = manager.new_request(SO(regex=r"[0-9]{3}"))
+    yes_no = manager.new_request(SO(choice=["yes", "no"]))
+    logits = torch.zeros(4, 49152)
+    manager.apply_grammar_bitmask(logits, [digits, None, yes_no, None])
+    assert torch.equal(logits[1], torch.zeros(49152)) and torch.equal(logits[3], torch.zeros(49152))
+    ok_digits = torch.isfinite(logits[0]).nonzero().flatten().tolist()
+    assert ok_digits and all(hf_tokenizer.decode([t]).isdigit() for t in ok_digits)
+    ok_choice = {hf_tokenizer.decode([t]) for t in torch.isfinite(logits[2]).nonzero().flatten().tolist()}
+    assert "yes" in ok_choice and ok_choice <= {"y", "ye", "yes", "n", "no"}
+
+
+def test_a_rebuilt_matcher_equals_the_incremental_one(hf_tokenizer, manager) -> None:
+    """What the decode side of a PD pair (or any engine taking a request over) does: replay."""
+    so = SO(json={"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]})
+    tokens = ids(hf_tokenizer, '{"name": "Ada')
+    incremental = manager.new_request(so)
+    for t in tokens:
+        assert incremental.accept_token(t)
+    rebuilt = manager.new_request(so, generated=tokens)
+    assert rebuilt.num_processed_tokens == incremental.num_processed_tokens == len(tokens)
+    assert np.array_equal(allowed(rebuilt.matcher), allowed(incremental.matcher))
+    with pytest.raises(InvalidRequest, match="does not follow"):
+        manager.new_request(so, generated=ids(hf_tokenizer, "[1]"))
+
+
+def test_after_the_stop_token_the_row_is_free(hf_tokenizer, manager) -> None:
+    req = manager.new_request(SO(choice=["no"]))
+    for t in ids(hf_tokenizer, "no"):
+        assert req.accept_token(t)
+    assert not req.accept_token(ids(hf_tokenizer, "x")[0]), "nothing but the stop token after the choice"
+    assert req.accept_token(2) and req.is_terminated
+    assert req.accept_token(ids(hf_tokenizer, "x")[0]), "ignore_eos: later tokens are not constrained"
+    logits = torch.zeros(1, 49152)
+    manager.apply_grammar_bitmask(logits, [req])
+    assert torch.isfinite(logits).all()
+
+
+def test_json_whitespace_between_tokens_is_bounded(manager) -> None:
+    """xgrammar's any_whitespace is unbounded by default; small models loop on newlines."""
+    from engine.structured_output.compiler import JSON_MAX_WHITESPACE
+
+    so = SO(json={"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
+    ok = manager.new_request(so).matcher
+    assert ok.accept_string("{" + "\n" * JSON_MAX_WHITESPACE + '"a": 1}')
+    too_much = manager.new_request(so).matcher
+    assert not too_much.accept_string("{" + "\n" * (JSON_MAX_WHITESPACE + 1))
+    compact = manager.new_request(SO(json=so.json, disable_any_whitespace=True)).matcher
+    assert compact.accept_string('{"a":1}') and compact.is_completed()
+    assert not manager.new_request(SO(json=so.json, disable_any_whitespace=True)).matcher.accept_string("{ ")
+
+
+# ---- the OpenAI request fields -------------------------------------------------------------------
+def chat_params(**fields) -> SamplingParams:
+    from engine.protocol import ChatCompletionRequest, sampling_params_from
+
+    req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **fields})
+    return sampling_params_from(req, default_max_tokens=8)
+
+
+def test_openai_response_format_and_vllm_structured_outputs_map_to_params() -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA, "strict": True}}
+    assert chat_params(response_format=fmt).structured_outputs == SO(json=SCHEMA)
+    assert chat_params(response_format={"type": "json_object"}).structured_outputs == SO(json_object=True)
+    assert chat_params(response_format={"type": "text"}).structured_outputs is None
+    assert chat_params().structured_outputs is None
+    cases = [{"json": SCHEMA}, {"json": json.dumps(SCHEMA)}, {"regex": "a+"}, {"choice": ["x", "y"]},
+             {"grammar": 'root ::= "a"'}, {"json_object": True, "disable_any_whitespace": True}]  # fmt: skip
+    for so in cases:
+        want = SO(**so)
+        assert chat_params(structured_outputs=so).structured_outputs == want
+
+
+def test_bad_openai_structured_fields_are_rejected() -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(InvalidRequest, match="not both"):
+        chat_params(response_format={"type": "json_object"}, structured_outputs={"regex": "a"})
+    with pytest.raises(InvalidRequest, match="json_schema.schema"):
+        chat_params(response_format={"type": "json_schema", "json_schema": {"name": "a"}})
+    with pytest.raises(ValidationError, match="guided_json"):
+        chat_params(guided_json=SCHEMA)
+    with pytest.raises(ValidationError, match="whitespace_pattern"):
+        chat_params(structured_outputs={"json": SCHEMA, "whitespace_pattern": " "})
+    with pytest.raises(ValidationError):
+        chat_params(response_format={"type": "structural_tag"})
