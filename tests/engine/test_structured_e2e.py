@@ -144,10 +144,10 @@ PREAMBLE = (
 
 
 def test_matcher_follows_preemption_and_store_prefix_reuse(smollm2_dir: Path, llm: LLM) -> None:
-    """Prompts of one 256-token store chunk and more, a KV cache of 32 blocks of 16 (512 tokens) for 4
-    constrained requests of ~400 tokens: requests are preempted and come back through the store (the
-    engine's own prefix cache is off); every answer is token for token the one a roomy engine gives,
-    and a second round takes each prompt's chunk from the store."""
+    """Prompts of ~290 tokens (one 256-token store chunk and more) and a KV cache of 40 blocks of 16
+    (640 tokens): two requests run at once and outgrow it, so one is preempted and comes back through
+    the store (the engine's own prefix cache is off); every answer is token for token the one a roomy
+    engine gives, and a second round takes each prompt's chunk from the store."""
     picks = [SCHEMAS[i] for i in (1, 2, 11, 18)]
     prompts = [
         llm.tokenizer.apply_chat_template([{"role": "system", "content": PREAMBLE}, *chat(d)], tokenize=True)
@@ -157,7 +157,7 @@ def test_matcher_follows_preemption_and_store_prefix_reuse(smollm2_dir: Path, ll
     params = [greedy(SO(json=schema), 120) for _, _, schema in picks]
     want = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     small = LLM(
-        str(smollm2_dir), max_model_len=512, num_kv_blocks=32, enable_prefix_caching=False,
+        str(smollm2_dir), max_model_len=512, num_kv_blocks=40, enable_prefix_caching=False,
         kv_backend="kvstore", kv_store_url="local",
     )  # fmt: skip
     try:
