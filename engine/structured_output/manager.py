@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -56,6 +57,8 @@ class StructuredOutputManager:
         self._batch: xgr.BatchGrammarMatcher | None = None
         self._bitmask: torch.Tensor | None = None
         self._init_lock = threading.Lock()
+        self.mask_seconds = 0.0  # spent filling bitmasks and masking logits (bench figures)
+        self.masked_rows = 0
 
     @property
     def cache(self) -> GrammarCache:
@@ -105,6 +108,16 @@ class StructuredOutputManager:
         rows = [i for i, r in enumerate(requests) if r is not None and not r.is_terminated]
         if not rows:
             return {}
+        start = time.perf_counter()
+        try:
+            return self._mask(logits, requests, rows)
+        finally:
+            self.mask_seconds += time.perf_counter() - start
+            self.masked_rows += len(rows)
+
+    def _mask(
+        self, logits: torch.Tensor, requests: Sequence[StructuredOutputRequest | None], rows: list[int]
+    ) -> dict[int, Exception]:
         assert self._batch is not None and self._bitmask is not None
         if self._bitmask.shape[0] < len(requests):
             import xgrammar as xgr  # noqa: PLC0415

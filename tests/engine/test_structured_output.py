@@ -5,6 +5,7 @@ cache, bad constraints as typed errors, the batched bitmask and its CPU masking,
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -329,3 +330,49 @@ def test_bad_openai_structured_fields_are_rejected() -> None:
     for fields, message in cases:
         with pytest.raises(InvalidRequest, match=message):
             chat_params(**fields)
+
+
+# ---- a tiny random model: sampled (not greedy) output still holds, and the bench runs ----------------
+def test_sampled_output_of_a_random_model_holds_every_constraint(tiny_bpe_engine_dir: Path) -> None:
+    """A random-weight model samples garbage; under a constraint every sample is still in the language."""
+    from engine import LLM
+
+    llm = LLM(str(tiny_bpe_engine_dir), max_model_len=128, kv_cache_memory="4MiB")
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+              "ok": {"type": "boolean"}}, "required": ["n", "ok"]}  # fmt: skip
+    cases = [SO(regex=r"[0-9]{3}-[a-z]{2}"), SO(choice=["alpha", "beta", "gamma"]),
+             SO(json=schema, disable_any_whitespace=True)]  # fmt: skip
+    params = [
+        SamplingParams(temperature=1.0, seed=s, max_tokens=48, structured_outputs=so)
+        for so in cases
+        for s in range(4)
+    ]
+    free = SamplingParams(temperature=1.0, seed=0, max_tokens=8)
+    outs = llm.generate(["The quick brown fox"] * (len(params) + 1), [*params, free])
+    for p, out in zip(params, outs, strict=False):
+        c = out.outputs[0]
+        assert c.finish_reason == "stop", c
+        so = p.structured_outputs
+        if so.regex:
+            assert re.fullmatch(so.regex, c.text), c.text
+        elif so.choice:
+            assert c.text in so.choice
+        else:
+            value = json.loads(c.text)
+            assert set(value) == {"n", "ok"} and 0 <= value["n"] <= 99 and isinstance(value["ok"], bool)
+    assert len({o.outputs[0].text for o in outs[:4]}) > 1, "seeds sample different answers"
+    assert llm.engine.structured_output.masked_rows > 0
+
+
+def test_bench_structured_output_runs_and_reports_the_overhead(tiny_bpe_engine_dir: Path, capsys) -> None:
+    from engine.bench.latency import LatencyOptions
+    from engine.bench.structured import run_latency
+    from engine.engine_args import EngineArgs
+
+    args = EngineArgs(model=str(tiny_bpe_engine_dir), max_model_len=128, kv_cache_memory="4MiB")
+    result = run_latency(
+        args, LatencyOptions(input_len=8, output_len=6, batch_size=2, num_iters=2, num_iters_warmup=1)
+    )
+    assert 0 < result["itl_ratio"]["median"] and 0 < result["grammar_share"]["median"] < 10
+    assert result["compile"]["bench schema"]["cold_s"] > result["compile"]["bench schema"]["cached_s"]
+    assert "overhead per token" in capsys.readouterr().out
