@@ -26,7 +26,8 @@ def greedy(so: SO | None = None, max_tokens: int = 160) -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def llm(smollm2_dir: Path) -> LLM:
-    return LLM(str(smollm2_dir), max_model_len=512, kv_cache_memory="96MiB")
+    # fp32, the engine's exact reference: the tests compare tokens across batches and preemption
+    return LLM(str(smollm2_dir), dtype="float32", max_model_len=512, kv_cache_memory="96MiB")
 
 
 def prompt(llm: LLM, description: str) -> list[int]:
@@ -157,7 +158,7 @@ def test_matcher_follows_preemption_and_store_prefix_reuse(smollm2_dir: Path, ll
     params = [greedy(SO(json=schema), 120) for _, _, schema in picks]
     want = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     small = LLM(
-        str(smollm2_dir), max_model_len=512, num_kv_blocks=40, enable_prefix_caching=False,
+        str(smollm2_dir), dtype="float32", max_model_len=512, num_kv_blocks=40, enable_prefix_caching=False,
         kv_backend="kvstore", kv_store_url="local",
     )  # fmt: skip
     try:
