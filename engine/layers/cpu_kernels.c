@@ -4,7 +4,7 @@
  * 2x slower than fp32 at decode sizes. These kernels keep 16-bit weights in memory (half the bytes a
  * weight-bound decode step reads) and widen them in registers to fp32 FMAs; activations stay fp32.
  *
- * - gemm_w16: y[M,N] = x[M,K] @ W^T (+ bias), W bf16/fp16 packed as [ceil(N/32)][K][32];
+ * - gemm_w16: y[M,N] = x[M,K] @ W^T (+ bias), W bf16/fp16 packed as [ceil(N/32)][K][32] (see there);
  * - paged_decode_attention: one query token per sequence against its paged KV, read in place from
  *   the cache blocks (fp32, bf16, fp16, or fp8 e4m3 with a scale per KV head), GQA aware;
  * - store_kv: writes new K/V rows into their cache slots (rounding to the cache dtype);
@@ -75,17 +75,29 @@ static inline __m512 exp512(__m512 x) {
 }
 
 /* ---- GEMM with 16-bit weights ----------------------------------------------------------------- */
+/* bf16 panels store their 32 columns interleaved (c0, c16, c1, c17, ...): one 64-byte load gives
+ * columns 0-15 with a shift and columns 16-31 with a mask (half the conversion work of widening
+ * two 16-lane halves). fp16 panels keep columns in order (cvtph widens 16 at a time). */
 static inline __attribute__((always_inline)) void gemm_micro(const float* x, int64_t ldx, const uint16_t* w,
-                                                             int wtype, int64_t K, float* y, int64_t ldy,
-                                                             const float* bias, int mr, __mmask16 m0,
+                                                             const int wtype, int64_t K, float* y, int64_t ldy,
+                                                             const float* bias, const int mr, __mmask16 m0,
                                                              __mmask16 m1) {
     __m512 acc[MR][2];
+    const __m512i hi_mask = _mm512_set1_epi32((int)0xFFFF0000);
 #pragma GCC unroll 8
     for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k++) {
         /* one cache line of weights per k; the hardware prefetcher alone falls behind */
         _mm_prefetch((const char*)(w + (k + 128) * NR), _MM_HINT_T0);
-        __m512 w0 = load16(w + k * NR, wtype), w1 = load16(w + k * NR + 16, wtype);
+        __m512 w0, w1;
+        if (wtype == BF16) {
+            const __m512i raw = _mm512_loadu_si512((const void*)(w + k * NR));
+            w0 = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+            w1 = _mm512_castsi512_ps(_mm512_and_si512(raw, hi_mask));
+        } else {
+            w0 = load16(w + k * NR, F16);
+            w1 = load16(w + k * NR + 16, F16);
+        }
 #pragma GCC unroll 8
         for (int i = 0; i < MR; i++) {
             if (i < mr) {
@@ -111,8 +123,13 @@ static inline __attribute__((always_inline)) void gemm_micro(const float* x, int
 
 static inline __mmask16 lane_mask(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? 0 : (__mmask16)((1u << n) - 1); }
 
-#define GEMM_CASE(R)                                                                                       \
-    case R: gemm_micro(x + m * ldx, ldx, wp, wtype, K, y + m * ldy + n0, ldy, b, R, m0, m1); break;
+#define GEMM_CASE(T, R)                                                                                    \
+    case R: gemm_micro(x + m * ldx, ldx, wp, T, K, y + m * ldy + n0, ldy, b, R, m0, m1); break;
+#define GEMM_ROWS(T)                                                                                       \
+    switch (M - m < MR ? M - m : MR) {                                                                     \
+        GEMM_CASE(T, 1) GEMM_CASE(T, 2) GEMM_CASE(T, 3) GEMM_CASE(T, 4)                                    \
+        GEMM_CASE(T, 5) GEMM_CASE(T, 6) GEMM_CASE(T, 7) GEMM_CASE(T, 8)                                    \
+    }
 
 void gemm_w16(const float* x, int64_t ldx, const uint16_t* w, int wtype, const float* bias, float* y,
               int64_t ldy, int64_t M, int64_t N, int64_t K, int64_t p_begin, int64_t p_end) {
@@ -122,9 +139,10 @@ void gemm_w16(const float* x, int64_t ldx, const uint16_t* w, int wtype, const f
         __mmask16 m0 = lane_mask(N - n0), m1 = lane_mask(N - n0 - 16);
         const float* b = bias ? bias + n0 : 0;
         for (int64_t m = 0; m < M; m += MR) {
-            switch (M - m < MR ? M - m : MR) {
-                GEMM_CASE(1) GEMM_CASE(2) GEMM_CASE(3) GEMM_CASE(4)
-                GEMM_CASE(5) GEMM_CASE(6) GEMM_CASE(7) GEMM_CASE(8)
+            if (wtype == BF16) {
+                GEMM_ROWS(BF16)
+            } else {
+                GEMM_ROWS(F16)
             }
         }
     }
@@ -133,6 +151,21 @@ void gemm_w16(const float* x, int64_t ldx, const uint16_t* w, int wtype, const f
 /* ---- paged decode attention ------------------------------------------------------------------- */
 #define MAX_D16 16 /* head_dim up to 256 */
 #define MAX_G 16   /* query heads per KV head */
+
+/* The 16 horizontal sums of v[0..15] as one vector (element i = sum of v[i]): a transpose-and-add
+ * tree, ~3 instructions per sum instead of the 8 of _mm512_reduce_add_ps. */
+static inline __m512 hsum16(const __m512* v) {
+    __m512 p[8], q[4];
+    for (int i = 0; i < 8; i++)
+        p[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        const __m512d a = _mm512_castps_pd(p[2 * i]), b = _mm512_castps_pd(p[2 * i + 1]);
+        q[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    const __m512 u01 = _mm512_add_ps(_mm512_shuffle_f32x4(q[0], q[1], 0x88), _mm512_shuffle_f32x4(q[0], q[1], 0xDD));
+    const __m512 u23 = _mm512_add_ps(_mm512_shuffle_f32x4(q[2], q[3], 0x88), _mm512_shuffle_f32x4(q[2], q[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(u01, u23, 0x88), _mm512_shuffle_f32x4(u01, u23, 0xDD));
+}
 
 typedef struct {
     const void *k_cache, *v_cache;
@@ -159,10 +192,8 @@ static inline __attribute__((always_inline)) void attend_head(const PagedKV* c, 
     for (int g = 0; g < G; g++)
 #pragma GCC unroll 16
         for (int d = 0; d < D16; d++) qv[g][d] = _mm512_mul_ps(_mm512_loadu_ps(q + g * ldh + d * 16), _mm512_set1_ps(ks));
-    float mx[MAX_G];
-#pragma GCC unroll 16
-    for (int g = 0; g < G; g++) mx[g] = -INFINITY;
-    /* walk the block table block by block: no division per token */
+    /* pass 1: q.k per token, 16 tokens' partial vectors summed at once (hsum16) */
+    __m512 part[MAX_G][16];
     for (int64_t t = 0, pos = first; t < n;) {
         const int64_t off = pos % c->block_size, len = c->block_size - off < n - t ? c->block_size - off : n - t;
         const char* kp = kv_row(c, c->k_cache, pos, h);
@@ -170,17 +201,31 @@ static inline __attribute__((always_inline)) void attend_head(const PagedKV* c, 
             __m512 kv[MAX_D16];
 #pragma GCC unroll 16
             for (int d = 0; d < D16; d++) kv[d] = load16(kp + d * 16 * c->esz, kv_type);
+            const int slot = (int)(t & 15);
 #pragma GCC unroll 16
             for (int g = 0; g < G; g++) {
                 __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
 #pragma GCC unroll 16
                 for (int d = 1; d < D16; d++) acc = _mm512_fmadd_ps(qv[g][d], kv[d], acc);
-                const float s = _mm512_reduce_add_ps(acc);
-                scores[g * n + t] = s;
-                mx[g] = s > mx[g] ? s : mx[g];
+                part[g][slot] = acc;
+            }
+            if (slot == 15 || t == n - 1) {
+                const int64_t base = t - slot;
+                const __mmask16 mk = lane_mask(slot + 1);
+                for (int g = 0; g < G; g++) {
+                    for (int i = slot + 1; i < 16; i++) part[g][i] = _mm512_setzero_ps();
+                    _mm512_mask_storeu_ps(scores + g * n + base, mk, hsum16(part[g]));
+                }
             }
         }
         pos += len;
+    }
+    float mx[MAX_G];
+    for (int g = 0; g < G; g++) {
+        __m512 m = _mm512_set1_ps(-INFINITY);
+        for (int64_t t = 0; t < n; t += 16)
+            m = _mm512_mask_max_ps(m, lane_mask(n - t), m, _mm512_maskz_loadu_ps(lane_mask(n - t), scores + g * n + t));
+        mx[g] = _mm512_reduce_max_ps(m);
     }
     float inv[MAX_G];
     for (int g = 0; g < G; g++) {

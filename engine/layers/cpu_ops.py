@@ -137,13 +137,21 @@ def _rows(t: torch.Tensor) -> None:
 
 
 # ---- GEMM ------------------------------------------------------------------------------------------
+# bf16 panels hold their columns as c0, c16, c1, c17, ... (the kernel splits one load into two halves)
+_BF16_ORDER = torch.stack([torch.arange(PANEL // 2), torch.arange(PANEL // 2, PANEL)], 1).reshape(-1)
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] bf16/fp16 -> [ceil(N/32), K, 32] (zero-padded panels of 32 output columns)."""
+    """[N, K] bf16/fp16 -> [ceil(N/32), K, 32] (zero-padded panels of 32 output columns; bf16 ones
+    interleaved, see cpu_kernels.c)."""
     n, k = weight.shape
     panels = -(-n // PANEL)
     padded = torch.zeros(panels * PANEL, k, dtype=weight.dtype)
     padded[:n] = weight
-    return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
+    packed = padded.view(panels, PANEL, k).transpose(1, 2)
+    if weight.dtype == torch.bfloat16:
+        packed = packed[:, :, _BF16_ORDER]
+    return packed.contiguous()
 
 
 def gemm_w16(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
