@@ -27,8 +27,9 @@ from kvstore import shm, wire
 from kvstore.errors import InvalidArgument, KVStoreError, TooLarge, Unavailable
 from kvstore.keys import validate_key
 from kvstore.tiers.base import Blob
+from sdk import transfers as tr
 from sdk.backend import Backend
-from sdk.buffers import BlobLease, BufferPool, Free, Loan, LoanBook, fresh_buffer
+from sdk.buffers import BlobLease, BufferPool, LoanBook
 from sdk.dataplane import DataPlaneClient, NotSpoken, SegmentGone
 from sdk.http import HttpClient
 from sdk.shm import ClientSegment
@@ -160,122 +161,33 @@ class RemoteBackend(Backend):
 
     # -- gets --------------------------------------------------------------------------------------------
 
-    def _fetch(
-        self, keys: list[str], lend: bool, reasons: list[str | None] | None = None
-    ) -> tuple[list[Blob | None], Loan | None]:
+    def _fetch(self, keys: list[str], lend: bool, reasons: list[str | None] | None = None) -> tr.Got:
         """The blobs of `keys` in caller-owned buffers (lend=False) or in lent ones, with their Loan;
         `reasons` (if given) receives why each miss missed."""
         self._loans.retry()
+        rx = tr.Receiver(self._buffers if lend else None)
         plane = self._data_plane()
         if plane is None:
             self.counts["http"] += 1
-            return self._fetch_http(keys, lend, reasons)
+            return tr.fetch_http(self.http, keys, rx, reasons)
         seg = self._shm()
-        got = self._fetch_shm(plane, seg, keys, lend) if seg is not None else None
-        if got is None:
-            self.counts["tcp"] += 1
-            into, loan_free = self._into(lend)
-            head, meta, body = plane.call(dp.GET, {"k": keys}, into=into)
-            got = meta, self._split(meta, body, len(keys), loan_free)
-        meta, (blobs, loan) = got
-        if reasons is not None:
-            given = meta.get("r") if isinstance(meta.get("r"), list) and len(meta["r"]) == len(keys) else None
-            reasons[:] = [
-                None if b is not None else (given and given[i]) or "not_stored" for i, b in enumerate(blobs)
-            ]
-        return blobs, loan
-
-    def _fetch_shm(
-        self, plane: DataPlaneClient, seg: ClientSegment, keys: list[str], lend: bool
-    ) -> tuple[dict, tuple[list[Blob | None], Loan | None]] | None:
-        capacity = min(seg.largest(), len(keys) * self._blob_hint)
-        offset = seg.reserve(capacity) if capacity > 0 else None
-        if offset is None:
-            return None  # the segment is full of leases: the socket
-        try:
-            into, loan_free = self._into(lend)
-            meta_in = {"k": keys, "s": [seg.seg_id, offset, capacity]}
-            head, meta, body = plane.call(dp.GET, meta_in, flags=dp.FLAG_SHM, into=into, segment=seg)
-        except SegmentGone:
-            self._forget_segment(seg)
-            return None
-        except BaseException:
-            seg.free(offset, capacity)
-            raise
-        lens = dp.meta_lens(meta, len(keys), allow_missing=True)
-        if not head.flags & dp.FLAG_SHM:  # did not fit: the answer came on the socket
-            self.counts["tcp"] += 1
-            seg.free(offset, capacity)
-            self._blob_hint = max(self._blob_hint, max(lens))
-            return meta, self._split(meta, body, len(keys), loan_free)
-        self.counts["shm"] += 1
-        used = dp.total(lens)
-        assert meta.get("o") == offset, "the server wrote elsewhere than asked"
-        seg.allocator.shrink(offset, capacity, used)
-        views = seg.views(offset, lens)
-        if lend:
-            return meta, (views, Loan([v for v in views if v is not None], lambda: seg.free(offset, used)))
-        owned: list[Blob | None] = [None if v is None else bytes(v) for v in views]
-        for v in views:
-            if v is not None:
-                v.release()
-        seg.free(offset, used)
-        return meta, (owned, None)
-
-    def _into(self, lend: bool) -> tuple[Callable[[int], memoryview], list[Free]]:
-        """Where a socket body goes: a fresh buffer the caller keeps, or a pooled one with its free()."""
-        if not lend:
-            return fresh_buffer, []
-        frees: list[Free] = []
-
-        def into(n: int) -> memoryview:
-            view, free = self._buffers.take(n)
-            frees.append(free)
-            return view
-
-        return into, frees
-
-    def _split(
-        self, meta: dict, body: memoryview | None, n: int, frees: list[Free]
-    ) -> tuple[list[Blob | None], Loan | None]:
-        lens = dp.meta_lens(meta, n, allow_missing=True)
-        if dp.total(lens) != (0 if body is None else len(body)):
-            raise InvalidArgument("the server's answer does not match the lengths it announced")
-        blobs: list[Blob | None] = []
-        pos = 0
-        for length in lens:
-            if length < 0:
-                blobs.append(None)
-                continue
-            assert body is not None
-            blobs.append(body if length == len(body) and n == 1 else body[pos : pos + length])
-            pos += length
-        if not frees:
-            return blobs, None
-        blobs = [None if b is None else b.toreadonly() for b in blobs]  # lent: read-only
-        views = [b for b in blobs if isinstance(b, memoryview)] + ([body] if body is not None else [])
-        return blobs, Loan(views, _all(frees))
-
-    def _fetch_http(
-        self, keys: list[str], lend: bool, reasons: list[str | None] | None
-    ) -> tuple[list[Blob | None], Loan | None]:
-        into, frees = self._into(lend)
-        if len(keys) == 1 and reasons is None:
-            resp = self.http.request("GET", wire.chunk_path(keys[0]), into=into)
-            blobs: list[Blob | None] = [None if resp.status == 404 else resp.body]
+        got = None
+        if seg is not None:
+            try:
+                got = tr.fetch_shm(plane, seg, keys, rx, len(keys) * self._blob_hint)
+            except SegmentGone:
+                self._forget_segment(seg)
+        if got is not None:
+            meta, (blobs, loan), in_shm = got
+            if not in_shm:  # too large for the room asked: ask for more next time
+                self._blob_hint = max([self._blob_hint, *(len(b) for b in blobs if b is not None)])
         else:
-            resp = self.http.keys_request(wire.BATCH_GET_PATH, keys, into=into)
-            got_keys, views = wire.decode_frame(resp.body, allow_missing=True)
-            if got_keys != keys:
-                raise InvalidArgument("server answered a batch get with other keys than asked")
-            blobs = list(views)
-            if reasons is not None:
-                reasons[:] = _miss_reasons(resp.body, blobs)
-        if not frees:
-            return blobs, None
-        blobs = [None if b is None else memoryview(b).toreadonly() for b in blobs]  # lent: read-only
-        views_out = [b for b in blobs if isinstance(b, memoryview)] + [resp.body]
-        return blobs, Loan(views_out, _all(frees))
+            in_shm = False
+            meta, (blobs, loan) = tr.fetch_socket(plane, keys, rx)
+        self.counts["shm" if in_shm else "tcp"] += 1
+        if reasons is not None:
+            reasons[:] = tr.reasons_of(meta, blobs)
+        return blobs, loan
 
     def get_blob(self, key: str) -> Blob | None:
         return self._fetch([validate_key(key)], lend=False)[0][0]
@@ -312,33 +224,23 @@ class RemoteBackend(Backend):
         plane = self._data_plane()
         if plane is None:
             self.counts["http"] += 1
-            if len(items) == 1:
-                resp = self.http.request("PUT", wire.chunk_path(keys[0]), blobs)
-                return [_tiers(resp.headers.get(wire.STORED_IN_HEADER.lower()))]
-            frame = wire.encode_frame(keys, blobs)
-            return self.http.request("POST", wire.BATCH_PUT_PATH, frame, wire.BATCH_CONTENT_TYPE).json()[
-                "stored_in"
-            ]
+            return tr.put_http(self.http, keys, blobs)
         limit = plane.hello["max_blob"] if len(items) == 1 else plane.hello["max_request"]
         if sum(lens) > limit or max(lens) > plane.hello["max_blob"]:
             raise TooLarge(f"put of {sum(lens)} bytes is over the server's limit ({limit})")
         self._loans.retry()
         seg = self._shm() if sum(lens) >= SHM_MIN_BLOB else None
-        offset = seg.reserve(sum(lens)) if seg is not None else None
-        if seg is None or offset is None:
-            self.counts["tcp"] += 1
-            return plane.call(dp.PUT, {"k": keys, "l": lens}, blobs)[1]["stored_in"]
-        try:
-            seg.write(offset, blobs)
-            region = [seg.seg_id, offset, sum(lens)]
-            reply = plane.call(dp.PUT, {"k": keys, "l": lens, "s": region}, flags=dp.FLAG_SHM, segment=seg)[1]
-            self.counts["shm"] += 1
-            return reply["stored_in"]
-        except SegmentGone:
-            self._forget_segment(seg)
-            return plane.call(dp.PUT, {"k": keys, "l": lens}, blobs)[1]["stored_in"]
-        finally:
-            seg.free(offset, sum(lens))
+        if seg is not None:
+            try:
+                stored_in = tr.put_shm(plane, seg, keys, lens, blobs)
+            except SegmentGone:
+                self._forget_segment(seg)
+                stored_in = None
+            if stored_in is not None:
+                self.counts["shm"] += 1
+                return stored_in
+        self.counts["tcp"] += 1
+        return tr.put_socket(plane, keys, lens, blobs)
 
     def _keys_call(self, op: int, keys: Sequence[str]) -> dict:
         plane = self._data_plane()
@@ -408,25 +310,3 @@ class RemoteBackend(Backend):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _all(frees: list[Free]) -> Free:
-    def free() -> None:
-        for f in frees:
-            f()
-
-    return free
-
-
-def _miss_reasons(frame: Any, blobs: Sequence[Blob | None]) -> list[str | None]:
-    """Why each miss of a batch get answer missed, from its frame header (None for hits)."""
-    given = wire.parse_frame_header(frame, allow_missing=True).reasons or [None] * len(blobs)
-    return [
-        None if b is not None else (r if isinstance(r, str) else "not_stored")
-        for b, r in zip(blobs, given, strict=True)
-    ]
-
-
-def _tiers(header: str | None) -> list[str]:
-    """The tiers an acknowledgement names (`X-KVStore-Stored-In: cpu,disk`)."""
-    return [t for t in (header or "").split(",") if t]

@@ -1,0 +1,172 @@
+"""How blobs travel on each transport of `sdk.remote.RemoteBackend`: HTTP, the data plane's socket,
+and a same-host server's shared memory. Each get answers (blobs, Loan | None): buffers the caller owns
+(no Loan), or lent ones (`sdk.buffers`) whose Loan gives them back."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvstore import dataplane as dp
+from kvstore import wire
+from kvstore.errors import InvalidArgument
+from kvstore.tiers.base import Blob
+from sdk.buffers import BufferPool, Free, Loan, fresh_buffer
+from sdk.dataplane import DataPlaneClient
+from sdk.http import HttpClient
+from sdk.shm import ClientSegment
+
+Got = tuple[list[Blob | None], Loan | None]
+
+
+class Receiver:
+    """Where an answer's body lands: a fresh buffer the caller keeps (pool None), or pooled ones that
+    are lent and come back to the pool with the Loan."""
+
+    def __init__(self, pool: BufferPool | None) -> None:
+        self.pool = pool
+        self.frees: list[Free] = []
+
+    def into(self, n: int) -> memoryview:
+        if self.pool is None:
+            return fresh_buffer(n)
+        view, free = self.pool.take(n)
+        self.frees.append(free)
+        return view
+
+    def blobs(self, blobs: list[Blob | None], body: memoryview | None) -> Got:
+        if self.pool is None:
+            return blobs, None
+        lent: list[Blob | None] = [None if b is None else memoryview(b).toreadonly() for b in blobs]
+        views = [b for b in lent if isinstance(b, memoryview)] + ([body] if body is not None else [])
+        frees = self.frees
+
+        def free() -> None:
+            for f in frees:
+                f()
+
+        return lent, Loan(views, free)
+
+    def split(self, meta: dict, body: memoryview | None, n: int) -> Got:
+        """The blobs of a data-plane answer carried on the socket, back to back in `body`."""
+        lens = dp.meta_lens(meta, n, allow_missing=True)
+        if dp.total(lens) != (0 if body is None else len(body)):
+            raise InvalidArgument("the server's answer does not match the lengths it announced")
+        blobs: list[Blob | None] = []
+        pos = 0
+        for length in lens:
+            if length < 0:
+                blobs.append(None)
+                continue
+            assert body is not None
+            blobs.append(body if length == len(body) else body[pos : pos + length])
+            pos += length
+        return self.blobs(blobs, body)
+
+
+def reasons_of(meta: dict, blobs: Sequence[Blob | None]) -> list[str | None]:
+    """Why each miss of a data-plane get missed (None for hits; "not_stored" when the server did not say)."""
+    given = meta.get("r")
+    given = given if isinstance(given, list) and len(given) == len(blobs) else [None] * len(blobs)
+    return [
+        None if b is not None else (r if isinstance(r, str) else "not_stored")
+        for b, r in zip(blobs, given, strict=True)
+    ]
+
+
+# -- HTTP -----------------------------------------------------------------------------------------------
+
+
+def fetch_http(http: HttpClient, keys: list[str], rx: Receiver, reasons: list[str | None] | None) -> Got:
+    if len(keys) == 1 and reasons is None:
+        resp = http.request("GET", wire.chunk_path(keys[0]), into=rx.into)
+        return rx.blobs(
+            [None if resp.status == 404 else resp.body], resp.body if resp.status != 404 else None
+        )
+    resp = http.keys_request(wire.BATCH_GET_PATH, keys, into=rx.into)
+    got_keys, views = wire.decode_frame(resp.body, allow_missing=True)
+    if got_keys != keys:
+        raise InvalidArgument("server answered a batch get with other keys than asked")
+    blobs: list[Blob | None] = list(views)
+    if reasons is not None:
+        given = wire.parse_frame_header(resp.body, allow_missing=True).reasons or [None] * len(blobs)
+        reasons[:] = [None if b is not None else (r if isinstance(r, str) else "not_stored")
+                      for b, r in zip(blobs, given, strict=True)]  # fmt: skip
+    return rx.blobs(blobs, memoryview(resp.body))
+
+
+def put_http(http: HttpClient, keys: list[str], blobs: list[Blob]) -> list[list[str]]:
+    """The tiers that stored each blob (the server's acknowledgement)."""
+    if len(keys) == 1:
+        resp = http.request("PUT", wire.chunk_path(keys[0]), blobs)
+        header = resp.headers.get(wire.STORED_IN_HEADER.lower()) or ""  # `cpu,disk`
+        return [[t for t in header.split(",") if t]]
+    frame = wire.encode_frame(keys, blobs)
+    return http.request("POST", wire.BATCH_PUT_PATH, frame, wire.BATCH_CONTENT_TYPE).json()["stored_in"]
+
+
+# -- the data plane -------------------------------------------------------------------------------------
+
+
+def fetch_socket(plane: DataPlaneClient, keys: list[str], rx: Receiver) -> tuple[dict, Got]:
+    _, meta, body = plane.call(dp.GET, {"k": keys}, into=rx.into)
+    return meta, rx.split(meta, body, len(keys))
+
+
+def fetch_shm(
+    plane: DataPlaneClient, seg: ClientSegment, keys: list[str], rx: Receiver, capacity: int
+) -> tuple[dict, Got, bool] | None:
+    """A get whose answer the server writes into a free region of `seg` when it fits in `capacity`
+    (then True), else sends on the socket (False); None while the segment has no such region.
+    Raises sdk.dataplane.SegmentGone when the server no longer knows `seg`."""
+    capacity = min(seg.largest(), capacity)
+    offset = seg.reserve(capacity) if capacity > 0 else None
+    if offset is None:
+        return None
+    try:
+        meta_in = {"k": keys, "s": [seg.seg_id, offset, capacity]}
+        head, meta, body = plane.call(dp.GET, meta_in, flags=dp.FLAG_SHM, into=rx.into, segment=seg)
+    except BaseException:
+        seg.free(offset, capacity)
+        raise
+    if not head.flags & dp.FLAG_SHM:  # did not fit: the answer came on the socket
+        seg.free(offset, capacity)
+        return meta, rx.split(meta, body, len(keys)), False
+    lens = dp.meta_lens(meta, len(keys), allow_missing=True)
+    used = dp.total(lens)
+    if meta.get("o") != offset:
+        raise InvalidArgument("the server wrote the answer elsewhere than asked")
+    seg.allocator.shrink(offset, capacity, used)
+    views = seg.views(offset, lens)
+    if rx.pool is not None:  # lent: the region is the caller's until the lease ends
+        return (
+            meta,
+            (list(views), Loan([v for v in views if v is not None], lambda: seg.free(offset, used))),
+            True,
+        )
+    owned: list[Blob | None] = [None if v is None else bytes(v) for v in views]
+    for v in views:
+        if v is not None:
+            v.release()
+    seg.free(offset, used)
+    return meta, (owned, None), True
+
+
+def put_shm(
+    plane: DataPlaneClient, seg: ClientSegment, keys: list[str], lens: list[int], blobs: list[Blob]
+) -> list[list[str]] | None:
+    """A put through a free region of `seg` (None while there is none); the tiers that stored each."""
+    total = sum(lens)
+    offset = seg.reserve(total)
+    if offset is None:
+        return None
+    try:
+        seg.write(offset, blobs)
+        meta = {"k": keys, "l": lens, "s": [seg.seg_id, offset, total]}
+        return plane.call(dp.PUT, meta, flags=dp.FLAG_SHM, segment=seg)[1]["stored_in"]
+    finally:
+        seg.free(offset, total)
+
+
+def put_socket(plane: DataPlaneClient, keys: list[str], lens: list[int], blobs: list[Blob]) -> Any:
+    return plane.call(dp.PUT, {"k": keys, "l": lens}, blobs)[1]["stored_in"]
