@@ -62,6 +62,9 @@ SERVER_FLAGS = {
     "store_threads": "threads for store calls that may touch disk or Redis (default 4)",
     "metrics_auth": "/metrics needs the token too (default; --no-metrics-auth opens it)",
     "access_log": "log every request",
+    "dataplane": "the binary data plane on the port, for the SDK (default; --no-dataplane: HTTP only)",
+    "shm_budget": "shared memory for clients on this host, all segments together, e.g. 1GiB (0: off)",
+    "shm_max_segment": "largest shared-memory segment one client gets (default 512MiB)",
 }
 
 

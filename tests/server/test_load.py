@@ -29,6 +29,7 @@ def test_load_8_clients_10s_beside_hostile_clients():
     assert r["evictions"] > 0  # the capacity was really exercised
     assert r["stored_bytes"] <= 32 * MiB
     assert r["rss_within_bound"], (r["rss_idle"], r["rss_max"], r["rss_allowance"])
+    assert r["rss_shm_max"] > 0  # the honest clients' blobs went through shared memory, inside the bound
     h = r["hostile_report"]
     assert h["redis_hangs"] >= 1 and h["oversized"].get("201", 0) >= 1
     assert h["slow_closed_408"] == 0  # header_timeout is 10 s: none was due yet, all still held open
