@@ -64,6 +64,7 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         self._held: dict = {}  # this request's reservation in the body budget (server/budget.py)
         self._held_out: dict = {}  # and its answer's, while the client has not read it all
         self._busy = False  # a request is in the store's thread pool; reading is paused
+        self._write_paused = False  # the transport holds more than its high-water mark of our answers
         self._closed = False
 
     # -- connection --------------------------------------------------------------------------------------
@@ -133,9 +134,11 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         self.transport.abort()
 
     def pause_writing(self) -> None:  # the client reads slower than we answer: stop taking requests
+        self._write_paused = True
         self.transport.pause_reading()
 
     def resume_writing(self) -> None:
+        self._write_paused = False
         if self._deadline == "drain":  # the answer is (nearly) all read: its blobs are free again
             self._disarm()
             self.st.budget.release(self._held_out)
@@ -294,7 +297,7 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         if reply.close:
             self.transport.close()
             return
-        if self.transport.get_write_buffer_size():  # the rest goes out as the client reads it
+        if self._write_paused:  # over the transport's high-water mark: the rest goes as the client reads
             self._arm(st.config.body_timeout, self._read_too_slowly, "drain")
             return  # resume_writing goes on
         st.budget.release(self._held_out)

@@ -195,10 +195,11 @@ def test_a_server_without_the_data_plane_answers_it_with_http(server_factory):
 
 
 def test_limits_of_the_http_side_apply(server_factory):
-    srv = server_factory(keepalive_timeout=0.5, header_timeout=0.5, max_connections=4)
+    srv = server_factory(keepalive_timeout=0.5)
     idle = Raw(srv.port)  # said HELLO, then nothing: closed after keepalive_timeout
     start = time.monotonic()
     assert idle.closed() and time.monotonic() - start < 5
+    srv = server_factory(header_timeout=0.3, max_connections=4)
     half = Raw(srv.port)
     half.sock.sendall(dp.pack_head(dp.EXISTS, dp.pack_meta({"k": [key(1)]}))[:10])  # half a header
     head, meta, _ = half.receive()
