@@ -1,0 +1,62 @@
+"""KVStoreConnectorV1's settings from a real `VllmConfig` (built by vLLM's own EngineArgs, no engine
+started): the layout fingerprint equals the bundled engine's for the same model directory, extra config
+reaches the connector, and what it cannot serve is refused at startup."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstore.errors import ConfigError
+from kvstore.keys import KVLayout, root_key
+
+pytest.importorskip("vllm")
+
+
+def vllm_config(model_dir, extra: dict | None = None, role: str = "kv_both", **engine):
+    from vllm.config import KVTransferConfig  # noqa: PLC0415
+    from vllm.engine.arg_utils import EngineArgs  # noqa: PLC0415
+
+    ktc = KVTransferConfig(kv_connector="KVStoreConnectorV1", kv_connector_module_path="connectors.vllm",
+                           kv_role=role, kv_connector_extra_config=extra or {"url": "http://127.0.0.1:9"})  # fmt: skip
+    args = EngineArgs(model=str(model_dir), dtype="bfloat16", enforce_eager=True, max_model_len=2048,
+                      kv_transfer_config=ktc, **engine)  # fmt: skip
+    return args.create_engine_config()
+
+
+def test_vllm_and_kvstore_engine_compute_one_fingerprint(model_dir) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: PLC0415
+
+    from connectors.vllm import KVStoreConnectorV1, transfer_config  # noqa: PLC0415
+    from engine.config import ModelConfig  # noqa: PLC0415
+
+    extra = {"url": "http://127.0.0.1:9", "codec": "int4", "token": "t0ken", "timeout_s": 3}
+    cfg = vllm_config(model_dir, extra, role="kv_producer")
+    config = transfer_config(cfg)
+    # what llm_engine gives its connector for the same directory and dtype (kvstore.keys.model_layout)
+    engine_cfg = ModelConfig.from_pretrained(model_dir)
+    engine_layout = KVLayout.for_model(
+        engine_cfg.raw, model=engine_cfg.model_name, kv_dtype="bfloat16", chunk_size=256
+    )
+    assert config.layout == engine_layout and root_key(config.layout) == root_key(engine_layout)
+    assert (config.codec, config.auth_token, config.timeout_s, config.kv_role, config.block_size) == (
+        "int4", "t0ken", 3, "kv_producer", 128)  # fmt: skip
+    assert config.load_async is False  # vLLM loads synchronously before the forward that needs them
+    # vLLM's default policy would fail a request over a cache miss: the connector asks for recompute
+    assert cfg.kv_transfer_config.kv_load_failure_policy == "fail"
+    connector = KVStoreConnectorV1(cfg, KVConnectorRole.SCHEDULER, None)
+    try:
+        assert cfg.kv_transfer_config.kv_load_failure_policy == "recompute"
+        assert connector.requires_kv_delivery is False  # a store is best-effort
+    finally:
+        connector.shutdown()
+
+
+def test_what_the_connector_cannot_serve_is_refused_at_startup(model_dir) -> None:
+    from connectors.vllm import transfer_config  # noqa: PLC0415
+
+    with pytest.raises(ConfigError, match="kvstore-server"):
+        transfer_config(vllm_config(model_dir, {"url": "local"}))
+    with pytest.raises(ConfigError, match="fp8"):
+        transfer_config(vllm_config(model_dir, kv_cache_dtype="fp8"))
+    with pytest.raises(ConfigError):
+        transfer_config(vllm_config(model_dir, {"url": "http://127.0.0.1:9", "chunk_size": 192}))  # not 128k
