@@ -10,13 +10,13 @@ loaded chunk, or a block-aligned part of it, back into the request's blocks.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from kvstore.errors import InvalidArgument
-from kvstore.keys import KVLayout, hash_block, root_key
+from kvstore.keys import KVLayout, hash_block, hash_partials, root_key
 
 
 @dataclass(frozen=True)
@@ -119,13 +119,14 @@ class ChunkKeys:
     """Chained chunk keys of one growing token sequence (Spec 1), extended as chunks fill up.
 
     Equal to `kvstore.keys.chunk_keys(tokens, layout, namespace, extra)` for every prefix; each new
-    chunk costs one hash, so calling `update` every engine step stays cheap.
+    chunk costs one hash, so calling `update` every engine step stays cheap. `partial_keys` gives the
+    keys a trailing partial chunk of these tokens would have been stored under (Spec 1's partial keys).
     """
 
     def __init__(self, layout: KVLayout, namespace: str = "", extra: bytes = b"") -> None:
         self.chunk_size = layout.chunk_size
         self.extra = extra
-        self._parent = root_key(layout, namespace)
+        self.parents: list[bytes] = [root_key(layout, namespace)]  # parents[i]: the parent of chunk i
         self._last_chunk: list[int] = []
         self.keys: list[str] = []
 
@@ -137,6 +138,15 @@ class ChunkKeys:
         )
         for i in range(have, len(tokens) // n):
             self._last_chunk = list(tokens[i * n : (i + 1) * n])
-            self._parent = hash_block(self._parent, self._last_chunk, self.extra)
-            self.keys.append(self._parent.hex())
+            self.parents.append(hash_block(self.parents[-1], self._last_chunk, self.extra))
+            self.keys.append(self.parents[-1].hex())
         return self.keys
+
+    def partial_keys(self, tokens: Sequence[int], chunk: int, lengths: Iterable[int]) -> list[str]:
+        """Keys of partial chunks at chunk index `chunk` holding the first `n` tokens of it, per n."""
+        assert chunk <= len(self.keys), "update() the keys up to the chunk first"
+        start = chunk * self.chunk_size
+        lengths = list(lengths)
+        assert all(n < self.chunk_size for n in lengths), lengths
+        body = tokens[start : start + max(lengths, default=0)]
+        return [k.hex() for k in hash_partials(self.parents[chunk], body, lengths, self.extra)]

@@ -179,6 +179,20 @@ def hash_block(parent: bytes, tokens: Sequence[int] | np.ndarray, extra: bytes =
     return hashlib.blake2b(parent + _tokens_bytes(tokens) + extra, digest_size=DIGEST_SIZE).digest()
 
 
+def hash_partials(
+    parent: bytes, tokens: Sequence[int] | np.ndarray, lengths: Sequence[int], extra: bytes = b""
+) -> list[bytes]:
+    """Keys of the partial chunks (fewer than chunk_size tokens) after `parent` holding the first n
+    of `tokens`, for each n in `lengths`; the length is part of the key."""
+    body = _tokens_bytes(tokens)
+    out = []
+    for n in lengths:
+        assert 0 < n <= len(body) // 4, (n, len(body) // 4)
+        data = parent + b"partial" + n.to_bytes(4, "little") + body[: 4 * n] + extra
+        out.append(hashlib.blake2b(data, digest_size=DIGEST_SIZE).digest())
+    return out
+
+
 def chunk_keys(
     tokens: Sequence[int] | np.ndarray, layout: KVLayout, namespace: str = "", extra: bytes = b""
 ) -> list[str]:
@@ -205,8 +219,7 @@ def partial_key(
         return None
     keys = chunk_keys(arr[: full * n], layout, namespace, extra)
     parent = bytes.fromhex(keys[-1]) if keys else root_key(layout, namespace)
-    data = parent + b"partial" + len(tail).to_bytes(4, "little") + _tokens_bytes(tail) + extra
-    return hashlib.blake2b(data, digest_size=DIGEST_SIZE).hexdigest()
+    return hash_partials(parent, tail, [len(tail)], extra)[0].hex()
 
 
 def is_key(text: object) -> bool:
