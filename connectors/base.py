@@ -11,6 +11,9 @@ Per engine step:
     worker:    bind_connector_metadata -> start_load_kv -> (per layer) wait_for_layer_load,
                forward, save_kv_layer -> wait_for_save -> get_finished -> clear_connector_metadata
     scheduler: request_finished (True = keep the blocks until get_finished reports the save done)
+With `load_async`, an admitted request waits (holding its blocks) until `get_finished` reports its
+load done, while the other requests keep running; a step with nothing else to do still runs the
+worker's transfer calls (no forward), as vLLM's `kv_connector_no_forward` does.
 
 Rules every implementation keeps:
 - `get_num_new_matched_tokens` has no side effects; its answer is block-aligned and capped so that
@@ -23,6 +26,7 @@ Rules every implementation keeps:
 from __future__ import annotations
 
 import enum
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -56,6 +60,7 @@ class ConnectorRequest(Protocol):
 
     request_id: str
     prompt_token_ids: list[int]
+    num_computed_tokens: int  # tokens whose KV is in the request's blocks
 
     @property
     def all_token_ids(self) -> list[int]: ...
@@ -134,6 +139,11 @@ class KVConnectorBase(ABC):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set()
+
+    def wait_for_finished(self, timeout: float) -> None:
+        """An engine with nothing to compute until an asynchronous load lands waits here (at most
+        `timeout` seconds) instead of spinning; `get_finished` then reports what finished."""
+        time.sleep(timeout)
 
     def shutdown(self) -> None:  # noqa: B027 (optional hook, like vLLM's)
         """Finish pending work and release resources."""

@@ -29,6 +29,7 @@ from kvstore.keys import KVLayout, model_layout, root_key
 
 logger = logging.getLogger(__name__)
 _MAX_DEFAULT_MODEL_LEN = 8192
+_IDLE_WAIT_S = 0.05  # a step with nothing to compute waits this long at most for a KV load to land
 
 
 def resolve_model_dir(model: str) -> Path:
@@ -211,17 +212,27 @@ class LLMEngine:
                     c.kv_role)  # fmt: skip
         return scheduler_side, worker_side
 
-    def _finish_kv_saves(self) -> None:
-        """Free the blocks of finished requests whose KV save the worker reports done."""
+    def _finish_kv_transfers(self, stepped: bool) -> None:
+        """Hand over the last KV of requests finished this step, then free the blocks of those whose
+        save is done and resume those whose asynchronous load is done."""
         worker = self.runner.connector
         if worker is None:
             return
+        errors = set(self.runner.invalid_block_ids)
         finished = self.scheduler.take_finished_req_ids()
+        if finished:  # their trailing partial chunk is saved now, while the blocks are still theirs
+            self.runner.execute_kv_transfers(self.scheduler.connector.build_connector_meta(SchedulerOutput()))
+            errors |= self.runner.invalid_block_ids
         if finished and self.args.kv_producer:
             worker.flush()  # a prefill instance answers only once the decode instance can load the KV
-        done, _ = worker.get_finished(finished)
+        if not stepped and self.scheduler.loading:  # nothing to compute until a load lands: wait for it
+            worker.wait_for_finished(_IDLE_WAIT_S)
+        done, loaded = worker.get_finished(finished)
+        errors |= worker.get_block_ids_with_load_errors()  # after get_finished: covers every load it reports
         if done:
             self.scheduler.finish_saves(done)
+        if loaded or (errors and self.scheduler.loading):
+            self.scheduler.finish_loads(loaded or set(), errors)
 
     def render_metrics(self) -> bytes:
         """Prometheus text: the engine's metrics, then the KV connector's."""
@@ -252,7 +263,9 @@ class LLMEngine:
             self._release(seq, time.monotonic())
         if not sched_out.is_empty:
             outputs += self._run_scheduled(sched_out)
-        self._finish_kv_saves()
+        elif self.runner.connector is not None:  # only loads to start (requests waiting for their KV)
+            self.runner.execute_kv_transfers(sched_out.kv_connector_metadata)
+        self._finish_kv_transfers(stepped=not sched_out.is_empty)
         self._update_gauges()
         return outputs
 

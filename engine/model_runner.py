@@ -115,6 +115,16 @@ class ModelRunner:
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
         return ids, torch.from_numpy(np.concatenate(positions)).to(dev), meta
 
+    def execute_kv_transfers(self, kv_connector_metadata: object) -> None:
+        """A step without a forward: start this step's loads and saves (vLLM's kv_connector_no_forward)."""
+        connector = self.connector
+        assert connector is not None
+        connector.bind_connector_metadata(kv_connector_metadata)
+        connector.start_load_kv()
+        connector.wait_for_save()
+        self.invalid_block_ids = connector.get_block_ids_with_load_errors()
+        connector.clear_connector_metadata()
+
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> list[int | None]:
         """One forward over every scheduled token; a token for each sequence whose chunk ends it."""

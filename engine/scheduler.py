@@ -8,7 +8,9 @@ recomputed. Waiting sequences are admitted while budget, `max_num_seqs` and bloc
 
 Where a KV connector (DESIGN.md, Spec 5) plugs in, marked below: `get_num_new_matched_tokens` after
 the local prefix lookup, `update_state_after_alloc` after allocation, `build_connector_meta` at the
-end of `schedule`, and `request_finished` in `_finish` before blocks are freed.
+end of `schedule`, and `request_finished` in `_finish` before blocks are freed. When the connector
+loads asynchronously, an admitted sequence waits in `loading` (WAITING_FOR_REMOTE_KVS) holding its
+blocks, while the others keep running; `finish_loads` moves it to `running` once its KV has arrived.
 """
 
 from __future__ import annotations
@@ -76,6 +78,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.connector = connector  # scheduler side of the KV connector (--kv-backend), or None
         self.saving: dict[str, Sequence] = {}  # finished, blocks held until their KV save is done
+        self.loading: dict[str, Sequence] = {}  # admitted, blocks held, KV arriving from the connector
+        self._load_targets: dict[str, int] = {}  # request -> num_computed_tokens once its load lands
+        self._load_errors: set[int] = set()  # failed-load blocks reported while requests were loading
         self._finished_saving: set[str] = set()  # finished since the last take_finished_req_ids()
 
     def add_sequence(self, seq: Sequence) -> None:
@@ -83,7 +88,7 @@ class Scheduler:
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     @property
     def num_running(self) -> int:
@@ -91,7 +96,7 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + len(self.loading)  # vLLM counts WAITING_FOR_REMOTE_KVS as waiting
 
     # ---- scheduling ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -119,15 +124,18 @@ class Scheduler:
 
         # No admissions in a step that had to preempt: memory is the bottleneck.
         while (
-            self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not out.preempted
+            self.waiting
+            and budget > 0
+            and len(self.running) + len(self.loading) < self.config.max_num_seqs
+            and not out.preempted
         ):
             seq = self.waiting[0]
             computed = bm.get_computed_blocks(seq)
             num_computed = len(computed) * bm.block_size
-            num_external = 0  # tokens the KV store has beyond the engine's own prefix cache
+            num_external, load_async = 0, False  # tokens the KV store has beyond the engine's own cache
             if self.connector is not None:
-                num_external, _ = self.connector.get_num_new_matched_tokens(seq, num_computed)
-            num_new = min(seq.num_tokens - num_computed - num_external, budget)
+                num_external, load_async = self.connector.get_num_new_matched_tokens(seq, num_computed)
+            num_new = 0 if load_async else min(seq.num_tokens - num_computed - num_external, budget)
             if not bm.allocate_slots(seq, num_external + num_new, computed):
                 break
             if self.connector is not None:  # loaded by the runner before this step's forward
@@ -136,13 +144,19 @@ class Scheduler:
             bm.record_prefix_lookup(seq, num_computed)
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = num_computed + num_external
+            if load_async:  # nothing to compute before its KV arrives; the others go on meanwhile
+                seq.num_computed_tokens = num_computed
+                seq.status = SequenceStatus.WAITING_FOR_REMOTE_KVS
+                self.loading[seq.request_id] = seq
+                self._load_targets[seq.request_id] = num_computed + num_external
+                continue
             seq.num_computed_tokens = num_computed + num_external
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(ScheduledSequence(seq, num_new))
             budget -= num_new
 
-        if out.is_empty and self.waiting and not self.running and not self.saving:
+        if out.is_empty and self.waiting and not self.running and not self.saving and not self.loading:
             seq = self.waiting[0]  # nothing else holds blocks: it can never fit; fail it, not the engine
             seq.error = (
                 f"request {seq.request_id} ({seq.num_tokens} tokens) does not fit in the KV cache "
@@ -173,6 +187,8 @@ class Scheduler:
         `invalid_block_ids`: blocks the KV connector failed to load this step. A sequence holding one
         goes back to its first bad block and recomputes from there; this step's sample is void."""
         assert len(sampled) == len(out.scheduled)
+        if invalid_block_ids and self.loading:  # some may belong to a load still in flight
+            self.finish_loads(set(), invalid_block_ids)
         updated = []
         for sched, token in zip(out.scheduled, sampled, strict=True):
             seq = sched.seq
@@ -229,7 +245,7 @@ class Scheduler:
             self._finish(seq, status)
 
     def abort(self, request_id: str) -> Sequence | None:
-        for seq in [*self.running, *self.waiting]:
+        for seq in [*self.running, *self.waiting, *self.loading.values()]:
             if seq.request_id == request_id:
                 self._finish(seq, SequenceStatus.FINISHED_ABORTED)
                 return seq
@@ -240,15 +256,16 @@ class Scheduler:
         delay = False
         if self.connector is not None:
             delay, _ = self.connector.request_finished(seq, seq.block_table)
+        loading = seq.request_id in self.loading  # the connector still writes into its blocks
         if delay:  # a save of its KV is in flight: the blocks wait for finish_saves()
             self.saving[seq.request_id] = seq
             self._finished_saving.add(seq.request_id)
-        else:
+        elif not loading:  # else finish_loads frees them once the load is over
             self.block_manager.free(seq)
         seq.status = status
         if seq in self.running:
             self.running.remove(seq)
-        else:
+        elif not loading:
             self.waiting.remove(seq)
 
     # ---- KV connector: finished requests whose save was in flight ------------------------------
@@ -257,9 +274,37 @@ class Scheduler:
         ids, self._finished_saving = self._finished_saving, set()
         return ids
 
+    def finish_loads(self, request_ids: set[str], invalid_block_ids: set[int] = frozenset()) -> None:
+        """The connector reports these loads done; `invalid_block_ids`: blocks that failed to load.
+        Each sequence continues from its first bad block (or from the end of its load)."""
+        held = {b for seq in self.loading.values() for b in seq.block_table} if invalid_block_ids else ()
+        self._load_errors |= {b for b in invalid_block_ids if b in held}
+        bs = self.block_manager.block_size
+        for rid in request_ids:
+            seq = self.loading.pop(rid, None)
+            if seq is None:
+                continue
+            target = self._load_targets.pop(rid)
+            bad = next((i for i, b in enumerate(seq.block_table) if b in self._load_errors), None)
+            self._load_errors.difference_update(seq.block_table)
+            if seq.is_finished:  # aborted while loading: its blocks were kept for the loader until now
+                if seq.request_id not in self.saving:
+                    self.block_manager.free(seq)
+                continue
+            if bad is not None and bad * bs < target:
+                logger.info("%s: KV load failed at token %d; recomputing from there", rid, bad * bs)
+                target = max(seq.num_computed_tokens, bad * bs)
+                seq.num_cached_tokens = min(seq.num_cached_tokens, target)
+            seq.num_computed_tokens = target
+            self.block_manager.cache_full_blocks(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+        if not self.loading:
+            self._load_errors.clear()
+
     def finish_saves(self, request_ids: set[str]) -> None:
         """The connector reports these saves done: their blocks can be freed now."""
         for rid in request_ids:
             seq = self.saving.pop(rid, None)
-            if seq is not None:
+            if seq is not None and rid not in self.loading:  # else finish_loads frees it
                 self.block_manager.free(seq)
