@@ -46,6 +46,7 @@ class KVTransferConfig(BaseModel):
     codec: KVCodec = "raw"
     kv_role: KVRole = "kv_both"
     chunk_size: int = 256
+    partial_chunks: bool = True  # store a finished request's last partial chunk for longer prompts
     namespace: str = ""
     # in-process store (store_url == "local")
     local_tiers: list[TierName] = Field(default_factory=lambda: ["cpu"])  # add disk to hit after restarts
@@ -56,7 +57,8 @@ class KVTransferConfig(BaseModel):
     save_threads: int = 1
     load_threads: int = 2
     max_pending_saves: int = 64  # chunks copied out and waiting for the store; beyond, saves are dropped
-    load_async: bool = False  # True: loads finish in the background, reported by get_finished
+    load_async: bool = True  # loads run in the background: the request waits for them, others run
+    lookup_timeout_s: float = 0.25  # a prefix lookup inside the engine step waits no longer: then a miss
     unreachable_backoff_s: float = 5.0  # after the store fails, skip it this long instead of retrying
     timeout_s: float = 10.0  # per request to a remote store
     retries: int = 1  # per request to a remote store, with backoff
@@ -97,6 +99,9 @@ class KVTransferConfig(BaseModel):
             raise ValueError(f"store_url must be 'local' or http(s)://host:port, got {self.store_url!r}")
         for name in ("chunk_size", "block_size", "save_threads", "load_threads", "max_pending_saves"):
             if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("lookup_timeout_s", "timeout_s"):
+            if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.chunk_size % self.block_size:
             raise ValueError(

@@ -5,7 +5,9 @@ watermark: chunks below it are in the store already (the lookup said so) or have
 worker for saving. Each step, every chunk that became full is scheduled for saving exactly once;
 that covers prompt chunks, generated chunks, and the KV of a request about to be preempted (its full
 chunks are already on their way to the store when its blocks are freed, so it resumes by loading
-rather than recomputing).
+rather than recomputing). When a request finishes, its trailing partial chunk (block-aligned) is
+saved too, under Spec 1's partial key, so that the next turn of a conversation loads it
+(`connectors.prefix`); a saved chunk replaces the shorter partials of the same chunk it supersedes.
 
 `build_connector_meta` reads the engine's scheduler output duck-typed: `.scheduled` is a list of
 items with `.seq` (the request: `request_id`, `all_token_ids`, `block_table`, `num_computed_tokens`
@@ -24,6 +26,7 @@ from connectors.base import ConnectorRequest
 from connectors.chunks import ChunkKeys, key_extra
 from connectors.config import KVTransferConfig
 from connectors.meta import LoadSpec, SaveSpec, StepTransfers
+from connectors.prefix import PrefixHit, PrefixQuery, plan_prefix_query
 from connectors.store_handle import StoreHandle, is_unreachable
 from kvstore.errors import KVStoreError
 
@@ -35,12 +38,11 @@ class _Lookup:
     """The answer of the last lookup for a request (a cache, so that asking twice is free)."""
 
     num_computed: int
-    first_chunk: int  # chunks below it are in the engine's own prefix cache: not asked for
     wanted_chunks: int  # chunks that could add tokens below the cap
-    hit_chunks: int  # leading chunks present (engine's or store's)
+    hit: PrefixHit  # leading chunks present (the engine's or the store's), then maybe a partial
     external: int
     unreachable: bool = False
-    miss_reason: str = "not_stored"  # the store's reason the chunk after the hits is missing
+    miss_reason: str = "not_stored"  # the store's reason the full chunk after the hits is missing
 
 
 class KVStoreScheduler:
@@ -54,51 +56,53 @@ class KVStoreScheduler:
         self._keys: dict[str, ChunkKeys] = {}
         self._lookups: dict[str, _Lookup] = {}
         self._saved: dict[str, int] = {}
-        self._with_saves: set[str] = set()
         self._loads: list[LoadSpec] = []
+        self._finished_saves: list[SaveSpec] = []  # partial chunks of finished requests, for the next meta
 
-    def _chunk_keys(self, request: ConnectorRequest) -> list[str]:
+    def _chunk_keys(self, request: ConnectorRequest) -> ChunkKeys:
         ck = self._keys.get(request.request_id)
         if ck is None:
             extra = key_extra(request)  # cache salt / LoRA: never shared with other requests
             ck = self._keys[request.request_id] = ChunkKeys(self.config.layout, self.config.namespace, extra)
-        return ck.update(request.all_token_ids)
+        ck.update(request.all_token_ids)
+        return ck
 
+    # ---- lookups ------------------------------------------------------------------------------
     def get_num_new_matched_tokens(
         self, request: ConnectorRequest, num_computed_tokens: int
     ) -> tuple[int, bool]:
         cs, bs = self.chunk_size, self.block_size
         assert num_computed_tokens % bs == 0, "local prefix hits are whole blocks"
-        cap = (
-            (len(request.all_token_ids) - 1) // bs * bs
-        )  # the last token is always recomputed for its logits
+        tokens = request.all_token_ids
+        cap = (len(tokens) - 1) // bs * bs  # the last token is always recomputed for its logits
         keys = self._chunk_keys(request)
-        wanted = min(len(keys), -(-cap // cs))  # chunks that hold tokens below the cap
-        first = num_computed_tokens // cs  # chunks the engine already has need no lookup
-        look = _Lookup(num_computed_tokens, first, wanted, first, 0)
-        if wanted > first:
-            look = self._lookup(keys, look, cap)
+        query = plan_prefix_query(keys, tokens, num_computed_tokens, cap, bs, self.config.partial_chunks)
+        wanted = query.first_chunk + len(query.full_keys)
+        look = _Lookup(num_computed_tokens, wanted, PrefixHit(query.first_chunk, None, cs), 0)
+        if query.full_keys or query.partials:
+            hit, reason = self._ask(query)
+            external = max(0, min(hit.num_tokens, cap) - num_computed_tokens)
+            look = _Lookup(num_computed_tokens, wanted, hit, external, reason == "unreachable", reason)
         self._lookups[request.request_id] = look
         return look.external, self.config.load_async and look.external > 0
 
-    def _lookup(self, keys: list[str], look: _Lookup, cap: int) -> _Lookup:
+    def _ask(self, query: PrefixQuery) -> tuple[PrefixHit, str]:
+        """(what the store has, why the next full chunk is missing); never raises: a failure is a miss."""
+        miss = PrefixHit(query.first_chunk, None, self.chunk_size)
         if not self.handle.reachable():
-            return _Lookup(look.num_computed, look.first_chunk, look.wanted_chunks, look.first_chunk, 0, True)
+            return miss, "unreachable"
         t0 = time.perf_counter()
         try:
-            found, reason = self.handle.lookup(keys[look.first_chunk : look.wanted_chunks])
-            hit = look.first_chunk + found
+            hit, reason = self.handle.lookup(self.config.lookup_timeout_s, query.ask)
         except KVStoreError as e:  # never fail a request over the store: it is a miss
             if is_unreachable(e):
                 self.handle.mark_unreachable(e)
             else:
-                logger.error("lookup_prefix failed: %r", e)
-            return _Lookup(look.num_computed, look.first_chunk, look.wanted_chunks, look.first_chunk, 0, True)
+                logger.error("KV store lookup failed: %r", e)
+            return miss, "unreachable"
         finally:
             self.metrics.lookup_seconds.observe(time.perf_counter() - t0)
-        external = max(0, min(hit * self.chunk_size, cap) - look.num_computed)
-        return _Lookup(look.num_computed, look.first_chunk, look.wanted_chunks, hit, external, False,
-                       reason or "not_stored")  # fmt: skip
+        return hit, reason or "not_stored"
 
     def update_state_after_alloc(
         self, request: ConnectorRequest, block_ids: Sequence[int], num_external_tokens: int
@@ -111,23 +115,38 @@ class KVStoreScheduler:
             assert num_external_tokens == 0, "update_state_after_alloc without get_num_new_matched_tokens"
             return
         assert num_external_tokens <= look.external, (num_external_tokens, look)
-        self.metrics.miss(
-            "unreachable" if look.unreachable else look.miss_reason, look.wanted_chunks - look.hit_chunks
-        )
+        hit = look.hit
+        self.metrics.miss(look.miss_reason, look.wanted_chunks - hit.full_chunks)
         # Chunks the engine had itself are assumed stored (they were saved when first computed):
         # re-checking them would copy every locally cached chunk out of the cache each request.
-        self._saved[rid] = max(self._saved.get(rid, 0), look.hit_chunks)
+        self._saved[rid] = max(self._saved.get(rid, 0), hit.full_chunks)
         if num_external_tokens == 0:
             return
+        cs = self.chunk_size
         start, end = look.num_computed, look.num_computed + num_external_tokens
         assert end % self.block_size == 0 and len(block_ids) * self.block_size >= end
-        c0, c1 = start // self.chunk_size, -(-end // self.chunk_size)
-        keys = self._chunk_keys(request)[c0:c1]
-        self._loads.append(LoadSpec(rid, tuple(keys), c0, tuple(block_ids), start, end))
+        c0, c1 = start // cs, -(-end // cs)
+        keys = list(self._chunk_keys(request).keys[c0 : min(c1, hit.full_chunks)])
+        sizes = [cs] * len(keys)
+        if c1 > hit.full_chunks:  # the load ends inside the stored partial chunk
+            assert hit.partial is not None and c1 == hit.full_chunks + 1, (c0, c1, hit)
+            keys.append(hit.partial.key)
+            sizes.append(hit.partial.num_tokens)
+            self.metrics.partial_chunks.labels("loaded").inc()
+        self._loads.append(LoadSpec(rid, tuple(keys), c0, tuple(block_ids), start, end, tuple(sizes)))
+
+    # ---- saves --------------------------------------------------------------------------------
+    def _replaced_partials(
+        self, keys: ChunkKeys, tokens: Sequence[int], chunk: int, num_tokens: int
+    ) -> tuple:
+        """Partial keys of `chunk` that a save of its first `num_tokens` tokens supersedes."""
+        if not self.config.partial_chunks:
+            return ()
+        return tuple(keys.partial_keys(tokens, chunk, range(self.block_size, num_tokens, self.block_size)))
 
     def build_connector_meta(self, scheduler_output: Any) -> StepTransfers:
-        step = StepTransfers(loads=self._loads)
-        self._loads = []
+        step = StepTransfers(loads=self._loads, saves=self._finished_saves)
+        self._loads, self._finished_saves = [], []
         if not self.config.saves:
             return step
         cs, bpc = self.chunk_size, self.chunk_size // self.block_size
@@ -135,24 +154,48 @@ class KVStoreScheduler:
             seq = item.seq
             done = seq.num_computed_tokens + item.num_new_tokens  # tokens whose KV exists after the step
             keys = self._chunk_keys(seq)
-            full = min(done // cs, len(keys))
+            full = min(done // cs, len(keys.keys))
             rid = seq.request_id
             for c in range(self._saved.get(rid, 0), full):
                 blocks = tuple(seq.block_table[c * bpc : (c + 1) * bpc])
                 assert len(blocks) == bpc, f"request {rid} lacks blocks for chunk {c}"
-                step.saves.append(SaveSpec(rid, keys[c], c, blocks))
-                self._with_saves.add(rid)
+                replaces = self._replaced_partials(keys, seq.all_token_ids, c, cs)
+                step.saves.append(SaveSpec(rid, keys.keys[c], c, blocks, replaces=replaces))
             self._saved[rid] = max(self._saved.get(rid, 0), full)
         return step
+
+    def _partial_save(
+        self, request: ConnectorRequest, block_ids: Sequence[int], saved: int
+    ) -> SaveSpec | None:
+        """The trailing partial chunk of a finished request, block-aligned, if it holds anything new."""
+        cs, bs = self.chunk_size, self.block_size
+        done = getattr(request, "num_computed_tokens", 0)
+        chunk = done // cs
+        n = (done - chunk * cs) // bs * bs
+        if n == 0 or chunk < saved:  # nothing, or the whole chunk is stored already
+            return None
+        keys = self._chunk_keys(request)
+        if chunk > len(keys.keys):  # KV of tokens it does not have: cannot happen, but never guess
+            return None
+        tokens = request.all_token_ids
+        (key,) = keys.partial_keys(tokens, chunk, [n])
+        blocks = tuple(block_ids[chunk * cs // bs : (chunk * cs + n) // bs])
+        assert len(blocks) == n // bs, (len(blocks), n)
+        replaces = self._replaced_partials(keys, tokens, chunk, n)
+        return SaveSpec(request.request_id, key, chunk, blocks, partial=True, replaces=replaces)
 
     def request_finished(
         self, request: ConnectorRequest, block_ids: Sequence[int]
     ) -> tuple[bool, dict | None]:
+        """Queues the request's partial chunk for the next metadata: True (keep the blocks) then."""
         rid = request.request_id
         saved = self._saved.pop(rid, 0)
+        spec = None
+        if self.config.saves and self.config.partial_chunks and rid in self._keys:
+            spec = self._partial_save(request, block_ids, saved)
+            if spec is not None:
+                self._finished_saves.append(spec)
         self._keys.pop(rid, None)
         self._lookups.pop(rid, None)
-        delay = rid in self._with_saves
-        self._with_saves.discard(rid)
         params = {"stored_chunks": saved, "chunk_size": self.chunk_size} if saved else None
-        return delay, params
+        return spec is not None, params

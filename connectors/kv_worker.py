@@ -10,10 +10,12 @@ chunk, so no layer is ready before its whole chunk is: the load completes in `st
 and are reported by `get_finished` instead).
 
 Saves: `save_kv_layer` only checks its arguments (a chunk needs every layer); `wait_for_save` copies
-each newly full chunk out of the cache — after it returns the engine may free or reuse the blocks —
-and hands the copies to a background thread that skips chunks the store already has, encodes the rest
-with the configured codec and puts them in one batch. A request's save is "in flight" until that
-thread is done with it; `get_finished` reports finished requests once none of theirs is.
+each newly full chunk (and the partial chunk of a finished request) out of the cache — after it
+returns the engine may free or reuse the blocks — and hands the copies to a background thread that
+skips chunks the store already has, encodes the rest with the configured codec, puts them in one
+batch and then deletes the shorter partial chunks they supersede. So `get_finished` reports a
+finished request as soon as its blocks were copied out; only a prefill instance (`kv_role
+prefill`), whose answer says "the KV is stored", waits until none of its saves is in flight.
 """
 
 from __future__ import annotations
@@ -78,6 +80,8 @@ class KVStoreWorker:
         self._pending = 0
         self._finishing: set[str] = set()
         self._finished_loads: set[str] = set()
+        self._loads_done = threading.Condition(self._lock)
+        self._hold_until_stored = config.is_producer
         self._load_errors: set[int] = set()
         self._save_futures: list[Future] = []
         self._spare: list[torch.Tensor] = []  # chunk buffers of finished saves, reused for copy-out
@@ -123,10 +127,20 @@ class KVStoreWorker:
 
     def _load_async(self, spec: LoadSpec) -> None:
         t0 = time.perf_counter()
-        self._load(spec)
+        try:
+            self._load(spec)
+        except Exception:  # a dead load thread would leave its request waiting forever
+            logger.exception("loading %s failed", spec.request_id)
+            self._fail(spec, spec.first_chunk, "corrupt")
         self.metrics.load_seconds.observe(time.perf_counter() - t0)
-        with self._lock:
+        with self._lock:  # after _fail: get_finished never reports a load before its errors
             self._finished_loads.add(spec.request_id)
+            self._loads_done.notify_all()
+
+    def wait_for_finished(self, timeout: float) -> None:
+        with self._lock:
+            if not self._finished_loads:
+                self._loads_done.wait(timeout)
 
     def _load(self, spec: LoadSpec) -> None:
         """Load every chunk of `spec`; on the first failure, report its blocks and all later ones."""
@@ -141,22 +155,19 @@ class KVStoreWorker:
                 self.handle.mark_unreachable(e)
             return self._fail(spec, spec.first_chunk, "unreachable" if is_unreachable(e) else "corrupt")
         futures = []
+        sizes = spec.chunk_tokens or (cs,) * len(spec.keys)
         try:
-            for i, (c, blob) in enumerate(zip(spec.chunk_indices(), lease.blobs, strict=True)):
+            for i, (c, blob, size) in enumerate(zip(spec.chunk_indices(), lease.blobs, sizes, strict=True)):
                 lo, hi = max(spec.start_token, c * cs), min(spec.end_token, (c + 1) * cs)
+                assert hi - c * cs <= size, f"chunk {c} holds {size} tokens, the load needs {hi - c * cs}"
                 blocks = spec.block_ids[lo // bs : hi // bs]
                 why = reasons[i] if reasons else None
                 if why in (None, "not_stored"):  # the lookup found it, the load did not: it was there
                     why = "evicted"
-                load = self._load_chunk
-                futures.append(
-                    (
-                        c,
-                        self._load_pool.submit(
-                            load, blob, lease.headers[i], blocks, (lo - c * cs) // bs, why
-                        ),
-                    )
+                fut = self._load_pool.submit(
+                    self._load_chunk, blob, lease.headers[i], blocks, (lo - c * cs) // bs, size, why
                 )
+                futures.append((c, fut))
         finally:  # the lent blobs stay valid until every chunk is scattered
             wait([f for _, f in futures])
             lease.release()
@@ -178,12 +189,13 @@ class KVStoreWorker:
         header: BlobHeader | None,
         block_ids: Sequence[int],
         first_block: int,
-        miss_reason: str = "evicted",
+        num_tokens: int,
+        miss_reason: str,
     ) -> tuple[int, int]:
         if blob is None:
             raise _ChunkLoadError(miss_reason if miss_reason in MISS_REASONS else "evicted")
         geo = self.geometry
-        shape = geo.chunk_shape(self.config.chunk_size)
+        shape = geo.chunk_shape(num_tokens)
         try:
             header = header or verify_blob(blob)  # verified already when the store is in this process
             if header.shape != shape or header.dtype != geo.dtype:
@@ -192,11 +204,13 @@ class KVStoreWorker:
                 )
             if header.codec_id == RawCodec.codec_id and header.compression == COMPRESSION_NONE:
                 kv = raw_view(blob, header)  # scatter straight from the verified blob: no copy
-            else:
+            elif num_tokens == self.config.chunk_size:
                 buf = getattr(self._buffers, "chunk", None)
                 if buf is None:
                     buf = self._buffers.chunk = torch.empty(shape, dtype=geo.dtype)
                 kv = decode_blob(blob, out=buf, header=header)
+            else:  # a partial chunk: rare enough for a fresh buffer
+                kv = decode_blob(blob, header=header)
         except (CorruptBlob, InvalidArgument) as e:
             logger.warning("corrupt or mismatched chunk from the store: %s", e)
             raise _ChunkLoadError("corrupt") from None
@@ -233,6 +247,9 @@ class KVStoreWorker:
         if not step.saves:
             return
         assert self.geometry is not None, "register_kv_caches() first"
+        if not self.handle.reachable():  # the store is down: copying the blocks out would be wasted
+            self.metrics.dropped_saves.labels("store_error").inc(len(step.saves))
+            return
         t0 = time.perf_counter()
         batch: list[tuple[SaveSpec, torch.Tensor]] = []
         for spec in step.saves:
@@ -244,8 +261,10 @@ class KVStoreWorker:
             if full:
                 self.metrics.dropped_saves.labels("queue_full").inc()
                 continue
-            with self._lock:
-                buf = self._spare.pop() if self._spare else None
+            buf = None
+            if not spec.partial:
+                with self._lock:
+                    buf = self._spare.pop() if self._spare else None
             batch.append((spec, self.paged.gather(self.kv_caches, spec.block_ids, out=buf)))
         self.metrics.copy_out_seconds.observe(time.perf_counter() - t0)
         self.metrics.pending_saves.set(self._pending)
@@ -262,18 +281,25 @@ class KVStoreWorker:
                 self.metrics.dropped_saves.labels("store_error").inc(len(batch))
                 return
             keys = [spec.key for spec, _ in batch]
-            present = self.handle.batch_exists(keys)
+            replaced = list(dict.fromkeys(k for spec, _ in batch for k in spec.replaces))
+            present = self.handle.batch_exists(keys + replaced)  # one round trip for both
             items = [
                 (spec.key, encode_blob(kv, codec=self.codec))
-                for (spec, kv), have in zip(batch, present, strict=True)
+                for (spec, kv), have in zip(batch, present[: len(keys)], strict=True)
                 if not have
             ]
-            self._recycle([kv for _, kv in batch])
+            self._recycle([kv for spec, kv in batch if not spec.partial])
             if items:
                 self.handle.batch_put_blobs(items)
             self.metrics.saved_chunks.inc(len(items))
             self.metrics.skipped_saves.inc(len(batch) - len(items))
             self.metrics.save_bytes.inc(sum(len(b) for _, b in items))
+            self.metrics.partial_chunks.labels("saved").inc(sum(1 for spec, _ in batch if spec.partial))
+            # the longer chunk is stored: the shorter partials it supersedes only take room now
+            stale = [k for k, have in zip(replaced, present[len(keys) :], strict=True) if have]
+            for key in stale:
+                self.handle.delete(key)
+            self.metrics.partial_chunks.labels("replaced").inc(len(stale))
             self.metrics.save_seconds.observe(time.perf_counter() - t0)
         except KVStoreError as e:
             if is_unreachable(e):
@@ -302,7 +328,8 @@ class KVStoreWorker:
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         with self._lock:
             self._finishing |= finished_req_ids
-            sent = {r for r in self._finishing if r not in self._inflight}
+            # their blocks were copied out in wait_for_save; a prefill instance also waits for the store
+            sent = {r for r in self._finishing if not self._hold_until_stored or r not in self._inflight}
             self._finishing -= sent
             recved, self._finished_loads = self._finished_loads, set()
         return sent or None, recved or None

@@ -110,6 +110,9 @@ class KVStoreConnector(KVConnectorBase):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors()
 
+    def wait_for_finished(self, timeout: float) -> None:
+        self.worker.wait_for_finished(timeout)
+
     def flush(self, timeout: float | None = None) -> None:
         """Wait for every save handed out so far (tests, benchmarks and shutdown use it)."""
         if self._worker is not None:

@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 class LoadSpec:
     """Fill tokens `[start_token, end_token)` of a request from the store.
 
-    `keys[i]` is chunk `first_chunk + i`; `block_ids` is the request's block table (at least up to
-    `end_token`). Both token bounds are block-aligned.
+    `keys[i]` is chunk `first_chunk + i` and holds `chunk_tokens[i]` tokens (chunk_size, or fewer
+    for a partial chunk, which can only be the last); `block_ids` is the request's block table (at
+    least up to `end_token`). Both token bounds are block-aligned.
     """
 
     request_id: str
@@ -20,6 +21,7 @@ class LoadSpec:
     block_ids: tuple[int, ...]
     start_token: int
     end_token: int
+    chunk_tokens: tuple[int, ...] = ()
 
     def chunk_indices(self) -> range:
         return range(self.first_chunk, self.first_chunk + len(self.keys))
@@ -27,12 +29,16 @@ class LoadSpec:
 
 @dataclass(frozen=True)
 class SaveSpec:
-    """Save full chunk `chunk_index` of a request, which sits in `block_ids`, under `key`."""
+    """Save chunk `chunk_index` of a request, which sits in `block_ids` (all of it, or the first
+    blocks of a partial chunk), under `key`. `replaces`: partial keys of the same chunk holding a
+    prefix of these tokens; once this is stored they are superseded, and deleted if present."""
 
     request_id: str
     key: str
     chunk_index: int
     block_ids: tuple[int, ...]
+    partial: bool = False
+    replaces: tuple[str, ...] = ()
 
 
 @dataclass

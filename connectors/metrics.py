@@ -49,7 +49,7 @@ class ConnectorMetrics:
             "kvstore_connector_chunk_misses", "Chunks not loaded, by reason", ["reason"], registry=r
         )
         self.lookup_seconds = Histogram(
-            "kvstore_connector_lookup_seconds", "One lookup_prefix round trip", buckets=_SECONDS, registry=r
+            "kvstore_connector_lookup_seconds", "One prefix lookup round trip", buckets=_SECONDS, registry=r
         )
         self.load_bytes = Counter(
             "kvstore_connector_load_bytes", "Blob bytes loaded from the store", registry=r
@@ -60,7 +60,10 @@ class ConnectorMetrics:
             registry=r,
         )
         self.load_seconds = Histogram(
-            "kvstore_connector_load_seconds", "Fetch+decode+scatter per step", buckets=_SECONDS, registry=r
+            "kvstore_connector_load_seconds",
+            "Fetch+decode+scatter of a request's chunks (per step when loads are synchronous)",
+            buckets=_SECONDS,
+            registry=r,
         )
         self.load_errors = Counter(
             "kvstore_connector_load_error_blocks", "Blocks whose load failed (recomputed)", registry=r
@@ -74,6 +77,12 @@ class ConnectorMetrics:
             "kvstore_connector_dropped_saves",
             "Chunks not saved: save queue full or store failed",
             ["reason"],
+            registry=r,
+        )
+        self.partial_chunks = Counter(
+            "kvstore_connector_partial_chunks",
+            "Partial (trailing) chunks: saved, loaded, or replaced by a longer one",
+            ["event"],
             registry=r,
         )
         self.save_seconds = Histogram(
@@ -92,6 +101,8 @@ class ConnectorMetrics:
             self.chunk_misses.labels(reason)
         for reason in ("queue_full", "store_error"):
             self.dropped_saves.labels(reason)
+        for event in ("saved", "loaded", "replaced"):
+            self.partial_chunks.labels(event)
 
     def record_lookup(self, num_tokens: int, num_hit_tokens: int, preempted: bool) -> None:
         assert 0 <= num_hit_tokens <= num_tokens

@@ -10,12 +10,14 @@ match (its tokens give another key).
 
 The answer is the longest run of leading full chunks, then, at the first chunk that is not stored
 in full, the longest stored partial of it. A partial is never taken where the full chunk is there.
+Without partial candidates (partials off, or nothing they could add) the query is a plain `lookup`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from connectors.chunks import ChunkKeys
 
@@ -63,10 +65,21 @@ class PrefixQuery:
                 best = p
         return PrefixHit(hit, best, self.chunk_size)
 
-    def resolve_prefix(self, num_present: int) -> PrefixHit:
-        """From a `lookup_prefix` answer (a query without partials)."""
-        assert not self.partials and 0 <= num_present <= len(self.full_keys)
-        return PrefixHit(self.first_chunk + num_present, None, self.chunk_size)
+    def ask(self, store: Any) -> tuple[PrefixHit, str | None]:
+        """Ask an `sdk.Store`: (what it has, its reason the next full chunk is missing, if one is).
+
+        One round trip for a hit: `lookup` of the full chunks, or with partial candidates one
+        `batch_exists` of everything; only when a full chunk is then missing does a second, one-key
+        `lookup` ask the store why (evicted, expired, ...: the miss metrics say it)."""
+        if not self.partials:
+            found, reason = store.lookup(list(self.full_keys))
+            return PrefixHit(self.first_chunk + found, None, self.chunk_size), reason
+        hit = self.resolve(store.batch_exists(self.keys))
+        missing = hit.full_chunks - self.first_chunk
+        if missing == len(self.full_keys):
+            return hit, None
+        _, reason = store.lookup([self.full_keys[missing]])
+        return hit, reason
 
 
 def plan_prefix_query(

@@ -7,7 +7,9 @@ closes it.
 
 The handle also remembers when the store last failed: for `unreachable_backoff_s` after a failure
 the connectors skip it (a miss, counted as `unreachable`) instead of paying a connection timeout on
-every engine step. Inference never waits on a dead store.
+every engine step (a circuit breaker). Lookups, the only store calls inside an engine step, end
+after `lookup_timeout_s` (a miss that opens the breaker); loads and saves run in the background.
+Inference never waits on a dead or hung store for longer than that.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, TypeVar
 
 from connectors.config import KVTransferConfig
 from connectors.metrics import ConnectorMetrics
@@ -24,6 +28,7 @@ from kvstore.errors import ConfigError, KVStoreError, Unauthorized, Unavailable
 from kvstore.tiers.base import Blob
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def is_unreachable(err: KVStoreError) -> bool:
@@ -32,14 +37,16 @@ def is_unreachable(err: KVStoreError) -> bool:
 
 
 class StoreHandle:
-    def __init__(self, key: tuple, store: Any, backoff_s: float) -> None:
+    def __init__(self, key: tuple, store: Any, backoff_s: float, lookups: Any = None) -> None:
         self.key = key
         self.store = store  # sdk.Store
+        self.lookups = lookups  # a second sdk.Store with a short timeout for lookups (remote), or None
         self.metrics = ConnectorMetrics()
         self.refs = 0
         self._backoff_s = backoff_s
         self._down_until = 0.0
         self._lock = threading.Lock()
+        self._lookup_pool = ThreadPoolExecutor(2, thread_name_prefix="kv-lookup")
 
     # ---- reachability -----------------------------------------------------------------------
     def reachable(self) -> bool:
@@ -52,11 +59,27 @@ class StoreHandle:
         if first:
             logger.warning("KV store unreachable (%s); skipping it for %.1f s", err, self._backoff_s)
 
-    # ---- blob-level calls (the connector encodes and decodes itself) --------------------------
-    def lookup(self, keys: Sequence[str]) -> tuple[int, str | None]:
-        """(leading chunks stored, the store's reason the next one is missing)."""
-        return self.store.lookup(list(keys))
+    # ---- lookups: called inside an engine step, so they have a deadline ----------------------
+    def _lookup_store(self) -> Any:
+        return self.lookups if self.lookups is not None else self.store
 
+    def _within(self, deadline_s: float, fn: Any, *args: Any) -> Any:
+        """`fn(*args)` or Unavailable after `deadline_s`: a hung store costs the step this much, no more
+        (the call itself ends in the background, at the lookup client's own socket timeout)."""
+        fut = self._lookup_pool.submit(fn, *args)
+        try:
+            return fut.result(timeout=deadline_s)
+        except FutureTimeout:
+            fut.cancel()
+            raise Unavailable(
+                f"the KV store did not answer a lookup within {deadline_s * 1e3:.0f} ms"
+            ) from None
+
+    def lookup(self, deadline_s: float, fn: Callable[[Any], T]) -> T:
+        """`fn(store)` on the lookup client (its `lookup` / `batch_exists` calls), within the deadline."""
+        return self._within(deadline_s, fn, self._lookup_store())
+
+    # ---- blob-level calls (the connector encodes and decodes itself) --------------------------
     def lease_blobs(self, keys: Sequence[str], reasons: list[str | None] | None = None) -> Any:
         """The chunks' blobs lent until `release()` (sdk.buffers.BlobLease): no copy from a server on
         this host (shared memory) or from an in-process store."""
@@ -67,6 +90,15 @@ class StoreHandle:
 
     def batch_put_blobs(self, items: Sequence[tuple[str, Blob]]) -> None:
         self.store.batch_put(list(items))
+
+    def delete(self, key: str) -> bool:
+        return self.store.delete(key)
+
+    def close(self) -> None:
+        self._lookup_pool.shutdown(wait=False, cancel_futures=True)
+        if self.lookups is not None:
+            self.lookups.close()
+        self.store.close()
 
 
 _POOL: dict[tuple, StoreHandle] = {}
@@ -79,20 +111,18 @@ def _pool_key(config: KVTransferConfig) -> tuple:
     return ("remote", config.store_url, config.token())
 
 
-def _open_store(config: KVTransferConfig) -> Any:
+def _open_store(config: KVTransferConfig, timeout_s: float, retries: int) -> Any:
     from sdk import Store  # noqa: PLC0415 (the sdk stays out of engines that run without a store)
 
     if config.is_local:
         return Store.local(config=config.local_store_config())
-    store = Store.connect(
+    return Store.connect(
         config.store_url,
         token=config.token(),
-        timeout=config.timeout_s,
-        connect_timeout=min(config.timeout_s, 2.0),
-        retries=config.retries,
+        timeout=timeout_s,
+        connect_timeout=min(timeout_s, 2.0),
+        retries=retries,
     )
-    _check_access(store, config)
-    return store
 
 
 def _check_access(store: Any, config: KVTransferConfig) -> None:
@@ -114,12 +144,26 @@ def _check_access(store: Any, config: KVTransferConfig) -> None:
         )
 
 
+def _open_handle(key: tuple, config: KVTransferConfig) -> StoreHandle:
+    store = _open_store(config, config.timeout_s, config.retries)
+    if not config.is_local:
+        _check_access(store, config)
+    lookups = None
+    if not config.is_local:  # a hung server must not hold a lookup thread for timeout_s
+        try:
+            lookups = _open_store(config, 4 * config.lookup_timeout_s, 1)  # 1: a stale pooled socket
+        except BaseException:
+            store.close()
+            raise
+    return StoreHandle(key, store, config.unreachable_backoff_s, lookups)
+
+
 def acquire_store(config: KVTransferConfig) -> StoreHandle:
     key = _pool_key(config)
     with _POOL_LOCK:
         handle = _POOL.get(key)
         if handle is None:
-            handle = _POOL[key] = StoreHandle(key, _open_store(config), config.unreachable_backoff_s)
+            handle = _POOL[key] = _open_handle(key, config)
         handle.refs += 1
         return handle
 
@@ -132,4 +176,4 @@ def release_store(handle: StoreHandle) -> None:
             return
         if _POOL.get(handle.key) is handle:
             del _POOL[handle.key]
-    handle.store.close()
+    handle.close()

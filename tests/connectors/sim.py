@@ -22,7 +22,8 @@ BLOCK = 16
 
 
 def make_config(dtype: str = "float32", **kw) -> KVTransferConfig:
-    base = KVTransferConfig(**kw)
+    """The sim steps loads synchronously unless a test asks for `load_async=True`."""
+    base = KVTransferConfig(**{"load_async": False, **kw})
     return base.for_engine(
         model_name="sim",
         model_config_hash="0" * 32,

@@ -70,13 +70,13 @@ def test_lookup_is_one_round_trip_without_side_effects(engines, spy_store) -> No
     spy.calls.clear()
     answers = [a.scheduler.get_num_new_matched_tokens(req, 0) for _ in range(3)]
     assert answers == [(512, False)] * 3
-    assert spy.calls == {"lookup": 3}
+    assert spy.calls == {"batch_exists": 3}, "full chunks and partial candidates in one call"
     after = a.scheduler.metrics.snapshot()
     changed = {k for k in after if after[k] != before[k] and "lookup_seconds" not in k}
     assert changed == set(), "asking is free of side effects: nothing is counted until allocation"
     spy.calls.clear()
-    assert a.scheduler.get_num_new_matched_tokens(req, 512) == (0, False)
-    assert spy.calls == {}, "nothing to gain beyond the engine's own 512 tokens: no round trip"
+    assert a.scheduler.get_num_new_matched_tokens(req, 688) == (0, False)
+    assert spy.calls == {}, "nothing to gain beyond the engine's own 688 tokens (the cap): no round trip"
 
 
 def test_generated_chunks_are_saved_and_a_preempted_request_reloads(engines, spy_store) -> None:
@@ -109,7 +109,9 @@ def test_generated_chunks_are_saved_and_a_preempted_request_reloads(engines, spy
     assert snap["kvstore_connector_skipped_saves_total"] == 0
 
 
-def test_finished_request_waits_for_its_save_which_reads_a_copy(engines, spy_store) -> None:
+def test_finished_request_frees_its_blocks_once_copied_out_while_the_save_still_runs(
+    engines, spy_store
+) -> None:
     config = make_config(local_cpu_capacity="64MiB")
     a, b = engines(config, seed=1), engines(config, seed=2)
     spy = spy_store(a)
@@ -117,22 +119,36 @@ def test_finished_request_waits_for_its_save_which_reads_a_copy(engines, spy_sto
     tokens = prompt(300, seed=6)
     req = Req("r1", tokens)
     a.prefill(req)
-    assert a.finish(req) is True
-    assert a.worker.get_finished({"r1"}) == (None, None), "the save is still in flight"
-    for cache in a.caches:  # the engine reuses the blocks: the save must not see this
+    assert a.finish(req) is True, "its partial chunk (tokens 256..288) is not copied out yet"
+    a.step([])  # the engine hands the partial chunk over: copied out, the blocks are free
+    assert a.worker.get_finished({"r1"}) == ({"r1"}, None)
+    assert a.worker.get_finished(set()) == (None, None), "reported once"
+    for cache in a.caches:  # the engine reuses the blocks: the hung save must not see this
         cache.fill_(float("nan"))
     spy.release.set()
     a.worker.flush()
-    assert a.worker.get_finished(set()) == ({"r1"}, None)
-    assert a.worker.get_finished(set()) == (None, None), "reported once"
     req2 = Req("r2", tokens)
-    assert b.admit(req2) == 256
-    b.step([(req2, 300 - 256)])
+    assert b.admit(req2) == 288  # chunk 0 and the 32-token partial of chunk 1; 288 = the cap
+    b.step([(req2, 300 - 288)])
     assert kv_equal(b, req2, 0, 300)
-    idle = Req("r3", prompt(100, seed=7))  # never saved anything: nothing to wait for
+    idle = Req("r3", prompt(10, seed=7))  # less than a block: nothing to save, nothing to wait for
     a.admit(idle)
-    a.step([(idle, 100)])
+    a.step([(idle, 10)])
     assert a.finish(idle) is False
+
+
+def test_a_prefill_instance_keeps_the_blocks_until_the_store_has_the_kv(engines, spy_store) -> None:
+    a = engines(make_config(local_cpu_capacity="64MiB", kv_role="prefill"), seed=1)
+    spy = spy_store(a)
+    spy.release.clear()
+    req = Req("r1", prompt(300, seed=6))
+    a.prefill(req)
+    assert a.finish(req) is True
+    a.step([])
+    assert a.worker.get_finished({"r1"}) == (None, None), "its saves are still in flight"
+    spy.release.set()
+    a.worker.flush()
+    assert a.worker.get_finished(set()) == ({"r1"}, None)
 
 
 def test_decode_role_loads_but_never_saves(engines, spy_store) -> None:
@@ -146,7 +162,7 @@ def test_decode_role_loads_but_never_saves(engines, spy_store) -> None:
     assert consumer.prefill(req) == 512
     consumer.worker.flush()
     assert kv_equal(consumer, req, 0, 521)
-    assert "batch_put" not in spy.calls and "batch_exists" not in spy.calls
+    assert spy.calls == {"batch_exists": 1, "batch_get_blobs": 1}, "one lookup, one load, no save"
     assert consumer.finish(req) is False
 
 

@@ -114,8 +114,9 @@ def test_pd_handoff_through_the_proxy_gives_a_single_engines_tokens(off, shared_
         body = {"prompt": prompt, "max_tokens": GREEDY.max_tokens, "temperature": 0, "ignore_eos": True}
         got = http_json(proxy_url + "/v1/completions", body)
         assert got["choices"][0]["text"] == want.outputs[0].text
-        # the decode engine took every full chunk below the last prompt token from the store
-        assert metric(decode_url, "vllm:external_prefix_cache_hits_total") == 512
+        # the decode engine took every block below the last prompt token from the store: two full
+        # chunks and the prefill engine's 48-token partial chunk (560 -> 544, the cap)
+        assert metric(decode_url, "vllm:external_prefix_cache_hits_total") == 544
         assert metric(prefill_url, "vllm:generation_tokens_total") == 1, "prefill stops after one token"
 
         # a JSON-schema request: both sides get the constraint (the prefill side rejects a bad one

@@ -10,8 +10,8 @@ from connectors.base import KVConnectorRole
 from connectors.factory import create_connector
 from engine.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
-from engine.sequence import Sequence
+from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.sequence import Sequence, SequenceStatus
 from kvstore.blob import encode_blob
 from kvstore.keys import KVLayout, root_key
 
@@ -22,10 +22,11 @@ LAYOUT = {"model_name": "sched", "model_config_hash": "0" * 32, "num_layers": 2,
 
 @pytest.fixture
 def scheduler_pair():
-    config = {"store_url": "local", "block_size": BS, "layout": LAYOUT, "local_cpu_capacity": 2**26}
+    base = {"store_url": "local", "block_size": BS, "layout": LAYOUT, "local_cpu_capacity": 2**26}
     made = []
 
-    def make(num_blocks: int = 64, prefix_caching: bool = True) -> Scheduler:
+    def make(num_blocks: int = 64, prefix_caching: bool = True, load_async: bool = False) -> Scheduler:
+        config = {**base, "load_async": load_async}
         connector = create_connector("kvstore", KVConnectorRole.SCHEDULER, config)
         made.append(connector)
         root = root_key(KVLayout(**LAYOUT, chunk_size=BS))
@@ -44,7 +45,7 @@ def seq(rid: str, n: int) -> Sequence:
 def store_chunks(sched: Scheduler, n_tokens: int) -> None:
     """Put every full chunk of the prompt `seq(_, n_tokens)` in the store."""
     probe = seq("probe", n_tokens)
-    for k in sched.connector.scheduler._chunk_keys(probe):
+    for k in sched.connector.scheduler._chunk_keys(probe).keys:
         sched.connector.handle.store.put(k, encode_blob(torch.zeros(2, 2, 256, 1, 8)))
     sched.connector.request_finished(probe, [])
 
@@ -78,17 +79,85 @@ def test_a_failed_load_rewinds_to_the_first_bad_block_and_voids_the_sample(sched
     assert out.kv_connector_metadata.payload["kvstore_transfers"].loads == []
 
 
-def test_finished_request_keeps_its_blocks_until_its_save_is_done(scheduler_pair) -> None:
+def test_finished_request_keeps_its_blocks_until_its_partial_chunk_is_handed_over(scheduler_pair) -> None:
     sched = scheduler_pair()
     s = seq("r1", 300)
     sched.add_sequence(s)
     out = sched.schedule()
     saves = out.kv_connector_metadata.payload["kvstore_transfers"].saves
     assert [sv.chunk_index for sv in saves] == [0]
+    sched.update_from_output(out, [7])
     free_before = sched.block_manager.num_free_blocks
     sched.abort("r1")
     assert "r1" in sched.saving and sched.block_manager.num_free_blocks == free_before
     assert sched.take_finished_req_ids() == {"r1"} and sched.take_finished_req_ids() == set()
+    (partial,) = sched.connector.build_connector_meta(SchedulerOutput()).payload["kvstore_transfers"].saves
+    assert partial.partial and partial.chunk_index == 1
+    assert partial.block_ids == tuple(s.block_table[16:18]), "tokens 256..288: two whole blocks"
     sched.finish_saves({"r1"})
     assert sched.saving == {} and sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
+    sched.block_manager.check_invariants([])
+
+
+def test_an_async_load_waits_holding_its_blocks_while_the_others_run(scheduler_pair) -> None:
+    sched = scheduler_pair(load_async=True)
+    store_chunks(sched, 600)
+    other = seq("other", 40)  # not in the store: computed at once
+    s = seq("r1", 600)
+    sched.add_sequence(other)
+    sched.add_sequence(s)
+    out = sched.schedule()
+    assert [x.seq for x in out.scheduled] == [other], "r1 computes nothing until its KV has arrived"
+    assert sched.loading == {"r1": s} and s.status is SequenceStatus.WAITING_FOR_REMOTE_KVS
+    assert s.num_computed_tokens == 0 and len(s.block_table) == 512 // BS, "blocks for the load only"
+    (load,) = out.kv_connector_metadata.payload["kvstore_transfers"].loads
+    assert (load.start_token, load.end_token) == (0, 512)
+    sched.update_from_output(out, [7])
+    out = sched.schedule()  # the load is still running: r1 waits, `other` decodes
+    assert [x.seq for x in out.scheduled] == [other] and sched.has_unfinished()
+    sched.update_from_output(out, [8])
+    sched.finish_loads({"r1"})
+    assert sched.loading == {} and s.num_computed_tokens == 512
+    out = sched.schedule()
+    assert [(x.seq, x.num_new_tokens) for x in out.scheduled] == [(other, 1), (s, 600 - 512)]
+    assert out.kv_connector_metadata.payload["kvstore_transfers"].loads == []
+    sched.block_manager.check_invariants([other, s])
+
+
+def test_a_failed_async_load_resumes_from_the_first_bad_block(scheduler_pair) -> None:
+    sched = scheduler_pair(load_async=True)
+    store_chunks(sched, 600)
+    s = seq("r1", 600)
+    sched.add_sequence(s)
+    assert sched.schedule().is_empty
+    sched.finish_loads({"r1"}, {s.block_table[20]})  # chunk 1's fifth block did not load
+    assert s.num_computed_tokens == 20 * BS and s.num_cached_tokens == 20 * BS
+    out = sched.schedule()
+    assert [(x.seq, x.num_new_tokens) for x in out.scheduled] == [(s, 600 - 20 * BS)]
+
+
+def test_a_load_error_reported_before_the_load_ends_is_kept_for_it(scheduler_pair) -> None:
+    sched = scheduler_pair(load_async=True)
+    store_chunks(sched, 600)
+    other, s = seq("other", 40), seq("r1", 600)
+    sched.add_sequence(other)
+    sched.add_sequence(s)
+    out = sched.schedule()
+    sched.update_from_output(out, [7], {s.block_table[3]})  # reported in a step r1 was not part of
+    sched.finish_loads({"r1"})
+    assert s.num_computed_tokens == 3 * BS
+
+
+def test_a_request_aborted_while_loading_keeps_its_blocks_until_the_load_ends(scheduler_pair) -> None:
+    sched = scheduler_pair(load_async=True)
+    store_chunks(sched, 600)
+    s = seq("r1", 600)
+    sched.add_sequence(s)
+    sched.schedule()
+    held = sched.block_manager.num_free_blocks
+    assert sched.abort("r1") is s and s.is_finished
+    assert sched.block_manager.num_free_blocks == held, "the loader may still write into them"
+    sched.finish_loads({"r1"})
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
+    assert not sched.has_unfinished()
     sched.block_manager.check_invariants([])
