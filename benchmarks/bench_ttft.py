@@ -1,25 +1,38 @@
-"""TTFT with the kvstore connector on SmolLM2: recompute vs every place the KV can come from.
+"""TTFT and chat throughput with the kvstore connector on SmolLM2: recompute vs reuse from the store.
 
-    .venv/bin/python benchmarks/bench_ttft.py                       # everything (several minutes)
+    .venv/bin/python benchmarks/bench_ttft.py                       # everything (tens of minutes)
     .venv/bin/python benchmarks/bench_ttft.py --lengths 1024 --skip-chat
+    .venv/bin/python benchmarks/bench_ttft.py --skip-ttft --workloads short --rounds 3
 
-Part 1, per prompt length (random-token prompts, one at a time, greedy, 1 output token = TTFT):
-  cold                the engine computes the whole prompt (store off)
-  engine prefix hit   the same prompt again in the same engine: its own prefix cache
-  store <where>       the engine's prefix cache is emptied first, so only the store has the KV: the cpu
-                      tier in-process (per codec), via kvstore-server, the disk tier, a Valkey (redis) tier
-Each row prints the median TTFT and its speed-up over recompute, measured in the same run.
+Every figure is measured side by side in one run, interleaved round by round (never one cold run
+first), and printed as the median with its spread (min..max); the engine runs with its default
+thread count unless --threads says otherwise.
 
-Part 2, multi-turn chat: a shared system prompt and 20 conversations (each about its own document),
-4 turns each, served in rounds (turn t of every conversation as one batch) by an engine whose KV
-memory holds only about two of them.
-Prints throughput and mean TTFT with the store off and on, and the ratio.
+Part 1, per prompt length (random-token prompts, one at a time, greedy, 1 output token = TTFT), one
+engine per source. Each round times a cold prompt (new tokens: computed, and saved where a store is
+on), then the same prompt again with the engine's own prefix cache emptied, so that only the source
+named in the row has its KV:
+  engine prefix hit   no store: the engine's own prefix cache (not emptied)
+  store <where>       the cpu tier in-process (per codec), via kvstore-server, its disk tier, a Valkey
+Rows print the medians of cold and hit TTFT and of the per-round speed-up, and where a hit's time
+goes according to the connector's metrics: lookup, load (fetch, verify, decode, scatter), and the
+engine's own part (the rest: scheduling, computing the uncached tail, sampling).
+
+Part 2, multi-turn chat, served in turns (turn t of every conversation as one batch) by an engine
+whose KV memory holds only about two conversations, store off and store on in alternating rounds:
+  document  a 300-token system prompt, then a 500-token document per conversation, 4 turns of
+            40-token questions and 16-token answers (20 conversations)
+  short     the same system prompt, no document, 6 turns of 20-80-token messages and 16-64-token
+            answers (20 conversations): ordinary chat, where most of what is reused is the last turn's
+            tail, the store's partial chunks
+Prints throughput store on / off per round, its median and spread, and whether the answers agree.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import os
 import random
 import re
 import statistics
@@ -27,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,10 +99,12 @@ def random_prompt(n: int, seed: int) -> list[int]:
     return [rng.randrange(200, 40_000) for _ in range(n)]
 
 
-def ttft(llm: LLM, prompt: list[int]) -> float:
-    t0 = time.perf_counter()
-    llm.generate([prompt], ONE)
-    return time.perf_counter() - t0
+def spread(values: list[float], fmt: str = "{:.1f}") -> str:
+    return f"{fmt.format(statistics.median(values))} [{fmt.format(min(values))}..{fmt.format(max(values))}]"
+
+
+def connector_of(llm: LLM):
+    return llm.engine.scheduler.connector
 
 
 def flush(llm: LLM) -> None:
@@ -96,54 +112,85 @@ def flush(llm: LLM) -> None:
         llm.engine.runner.connector.flush()
 
 
+def seconds(llm: LLM, name: str) -> float:
+    """Sum of a connector histogram (lookup or load seconds) so far; 0 without a store."""
+    c = connector_of(llm)
+    return 0.0 if c is None else c.metrics.snapshot().get(f"kvstore_connector_{name}_seconds_sum", 0.0)
+
+
+# ---- part 1: TTFT ---------------------------------------------------------------------------------
+@dataclass
+class Hit:
+    cold: float
+    hit: float
+    lookup: float
+    load: float
+
+    @property
+    def engine(self) -> float:
+        return max(0.0, self.hit - self.lookup - self.load)
+
+
+def ttft(llm: LLM, prompt: list[int]) -> float:
+    t0 = time.perf_counter()
+    llm.generate([prompt], ONE)
+    return time.perf_counter() - t0
+
+
 def make_llm(args: argparse.Namespace, **kw) -> LLM:
-    mem = 2 * 30 * 16 * 3 * 64 * 4 * (max(args.lengths) // 16 + 8)  # one longest prompt, fp32 KV
-    return LLM("smollm2", max_model_len=max(args.lengths) + 16, num_kv_blocks=max(args.lengths) // 16 + 8,
-               num_threads=args.threads, kv_cache_memory=mem, **kw)  # fmt: skip
+    blocks = max(args.lengths) // 16 + 8  # one longest prompt
+    return LLM("smollm2", max_model_len=max(args.lengths) + 16, num_kv_blocks=blocks,
+               num_threads=args.threads, **kw)  # fmt: skip
 
 
-def part1(args: argparse.Namespace) -> None:
-    print(f"\n== TTFT (median of {args.reps}), SmolLM2-135M fp32, {args.threads} thread(s) ==")
-    print(f"{'source':<32}" + "".join(f"{n:>8} tok  speed-up" for n in args.lengths), flush=True)
-    cold: dict[int, float] = {}
-    local: dict[int, float] = {}
-    llm = make_llm(args)
-    for n in args.lengths:
-        cold[n] = statistics.median(ttft(llm, random_prompt(n, 1000 * n + r)) for r in range(args.reps))
-        p = random_prompt(n, 7 * n)
-        ttft(llm, p)
-        local[n] = statistics.median(ttft(llm, p) for _ in range(args.reps))
-    del llm
-    gc.collect()
-
-    def row(name: str, t: dict[int, float]) -> None:
-        print(
-            f"{name:<32}" + "".join(f"{t[n] * 1e3:9.0f} ms {cold[n] / t[n]:7.1f}x" for n in args.lengths),
-            flush=True,
-        )
-
-    row("cold (recompute)", cold)
-    row("engine prefix hit", local)
-
-    def store_row(name: str, **kv) -> None:
-        llm = make_llm(args, kv_backend="kvstore", **kv)
-        got = {}
-        for n in args.lengths:
-            p = random_prompt(n, 31 * n + len(name))
-            ttft(llm, p)  # computes and saves
-            flush(llm)
-            times = []
-            for _ in range(args.reps):
-                llm.engine.block_manager.reset_prefix_cache()
-                times.append(ttft(llm, p))
-            got[n] = statistics.median(times)
+def measure_row(args: argparse.Namespace, name: str, store: bool, **kw) -> dict[int, list[Hit]]:
+    llm = make_llm(args, **kw)
+    got: dict[int, list[Hit]] = {n: [] for n in args.lengths}
+    try:
+        ttft(llm, random_prompt(64, 1))  # warm-up: first-call allocations, thread pools
+        for r in range(args.reps):
+            for n in args.lengths:
+                p = random_prompt(n, 1_000_003 * r + 31 * n + len(name))
+                cold = ttft(llm, p)
+                flush(llm)
+                if store:  # only the store can serve it now
+                    llm.engine.block_manager.reset_prefix_cache()
+                look0, load0 = seconds(llm, "lookup"), seconds(llm, "load")
+                hit = ttft(llm, p)
+                got[n].append(Hit(cold, hit, seconds(llm, "lookup") - look0, seconds(llm, "load") - load0))
+    finally:
         llm.shutdown()
         del llm
         gc.collect()
-        row(name, got)
+    return got
 
-    codecs = [c for c in ("raw", "fp8", "int4") if c in codec_names()]
-    for codec in codecs:
+
+def print_row(name: str, got: dict[int, list[Hit]], store: bool) -> None:
+    cells = []
+    for hits in got.values():
+        cold = statistics.median(h.cold for h in hits) * 1e3
+        hit = statistics.median(h.hit for h in hits) * 1e3
+        cells.append(f"{cold:7.0f} {hit:6.0f} ms {spread([h.cold / h.hit for h in hits]):>19}x")
+    print(f"{name:<30}" + "".join(f"{c:>40}" for c in cells), flush=True)
+    if store:
+        parts = []
+        for hits in got.values():
+            lookup, load, eng = (statistics.median(getattr(h, k) for h in hits) * 1e3
+                                 for k in ("lookup", "load", "engine"))  # fmt: skip
+            parts.append(f"lookup {lookup:4.0f} + load {load:5.0f} + engine {eng:5.0f} ms")
+        print(f"{'  a hit, where time goes':<30}" + "".join(f"{p:>40}" for p in parts), flush=True)
+
+
+def part1(args: argparse.Namespace) -> None:
+    print(f"\n== TTFT, SmolLM2-135M fp32, {args.threads or 'default'} thread(s); {args.reps} rounds of "
+          f"(cold, hit); medians [spread] ==")  # fmt: skip
+    print(f"{'source':<30}" + "".join(f"{f'{n} tok: cold  hit   speed-up':>40}" for n in args.lengths))
+    print_row("engine prefix hit", measure_row(args, "engine prefix hit", store=False), store=False)
+
+    def store_row(name: str, **kv) -> None:
+        print_row(name, measure_row(args, name, store=True, kv_backend="kvstore", **kv), store=True)
+
+    for codec in [c for c in ("raw", "fp8", "int4") if c in codec_names()]:
         store_row(f"store cpu, in-process, {codec}", kv_store_url="local", kv_codec=codec)
     services: list[Service] = []
     try:
@@ -164,7 +211,24 @@ def part1(args: argparse.Namespace) -> None:
             s.stop()
 
 
-def part2(args: argparse.Namespace) -> None:
+# ---- part 2: chat ---------------------------------------------------------------------------------
+@dataclass
+class Workload:
+    name: str
+    system: list[int]
+    openings: list[list[int]]  # per conversation, after the system prompt (a document, or nothing)
+    messages: list[list[list[int]]]  # [conversation][turn] user tokens
+    answers: list[list[SamplingParams]]  # [conversation][turn]
+
+    @property
+    def longest(self) -> int:
+        return max(
+            len(self.system) + len(o) + sum(len(m) + p.max_tokens for m, p in zip(ms, ps, strict=True))
+            for o, ms, ps in zip(self.openings, self.messages, self.answers, strict=True)
+        )
+
+
+def workloads(args: argparse.Namespace) -> dict[str, Workload]:
     from engine.convert import ensure_smollm2  # noqa: PLC0415
     from engine.tokenizer import Tokenizer  # noqa: PLC0415
 
@@ -173,58 +237,105 @@ def part2(args: argparse.Namespace) -> None:
         "You are a patient assistant for a public library. Answer questions about opening hours, "
         "borrowing rules, and the catalogue. Keep answers short and friendly. " * 5
     )[:300]
-    convs = args.conversations
-    docs = [random_prompt(500, 77 * c) for c in range(convs)]  # each conversation is about its own document
-    user = [[random_prompt(40, 500 * c + t) for t in range(args.turns)] for c in range(convs)]
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    convs, rng = args.conversations, random.Random(2024)
 
-    def run(**kw) -> tuple[float, float, int, list]:
-        blocks = 160  # 2,560 tokens: ~2 conversations of the ~1,100 each reaches
-        llm = LLM("smollm2", max_model_len=1536, num_kv_blocks=blocks, num_threads=args.threads, **kw)
-        history = [list(system) + docs[c] for c in range(convs)]
-        ttfts, tokens, answers = [], 0, []
+    def greedy(n: int) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+    doc_turns = 4
+    document = Workload(
+        "document", system, [random_prompt(500, 77 * c) for c in range(convs)],
+        [[random_prompt(40, 500 * c + t) for t in range(doc_turns)] for c in range(convs)],
+        [[greedy(16)] * doc_turns for _ in range(convs)],
+    )  # fmt: skip
+    short = Workload(
+        "short", system, [[] for _ in range(convs)],
+        [[random_prompt(rng.randint(20, 80), 900 * c + t) for t in range(args.turns)] for c in range(convs)],
+        [[greedy(rng.randint(16, 64)) for _ in range(args.turns)] for _ in range(convs)],
+    )  # fmt: skip
+    return {w.name: w for w in (document, short)}
+
+
+@dataclass
+class ChatRun:
+    wall: float
+    ttfts: list[float]
+    tokens: int
+    answers: list[list[int]]
+    hit_rate: float = 0.0
+    lookup: float = 0.0
+    load: float = 0.0
+
+
+def chat_run(args: argparse.Namespace, w: Workload, **kw) -> ChatRun:
+    blocks = 2 * -(-w.longest // 16) + 8  # KV memory for about two conversations
+    llm = LLM("smollm2", max_model_len=w.longest + 64, num_kv_blocks=blocks, num_threads=args.threads, **kw)
+    history = [list(w.system) + o for o in w.openings]
+    run = ChatRun(0.0, [], 0, [])
+    try:
         t0 = time.perf_counter()
-        for t in range(args.turns):
-            prompts = [history[c] + user[c][t] for c in range(convs)]
-            outs = llm.generate(prompts, params)
+        for t in range(len(w.messages[0])):
+            prompts = [history[c] + w.messages[c][t] for c in range(len(history))]
+            outs = llm.generate(prompts, [w.answers[c][t] for c in range(len(history))])
             for c, out in enumerate(outs):
                 ids = out.outputs[0].token_ids
                 history[c] = prompts[c] + ids
-                ttfts.append(out.metrics["time_to_first_token"])
-                tokens += len(prompts[c]) + len(ids)
-                answers.append(ids)
-        wall = time.perf_counter() - t0
-        hit = ""
-        if llm.engine.scheduler.connector is not None:
+                run.ttfts.append(out.metrics["time_to_first_token"])
+                run.tokens += len(prompts[c]) + len(ids)
+                run.answers.append(ids)
+        run.wall = time.perf_counter() - t0
+        if connector_of(llm) is not None:
             flush(llm)
-            hit = f", store hit rate {llm.engine.scheduler.connector.metrics.hit_rate:.0%}"
-            llm.shutdown()
-        print(f"  store {'on ' if kw else 'off'}: {wall:6.1f} s, {convs * args.turns / wall:5.2f} req/s, "
-              f"{tokens / wall:7.0f} tok/s, mean TTFT {statistics.mean(ttfts) * 1e3:6.0f} ms{hit}")  # fmt: skip
+            run.hit_rate = connector_of(llm).metrics.hit_rate
+            run.lookup, run.load = seconds(llm, "lookup"), seconds(llm, "load")
+    finally:
+        llm.shutdown()
         del llm
         gc.collect()
-        return wall, statistics.mean(ttfts), tokens, answers
+    return run
 
-    print(f"\n== multi-turn chat: {convs} conversations x {args.turns} turns (300-token shared system prompt, "
-          f"a 500-token document per conversation, 40-token questions, 16-token answers), KV memory for "
-          f"~2 conversations ==")  # fmt: skip
-    off = run()
-    on = run(kv_backend="kvstore", kv_store_url="local")
-    same = "identical" if off[3] == on[3] else "DIFFERENT"
-    print(f"  store on vs off: throughput {off[0] / on[0]:.2f}x, mean TTFT {off[1] / on[1]:.2f}x faster; "
-          f"answers {same}")  # fmt: skip
+
+def part2(args: argparse.Namespace) -> None:
+    all_workloads = workloads(args)
+    for w in (all_workloads[name] for name in args.workloads):
+        n_req = len(w.messages) * len(w.messages[0])
+        print(f"\n== chat, {w.name}: {len(w.messages)} conversations x {len(w.messages[0])} turns, "
+              f"up to {w.longest} tokens each, KV memory for ~2; {args.rounds} rounds of (off, on) ==")  # fmt: skip
+        ratios, ttft_ratios, same = [], [], True
+        runs: dict[str, list[ChatRun]] = {"off": [], "on": []}
+        store = {"off": {}, "on": {"kv_backend": "kvstore", "kv_store_url": "local"}}
+        for r in range(args.rounds):
+            for name in ("off", "on") if r % 2 == 0 else ("on", "off"):  # alternate which goes first
+                run = chat_run(args, w, **store[name])
+                runs[name].append(run)
+                extra = (f", hit rate {run.hit_rate:.0%}, lookup {run.lookup / n_req * 1e3:.1f} ms/req, "
+                         f"load {run.load / n_req * 1e3:.1f} ms/req") if name == "on" else ""  # fmt: skip
+                print(f"  round {r + 1} store {name:<3}: {run.wall:6.1f} s, {n_req / run.wall:5.2f} req/s, "
+                      f"{run.tokens / run.wall:6.0f} tok/s, mean TTFT {statistics.mean(run.ttfts) * 1e3:5.0f} ms"
+                      f"{extra}", flush=True)  # fmt: skip
+            off, on = runs["off"][-1], runs["on"][-1]
+            ratios.append(off.wall / on.wall)
+            ttft_ratios.append(statistics.mean(off.ttfts) / statistics.mean(on.ttfts))
+            same = same and off.answers == on.answers
+        print(f"  store on / off: throughput {spread(ratios, '{:.2f}')}x, mean TTFT {spread(ttft_ratios, '{:.2f}')}x "
+              f"faster; answers {'identical' if same else 'DIFFERENT'}")  # fmt: skip
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3, help="rounds of (cold, hit) per TTFT row")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of (store off, store on) per chat workload")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: the engine's)")
     ap.add_argument("--conversations", type=int, default=20)
-    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--turns", type=int, default=6, help="turns of the short-turn chat")
+    ap.add_argument("--workloads", nargs="+", choices=["document", "short"], default=["document", "short"])
     ap.add_argument("--skip-ttft", action="store_true")
     ap.add_argument("--skip-chat", action="store_true")
     args = ap.parse_args()
+    env = {k: v for k, v in os.environ.items() if k.startswith("KV_TRANSFER_")}
+    if env:
+        print(f"connector settings from the environment: {env}")
     if not args.skip_ttft:
         part1(args)
     if not args.skip_chat:
