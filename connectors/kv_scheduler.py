@@ -56,6 +56,7 @@ class KVStoreScheduler:
         self._keys: dict[str, ChunkKeys] = {}
         self._lookups: dict[str, _Lookup] = {}
         self._saved: dict[str, int] = {}
+        self._with_saves: set[str] = set()  # requests with chunks handed to the worker for saving
         self._loads: list[LoadSpec] = []
         self._finished_saves: list[SaveSpec] = []  # partial chunks of finished requests, for the next meta
 
@@ -161,6 +162,7 @@ class KVStoreScheduler:
                 assert len(blocks) == bpc, f"request {rid} lacks blocks for chunk {c}"
                 replaces = self._replaced_partials(keys, seq.all_token_ids, c, cs)
                 step.saves.append(SaveSpec(rid, keys.keys[c], c, blocks, replaces=replaces))
+                self._with_saves.add(rid)
             self._saved[rid] = max(self._saved.get(rid, 0), full)
         return step
 
@@ -187,7 +189,8 @@ class KVStoreScheduler:
     def request_finished(
         self, request: ConnectorRequest, block_ids: Sequence[int]
     ) -> tuple[bool, dict | None]:
-        """Queues the request's partial chunk for the next metadata: True (keep the blocks) then."""
+        """True (keep the blocks until get_finished reports the request) when chunks of it were handed
+        to the worker or its partial chunk is queued for the next metadata."""
         rid = request.request_id
         saved = self._saved.pop(rid, 0)
         spec = None
@@ -197,5 +200,7 @@ class KVStoreScheduler:
                 self._finished_saves.append(spec)
         self._keys.pop(rid, None)
         self._lookups.pop(rid, None)
+        delay = spec is not None or rid in self._with_saves
+        self._with_saves.discard(rid)
         params = {"stored_chunks": saved, "chunk_size": self.chunk_size} if saved else None
-        return spec is not None, params
+        return delay, params

@@ -29,7 +29,7 @@ TOKENS = list(range(1000, 1600))  # 2 full chunks + 88 tokens
 @pytest.fixture
 def sched(tmp_path):
     config = KVTransferConfig(store_url="local", chunk_size=CS, block_size=BS, layout=LAYOUT,
-                              local_disk_path=tmp_path)  # fmt: skip
+                              local_disk_path=tmp_path, load_async=False)  # fmt: skip
     handle = acquire_store(config)
     tables: dict[str, list[int]] = {}
     yield VllmScheduler(KVStoreScheduler(config, handle), tables.__getitem__), tables, handle, config
