@@ -262,6 +262,7 @@ class ChatRun:
     ttfts: list[float]
     tokens: int
     answers: list[list[int]]
+    preemptions: int = 0
     hit_rate: float = 0.0
     lookup: float = 0.0
     load: float = 0.0
@@ -284,6 +285,7 @@ def chat_run(args: argparse.Namespace, w: Workload, **kw) -> ChatRun:
                 run.tokens += len(prompts[c]) + len(ids)
                 run.answers.append(ids)
         run.wall = time.perf_counter() - t0
+        run.preemptions = llm.engine.scheduler.num_preemptions
         if connector_of(llm) is not None:
             flush(llm)
             run.hit_rate = connector_of(llm).metrics.hit_rate
@@ -311,8 +313,8 @@ def part2(args: argparse.Namespace) -> None:
                 extra = (f", hit rate {run.hit_rate:.0%}, lookup {run.lookup / n_req * 1e3:.1f} ms/req, "
                          f"load {run.load / n_req * 1e3:.1f} ms/req") if name == "on" else ""  # fmt: skip
                 print(f"  round {r + 1} store {name:<3}: {run.wall:6.1f} s, {n_req / run.wall:5.2f} req/s, "
-                      f"{run.tokens / run.wall:6.0f} tok/s, mean TTFT {statistics.mean(run.ttfts) * 1e3:5.0f} ms"
-                      f"{extra}", flush=True)  # fmt: skip
+                      f"{run.tokens / run.wall:6.0f} tok/s, mean TTFT {statistics.mean(run.ttfts) * 1e3:5.0f} ms, "
+                      f"{run.preemptions} preemptions{extra}", flush=True)  # fmt: skip
             off, on = runs["off"][-1], runs["on"][-1]
             ratios.append(off.wall / on.wall)
             ttft_ratios.append(statistics.mean(off.ttfts) / statistics.mean(on.ttfts))

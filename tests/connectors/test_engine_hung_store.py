@@ -29,7 +29,8 @@ def step_until(engine, done, gaps: list[float], stream_id: str, timeout: float =
         now = time.monotonic()
         n = seq.num_output_tokens if seq is not None else 0
         if n > last_n:
-            gaps.append(now - last_t)
+            if last_n > 0:  # the first token's wait is its TTFT, not a gap
+                gaps.append(now - last_t)
             last_n, last_t = n, now
 
 
