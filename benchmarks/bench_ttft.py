@@ -335,7 +335,7 @@ def main() -> None:
     ap.add_argument("--skip-ttft", action="store_true")
     ap.add_argument("--skip-chat", action="store_true")
     args = ap.parse_args()
-    env = {k: v for k, v in os.environ.items() if k.startswith("KV_TRANSFER_")}
+    env = {k: v for k, v in os.environ.items() if k.startswith("KVSTORE_")}
     if env:
         print(f"connector settings from the environment: {env}")
     if not args.skip_ttft:

@@ -35,7 +35,7 @@ def step_until(engine, done, gaps: list[float], stream_id: str, timeout: float =
 
 
 def test_sigstopped_store_never_stalls_a_running_stream(off, kv_server, monkeypatch) -> None:
-    monkeypatch.setenv("KV_TRANSFER_UNREACHABLE_BACKOFF_S", "1")
+    monkeypatch.setenv("KVSTORE_UNREACHABLE_BACKOFF_S", "1")
     stream_prompt = doc(240, 60)  # decoding crosses token 256: a chunk save starts during the hang
     known, fresh = doc(300, 61), doc(300, 62)  # in the store already / never stored
     want = generate(off, [known, fresh])
