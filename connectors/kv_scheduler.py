@@ -41,8 +41,7 @@ class _Lookup:
     wanted_chunks: int  # chunks that could add tokens below the cap
     hit: PrefixHit  # leading chunks present (the engine's or the store's), then maybe a partial
     external: int
-    unreachable: bool = False
-    miss_reason: str = "not_stored"  # the store's reason the full chunk after the hits is missing
+    miss_reason: str = "not_stored"  # why the full chunk after the hits is missing (metrics' reasons)
 
 
 class KVStoreScheduler:
@@ -83,7 +82,7 @@ class KVStoreScheduler:
         if query.full_keys or query.partials:
             hit, reason = self._ask(query)
             external = max(0, min(hit.num_tokens, cap) - num_computed_tokens)
-            look = _Lookup(num_computed_tokens, wanted, hit, external, reason == "unreachable", reason)
+            look = _Lookup(num_computed_tokens, wanted, hit, external, reason)
         self._lookups[request.request_id] = look
         return look.external, self.config.load_async and look.external > 0
 

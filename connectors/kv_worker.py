@@ -10,12 +10,10 @@ chunk, so no layer is ready before its whole chunk is: the load completes in `st
 and are reported by `get_finished` instead).
 
 Saves: `save_kv_layer` only checks its arguments (a chunk needs every layer); `wait_for_save` copies
-each newly full chunk (and the partial chunk of a finished request) out of the cache — after it
-returns the engine may free or reuse the blocks — and hands the copies to a background thread that
-skips chunks the store already has, encodes the rest with the configured codec, puts them in one
-batch and then deletes the shorter partial chunks they supersede. So `get_finished` reports a
-finished request as soon as its blocks were copied out; only a prefill instance (`kv_role
-prefill`), whose answer says "the KV is stored", waits until none of its saves is in flight.
+the step's chunks out of the cache and hands them to a background thread (`connectors.kv_saver`).
+So `get_finished` reports a finished request as soon as its blocks were copied out; only a prefill
+instance (kv_producer), whose answer says "the KV is stored", waits until none of its saves is in
+flight.
 """
 
 from __future__ import annotations
@@ -24,16 +22,16 @@ import logging
 import threading
 import time
 import warnings
-from collections import defaultdict
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 
 from connectors.chunks import CacheGeometry
 from connectors.config import KVTransferConfig
+from connectors.kv_saver import ChunkSaver
 from connectors.layouts import ENGINE_LAYOUT, PagedLayout
-from connectors.meta import LoadSpec, SaveSpec, StepTransfers
+from connectors.meta import LoadSpec, StepTransfers
 from connectors.metrics import MISS_REASONS
 from connectors.store_handle import StoreHandle, is_unreachable
 from kvstore.blob import COMPRESSION_NONE, BlobHeader, decode_blob, encode_blob, verify_blob
@@ -72,19 +70,15 @@ class KVStoreWorker:
         self.geometry: CacheGeometry | None = None
         self.codec = config.codec  # what saves use (register_kv_caches: raw for an fp8 cache)
         self._load_pool = ThreadPoolExecutor(config.load_threads, thread_name_prefix="kv-load")
-        self._save_pool = ThreadPoolExecutor(config.save_threads, thread_name_prefix="kv-save")
         self._async_loads = ThreadPoolExecutor(1, thread_name_prefix="kv-load-async")
         self._buffers = threading.local()
         self._lock = threading.Lock()
-        self._inflight: dict[str, int] = defaultdict(int)  # request -> chunks not yet saved
-        self._pending = 0
         self._finishing: set[str] = set()
         self._finished_loads: set[str] = set()
         self._loads_done = threading.Condition(self._lock)
         self._hold_until_stored = config.is_producer
         self._load_errors: set[int] = set()
-        self._save_futures: list[Future] = []
-        self._spare: list[torch.Tensor] = []  # chunk buffers of finished saves, reused for copy-out
+        self.saver = ChunkSaver(config, handle, paged)
 
     # ---- setup --------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: Sequence[torch.Tensor]) -> None:
@@ -104,6 +98,7 @@ class KVStoreWorker:
             )
         # An fp8 KV cache is already quantised: its blocks are stored as they are, never quantised again.
         self.codec = "raw" if geo.dtype == torch.float8_e4m3fn else self.config.codec
+        self.saver.codec = self.codec
         if self.codec != self.config.codec:
             logger.info("fp8 KV cache: chunks are stored raw (as fp8), not with codec %s", self.config.codec)
         if self.config.saves:  # a codec that cannot encode this layout fails now, not on every save
@@ -238,109 +233,30 @@ class KVStoreWorker:
             bad, self._load_errors = self._load_errors, set()
         return bad
 
-    # ---- saves --------------------------------------------------------------------------------
+    # ---- saves (connectors.kv_saver) -----------------------------------------------------------
     def save_kv_layer(self, layer: int, kv_layer: torch.Tensor, attn_metadata: object) -> None:
         assert 0 <= layer < len(self.kv_caches), layer
         assert kv_layer is self.kv_caches[layer] or kv_layer.shape == self.kv_caches[layer].shape
 
     def wait_for_save(self, step: StepTransfers) -> None:
-        if not step.saves:
-            return
-        assert self.geometry is not None, "register_kv_caches() first"
-        if not self.handle.reachable():  # the store is down: copying the blocks out would be wasted
-            self.metrics.dropped_saves.labels("store_error").inc(len(step.saves))
-            return
-        t0 = time.perf_counter()
-        batch: list[tuple[SaveSpec, torch.Tensor]] = []
-        for spec in step.saves:
-            with self._lock:
-                full = self._pending >= self.config.max_pending_saves
-                if not full:
-                    self._pending += 1
-                    self._inflight[spec.request_id] += 1
-            if full:
-                self.metrics.dropped_saves.labels("queue_full").inc()
-                continue
-            buf = None
-            if not spec.partial:
-                with self._lock:
-                    buf = self._spare.pop() if self._spare else None
-            batch.append((spec, self.paged.gather(self.kv_caches, spec.block_ids, out=buf)))
-        self.metrics.copy_out_seconds.observe(time.perf_counter() - t0)
-        self.metrics.pending_saves.set(self._pending)
-        n = max(1, -(-len(batch) // self.config.save_threads))
-        for i in range(0, len(batch), n):
-            fut = self._save_pool.submit(self._save, batch[i : i + n])
-            self._save_futures.append(fut)
-        self._save_futures = [f for f in self._save_futures if not f.done()]
-
-    def _save(self, batch: list[tuple[SaveSpec, torch.Tensor]]) -> None:
-        t0 = time.perf_counter()
-        try:
-            if not self.handle.reachable():
-                self.metrics.dropped_saves.labels("store_error").inc(len(batch))
-                return
-            keys = [spec.key for spec, _ in batch]
-            replaced = list(dict.fromkeys(k for spec, _ in batch for k in spec.replaces))
-            present = self.handle.batch_exists(keys + replaced)  # one round trip for both
-            items = [
-                (spec.key, encode_blob(kv, codec=self.codec))
-                for (spec, kv), have in zip(batch, present[: len(keys)], strict=True)
-                if not have
-            ]
-            self._recycle([kv for spec, kv in batch if not spec.partial])
-            if items:
-                self.handle.batch_put_blobs(items)
-            self.metrics.saved_chunks.inc(len(items))
-            self.metrics.skipped_saves.inc(len(batch) - len(items))
-            self.metrics.save_bytes.inc(sum(len(b) for _, b in items))
-            self.metrics.partial_chunks.labels("saved").inc(sum(1 for spec, _ in batch if spec.partial))
-            # the longer chunk is stored: the shorter partials it supersedes only take room now
-            stale = [k for k, have in zip(replaced, present[len(keys) :], strict=True) if have]
-            for key in stale:
-                self.handle.delete(key)
-            self.metrics.partial_chunks.labels("replaced").inc(len(stale))
-            self.metrics.save_seconds.observe(time.perf_counter() - t0)
-        except KVStoreError as e:
-            if is_unreachable(e):
-                self.handle.mark_unreachable(e)
-            else:
-                logger.error("saving %d chunks failed: %r", len(batch), e)
-            self.metrics.dropped_saves.labels("store_error").inc(len(batch))
-        except Exception:  # a background thread that dies silently would hold requests forever
-            logger.exception("saving %d chunks failed", len(batch))
-            self.metrics.dropped_saves.labels("store_error").inc(len(batch))
-        finally:
-            with self._lock:
-                for spec, _ in batch:
-                    self._inflight[spec.request_id] -= 1
-                    if self._inflight[spec.request_id] == 0:
-                        del self._inflight[spec.request_id]
-                self._pending -= len(batch)
-                self.metrics.pending_saves.set(self._pending)
-
-    def _recycle(self, buffers: list[torch.Tensor]) -> None:
-        """Encoding copied them into blobs: the buffers can take the next copy-out."""
-        with self._lock:
-            room = self.config.max_pending_saves - len(self._spare)
-            self._spare.extend(buffers[: max(0, room)])
+        if step.saves:
+            assert self.geometry is not None, "register_kv_caches() first"
+            self.saver.copy_out(self.kv_caches, step.saves)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         with self._lock:
             self._finishing |= finished_req_ids
             # their blocks were copied out in wait_for_save; a prefill instance also waits for the store
-            sent = {r for r in self._finishing if not self._hold_until_stored or r not in self._inflight}
+            sent = {r for r in self._finishing if not self._hold_until_stored or not self.saver.in_flight(r)}
             self._finishing -= sent
             recved, self._finished_loads = self._finished_loads, set()
         return sent or None, recved or None
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every save handed out so far has reached the store (or failed)."""
-        for fut in list(self._save_futures):
-            fut.result(timeout=timeout)
-        self._save_futures = [f for f in self._save_futures if not f.done()]
+        self.saver.flush(timeout)
 
     def shutdown(self) -> None:
         self._async_loads.shutdown(wait=True)
-        self._save_pool.shutdown(wait=True)
+        self.saver.shutdown()
         self._load_pool.shutdown(wait=True)

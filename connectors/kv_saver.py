@@ -1,0 +1,136 @@
+"""The save path of the kvstore connector's worker side.
+
+`copy_out` copies each chunk to save (a newly full chunk, or the partial chunk of a finished
+request) out of the paged cache — after it returns the engine may free or reuse the blocks — and
+hands the copies to a background thread that skips chunks the store already has, encodes the rest
+with the configured codec, puts them in one batch and then deletes the shorter partial chunks they
+supersede. A request's save is "in flight" until that thread is done with it; `flush` waits for all.
+The copy-out queue is bounded (`max_pending_saves`): beyond it, and while the store is unreachable,
+saves are dropped and counted, never waited for.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from connectors.config import KVTransferConfig
+from connectors.layouts import PagedLayout
+from connectors.meta import SaveSpec
+from connectors.store_handle import StoreHandle, is_unreachable
+from kvstore.blob import encode_blob
+from kvstore.errors import KVStoreError
+
+logger = logging.getLogger(__name__)
+
+
+class ChunkSaver:
+    def __init__(self, config: KVTransferConfig, handle: StoreHandle, paged: PagedLayout) -> None:
+        self.config = config
+        self.handle = handle
+        self.paged = paged
+        self.codec = config.codec  # what saves use (the worker's register_kv_caches: raw for an fp8 cache)
+        self.metrics = handle.metrics
+        self._pool = ThreadPoolExecutor(config.save_threads, thread_name_prefix="kv-save")
+        self._lock = threading.Lock()
+        self._inflight: dict[str, int] = defaultdict(int)  # request -> chunks not yet saved
+        self._pending = 0
+        self._futures: list[Future] = []
+        self._spare: list[torch.Tensor] = []  # chunk buffers of finished saves, reused for copy-out
+
+    def in_flight(self, request_id: str) -> bool:
+        with self._lock:
+            return request_id in self._inflight
+
+    def copy_out(self, kv_caches: Sequence[torch.Tensor], saves: Sequence[SaveSpec]) -> None:
+        if not self.handle.reachable():  # the store is down: copying the blocks out would be wasted
+            self.metrics.dropped_saves.labels("store_error").inc(len(saves))
+            return
+        t0 = time.perf_counter()
+        batch: list[tuple[SaveSpec, torch.Tensor]] = []
+        for spec in saves:
+            with self._lock:
+                full = self._pending >= self.config.max_pending_saves
+                if not full:
+                    self._pending += 1
+                    self._inflight[spec.request_id] += 1
+            if full:
+                self.metrics.dropped_saves.labels("queue_full").inc()
+                continue
+            buf = None
+            if not spec.partial:
+                with self._lock:
+                    buf = self._spare.pop() if self._spare else None
+            batch.append((spec, self.paged.gather(kv_caches, spec.block_ids, out=buf)))
+        self.metrics.copy_out_seconds.observe(time.perf_counter() - t0)
+        self.metrics.pending_saves.set(self._pending)
+        n = max(1, -(-len(batch) // self.config.save_threads))
+        for i in range(0, len(batch), n):
+            self._futures.append(self._pool.submit(self._save, batch[i : i + n]))
+        self._futures = [f for f in self._futures if not f.done()]
+
+    def _save(self, batch: list[tuple[SaveSpec, torch.Tensor]]) -> None:
+        t0 = time.perf_counter()
+        try:
+            if not self.handle.reachable():
+                self.metrics.dropped_saves.labels("store_error").inc(len(batch))
+                return
+            keys = [spec.key for spec, _ in batch]
+            replaced = list(dict.fromkeys(k for spec, _ in batch for k in spec.replaces))
+            present = self.handle.batch_exists(keys + replaced)  # one round trip for both
+            items = [
+                (spec.key, encode_blob(kv, codec=self.codec))
+                for (spec, kv), have in zip(batch, present[: len(keys)], strict=True)
+                if not have
+            ]
+            self._recycle([kv for spec, kv in batch if not spec.partial])
+            if items:
+                self.handle.batch_put_blobs(items)
+            self.metrics.saved_chunks.inc(len(items))
+            self.metrics.skipped_saves.inc(len(batch) - len(items))
+            self.metrics.save_bytes.inc(sum(len(b) for _, b in items))
+            self.metrics.partial_chunks.labels("saved").inc(sum(1 for spec, _ in batch if spec.partial))
+            # the longer chunk is stored: the shorter partials it supersedes only take room now
+            stale = [k for k, have in zip(replaced, present[len(keys) :], strict=True) if have]
+            for key in stale:
+                self.handle.delete(key)
+            self.metrics.partial_chunks.labels("replaced").inc(len(stale))
+            self.metrics.save_seconds.observe(time.perf_counter() - t0)
+        except KVStoreError as e:
+            if is_unreachable(e):
+                self.handle.mark_unreachable(e)
+            else:
+                logger.error("saving %d chunks failed: %r", len(batch), e)
+            self.metrics.dropped_saves.labels("store_error").inc(len(batch))
+        except Exception:  # a background thread that dies silently would hold requests forever
+            logger.exception("saving %d chunks failed", len(batch))
+            self.metrics.dropped_saves.labels("store_error").inc(len(batch))
+        finally:
+            with self._lock:
+                for spec, _ in batch:
+                    self._inflight[spec.request_id] -= 1
+                    if self._inflight[spec.request_id] == 0:
+                        del self._inflight[spec.request_id]
+                self._pending -= len(batch)
+                self.metrics.pending_saves.set(self._pending)
+
+    def _recycle(self, buffers: list[torch.Tensor]) -> None:
+        """Encoding copied them into blobs: the buffers can take the next copy-out."""
+        with self._lock:
+            room = self.config.max_pending_saves - len(self._spare)
+            self._spare.extend(buffers[: max(0, room)])
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every save handed out so far has reached the store (or failed)."""
+        for fut in list(self._futures):
+            fut.result(timeout=timeout)
+        self._futures = [f for f in self._futures if not f.done()]
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True)
