@@ -287,6 +287,9 @@ class ChatRun:
     tokens: int
     answers: list[list[int]]
     preemptions: int = 0
+    prefill_s: float = 0.0  # model steps that computed a prompt chunk (with the decodes batched in)
+    decode_s: float = 0.0  # model steps that only decoded
+    computed: int = 0  # prompt tokens the engine computed (not from its cache or the store)
     hit_rate: float = 0.0
     lookup: float = 0.0
     load: float = 0.0
@@ -297,6 +300,22 @@ def chat_run(args: argparse.Namespace, w: Workload, **kw) -> ChatRun:
     llm = LLM("smollm2", max_model_len=w.longest + 64, num_kv_blocks=blocks, num_threads=args.threads, **kw)
     history = [list(w.system) + o for o in w.openings]
     run = ChatRun(0.0, [], 0, [])
+    runner = llm.engine.runner
+    execute = runner.execute_model
+
+    def timed(out):  # where the engine's own time goes: prompt steps vs decode-only steps
+        t = time.perf_counter()
+        try:
+            return execute(out)
+        finally:
+            prompt = sum(s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1)
+            run.computed += prompt
+            if prompt:
+                run.prefill_s += time.perf_counter() - t
+            else:
+                run.decode_s += time.perf_counter() - t
+
+    runner.execute_model = timed
     try:
         t0 = time.perf_counter()
         for t in range(len(w.messages[0])):
@@ -343,6 +362,8 @@ def part2(args: argparse.Namespace) -> None:
                 print(f"  round {r + 1} store {name}: {run.wall:6.1f} s, {n_req / run.wall:5.2f} req/s, "
                       f"{run.tokens / run.wall:6.0f} tok/s, mean TTFT {statistics.mean(run.ttfts) * 1e3:5.0f} ms, "
                       f"{run.preemptions} preemptions{extra}", flush=True)  # fmt: skip
+                print(f"      model steps: prompt {run.prefill_s:5.1f} s ({run.computed} prompt tokens computed), "
+                      f"decode-only {run.decode_s:5.1f} s", flush=True)  # fmt: skip
         for name in list(store)[1:]:
             pairs = list(zip(runs["off"], runs[name], strict=True))
             ratios = [off.wall / on.wall for off, on in pairs]

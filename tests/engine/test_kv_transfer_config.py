@@ -150,6 +150,7 @@ def test_token_file_env_and_a_rejected_token(smollm2_dir: Path, tmp_path: Path) 
             assert m, r.stderr[-3000:]
             found.append((int(m.group(1)), int(m.group(2))))
         (h0, n), (h1, n1) = found
-        assert h0 == 0 and n1 == n and h1 == (n - 1) // 128 * 128 > 0
+        # every full 128-token chunk, and the first run's partial chunk where it lies within the prompt
+        assert h0 == 0 and n1 == n and (n - 1) // 128 * 128 <= h1 <= (n - 1) // 16 * 16 and h1 > 0
     finally:
         server.stop()
