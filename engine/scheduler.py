@@ -136,10 +136,7 @@ class Scheduler:
             if self.connector is not None:
                 num_external, load_async = self.connector.get_num_new_matched_tokens(seq, num_computed)
             num_new = 0 if load_async else min(seq.num_tokens - num_computed - num_external, budget)
-            # leave each admitted sequence room for its next block: an admission that fills the cache
-            # (a store hit claims its whole prefix at once) would only preempt the running ones
-            reserve = len(self.running) + len(self.loading)
-            if not bm.allocate_slots(seq, num_external + num_new, computed, reserve):
+            if not bm.allocate_slots(seq, num_external + num_new, computed):
                 break
             if self.connector is not None:  # loaded by the runner before this step's forward
                 self.connector.update_state_after_alloc(seq, seq.block_table, num_external)

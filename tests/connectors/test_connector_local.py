@@ -162,7 +162,7 @@ def test_decode_role_loads_but_never_saves(engines, spy_store) -> None:
     assert consumer.prefill(req) == 512
     consumer.worker.flush()
     assert kv_equal(consumer, req, 0, 521)
-    assert spy.calls == {"batch_exists": 1, "batch_get_blobs": 1}, "one lookup, one load, no save"
+    assert spy.calls == {"batch_exists": 1, "lease_blobs": 1}, "one lookup, one load, no save"
     assert consumer.finish(req) is False
 
 
