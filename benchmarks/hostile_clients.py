@@ -119,6 +119,7 @@ def _oversized(port: int, blob: bytes, tid: int, rep: HostileReport, stop: threa
             f"Content-Length: {len(blob)}\r\nConnection: close\r\n\r\n"
         ).encode()
         status = "error"
+        started = time.monotonic()
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
                 s.sendall(head)
@@ -137,7 +138,7 @@ def _oversized(port: int, blob: bytes, tid: int, rep: HostileReport, stop: threa
             status = type(e).__name__
         rep.oversized[status] = rep.oversized.get(status, 0) + 1
         if status == "201":
-            rep.log.append((time.monotonic(), key, len(blob), PUT))
+            rep.log.append((time.monotonic(), key, len(blob), PUT, started))  # stored in between
         else:
             stop.wait(0.2)
 

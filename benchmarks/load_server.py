@@ -17,6 +17,8 @@ latency.
 from __future__ import annotations
 
 import argparse
+import bisect
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -91,21 +93,26 @@ def worker(args: tuple) -> dict:
     written: list[str] = []
     version: dict[str, int] = {}  # the version last acknowledged for each key
     errors: list[str] = []
+    reasons: dict[str, str | None] = {}  # the store's reason for each key's latest miss
     latencies: list[float] = []
     wrong = stale = refused = 0
     n = 0
     end = time.monotonic() + duration
 
-    def check(key: str, blob) -> None:
+    def check(key: str, blob, reason: str | None = None) -> None:
         nonlocal wrong, stale
         if key not in version:
             return  # its last put failed: what it holds is not known
         if blob is None:
-            log.append((time.monotonic(), key, 0, MISS))
+            if reason is None:  # a single get: ask again for the store's reason (a hit now is "gone")
+                why: list[str | None] = []
+                reason = "gone" if be.batch_get([key], why)[0] is not None else why[0]
+            reasons[key] = reason
+            log.append((time.monotonic(), key, 0, MISS, started))
             return
         data = bytes(blob)
         if data == blob_for(table, key, version[key]):
-            log.append((time.monotonic(), key, len(data), HIT))
+            log.append((time.monotonic(), key, len(data), HIT, started))
         elif any(data == blob_for(table, key, v) for v in range(version[key])):
             stale += 1  # an older version of a replaced key
         else:
@@ -114,10 +121,11 @@ def worker(args: tuple) -> dict:
     def acked(key: str, v: int, tiers: list[str]) -> None:
         version[key] = v
         if "cpu" in tiers:
-            log.append((time.monotonic(), key, len(blob_for(table, key, v)), PUT))
+            log.append((time.monotonic(), key, len(blob_for(table, key, v)), PUT, started))
 
     while time.monotonic() < end:
         r = rng.random()
+        started = time.monotonic()
         t0 = time.perf_counter()
         try:
             if r < 0.3 or not written:
@@ -144,8 +152,9 @@ def worker(args: tuple) -> dict:
                 check(k, be.get_blob(k))
             elif r < 0.9:
                 ks = rng.sample(written, min(4, len(written)))
-                for k, b in zip(ks, be.batch_get(ks), strict=True):
-                    check(k, b)
+                why = []
+                for k, b, w in zip(ks, be.batch_get(ks, why), why, strict=True):
+                    check(k, b, w)
             elif r < 0.95:
                 be.batch_exists(rng.sample(written, min(8, len(written))))
             else:
@@ -157,30 +166,40 @@ def worker(args: tuple) -> dict:
             errors.append(f"{type(e).__name__}: {e}")
         latencies.append(time.perf_counter() - t0)
     be.close()
-    return {"log": log, "errors": errors, "wrong": wrong, "stale": stale, "refused": refused,
+    return {"log": log, "errors": errors, "wrong": wrong, "stale": stale, "refused": refused, "reasons": reasons,
             "latencies": latencies}  # fmt: skip
 
 
-def find_lost(logs: list[list[tuple]], capacity: int, slack: int) -> list[str]:
+def find_lost(logs: list[list[tuple]], capacity: int, reasons: dict | None = None) -> list[str]:
     """Misses of acknowledged writes that no amount of eviction explains.
 
-    Between a key's last acknowledged put into the cpu tier and a miss of it, LRU can only have
-    evicted it if at least `capacity - slack` bytes of other blobs were put or read (touched) in
-    between, counted over every client. The sum over all touches bounds the distinct bytes touched
-    from above, so a miss with less than that is a write the store lost."""
+    Every event is (end, key, bytes, kind, start): a request may have stored, promoted or touched its
+    blobs at any moment between its start and its end. LRU can only have evicted a key between its
+    last acknowledged put into the cpu tier and a miss if at least `capacity` bytes of other blobs
+    were put or read (touched) in between, over every client, hostile ones included. Counting every
+    put or hit that overlaps that window at all (end after the put's start, start before the miss's
+    end) bounds those bytes from above, so a miss with less than that is a write the store lost."""
     events = sorted(e for log in logs for e in log)
-    touched = [0]
-    for e in events:
-        touched.append(touched[-1] + (e[2] if e[3] in (PUT, HIT) else 0))
-    last_put: dict[str, int] = {}
+    touching = [e for e in events if e[3] in (PUT, HIT)]
+    ends = [e[0] for e in touching]  # sorted
+    after_end = list(itertools.accumulate(reversed([e[2] for e in touching]), initial=0))[::-1]
+    by_start = sorted((e[4], e[2]) for e in touching)
+    starts = [s for s, _ in by_start]
+    after_start = list(itertools.accumulate(reversed([n for _, n in by_start]), initial=0))[::-1]
+    last_put: dict[str, tuple[float, int]] = {}  # key -> (start, bytes) of its last acknowledged put
     lost = []
-    for i, (_, key, _, kind) in enumerate(events):
+    for end, key, nbytes, kind, start in events:
         if kind == PUT:
-            last_put[key] = i
+            last_put[key] = (start, nbytes)
         elif kind == MISS and key in last_put:
-            since = touched[i] - touched[last_put[key] + 1]
-            if since < capacity - slack:
-                lost.append(f"{key}: missed after only {since} bytes touched since its put")
+            put_start, size = last_put[key]
+            since = (
+                after_end[bisect.bisect_right(ends, put_start)] - after_start[bisect.bisect_left(starts, end)]
+            )
+            since -= size  # its own put is one of the events counted
+            if since < capacity - size:
+                why = (reasons or {}).get(key)
+                lost.append(f"{key}: missed ({why}) after at most {since} bytes touched since its put")
     return lost
 
 
@@ -225,7 +244,6 @@ def percentile(xs: list[float], q: float) -> float:
 
 def run_load(duration: float, clients: int, capacity: int, budget: int, hostile: bool) -> dict:
     table = blob_table()
-    biggest = max(len(b) for row in table for b in row)
     oversized = min(OVERSIZED, capacity // 2)  # far over the honest blobs, still fits the cpu tier
     big = oversized_blob(oversized) if hostile else b""
     valkey = start_valkey()
@@ -277,9 +295,8 @@ def run_load(duration: float, clients: int, capacity: int, budget: int, hostile:
         server.wait(60)
         valkey.close()  # type: ignore[attr-defined]
     logs = [r["log"] for r in results] + [rep.log]
-    # in flight when a miss is logged: each client's batch of 4, and one admitted oversized put
-    slack = clients * 4 * biggest + (oversized if hostile else 0)
-    lost = find_lost(logs, capacity, slack)
+    reasons = {k: v for r in results for k, v in r["reasons"].items()}
+    lost = find_lost(logs, capacity, reasons)
     honest = [e for r in results for e in r["log"]]
     latencies = [x for r in results for x in r["latencies"]]
     connections = clients + (cfg.slow_headers + cfg.idle_sockets + cfg.oversized_threads if hostile else 0)

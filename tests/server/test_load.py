@@ -12,11 +12,22 @@ MiB = 2**20
 
 def test_find_lost_tells_eviction_from_loss():
     k, other = "a" * 32, "b" * 32
-    put, miss = (1.0, k, MiB, PUT), (3.0, k, 0, MISS)
-    assert find_lost([[put, miss]], capacity=8 * MiB, slack=MiB)  # nothing else touched: lost
-    traffic = [(2.0 + i / 100, other, MiB, PUT if i % 2 else HIT) for i in range(8)]
-    assert not find_lost([[put, miss], traffic], capacity=8 * MiB, slack=MiB)  # 8 MiB touched: evicted
-    assert not find_lost([[(3.0, k, 0, MISS)]], capacity=8 * MiB, slack=0)  # never written: a plain miss
+    put, miss = (1.1, k, MiB, PUT, 1.0), (3.1, k, 0, MISS, 3.0)  # (end, key, bytes, kind, start)
+    assert find_lost([[put, miss]], capacity=8 * MiB)  # nothing else touched: lost
+    traffic = [(2.1 + i / 100, other, MiB, PUT if i % 2 else HIT, 2.0) for i in range(8)]
+    assert not find_lost([[put, miss], traffic], capacity=8 * MiB)  # 8 MiB touched: evicted
+    assert find_lost([[put, miss], traffic[:6]], capacity=8 * MiB)  # 6 MiB cannot evict it
+    assert not find_lost([[(3.0, k, 0, MISS, 2.9)]], capacity=8 * MiB)  # never written: a plain miss
+
+
+def test_find_lost_counts_a_put_that_overlaps_the_window():
+    """A big put that started before the key's put but ended after it may have been stored after it
+    (and evicted it): that is not a lost write. One that ended before the key's put started is."""
+    k, big = "a" * 32, "f" * 32
+    put, miss = (2.0, k, MiB, PUT, 1.9), (3.1, k, 0, MISS, 3.0)
+    assert not find_lost([[put, miss], [(2.5, big, 8 * MiB, PUT, 1.0)]], capacity=8 * MiB)
+    assert find_lost([[put, miss], [(1.5, big, 8 * MiB, PUT, 1.0)]], capacity=8 * MiB)
+    assert find_lost([[put, miss], [(3.5, big, 8 * MiB, PUT, 3.2)]], capacity=8 * MiB)  # after the miss
 
 
 @pytest.mark.slow
