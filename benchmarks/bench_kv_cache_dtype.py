@@ -17,18 +17,21 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from benchmarks.bench_codec_quality import TEXT
-from engine.attention_metadata import AttentionMetadata
-from engine.kv_cache.fp8_scales import CALIBRATION_TEXT, KVScales, calibrate_kv_scales
-from engine.layers.attention import Attention
-from engine.loader import load_model
-from engine.model_runner import kv_bytes_per_block
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's packages
+
+from benchmarks.bench_codec_quality import TEXT  # noqa: E402
+from engine.attention_metadata import AttentionMetadata  # noqa: E402
+from engine.kv_cache.fp8_scales import CALIBRATION_TEXT, KVScales, calibrate_kv_scales  # noqa: E402
+from engine.layers.attention import Attention  # noqa: E402
+from engine.loader import load_model  # noqa: E402
+from engine.model_runner import kv_bytes_per_block  # noqa: E402
 
 CHUNK = 256
 BLOCK = 16
