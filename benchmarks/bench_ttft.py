@@ -155,7 +155,7 @@ def ttft(llm: LLM, prompt: list[int]) -> float:
 
 def make_llm(args: argparse.Namespace, **kw) -> LLM:
     blocks = max(args.lengths) // 16 + 8  # one longest prompt
-    return LLM("smollm2", max_model_len=max(args.lengths) + 16, num_kv_blocks=blocks,
+    return LLM("smollm2", dtype=args.dtype, max_model_len=max(args.lengths) + 16, num_kv_blocks=blocks,
                num_threads=args.threads, **kw)  # fmt: skip
 
 
@@ -198,7 +198,7 @@ def print_row(name: str, got: dict[int, list[Hit]], store: bool) -> None:
 
 
 def part1(args: argparse.Namespace) -> None:
-    print(f"\n== TTFT, SmolLM2-135M fp32, {args.threads or 'default'} thread(s); {args.reps} rounds of "
+    print(f"\n== TTFT, SmolLM2-135M {args.dtype}, {args.threads or 'default'} thread(s); {args.reps} rounds of "
           f"(cold, hit); medians [spread] ==")  # fmt: skip
     print(f"{'source':<30}" + "".join(f"{f'{n} tok: cold  hit   speed-up':>40}" for n in args.lengths))
     if "engine" in args.sources:
@@ -297,7 +297,8 @@ class ChatRun:
 
 def chat_run(args: argparse.Namespace, w: Workload, **kw) -> ChatRun:
     blocks = 2 * -(-w.longest // 16) + 8  # KV memory for about two conversations
-    llm = LLM("smollm2", max_model_len=w.longest + 64, num_kv_blocks=blocks, num_threads=args.threads, **kw)
+    llm = LLM("smollm2", dtype=args.dtype, max_model_len=w.longest + 64, num_kv_blocks=blocks,
+              num_threads=args.threads, **kw)  # fmt: skip
     history = [list(w.system) + o for o in w.openings]
     run = ChatRun(0.0, [], 0, [])
     runner = llm.engine.runner
@@ -344,7 +345,7 @@ def part2(args: argparse.Namespace) -> None:
     all_workloads = workloads(args)
     for w in (all_workloads[name] for name in args.workloads):
         n_req = len(w.messages) * len(w.messages[0])
-        print(f"\n== chat, {w.name}: {len(w.messages)} conversations x {len(w.messages[0])} turns, "
+        print(f"\n== chat, {w.name}, {args.dtype}: {len(w.messages)} conversations x {len(w.messages[0])} turns, "
               f"up to {w.longest} tokens each, KV memory for ~2; {args.rounds} rounds of (off, on) ==")  # fmt: skip
         store = {"off": {}}
         for v in args.store_variants:
@@ -378,6 +379,8 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
     ap.add_argument("--reps", type=int, default=3, help="rounds of (cold, hit) per TTFT row")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of (store off, store on) per chat workload")
+    ap.add_argument("--dtype", default="float32",
+                    help="the engine's dtype: float32 (the exact reference: answers must agree), bfloat16, auto")  # fmt: skip
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: the engine's)")
     ap.add_argument("--conversations", type=int, default=20)
     ap.add_argument("--turns", type=int, default=6, help="turns of the short-turn chat")

@@ -112,14 +112,17 @@ class BlockManager:
         self._num_registered[seq.request_id] = num_full
 
     # ---- allocation ---------------------------------------------------------------------------
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
+    def allocate_slots(
+        self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] = (), reserve: int = 0
+    ) -> bool:
         """Give `seq` blocks for `computed_blocks` plus `num_new_tokens` more tokens, or return False
-        and change nothing. The caller advances `num_computed_tokens` over `computed_blocks`."""
+        and change nothing. The caller advances `num_computed_tokens` over `computed_blocks`.
+        `reserve`: free blocks that must remain afterwards."""
         bs = self.block_size
         total = seq.num_computed_tokens + len(computed_blocks) * bs + num_new_tokens
         num_required = cdiv(total, bs) - len(seq.block_table) - len(computed_blocks)
         num_revived = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
-        if num_required > self.num_free_blocks - num_revived:
+        if num_required > self.num_free_blocks - num_revived - reserve:
             return False
         for block_id in computed_blocks:
             block = self.blocks[block_id]

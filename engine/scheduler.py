@@ -136,7 +136,10 @@ class Scheduler:
             if self.connector is not None:
                 num_external, load_async = self.connector.get_num_new_matched_tokens(seq, num_computed)
             num_new = 0 if load_async else min(seq.num_tokens - num_computed - num_external, budget)
-            if not bm.allocate_slots(seq, num_external + num_new, computed):
+            # a store hit claims its whole prefix in one step: it must leave each running sequence room
+            # for its next block, or it only preempts them (and they recompute)
+            reserve = len(self.running) + len(self.loading) if num_external else 0
+            if not bm.allocate_slots(seq, num_external + num_new, computed, reserve):
                 break
             if self.connector is not None:  # loaded by the runner before this step's forward
                 self.connector.update_state_after_alloc(seq, seq.block_table, num_external)

@@ -211,3 +211,38 @@ def test_request_that_can_never_fit_fails_alone_instead_of_hanging() -> None:
     assert out.is_empty and out.failed == [big] and "does not fit" in big.error
     assert big.finish_reason == "abort" and not sched.has_unfinished()
     assert sched.block_manager.num_free_blocks == 2
+
+
+class PrefixFromStore:
+    """The scheduler side of a KV connector whose store holds every prompt but its last token (the
+    KV is never written here: this drives admission only)."""
+
+    def get_num_new_matched_tokens(self, seq: Sequence, num_computed: int) -> tuple[int, bool]:
+        if seq.num_preemptions or seq.num_computed_tokens:
+            return 0, False
+        return max(0, (seq.num_prompt_tokens - 1) // BS * BS - num_computed), False
+
+    def update_state_after_alloc(self, seq: Sequence, block_table: list[int], num_external: int) -> None:
+        pass
+
+    def build_connector_meta(self, out) -> None:
+        return None
+
+    def request_finished(self, seq: Sequence, block_table: list[int]) -> tuple[bool, None]:
+        return False, None
+
+
+def test_a_store_hit_is_not_admitted_into_the_room_the_running_ones_grow_into():
+    """A store hit claims its whole prefix in one step. Admitted into the last free blocks, it would
+    only preempt the running sequences at their next block (which then recompute): it waits until
+    each running sequence has room for one more block."""
+    bm = BlockManager(12, BS, enable_prefix_caching=False)
+    sched = Scheduler(SchedulerConfig(64, 8, 256), bm, eos_token_ids={EOS}, connector=PrefixFromStore())
+    a, b = seq("a", 16, max_tokens=8), seq("b", 16, start=40, max_tokens=8)  # 4 blocks each, growing to 6
+    hit = seq("hit", 13, start=70, max_tokens=4)  # 12 tokens from the store: 4 blocks with its last token
+    log: list = []
+    run(sched, [a, b, hit], log)
+    assert sched.num_preemptions == 0
+    assert a.is_finished and b.is_finished and hit.is_finished
+    first = next(i for i, out in enumerate(log) if any(s.seq is hit for s in out.scheduled))
+    assert first > 0, "admitted beside a and b although it would take the blocks they grow into"
