@@ -100,9 +100,11 @@ def test_dashboard_tells_the_cache_story_with_real_engines(server_factory, chrom
         first, second = (f"http://127.0.0.1:{p}" for p in ports)
         http_json(first + "/v1/completions", body)  # cold: computed, its chunks saved
         http_json(first + "/v1/completions", body)  # the engine's own prefix cache
-        http_json(second + "/v1/completions", body)  # another engine: the store
+        n = http_json(second + "/v1/completions", body)["usage"]["prompt_tokens"]  # another engine: the store
         http_json(second + "/v1/completions", {**body, "prompt": doc(300, 78)})  # new: a not_stored miss
-        assert metric(second, "vllm:external_prefix_cache_hits_total") == 512
+        # the full 256-token chunks and the first run's partial chunk, up to the block before the last token
+        stored = (n - 1) // 16 * 16
+        assert stored > 512 and metric(second, "vllm:external_prefix_cache_hits_total") == stored
         time.sleep(1.5)  # a few samples that include all of it
         url = f"{srv.url}/dashboard"
         run = _run_chromium(chromium, tmp_path / "profile", url, "--dump-dom")
@@ -111,11 +113,11 @@ def test_dashboard_tells_the_cache_story_with_real_engines(server_factory, chrom
         assert re.search(r'<span id="status" class="">\d+ samples', dom), dom[:3000]
         funnel = _stages(dom, "funnel")
         assert set(funnel) == {"engine prefix cache", "store: cpu", "store: disk", "recomputed"}, funnel
-        assert funnel["engine prefix cache"] >= 512 and funnel["store: cpu"] == 512, funnel
+        assert funnel["engine prefix cache"] >= 512 and funnel["store: cpu"] == stored, funnel
         assert funnel["store: disk"] == 0 and funnel["recomputed"] > 0
         hit_rate = float(re.search(r'id="kpi-hit-rate" data-value="([\d.]+)"', dom).group(1))
         prompt_tokens = sum(funnel.values())
-        assert hit_rate == pytest.approx((funnel["engine prefix cache"] + 512) / prompt_tokens, rel=1e-6)
+        assert hit_rate == pytest.approx((funnel["engine prefix cache"] + stored) / prompt_tokens, rel=1e-6)
         assert re.search(r'id="kpi-seconds-saved">[\d.]+ (ms|s)<', dom), "prefill time saved, with a unit"
         assert _stages(dom, "reasons")["not stored"] >= 1
         charts = {_attrs(t)["id"]: _attrs(t) for t in re.findall(r"<svg [^>]*>", dom)}
