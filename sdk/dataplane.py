@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import socket
 import ssl
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -21,6 +20,7 @@ from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
 from kvstore.tiers.base import Blob
 from sdk.buffers import fresh_buffer
 from sdk.http import RETRY_STATUSES, Into, connect
+from sdk.pool import ConnectionPool
 
 log = logging.getLogger(__name__)
 _RX = 4096  # first read of a response: its header and meta, a few body bytes at most
@@ -123,12 +123,10 @@ class DataPlaneClient:
     ) -> None:
         self.host, self.port, self.tls, self.token = host, port, tls, token
         self.timeout, self.connect_timeout = timeout, connect_timeout
-        self.retries, self.backoff, self.pool_size = retries, backoff, pool_size
+        self.retries, self.backoff = retries, backoff
         self.hello: dict[str, Any] = {}
-        self._idle: list[_Conn] = []
-        self._lock = threading.Lock()
-        self._closed = False
-        self._release(self._open())  # NotSpoken / Unauthorized / OSError now, not on the first call
+        self.pool: ConnectionPool[_Conn] = ConnectionPool(pool_size)
+        self.pool.release(self._open())  # NotSpoken / Unauthorized / OSError now, not on the first call
 
     def _open(self) -> _Conn:
         sock = connect(self.host, self.port, self.timeout, self.connect_timeout, self.tls)
@@ -145,19 +143,6 @@ class DataPlaneClient:
         self.hello = meta
         return conn
 
-    def _take(self) -> _Conn:
-        with self._lock:
-            if self._idle:
-                return self._idle.pop()
-        return self._open()
-
-    def _release(self, conn: _Conn) -> None:
-        with self._lock:
-            if not self._closed and len(self._idle) < self.pool_size:
-                self._idle.append(conn)
-                return
-        conn.close()
-
     def call(
         self,
         op: int,
@@ -169,23 +154,23 @@ class DataPlaneClient:
     ) -> tuple[dp.Head, dict, memoryview | None]:
         """One request, retried on connection errors; raises the server's error for a status >= 400
         other than 404. `segment` (sdk.shm.ClientSegment): attach it first on a connection that has not."""
-        if self._closed:
+        if self.pool.closed:
             raise InvalidArgument("this client is closed")
         for attempt in range(self.retries + 1):
             conn = None
             try:
-                conn = self._take()
+                conn = self.pool.take(self._open)
                 if segment is not None and segment.seg_id not in conn.segments:
                     h, m, _ = conn.exchange(dp.SHM_ATTACH, {"seg": segment.seg_id, "nonce": segment.nonce})
                     if h.status != 200:
-                        self._release(conn)
+                        self.pool.release(conn)
                         raise SegmentGone(m.get("error"))
                     conn.segments.add(segment.seg_id)
                 head, reply, got = conn.exchange(op, meta, body, flags, into)
                 if head.flags & dp.FLAG_CLOSE:
                     conn.close()
                 else:
-                    self._release(conn)
+                    self.pool.release(conn)
             except (OSError, ConnectionError) as e:
                 if conn is not None:
                     conn.close()
@@ -207,14 +192,14 @@ class DataPlaneClient:
         """SHM_OPEN on a pooled connection: the server's answer and the connection, which stays out of
         the pool until `keep` (mapped: it is attached) or `drop` (not mapped: closing frees it); None
         when the server has no segment to give."""
-        conn = self._take()
+        conn = self.pool.take(self._open)
         try:
             head, meta, _ = conn.exchange(dp.SHM_OPEN, {"size": size})
         except (OSError, ConnectionError, KVStoreError):
             conn.close()
             raise
         if head.status != 200 or meta.get("seg") is None:
-            self._release(conn)
+            self.pool.release(conn)
             if head.status != 200:
                 raise dp.error_from_meta(head.status, meta)
             return None
@@ -222,14 +207,10 @@ class DataPlaneClient:
         return meta, conn
 
     def keep(self, conn: _Conn) -> None:
-        self._release(conn)
+        self.pool.release(conn)
 
     def drop(self, conn: _Conn) -> None:
         conn.close()
 
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            idle, self._idle = self._idle, []
-        for conn in idle:
-            conn.close()
+        self.pool.close()

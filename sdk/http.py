@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import socket
 import ssl
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -21,6 +20,7 @@ from kvstore import wire
 from kvstore.errors import InvalidArgument, Unavailable
 from kvstore.tiers.base import Blob
 from sdk.buffers import fresh_buffer
+from sdk.pool import ConnectionPool
 
 RETRY_STATUSES = frozenset({502, 503, 504})
 _SMALL = 64 * 1024  # bodies up to this size are sent in one write with the headers
@@ -152,29 +152,17 @@ class HttpClient:
     ) -> None:
         self.host, self.port, self.tls = host, port, tls
         self.timeout, self.connect_timeout = timeout, connect_timeout
-        self.retries, self.backoff, self.pool_size = retries, backoff, pool_size
+        self.retries, self.backoff = retries, backoff
         self.base = f"{'https' if tls else 'http'}://{host if ':' not in host else f'[{host}]'}:{port}"
         host_header = host if ":" not in host else f"[{host}]"
         auth = f"Authorization: Bearer {token}\r\n" if token else ""
         self._common = (
             f"Host: {host_header}:{port}\r\n{auth}{wire.WIRE_VERSION_HEADER}: {wire.WIRE_VERSION}\r\n"
         )
-        self._idle: list[_Connection] = []
-        self._lock = threading.Lock()
-        self._closed = False
+        self.pool: ConnectionPool[_Connection] = ConnectionPool(pool_size)
 
-    def _connect(self) -> _Connection:
-        with self._lock:
-            if self._idle:
-                return self._idle.pop()
+    def _open(self) -> _Connection:
         return _Connection(connect(self.host, self.port, self.timeout, self.connect_timeout, self.tls))
-
-    def _release(self, conn: _Connection) -> None:
-        with self._lock:
-            if not self._closed and len(self._idle) < self.pool_size:
-                self._idle.append(conn)
-                return
-        conn.close()
 
     def request(
         self,
@@ -186,7 +174,7 @@ class HttpClient:
     ) -> Response:
         """One HTTP exchange, retried on connection errors and 502/503/504; raises on any other >= 400
         except a 404 from a chunk route, which the caller turns into None / False."""
-        if self._closed:
+        if self.pool.closed:
             raise InvalidArgument("this client is closed")
         length = sum(memoryview(b).nbytes for b in body)
         head = (
@@ -196,14 +184,14 @@ class HttpClient:
         for attempt in range(self.retries + 1):
             conn = None
             try:
-                conn = self._connect()
+                conn = self.pool.take(self._open)
                 try:
                     send_buffers(conn.sock, head, body)
                 except OSError:
                     pass  # the server may have answered early (401, 413) and closed: read that answer
                 resp, keep = conn.receive(method == "HEAD", into)
                 if keep:
-                    self._release(conn)
+                    self.pool.release(conn)
                 else:
                     conn.close()
                 conn = None
@@ -227,8 +215,4 @@ class HttpClient:
         return self.request("POST", path, [payload], wire.JSON_CONTENT_TYPE, into)
 
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            idle, self._idle = self._idle, []
-        for conn in idle:
-            conn.close()
+        self.pool.close()

@@ -39,7 +39,7 @@ TRANSPORTS = ["http", "tcp", "shm"]
 
 
 def _idle(be: RemoteBackend) -> int:
-    return len(be.http._idle) if be.transport == "http" else len(be._plane._idle)
+    return len(be.http.pool) if be.transport == "http" else len(be._plane.pool)
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
