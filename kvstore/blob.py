@@ -109,8 +109,10 @@ def encode_blob(kv: torch.Tensor, codec: str = "raw", lz4: bool = False, **optio
     return b"".join((head, check, pbytes, payload))
 
 
-def verify_blob(data: bytes | bytearray | memoryview) -> BlobHeader:
-    """Parse the header and verify the checksum of the whole blob; raise CorruptBlob on any fault."""
+def verify_blob(data: bytes | bytearray | memoryview, checksum: bool = True) -> BlobHeader:
+    """Parse the header and verify the checksum of the whole blob; raise CorruptBlob on any fault.
+    `checksum=False` checks everything but the checksum: for a buffer verified before, that nobody
+    could have written since (a trusted tier's, see kvstore.tiers.base.Tier)."""
     view = memoryview(data).cast("B")
     if len(view) < HEADER_SIZE:
         raise CorruptBlob(f"blob of {len(view)} bytes is shorter than its {HEADER_SIZE}-byte header")
@@ -128,7 +130,7 @@ def verify_blob(data: bytes | bytearray | memoryview) -> BlobHeader:
         raise CorruptBlob(f"blob length {len(view)} does not match header ({HEADER_SIZE}+{plen}+{nlen})")
     (check,) = _CHECK.unpack_from(view, _HEAD.size)
     pstart, payload_offset = HEADER_SIZE, HEADER_SIZE + plen
-    if _checksum(view[: _HEAD.size], view[pstart:payload_offset], view[payload_offset:]) != check:
+    if checksum and _checksum(view[: _HEAD.size], view[pstart:payload_offset], view[payload_offset:]) != check:
         raise CorruptBlob("checksum mismatch")
     try:
         params = msgpack.unpackb(view[pstart:payload_offset]) if plen else {}

@@ -112,6 +112,10 @@ class Tier(Protocol):
       store answers an error, not a miss that hides one.
     - Optional: `contains_many(keys) -> list[bool]`. A remote tier should offer it: the store then
       answers `batch_exists` / `lookup_prefix` with one round trip instead of one per key.
+    - Optional: `trusted = True`. The tier holds only buffers the store verified before it put them,
+      in memory no other process can write (cpu, gpu): the store's reads skip their checksum. The
+      checksum still protects every boundary a blob crosses: a put's on receipt, a reader's on use,
+      and each read from a tier outside this process (disk, Redis).
     """
 
     name: str

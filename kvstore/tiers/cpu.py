@@ -36,6 +36,8 @@ def _pinned_copy(blob: Blob) -> memoryview:
 class CpuTier(IndexedTier):
     """Host-memory tier. Thread-safe; every index operation holds one lock, copies happen outside it."""
 
+    trusted = True  # it keeps verified blobs, immutable, in this process's memory (Tier: `trusted`)
+
     def __init__(self, capacity: int, name: str = "cpu", pinned: bool | None = None) -> None:
         if capacity <= 0:
             raise InvalidArgument(f"cpu tier capacity must be positive, got {capacity}")

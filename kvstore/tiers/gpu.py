@@ -47,6 +47,7 @@ class GpuTier(IndexedTier):
     """Device-memory tier. Thread-safe: one lock for the index, one for the staging buffers."""
 
     name = "gpu"
+    trusted = True  # device memory of this process, filled with verified blobs (Tier: `trusted`)
 
     def __init__(
         self,

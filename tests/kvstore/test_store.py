@@ -229,15 +229,34 @@ def test_corrupt_blob_in_a_lower_tier_is_a_counted_miss_and_is_deleted(store: Ti
     assert not disk.contains(key(0)) and not path.exists() and not cpu.contains(key(0))
 
 
-def test_corrupt_blob_in_the_top_tier_falls_through_to_a_good_copy(store: TieredStore) -> None:
+def test_corrupt_blob_in_the_top_tier_falls_through_to_a_good_copy(tmp_path: Path) -> None:
+    top, low = DiskTier(tmp_path / "top", 1 << 20, "top"), DiskTier(tmp_path / "low", 1 << 20)
+    with TieredStore(StoreConfig(), [top, low]) as s:
+        s.put_blob(key(0), blob(0))
+        bad = bytearray(blob(0))
+        bad[60] ^= 1
+        top.put(key(0), bytes(bad))  # corrupted behind the store's back
+        assert s.get_blob(key(0)) == blob(0)
+        assert value(s, "kvstore_corrupt_blobs_total", tier="top") == 1
+        assert top.get(key(0)) == blob(0)  # replaced by the promoted good copy
+
+
+def test_reads_of_trusted_tiers_skip_the_checksum(store: TieredStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cpu tier holds the buffers the store verified at put: a hit there is not hashed again; a
+    disk hit is (the file crossed a trust boundary), as is the put itself."""
+    import kvstore.blob as blob_mod  # noqa: PLC0415
+
+    b = blob(0)
+    calls: list[int] = []
+    real = blob_mod._checksum
+    monkeypatch.setattr(blob_mod, "_checksum", lambda *a: calls.append(1) or real(*a))
     cpu, _ = store.tiers
-    store.put_blob(key(0), blob(0))
-    bad = bytearray(blob(0))
-    bad[60] ^= 1
-    cpu.put(key(0), bytes(bad))  # corrupted behind the store's back
-    assert store.get_blob(key(0)) == blob(0)
-    assert value(store, "kvstore_corrupt_blobs_total", tier="cpu") == 1
-    assert cpu.get(key(0)) == blob(0)  # replaced by the promoted good copy
+    store.put_blob(key(0), b)
+    assert len(calls) == 1
+    assert store.get_blob(key(0)) == b and len(calls) == 1
+    cpu.delete(key(0))
+    assert store.get_blob(key(0)) == b and len(calls) == 2  # from disk, promoted
+    assert store.get_blob(key(0)) == b and len(calls) == 2
 
 
 def test_failing_tiers_are_counted_and_survived(tmp_path: Path) -> None:
