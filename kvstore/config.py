@@ -30,6 +30,9 @@ class StoreConfig(BaseModel):
     tiers: list[TierName] = Field(default_factory=lambda: ["cpu", "disk"])
     gpu_capacity: Size = 4 * 2**30
     cpu_capacity: Size = 4 * 2**30
+    # the cpu tier's blobs in a shared-memory arena that same-host clients map read-only
+    # (kvstore.tiers.arena; kvstore-server turns it on with shared memory)
+    cpu_shared: bool = False
     disk_capacity: Size = 64 * 2**30
     disk_path: Path = Field(default_factory=lambda: default_data_dir() / "disk")
     redis_url: str = "redis://127.0.0.1:6379/0"

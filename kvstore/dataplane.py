@@ -15,7 +15,12 @@ by one byte) and then speak lean request/response messages, one at a time per co
     16+M    B     body
 
 Request metas: `k` the keys; PUT adds `l` (blob lengths); with FLAG_SHM a put or get names its
-region `s` = [segment id, offset, capacity] instead of carrying bytes on the socket. Response metas:
+region `s` = [segment id, offset, capacity] instead of carrying bytes on the socket. A FLAG_SHM get
+may add `a`, the nonce of the server's arena (HELLO's `arena` = [path, size, nonce]: the cpu tier's
+blobs, kvstore.tiers.arena) that the client has mapped read-only: when every hit lies there, the
+server lends them instead of copying, answering `a` (each blob's offset in the arena, -1 for a miss)
+and `p`, a pin id. Lent blobs keep their place until the client lists the pin in `u` of a later
+FLAG_SHM request naming the same segment, or the segment closes. Response metas:
 GET `l` (lengths, -1 for a miss) and, with FLAG_SHM, `o` (where the first blob starts); EXISTS `e`;
 DELETE `d`; LOOKUP `n`; PUT whatever the HTTP route answers; errors `error` and `type` as in
 `kvstore.wire` (the status field carries the HTTP status; a 503 Busy adds `retry_after`). The first
@@ -47,6 +52,7 @@ HEAD_SIZE = _HEAD.size
 assert HEAD_SIZE == 16
 MAX_META = 1 << 20
 MISSING = -1
+MAX_PINS = 4096
 
 HELLO, GET, PUT, EXISTS, DELETE, LOOKUP, SHM_OPEN, SHM_ATTACH = range(1, 9)
 OP_NAMES = {
@@ -117,6 +123,14 @@ def meta_region(meta: dict[str, Any]) -> tuple[int, int, int]:
     if not isinstance(region, list) or len(region) != 3 or not all(type(x) is int and x >= 0 for x in region):
         raise InvalidArgument("'s' must be [segment id, offset, capacity]")
     return region[0], region[1], region[2]
+
+
+def meta_pins(meta: dict[str, Any]) -> list[int]:
+    """`u`: the pins a client gives back (at most MAX_PINS per request)."""
+    pins = meta.get("u", [])
+    if not isinstance(pins, list) or len(pins) > MAX_PINS or not all(type(x) is int for x in pins):
+        raise InvalidArgument(f"'u' must list at most {MAX_PINS} pin ids")
+    return pins
 
 
 def error_meta(exc: KVStoreError) -> dict[str, Any]:

@@ -73,14 +73,22 @@ class LRUIndex(Generic[V]):
             self.used -= entry.size
         return entry
 
+    def pop_oldest(self) -> tuple[str, Entry[V]] | None:
+        """Evict the least recently used entry (None when empty)."""
+        if not self._entries:
+            return None
+        key, entry = self._entries.popitem(last=False)
+        self.used -= entry.size
+        return key, entry
+
     def make_room(self, size: int) -> list[tuple[str, Entry[V]]]:
         """Evict least-recently-used entries until `size` more bytes fit."""
         assert size <= self.capacity, (size, self.capacity)
         evicted: list[tuple[str, Entry[V]]] = []
         while self.used + size > self.capacity:
-            key, entry = self._entries.popitem(last=False)
-            self.used -= entry.size
-            evicted.append((key, entry))
+            oldest = self.pop_oldest()
+            assert oldest is not None
+            evicted.append(oldest)
         return evicted
 
     def insert(self, key: str, entry: Entry[V]) -> tuple[Entry[V] | None, list[tuple[str, Entry[V]]]]:

@@ -54,7 +54,9 @@ def host_id() -> str:
 class Segment:
     """A shared-memory segment as its owner (the server) holds it."""
 
-    def __init__(self, seg_id: int, size: int) -> None:
+    def __init__(self, seg_id: int, size: int, reserve: bool = True, seals: int = 0) -> None:
+        """`reserve`: allocate every page now; `seals`: more seals to add once the owner has mapped it
+        (kvstore.tiers.arena: F_SEAL_FUTURE_WRITE, no one else may map it writable)."""
         if size <= DATA_START:
             raise InvalidArgument(f"a segment needs more than {DATA_START} bytes, got {size}")
         self.seg_id = seg_id
@@ -63,37 +65,56 @@ class Segment:
         self.fd = os.memfd_create(f"kvstore-shm-{seg_id}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self.fd, size)
-            os.posix_fallocate(self.fd, 0, size)  # ENOSPC now instead of SIGBUS on a later write
-            seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
-            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, seals)
+            if reserve:
+                os.posix_fallocate(self.fd, 0, size)  # ENOSPC now instead of SIGBUS on a later write
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
             self.map = mmap.mmap(self.fd, size)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, seals | fcntl.F_SEAL_SEAL)
         except BaseException:
             os.close(self.fd)
             raise
         self.map[: _HEADER.size] = _HEADER.pack(MAGIC, self.nonce, size)
         self.view = memoryview(self.map)
+        # blobs of the server's arena lent to the client that owns this segment, by pin id: they stay
+        # alive (their regions taken) until it gives them back or the segment closes
+        self.lent: dict[int, tuple[list, int]] = {}
+        self.lent_bytes = 0
+        self._next_pin = 1
+
+    def lend(self, blobs: list, nbytes: int) -> int:
+        pin, self._next_pin = self._next_pin, self._next_pin + 1
+        self.lent[pin] = (blobs, nbytes)
+        self.lent_bytes += nbytes
+        return pin
+
+    def give_back(self, pin: int) -> None:
+        """The client is done with the blobs of `pin` (an unknown pin: given back already)."""
+        got = self.lent.pop(pin, None)
+        if got is not None:
+            self.lent_bytes -= got[1]
 
     @property
     def path(self) -> str:
         return f"/proc/{os.getpid()}/fd/{self.fd}"
 
     def close(self) -> None:
+        self.lent.clear()
         self.view.release()
         self.map.close()  # raises BufferError while a memoryview of it is alive: none outlives a request
         os.close(self.fd)
 
 
-def open_segment(path: str, size: int, nonce: bytes) -> mmap.mmap | None:
+def open_segment(path: str, size: int, nonce: bytes, writable: bool = True) -> mmap.mmap | None:
     """The client's mapping of a server segment, or None when it is not the one the server described
     (another host, PID namespace or user): the caller then stays on TCP."""
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
     except OSError:
         return None
     try:
         if os.fstat(fd).st_size != size:
             return None
-        mapped = mmap.mmap(fd, size)
+        mapped = mmap.mmap(fd, size, prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
     except OSError:
         return None
     finally:

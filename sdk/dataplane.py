@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvstore import dataplane as dp
+from kvstore import shm
 from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
 from kvstore.tiers.base import Blob
 from sdk.buffers import fresh_buffer
@@ -120,17 +121,39 @@ class DataPlaneClient:
         retries: int,
         backoff: float,
         pool_size: int,
+        local: bool = False,
     ) -> None:
+        """`local`: reach a server on this host through the Unix socket its HELLO names (`unix`)."""
         self.host, self.port, self.tls, self.token = host, port, tls, token
+        self.local = local
+        self.unix_path: str | None = None
         self.timeout, self.connect_timeout = timeout, connect_timeout
         self.retries, self.backoff = retries, backoff
         self.hello: dict[str, Any] = {}
         self.pool: ConnectionPool[_Conn] = ConnectionPool(pool_size)
-        self.pool.release(self._open())  # NotSpoken / Unauthorized / OSError now, not on the first call
+        conn = self._open()  # NotSpoken / Unauthorized / OSError now, not on the first call
+        if self.unix_path is not None:  # a server on this host: its Unix socket from now on
+            conn.close()
+            conn = self._open()
+        self.pool.release(conn)
+
+    def _connect(self) -> socket.socket:
+        if self.unix_path is not None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(self.connect_timeout)
+            try:
+                sock.connect(self.unix_path)
+                sock.settimeout(self.timeout)
+                return sock
+            except OSError as e:  # a server that went away, or another network namespace: TCP again
+                sock.close()
+                log.info("cannot reach the data plane's Unix socket (%s): TCP", e)
+                self.unix_path = None
+        return connect(self.host, self.port, self.timeout, self.connect_timeout, self.tls)
 
     def _open(self) -> _Conn:
-        sock = connect(self.host, self.port, self.timeout, self.connect_timeout, self.tls)
-        conn = _Conn(sock)
+        conn = _Conn(self._connect())
+        sock = conn.sock
         try:
             sock.sendall(dp.PREFACE)
             head, meta, _ = conn.exchange(dp.HELLO, {"v": dp.VERSION, "token": self.token})
@@ -141,6 +164,9 @@ class DataPlaneClient:
             conn.close()
             raise dp.error_from_meta(head.status, meta)
         self.hello = meta
+        unix = meta.get("unix")
+        if self.local and isinstance(unix, str) and meta.get("host") == shm.host_id() and shm.host_id():
+            self.unix_path = unix
         return conn
 
     def call(

@@ -32,7 +32,7 @@ from sdk.backend import Backend
 from sdk.buffers import BlobLease, BufferPool, LoanBook
 from sdk.dataplane import DataPlaneClient, NotSpoken, SegmentGone
 from sdk.http import HttpClient
-from sdk.shm import ClientSegment
+from sdk.shm import ClientArena, ClientSegment
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -109,7 +109,8 @@ class RemoteBackend(Backend):
                 if self._plane_state == "untried":
                     try:
                         self._plane = DataPlaneClient(
-                            self.host, self.port, self._tls, self._token, **self._conn_args
+                            self.host, self.port, self._tls, self._token, **self._conn_args,
+                            local=self.wanted in ("auto", "shm"),
                         )
                         self._plane_state = "on"
                     except NotSpoken:
@@ -150,7 +151,14 @@ class RemoteBackend(Backend):
             log.info("cannot map the shared memory of %s: blobs go over TCP", self.url)
             return None
         plane.keep(conn)
-        return ClientSegment(meta["seg"], meta["size"], meta["nonce"], mapped)
+        arena = None
+        described = plane.hello.get("arena")
+        if isinstance(described, list) and len(described) == 3:
+            path, size, nonce = described
+            arena_map = shm.open_segment(path, size, nonce, writable=False)
+            if arena_map is not None:
+                arena = ClientArena(size, nonce, arena_map)
+        return ClientSegment(meta["seg"], meta["size"], meta["nonce"], mapped, arena)
 
     def _forget_segment(self, seg: ClientSegment) -> None:
         """The server restarted and lost `seg`: the next call maps a new one (leases of it stay valid)."""

@@ -3,23 +3,67 @@
 The client decides where data goes in its segment: a put copies its blobs into a free region and
 names it; a get names a free region for the answer. Regions of a get stay taken while a `BlobLease`
 of them is out, and go back to the allocator when it is released.
+
+A get may instead be answered with blobs the server lends where they lie, in its arena (the cpu
+tier's memory, mapped here read-only: `ClientArena`); the lease then ends by giving their pin back
+in `unpin`, which the next request naming the segment carries to the server.
 """
 
 from __future__ import annotations
 
+import collections
 import mmap
 from collections.abc import Sequence
 
 from kvstore import shm
+from kvstore.dataplane import MAX_PINS
+from kvstore.errors import InvalidArgument
 from kvstore.tiers.base import Blob
 
 
+class ClientArena:
+    """A read-only mapping of the server's arena (kvstore.tiers.arena)."""
+
+    def __init__(self, size: int, nonce: bytes, mapped: mmap.mmap) -> None:
+        self.size, self.nonce = size, nonce
+        self._map = mapped
+        self.view = memoryview(mapped)
+
+    def views(self, offsets: Sequence[int], lens: Sequence[int]) -> list[memoryview | None]:
+        if len(offsets) != len(lens):
+            raise InvalidArgument("the server lent other blobs than it announced")
+        out: list[memoryview | None] = []
+        for offset, n in zip(offsets, lens, strict=True):
+            if n < 0:
+                out.append(None)
+                continue
+            if type(offset) is not int or offset < shm.DATA_START or offset + n > self.size:
+                raise InvalidArgument(f"the server lent a blob outside its arena ({offset}, +{n})")
+            out.append(self.view[offset : offset + n])
+        return out
+
+    def close(self) -> None:
+        self.view.release()
+        try:
+            self._map.close()
+        except BufferError:  # a lease is still out: the mapping goes when its last view does
+            pass
+
+
 class ClientSegment:
-    def __init__(self, seg_id: int, size: int, nonce: bytes, mapped: mmap.mmap) -> None:
+    def __init__(
+        self, seg_id: int, size: int, nonce: bytes, mapped: mmap.mmap, arena: ClientArena | None = None
+    ) -> None:
         self.seg_id, self.size, self.nonce = seg_id, size, nonce
         self._map = mapped
         self.view = memoryview(mapped)
         self.allocator = shm.RegionAllocator(size)
+        self.arena = arena
+        self.unpin: collections.deque[int] = collections.deque()  # pins of ended leases, to give back
+
+    def pins_to_give_back(self) -> list[int]:
+        n = min(len(self.unpin), MAX_PINS)
+        return [self.unpin.popleft() for _ in range(n)]
 
     def reserve(self, n: int) -> int | None:
         """The offset of a free region of `n` bytes, or None while the segment is too full."""
@@ -51,6 +95,8 @@ class ClientSegment:
         return out
 
     def close(self) -> None:
+        if self.arena is not None:
+            self.arena.close()
         self.view.release()
         try:
             self._map.close()

@@ -116,23 +116,31 @@ def fetch_socket(plane: DataPlaneClient, keys: list[str], rx: Receiver) -> tuple
 def fetch_shm(
     plane: DataPlaneClient, seg: ClientSegment, keys: list[str], rx: Receiver, capacity: int
 ) -> tuple[dict, Got, bool] | None:
-    """A get whose answer the server writes into a free region of `seg` when it fits in `capacity`
-    (then True), else sends on the socket (False); None while the segment has no such region.
+    """A get answered in shared memory when it can be: with blobs the server lends where they lie in
+    its arena (when `seg` has it mapped), else written into a free region of `seg` when they fit in
+    `capacity` (then True), else on the socket (False); None while the segment has no such region.
     Raises sdk.dataplane.SegmentGone when the server no longer knows `seg`."""
     capacity = min(seg.largest(), capacity)
     offset = seg.reserve(capacity) if capacity > 0 else None
     if offset is None:
         return None
+    pins = seg.pins_to_give_back()
     try:
-        meta_in = {"k": keys, "s": [seg.seg_id, offset, capacity]}
+        meta_in: dict[str, Any] = {"k": keys, "s": [seg.seg_id, offset, capacity], "u": pins}
+        if seg.arena is not None:
+            meta_in["a"] = seg.arena.nonce
         head, meta, body = plane.call(dp.GET, meta_in, flags=dp.FLAG_SHM, into=rx.into, segment=seg)
     except BaseException:
+        seg.unpin.extend(pins)  # the server may not have seen them: again with the next request
         seg.free(offset, capacity)
         raise
+    lens = dp.meta_lens(meta, len(keys), allow_missing=True)
+    if head.flags & dp.FLAG_SHM and "a" in meta and seg.arena is not None:
+        seg.free(offset, capacity)
+        return meta, _lent(seg, seg.arena.views(meta["a"], lens), meta.get("p"), rx), True
     if not head.flags & dp.FLAG_SHM:  # did not fit: the answer came on the socket
         seg.free(offset, capacity)
         return meta, rx.split(meta, body, len(keys)), False
-    lens = dp.meta_lens(meta, len(keys), allow_missing=True)
     used = dp.total(lens)
     if meta.get("o") != offset:
         raise InvalidArgument("the server wrote the answer elsewhere than asked")
@@ -152,6 +160,21 @@ def fetch_shm(
     return meta, (owned, None), True
 
 
+def _lent(seg: ClientSegment, views: list[memoryview | None], pin: Any, rx: Receiver) -> Got:
+    """Blobs the server lent in its arena: the caller's until the lease ends (then the pin goes back),
+    or copied into buffers the caller owns."""
+    if type(pin) is not int:
+        raise InvalidArgument("the server lent blobs without a pin")
+    if rx.pool is not None:
+        return list(views), Loan([v for v in views if v is not None], lambda: seg.unpin.append(pin))
+    owned: list[Blob | None] = [None if v is None else bytes(v) for v in views]
+    for v in views:
+        if v is not None:
+            v.release()
+    seg.unpin.append(pin)
+    return owned, None
+
+
 def put_shm(
     plane: DataPlaneClient, seg: ClientSegment, keys: list[str], lens: list[int], blobs: list[Blob]
 ) -> list[list[str]] | None:
@@ -160,10 +183,14 @@ def put_shm(
     offset = seg.reserve(total)
     if offset is None:
         return None
+    pins = seg.pins_to_give_back()
     try:
         seg.write(offset, blobs)
-        meta = {"k": keys, "l": lens, "s": [seg.seg_id, offset, total]}
+        meta = {"k": keys, "l": lens, "s": [seg.seg_id, offset, total], "u": pins}
         return plane.call(dp.PUT, meta, flags=dp.FLAG_SHM, segment=seg)[1]["stored_in"]
+    except BaseException:
+        seg.unpin.extend(pins)
+        raise
     finally:
         seg.free(offset, total)
 

@@ -36,7 +36,10 @@ class DataPlane:
         self.token = token
         c = state.config
         self.shm = ShmPool(c.shm_budget, c.shm_max_segment)
+        tiers = state.store.tiers if self.shm.enabled and hasattr(state.store, "tiers") else []
+        self.arena = next((t.arena for t in tiers if getattr(t, "arena", None) is not None), None)
         self.connections: set[DataPlaneProtocol] = set()
+        self.unix_path: str | None = None  # the same-host Unix socket (server.runner), HELLO's `unix`
 
     def protocol(self) -> DataPlaneProtocol:
         return DataPlaneProtocol(self)
@@ -117,7 +120,13 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
             self._timer, self._deadline = None, ""
 
     def _arm_idle(self) -> None:
-        self._arm(self.st.config.keepalive_timeout, self.close, "idle")
+        self._arm(self.st.config.keepalive_timeout, self._idle, "idle")
+
+    def _idle(self) -> None:
+        # A client reading lent blobs may keep an idle connection: closing its last one would free them.
+        if any(seg.lent for seg in self.segments.values()):
+            return self._arm_idle()
+        self.close()
 
     def _header_late(self) -> None:
         timeout = self.st.config.header_timeout

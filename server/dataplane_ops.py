@@ -93,10 +93,16 @@ def _hello(conn: Connection, req: Request) -> Reply:
             raise Unauthorized("missing bearer token" if not given_b else "wrong bearer token")
     conn.authed = True
     st = conn.st
-    return Reply(meta={
+    meta = {
         "v": dp.VERSION, "max_blob": st.store_config.max_blob_size, "max_request": st.config.max_request_size,
         "max_keys": MAX_BATCH_KEYS, "shm": conn.plane.shm.enabled, "host": shm.host_id(),
-    }, op_name="hello")  # fmt: skip
+    }  # fmt: skip
+    if conn.plane.unix_path is not None:
+        meta["unix"] = conn.plane.unix_path
+    arena = conn.plane.arena
+    if arena is not None:
+        meta["arena"] = [arena.segment.path, arena.size, arena.segment.nonce]
+    return Reply(meta=meta, op_name="hello")
 
 
 def _region(conn: Connection, req: Request, need: int) -> tuple[shm.Segment, int, int]:
@@ -106,7 +112,24 @@ def _region(conn: Connection, req: Request, need: int) -> tuple[shm.Segment, int
         raise InvalidArgument(f"shared-memory segment {seg_id} is not attached to this connection")
     if offset < shm.DATA_START or offset + capacity > seg.size or need > capacity:
         raise InvalidArgument(f"region [{offset}, +{capacity}) of segment {seg_id} is out of bounds")
+    for pin in dp.meta_pins(req.meta):
+        seg.give_back(pin)
     return seg, offset, capacity
+
+
+def _lend(conn: Connection, seg: shm.Segment, req: Request, blobs: list[Any], lens: list[int]) -> dict | None:
+    """Lend the hits where they lie in the arena (kvstore.tiers.arena), when the client mapped it, all
+    of them lie there and the client's lent bytes stay within shm_max_segment; else None."""
+    arena = conn.plane.arena
+    if arena is None or req.meta.get("a") != arena.segment.nonce:
+        return None
+    offsets = [arena.offset_of(b) for b in blobs if b is not None]
+    nbytes = dp.total(lens)
+    if None in offsets or seg.lent_bytes + nbytes > conn.st.config.shm_max_segment:
+        return None
+    pin = seg.lend([b for b in blobs if b is not None], nbytes)
+    where = iter(offsets)
+    return {"a": [dp.MISSING if n < 0 else next(where) for n in lens], "p": pin}
 
 
 def _get(conn: Connection, req: Request, keys: list[str]) -> Reply:
@@ -124,6 +147,11 @@ def _get(conn: Connection, req: Request, keys: list[str]) -> Reply:
     present = [b for b in blobs if b is not None]
     if req.flags & dp.FLAG_SHM:
         seg, offset, capacity = _region(conn, req, 0)
+        lent = _lend(conn, seg, req, blobs, lens)
+        if lent is not None:
+            reply.flags = dp.FLAG_SHM
+            reply.meta.update(lent)
+            return reply
         if total <= capacity:  # else the blobs come back on the socket, in this same reply
             pos = offset
             for b in present:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import secrets
 import signal
 import threading
 from collections.abc import Callable
@@ -12,6 +14,7 @@ from typing import Any
 
 from aiohttp import web
 
+from kvstore import shm
 from kvstore.config import StoreConfig
 from server.app import make_app
 from server.config import ServerConfig
@@ -23,9 +26,13 @@ from server.state import DATAPLANE, STATE
 log = logging.getLogger(__name__)
 
 
-def open_store(store_config: StoreConfig) -> Any:
+def open_store(store_config: StoreConfig, config: ServerConfig) -> Any:
+    """The server's store; with shared memory on, its cpu tier lives in an arena that clients on this
+    host map read-only (kvstore.tiers.arena), so gets lend them blobs instead of copying them."""
     from kvstore.store import TieredStore  # noqa: PLC0415 (imports torch; keep `--help` fast)
 
+    if config.dataplane and config.shm_budget > 0 and shm.available():
+        store_config = store_config.model_copy(update={"cpu_shared": True})
     return TieredStore(store_config)
 
 
@@ -48,6 +55,7 @@ class RunningServer:
             "keepalive_timeout": config.keepalive_timeout,
         }
         self.listener: asyncio.Server | None = None
+        self.unix_listener: asyncio.Server | None = None
         self.port: int | None = None
 
     @property
@@ -65,6 +73,12 @@ class RunningServer:
             factory, self.config.host, self.config.port, ssl=self.config.ssl_context(), backlog=1024
         )
         self.port = self.listener.sockets[0].getsockname()[1]
+        if self.plane is not None and self.plane.shm.enabled:
+            # Same-host clients reach the data plane through this abstract Unix socket (no file to leave
+            # behind; HELLO names it): a loopback round trip costs ~half of TCP's.
+            name = f"\0kvstore-{os.getpid()}-{self.port}-{secrets.token_hex(8)}"
+            self.unix_listener = await asyncio.get_running_loop().create_unix_server(factory, name, backlog=1024)
+            self.plane.unix_path = name
         log.info("kvstore-server listening on %s (tiers %s)", self.url, ",".join(self.store_config.tiers))
         return self.url
 
@@ -73,8 +87,9 @@ class RunningServer:
 
         aiohttp's own cleanup stops reading from every connection at once, which would cut off an
         upload still arriving; so the listening socket closes first and the uploads get to finish."""
-        if self.listener is not None:
-            self.listener.close()
+        for listener in (self.listener, self.unix_listener):
+            if listener is not None:
+                listener.close()
         metrics = self.app[STATE].metrics
         deadline = asyncio.get_running_loop().time() + self.config.shutdown_timeout
         while metrics.in_flight > 0 and asyncio.get_running_loop().time() < deadline:
@@ -111,7 +126,7 @@ async def serve(
 ) -> None:
     """Run until SIGTERM or SIGINT, then shut down gracefully."""
     raise_fd_limit()
-    store = open_store(store_config)
+    store = open_store(store_config, config)
     server = RunningServer(store, store_config, config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

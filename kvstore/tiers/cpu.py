@@ -6,6 +6,10 @@ With CUDA present the blobs live in pinned (page-locked) host memory instead, so
 engine can copy them to the device asynchronously; `get` then returns a read-only memoryview of the
 pinned buffer. `torch.empty(..., pin_memory=True)` raises without CUDA, hence the check.
 
+In a kvstore-server with shared memory on (`StoreConfig.cpu_shared`) the blobs are copied into an
+`Arena` instead, which clients on the same host map read-only (kvstore.tiers.arena); `get` returns a
+read-only memoryview of the blob's region there.
+
 Byte accounting counts blob bytes exactly (`usage() == sum(len(blob))`), not Python object overhead.
 """
 
@@ -20,7 +24,8 @@ import torch
 from kvstore.config import StoreConfig
 from kvstore.errors import InvalidArgument
 from kvstore.lru import Entry, LRUIndex, check_ttl
-from kvstore.tiers.base import Blob, TierStats, immutable
+from kvstore.tiers.arena import Arena
+from kvstore.tiers.base import NO_SPACE, Blob, TierStats, TierWriteError, immutable
 from kvstore.tiers.indexed import IndexedTier
 
 logger = logging.getLogger(__name__)
@@ -38,7 +43,9 @@ class CpuTier(IndexedTier):
 
     trusted = True  # it keeps verified blobs, immutable, in this process's memory (Tier: `trusted`)
 
-    def __init__(self, capacity: int, name: str = "cpu", pinned: bool | None = None) -> None:
+    def __init__(
+        self, capacity: int, name: str = "cpu", pinned: bool | None = None, shared: bool = False
+    ) -> None:
         if capacity <= 0:
             raise InvalidArgument(f"cpu tier capacity must be positive, got {capacity}")
         self.name = name
@@ -46,6 +53,8 @@ class CpuTier(IndexedTier):
         self.pinned = torch.cuda.is_available() if pinned is None else pinned
         if self.pinned and not torch.cuda.is_available():
             raise InvalidArgument("pinned host memory needs CUDA")
+        # pinned memory serves the GPU better than lending serves same-host clients
+        self.arena = Arena(capacity) if shared and not self.pinned else None
         self.stats = TierStats()
         self._index: LRUIndex[Blob] = LRUIndex(capacity)
         self._lock = threading.Lock()
@@ -54,7 +63,7 @@ class CpuTier(IndexedTier):
 
     @classmethod
     def from_config(cls, config: StoreConfig) -> CpuTier:
-        return cls(config.cpu_capacity)
+        return cls(config.cpu_capacity, shared=config.cpu_shared)
 
     def _own(self, blob: Blob) -> Blob:
         """An immutable buffer holding `blob` that the tier may keep."""
@@ -77,12 +86,29 @@ class CpuTier(IndexedTier):
             self._index.touch(key)
             return entry.value
 
+    def _into_arena(self, key: str, blob: Blob, evicted: list[str]) -> memoryview:
+        """`blob` copied into the arena; while no free region is large enough, the LRU blob goes."""
+        assert self.arena is not None
+        if self.arena.offset_of(blob) is not None:
+            return blob  # type: ignore[return-value]  # the server received it there already
+        while (value := self.arena.store(blob)) is None:
+            with self._lock:
+                oldest = self._index.pop_oldest()
+                if oldest is not None:
+                    self.stats.evictions += 1
+            if oldest is None:  # every region is a blob some client still reads
+                raise TierWriteError(self.name, {key: NO_SPACE}, "ENOSPC: the shared arena is full of lent blobs")
+            evicted.append(oldest[0])
+            del oldest  # its region is free now, unless a client holds the blob
+        return value
+
     def put(self, key: str, blob: Blob, ttl_s: float | None = None) -> list[str]:
         check_ttl(ttl_s)
         size = memoryview(blob).nbytes
         if size > self.capacity:
             raise self._too_large(key, size)
-        value = self._own(blob)
+        evicted_keys: list[str] = []
+        value = self._own(blob) if self.arena is None else self._into_arena(key, blob, evicted_keys)
         expires_at = None if ttl_s is None else self._clock() + ttl_s
         with self._lock:
             self._ttl_seen = self._ttl_seen or expires_at is not None
@@ -90,8 +116,10 @@ class CpuTier(IndexedTier):
             _, evicted = self._index.insert(key, Entry(size, value, expires_at))
             self.stats.expired += len(expired)
             self.stats.evictions += len(evicted)
-        return [k for k, _ in evicted]
+        return evicted_keys + [k for k, _ in evicted]
 
     def close(self) -> None:
         with self._lock:
             self._index = LRUIndex(self.capacity)
+        if self.arena is not None:
+            self.arena.close()
