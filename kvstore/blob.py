@@ -130,7 +130,10 @@ def verify_blob(data: bytes | bytearray | memoryview, checksum: bool = True) -> 
         raise CorruptBlob(f"blob length {len(view)} does not match header ({HEADER_SIZE}+{plen}+{nlen})")
     (check,) = _CHECK.unpack_from(view, _HEAD.size)
     pstart, payload_offset = HEADER_SIZE, HEADER_SIZE + plen
-    if checksum and _checksum(view[: _HEAD.size], view[pstart:payload_offset], view[payload_offset:]) != check:
+    if (
+        checksum
+        and _checksum(view[: _HEAD.size], view[pstart:payload_offset], view[payload_offset:]) != check
+    ):
         raise CorruptBlob("checksum mismatch")
     try:
         params = msgpack.unpackb(view[pstart:payload_offset]) if plen else {}

@@ -127,6 +127,7 @@ class DataPlaneClient:
         self.host, self.port, self.tls, self.token = host, port, tls, token
         self.local = local
         self.unix_path: str | None = None
+        self._unix_refused: set[str] = set()  # named by HELLO, but not reachable from here
         self.timeout, self.connect_timeout = timeout, connect_timeout
         self.retries, self.backoff = retries, backoff
         self.hello: dict[str, Any] = {}
@@ -148,6 +149,7 @@ class DataPlaneClient:
             except OSError as e:  # a server that went away, or another network namespace: TCP again
                 sock.close()
                 log.info("cannot reach the data plane's Unix socket (%s): TCP", e)
+                self._unix_refused.add(self.unix_path)
                 self.unix_path = None
         return connect(self.host, self.port, self.timeout, self.connect_timeout, self.tls)
 
@@ -166,7 +168,7 @@ class DataPlaneClient:
         self.hello = meta
         unix = meta.get("unix")
         if self.local and isinstance(unix, str) and meta.get("host") == shm.host_id() and shm.host_id():
-            self.unix_path = unix
+            self.unix_path = None if unix in self._unix_refused else unix
         return conn
 
     def call(

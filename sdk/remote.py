@@ -109,7 +109,11 @@ class RemoteBackend(Backend):
                 if self._plane_state == "untried":
                     try:
                         self._plane = DataPlaneClient(
-                            self.host, self.port, self._tls, self._token, **self._conn_args,
+                            self.host,
+                            self.port,
+                            self._tls,
+                            self._token,
+                            **self._conn_args,
                             local=self.wanted in ("auto", "shm"),
                         )
                         self._plane_state = "on"

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvstore import dataplane as dp
-from kvstore import wire
+from kvstore import shm, wire
 from kvstore.errors import InvalidArgument
 from kvstore.tiers.base import Blob
 from sdk.buffers import BufferPool, Free, Loan, fresh_buffer
@@ -123,7 +123,9 @@ def fetch_shm(
     capacity = min(seg.largest(), capacity)
     offset = seg.reserve(capacity) if capacity > 0 else None
     if offset is None:
-        return None
+        if seg.arena is None:
+            return None
+        offset, capacity = shm.DATA_START, 0  # no room for a copy, but lent blobs need none
     pins = seg.pins_to_give_back()
     try:
         meta_in: dict[str, Any] = {"k": keys, "s": [seg.seg_id, offset, capacity], "u": pins}
@@ -138,8 +140,10 @@ def fetch_shm(
     if head.flags & dp.FLAG_SHM and "a" in meta and seg.arena is not None:
         seg.free(offset, capacity)
         return meta, _lent(seg, seg.arena.views(meta["a"], lens), meta.get("p"), rx), True
-    if not head.flags & dp.FLAG_SHM:  # did not fit: the answer came on the socket
+    if not head.flags & dp.FLAG_SHM or capacity == 0:  # did not fit: the answer came on the socket
         seg.free(offset, capacity)
+        if head.flags & dp.FLAG_SHM:  # all misses, "written" into the empty region
+            return meta, rx.blobs([None] * len(keys), None), True
         return meta, rx.split(meta, body, len(keys)), False
     used = dp.total(lens)
     if meta.get("o") != offset:

@@ -118,14 +118,17 @@ def _region(conn: Connection, req: Request, need: int) -> tuple[shm.Segment, int
 
 
 def _lend(conn: Connection, seg: shm.Segment, req: Request, blobs: list[Any], lens: list[int]) -> dict | None:
-    """Lend the hits where they lie in the arena (kvstore.tiers.arena), when the client mapped it, all
-    of them lie there and the client's lent bytes stay within shm_max_segment; else None."""
+    """Lend the hits where they lie in the arena (kvstore.tiers.arena), when the client mapped it and
+    all of them lie there; else None. Lent blobs keep their regions even once evicted, so one client
+    may hold at most a quarter of the arena, and all together half: past that, gets copy."""
     arena = conn.plane.arena
     if arena is None or req.meta.get("a") != arena.segment.nonce:
         return None
     offsets = [arena.offset_of(b) for b in blobs if b is not None]
     nbytes = dp.total(lens)
-    if None in offsets or seg.lent_bytes + nbytes > conn.st.config.shm_max_segment:
+    if None in offsets or seg.lent_bytes + nbytes > min(conn.st.config.shm_max_segment, arena.size // 4):
+        return None
+    if conn.plane.shm.lent_bytes() + nbytes > arena.size // 2:
         return None
     pin = seg.lend([b for b in blobs if b is not None], nbytes)
     where = iter(offsets)

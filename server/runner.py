@@ -77,7 +77,9 @@ class RunningServer:
             # Same-host clients reach the data plane through this abstract Unix socket (no file to leave
             # behind; HELLO names it): a loopback round trip costs ~half of TCP's.
             name = f"\0kvstore-{os.getpid()}-{self.port}-{secrets.token_hex(8)}"
-            self.unix_listener = await asyncio.get_running_loop().create_unix_server(factory, name, backlog=1024)
+            self.unix_listener = await asyncio.get_running_loop().create_unix_server(
+                factory, name, backlog=1024
+            )
             self.plane.unix_path = name
         log.info("kvstore-server listening on %s (tiers %s)", self.url, ",".join(self.store_config.tiers))
         return self.url

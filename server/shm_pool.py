@@ -46,6 +46,10 @@ class ShmPool:
         self.used += seg.size
         return seg
 
+    def lent_bytes(self) -> int:
+        """Bytes of the arena lent to all clients together (kvstore.shm.Segment.lend)."""
+        return sum(seg.lent_bytes for seg in self._segments.values())
+
     def attach(self, seg_id: int, nonce: bytes) -> shm.Segment:
         seg = self._segments.get(seg_id)
         if seg is None or nonce != seg.nonce:

@@ -97,7 +97,9 @@ class CpuTier(IndexedTier):
                 if oldest is not None:
                     self.stats.evictions += 1
             if oldest is None:  # every region is a blob some client still reads
-                raise TierWriteError(self.name, {key: NO_SPACE}, "ENOSPC: the shared arena is full of lent blobs")
+                raise TierWriteError(
+                    self.name, {key: NO_SPACE}, "ENOSPC: the shared arena is full of lent blobs"
+                )
             evicted.append(oldest[0])
             del oldest  # its region is free now, unless a client holds the blob
         return value

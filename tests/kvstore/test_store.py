@@ -241,7 +241,9 @@ def test_corrupt_blob_in_the_top_tier_falls_through_to_a_good_copy(tmp_path: Pat
         assert top.get(key(0)) == blob(0)  # replaced by the promoted good copy
 
 
-def test_reads_of_trusted_tiers_skip_the_checksum(store: TieredStore, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_reads_of_trusted_tiers_skip_the_checksum(
+    store: TieredStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The cpu tier holds the buffers the store verified at put: a hit there is not hashed again; a
     disk hit is (the file crossed a trust boundary), as is the put itself."""
     import kvstore.blob as blob_mod  # noqa: PLC0415

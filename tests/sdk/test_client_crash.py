@@ -15,8 +15,9 @@ import pytest
 from kvstore import dataplane as dp
 from kvstore import shm
 from kvstore.blob import verify_blob
+from sdk.remote import RemoteBackend
 from tests.sdk.test_transports import memfds, wait_for
-from tests.server.conftest import make_blob
+from tests.server.conftest import key, make_blob
 
 pytestmark = pytest.mark.skipif(not shm.available(), reason="needs memfd and /proc (Linux)")
 
@@ -27,10 +28,10 @@ CLIENT = textwrap.dedent(
     from tests.server.conftest import key, make_blob
     be = RemoteBackend(sys.argv[1], transport="shm", pool_size=4)
     blob = make_blob(7, tokens=16384)  # 2 MiB
-    i = 0
+    i, leases = 0, []
     while True:
         be.batch_put([(key(1000 + (i + j) % 64), blob) for j in range(4)])
-        lease = be.lease([key(1000 + i % 64)])  # held, never released: the process dies with it
+        leases.append(be.lease([key(1000 + i % 64)]))  # held, never released: the process dies with them
         if i == 2:
             print("busy", flush=True)
         i += 1
@@ -55,6 +56,12 @@ def test_a_killed_shm_client_leaks_no_segment(server):
     for tier in server.store.tiers:  # every stored blob is whole
         for k in tier.keys():
             verify_blob(tier.get(k))
+    # the blobs it held lent in the cpu arena are free again: the whole capacity takes new blobs
+    be = RemoteBackend(server.url, transport="shm")
+    for i in range(30):
+        assert be.put_blob(key(i), make_blob(i, tokens=16384)) == ["cpu"]
+    assert all(server.store.tiers[0].contains(key(i)) for i in range(30))
+    be.close()
 
 
 def test_a_client_that_dies_mid_body_stores_nothing(server):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import socket
 
 import pytest
 import torch
@@ -101,8 +102,9 @@ def test_an_exported_view_keeps_its_region_out_of_reuse(server):
     be.close()
 
 
-def test_a_full_segment_falls_back_to_the_socket(server):
-    be = RemoteBackend(server.url, transport="shm", shm_size=4 * 2**20)
+def test_a_full_segment_falls_back_to_the_socket(server_factory):
+    srv = server_factory(store={"tiers": ["disk"]})  # blobs outside the cpu arena: copied, not lent
+    be = RemoteBackend(srv.url, transport="shm", shm_size=4 * 2**20)
     blob = make_blob(1, tokens=16384)  # 2 MiB: one fits in a 4 MiB segment
     be.put_blob(key(1), blob)
     leases = [be.lease([key(1)]) for _ in range(4)]
@@ -110,6 +112,78 @@ def test_a_full_segment_falls_back_to_the_socket(server):
     assert be.counts["shm"] == 2 and be.counts["tcp"] == 3  # the put and one lease; the rest: socket
     for lease in leases:
         lease.release()
+    be.close()
+
+
+def test_hits_in_the_cpu_arena_are_lent_where_they_lie(server):
+    """A shared-memory get of cpu-tier blobs moves no bytes: the server lends them in its arena (mapped
+    read-only here), however full the client's own segment is, and takes them back with the lease."""
+    arena = server.store.tiers[0].arena
+    assert arena is not None
+    be = RemoteBackend(server.url, transport="shm", shm_size=4 * 2**20)
+    blob = make_blob(1, tokens=16384)  # 2 MiB
+    be.put_blob(key(1), blob)
+    leases = [be.lease([key(1), key(9)]) for _ in range(4)]
+    assert all(bytes(lease[0]) == blob and lease[1] is None for lease in leases)
+    assert be.counts == {"shm": 5}
+    seg = next(iter(server.thread.server.plane.shm._segments.values()))
+    assert len(seg.lent) == 4 and seg.lent_bytes == 4 * len(blob)
+    offset = arena.offset_of(server.store.tiers[0].get(key(1)))
+    assert all(arena.offset_of(lease[0]) is None for lease in leases)  # the client's own mapping
+    with pytest.raises(TypeError):
+        leases[0][0][:1] = b"x"  # read-only
+    for lease in leases:
+        lease.release()
+    assert bytes(be.get_blob(key(1))) == blob  # a get copies out and gives its pin back at once
+    be.batch_exists([key(1)])
+    be.put_blob(key(2), make_blob(2, tokens=512))  # the next shared-memory request carries the pins back
+    assert not seg.lent and seg.lent_bytes == 0
+    assert arena.offset_of(server.store.tiers[0].get(key(1))) == offset
+    be.close()
+
+
+def test_a_lent_blob_outlives_its_eviction_and_overwrite(server_factory):
+    srv = server_factory(store={"cpu_capacity": "4MiB"})
+    be = RemoteBackend(srv.url, transport="shm")
+    first = make_blob(1, tokens=8192)  # 1 MiB
+    be.put_blob(key(1), first)
+    lease = be.lease([key(1)])
+    be.put_blob(key(1), make_blob(2, tokens=8192))  # replaced
+    for i in range(3, 12):  # and everything evicted many times over: its region stays the lease's
+        be.put_blob(key(i), make_blob(i, tokens=8192))
+    assert bytes(lease[0]) == first and verify_blob(lease[0])
+    assert bytes(be.get_blob(key(11))) == make_blob(11, tokens=8192)
+    lease.release()
+    be.close()
+
+
+def test_the_arena_cannot_be_mapped_writable_by_a_client(server):
+    be = RemoteBackend(server.url, transport="shm")
+    be.put_blob(key(1), make_blob(1))
+    path, size, nonce = be._plane.hello["arena"]
+    assert shm.open_segment(path, size, nonce, writable=True) is None  # sealed: EPERM
+    mapped = shm.open_segment(path, size, nonce, writable=False)
+    assert mapped is not None
+    mapped.close()
+    be.close()
+
+
+def test_same_host_clients_use_the_unix_socket_and_fall_back_to_tcp(server):
+    be = RemoteBackend(server.url)
+    be.put_blob(key(1), make_blob(1))
+    conns = be._plane.pool._idle
+    assert conns and all(c.sock.family == socket.AF_UNIX for c in conns)
+    tcp = RemoteBackend(server.url, transport="tcp")
+    assert tcp.get_blob(key(1)) == make_blob(1)
+    assert all(c.sock.family == socket.AF_INET for c in tcp._plane.pool._idle)
+    tcp.close()
+    be.close()
+    plane = server.thread.server.plane
+    plane.unix_path = "\0kvstore-no-such-socket"  # as a server in another network namespace seems
+    be = RemoteBackend(server.url)
+    for _ in range(2):
+        assert bytes(be.get_blob(key(1))) == make_blob(1)
+    assert be._plane.unix_path is None and all(c.sock.family == socket.AF_INET for c in be._plane.pool._idle)
     be.close()
 
 

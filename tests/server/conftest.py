@@ -16,7 +16,7 @@ from kvstore.blob import encode_blob
 from kvstore.config import StoreConfig
 from kvstore.store import TieredStore
 from server.config import ServerConfig
-from server.runner import ServerThread
+from server.runner import ServerThread, open_store
 
 
 def make_blob(seed: int = 0, tokens: int = 16) -> bytes:
@@ -108,7 +108,7 @@ def server_factory(tmp_path) -> Iterator[Callable[..., Server]]:
         fields.update(store or {})
         store_config = StoreConfig(**fields)
         config = ServerConfig(**{"port": 0, "sample_interval": 0.2, **server_fields})
-        tiered = TieredStore(store_config)
+        tiered = open_store(store_config, config)  # as kvstore-server builds it (the cpu arena: shm on)
         thread = ServerThread(tiered, store_config, config, close_store=True).start()
         srv = Server(thread, tiered)
         started.append(srv)

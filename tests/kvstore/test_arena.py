@@ -1,0 +1,93 @@
+"""The cpu tier's shared arena (kvstore.tiers.arena): regions live exactly as long as a buffer of their
+blob, a put makes room by LRU when the free space is fragmented, and nobody else can write it."""
+
+from __future__ import annotations
+
+import gc
+import mmap
+import os
+
+import pytest
+
+from kvstore import shm
+from kvstore.tiers.arena import Arena, arena_size
+from kvstore.tiers.base import NO_SPACE, TierWriteError
+from kvstore.tiers.cpu import CpuTier
+
+pytestmark = pytest.mark.skipif(not shm.available(), reason="needs memfd and /proc (Linux)")
+MiB = 1 << 20
+
+
+def blob(i: int, n: int = MiB) -> bytes:
+    return bytes([i % 251]) * n
+
+
+def test_a_region_is_free_once_its_last_buffer_goes() -> None:
+    arena = Arena(4 * MiB)
+    before = arena.free_bytes()
+    view = arena.store(blob(1))
+    assert bytes(view) == blob(1) and view.readonly
+    assert arena.offset_of(view) is not None and arena.offset_of(blob(1)) is None
+    part = view[10:20]
+    del view
+    assert arena.free_bytes() < before  # a slice still holds it
+    del part
+    gc.collect()
+    assert arena.free_bytes() == before
+    arena.close()
+
+
+def test_the_shared_tier_stores_copies_and_counts_bytes_exactly() -> None:
+    tier = CpuTier(4 * MiB, pinned=False, shared=True)
+    for i in range(10):  # 10 MiB through a 4 MiB tier
+        tier.put(f"{i:032x}", blob(i))
+    assert tier.usage() == 4 * MiB and len(tier) == 4
+    got = tier.get(f"{9:032x}")
+    assert bytes(got) == blob(9) and tier.arena.offset_of(got) is not None
+    assert tier.get(f"{0:032x}") is None
+    tier.close()
+
+
+def test_a_fragmented_arena_evicts_until_a_region_fits() -> None:
+    tier = CpuTier(8 * MiB, pinned=False, shared=True)
+    assert tier.arena.size == arena_size(8 * MiB)
+    for i in range(32):  # small blobs everywhere...
+        tier.put(f"{i:032x}", blob(i, MiB // 4))
+    held = [tier.get(f"{i:032x}") for i in range(8)]  # the oldest ones lent to a client
+    evicted = tier.put(f"{99:032x}", blob(99, 3 * MiB))  # no 3 MiB hole until more go
+    assert len(evicted) > 8 and bytes(tier.get(f"{99:032x}")) == blob(99, 3 * MiB)
+    assert [bytes(h) for h in held] == [blob(i, MiB // 4) for i in range(8)]  # untouched
+    tier.close()
+
+
+def test_an_arena_full_of_lent_blobs_refuses_a_put_and_keeps_them() -> None:
+    tier = CpuTier(2 * MiB, pinned=False, shared=True)
+    held = []
+    for i in range(2):
+        tier.put(f"{i:032x}", blob(i))
+        held.append(tier.get(f"{i:032x}"))
+    tier.put(f"{2:032x}", blob(2))  # evicts one: its region stays with the reader
+    with pytest.raises(TierWriteError) as e:
+        tier.put(f"{3:032x}", blob(3, 2 * MiB))
+    assert e.value.failed == {f"{3:032x}": NO_SPACE}
+    assert [bytes(h) for h in held] == [blob(0), blob(1)]
+    tier.close()
+
+
+def test_no_other_process_can_map_the_arena_writable() -> None:
+    arena = Arena(MiB)
+    path = f"/proc/{os.getpid()}/fd/{arena.segment.fd}"
+    fd = os.open(path, os.O_RDWR)
+    try:
+        with pytest.raises(PermissionError):
+            mmap.mmap(fd, arena.size)
+        with pytest.raises(PermissionError):
+            os.write(fd, b"x")
+        ro = mmap.mmap(fd, arena.size, prot=mmap.PROT_READ)
+        ro.close()
+    finally:
+        os.close(fd)
+    view = arena.store(blob(5, 100))  # the owner's own mapping still writes
+    assert bytes(view) == blob(5, 100)
+    del view
+    arena.close()
