@@ -4,10 +4,12 @@ Blobs of 256 KiB / 1 MiB / 4 MiB; single get and put, batches of 8 (Valkey: MGET
 over each transport of `sdk.remote.RemoteBackend`:
     http       HTTP/1.1 (the public API)
     tcp        the binary data plane on the same port (kvstore.dataplane)
-    shm        the data plane with blobs in shared memory (kvstore.shm); `get` copies each blob into a
-               buffer the caller owns, as redis-py's GET does
-    shm-lease  the same, but the blob is lent (no copy) and verified (xxh3) before the lease ends:
-               what the engines' connectors do with a loaded chunk
+    shm        the data plane with blobs in shared memory (kvstore.shm): a put through the client's
+               segment, a get lent where the blob lies in the server's cpu arena
+               (kvstore.tiers.arena); `get` copies each blob into a buffer the caller owns, as
+               redis-py's GET does; over the server's Unix socket
+    shm-lease  the same, but the blob stays lent (no copy) and is verified (xxh3) before the lease
+               ends: what the engines' connectors do with a loaded chunk
     memcpy     np.copyto of the same bytes between prefaulted buffers: the machine's ceiling
 Keys are distinct: gets walk a pool of stored keys larger than the CPU caches, puts overwrite a pool
 of keys in order; the client sends from distinct source buffers. Every round runs each system once per

@@ -247,7 +247,14 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         if head.body_len > limit or max(lens) > self.st.store_config.max_blob_size:
             raise TooLarge(f"put of {head.body_len} bytes is over the limit ({limit})")
         self.st.budget.reserve(self._held, head.body_len)  # Busy (503) when too much is in flight
-        return [memoryview(np.empty(n, np.uint8)) for n in lens]  # not zeroed: recv_into fills it
+        return [self._body_buffer(n) for n in lens]
+
+    def _body_buffer(self, n: int) -> memoryview:
+        """Where a blob of a put is received: a region of the cpu arena when one is free (the tier then
+        keeps it as it is), else a fresh buffer (not zeroed: recv_into fills it)."""
+        arena = self.plane.arena
+        region = None if arena is None else arena.reserve(n)
+        return memoryview(np.empty(n, np.uint8) if region is None else region)
 
     # -- serving -----------------------------------------------------------------------------------------
 

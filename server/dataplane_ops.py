@@ -178,8 +178,11 @@ def _put(conn: Connection, req: Request, keys: list[str]) -> Reply:
         seg, offset, _ = _region(conn, req, total)
         blobs: list[Any] = []
         pos = offset
+        arena = conn.plane.arena
         for n in lens:  # copied out before the store verifies: the client cannot change what is checked
-            blobs.append(bytes(seg.view[pos : pos + n]))
+            part = seg.view[pos : pos + n]
+            copied = None if arena is None else arena.store(part)  # where the cpu tier keeps it
+            blobs.append(bytes(part) if copied is None else copied)
             pos += n
     else:
         blobs = req.bufs

@@ -47,18 +47,25 @@ class Arena:
         while self._freed:
             self._allocator.free(*self._freed.popleft())
 
-    def store(self, blob: Blob) -> memoryview | None:
-        """A read-only copy of `blob` in a free region, or None when no free region is that large."""
-        src = memoryview(blob).cast("B")
-        n = len(src)
+    def reserve(self, n: int) -> np.ndarray | None:
+        """A free region of `n` bytes to fill (the server receives a put's body there, so the tier
+        keeps it without a copy), or None when no free region is that large."""
         self._drain()
         offset = self._allocator.alloc(n)
         if offset is None:
             return None
         region = np.frombuffer(self.segment.map, np.uint8, n, offset)
-        region[:] = src
         done = weakref.finalize(region, self._freed.append, (offset, n))
         done.atexit = False
+        return region
+
+    def store(self, blob: Blob) -> memoryview | None:
+        """A read-only copy of `blob` in a free region, or None when no free region is that large."""
+        src = memoryview(blob).cast("B")
+        region = self.reserve(len(src))
+        if region is None:
+            return None
+        region[:] = src
         return memoryview(region).toreadonly()
 
     def offset_of(self, blob: Blob) -> int | None:
