@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 import fcntl
+import logging
 import mmap
 import os
 import secrets
@@ -100,7 +101,10 @@ class Segment:
     def close(self) -> None:
         self.lent.clear()
         self.view.release()
-        self.map.close()  # raises BufferError while a memoryview of it is alive: none outlives a request
+        try:
+            self.map.close()
+        except BufferError:  # a view of it is still alive somewhere: the mapping goes with the last one
+            logging.getLogger(__name__).warning("shared-memory segment %d closed while still viewed", self.seg_id)
         os.close(self.fd)
 
 

@@ -46,6 +46,7 @@ from kvstore.write_back import WriteBack
 
 logger = logging.getLogger(__name__)
 Verified = tuple[Blob, BlobHeader]  # a blob and the header its checksum pass parsed
+_UNPARSED = object()  # a trusted tier's hit whose header nobody asked for (TieredStore._lookup)
 MAX_PROBATION = 1 << 20  # keys waiting for admission that the store remembers
 
 
@@ -147,7 +148,11 @@ class TieredStore:
                 logger.warning("cannot delete corrupt blob %s from %s: %s", key, tier.name, d.detail)
             return None
 
-    def _lookup(self, keys: Sequence[str], reasons: list[str | None] | None = None) -> list[Verified | None]:
+    def _lookup(
+        self, keys: Sequence[str], reasons: list[str | None] | None = None, headers: bool = True
+    ) -> list[Verified | None]:
+        """The hits, verified; `headers=False`: the caller wants only the blobs, so a trusted tier's
+        (whose blobs were verified at put) are not even parsed, and their header is None."""
         out: list[Verified | None] = [None] * len(keys)
         pending = list(range(len(keys)))
         why: dict[int, str] = {}  # what this read saw: "corrupt", or "unreachable" for a failing tier
@@ -162,14 +167,18 @@ class TieredStore:
             counters = self.metrics.tier[tier.name]
             still: list[int] = []
             found: list[tuple[str, Blob]] = []
+            trusted = not headers and getattr(tier, "trusted", False)
             for j, blob in zip(pending, blobs, strict=True):
-                header = None if blob is None else self._verified(tier, keys[j], blob)
+                if trusted and blob is not None:
+                    header = _UNPARSED
+                else:
+                    header = None if blob is None else self._verified(tier, keys[j], blob)
                 if header is None:
                     if blob is not None:
                         why[j] = "corrupt"
                     still.append(j)
                     continue
-                out[j] = (blob, header)
+                out[j] = (blob, None if header is _UNPARSED else header)  # type: ignore[assignment]
                 found.append((keys[j], blob))
                 counters.hits.inc()
                 counters.read_bytes.inc(len(blob))
@@ -216,7 +225,7 @@ class TieredStore:
         `reasons`, a list, receives [why it missed] or [None] on a hit."""
         validate_key(key)
         with self.metrics.time("get"):
-            hit = self._lookup([key], reasons)[0]
+            hit = self._lookup([key], reasons, headers=False)[0]
         return None if hit is None else hit[0]
 
     def get_verified(self, key: str) -> Verified | None:
@@ -227,7 +236,11 @@ class TieredStore:
 
     def batch_get(self, keys: Sequence[str], reasons: list[str | None] | None = None) -> list[Blob | None]:
         """Blobs in key order, None for misses; `reasons` receives why each one missed (None: a hit)."""
-        return [None if hit is None else hit[0] for hit in self.batch_get_verified(keys, reasons)]
+        for key in keys:
+            validate_key(key)
+        with self.metrics.time("batch_get"):
+            hits = self._lookup(list(keys), reasons, headers=False)
+        return [None if hit is None else hit[0] for hit in hits]
 
     def batch_get_verified(
         self, keys: Sequence[str], reasons: list[str | None] | None = None

@@ -180,9 +180,9 @@ def _put(conn: Connection, req: Request, keys: list[str]) -> Reply:
         pos = offset
         arena = conn.plane.arena
         for n in lens:  # copied out before the store verifies: the client cannot change what is checked
-            part = seg.view[pos : pos + n]
-            copied = None if arena is None else arena.store(part)  # where the cpu tier keeps it
-            blobs.append(bytes(part) if copied is None else copied)
+            with seg.view[pos : pos + n] as part:  # released here: the segment may close any time
+                copied = None if arena is None else arena.store(part)  # where the cpu tier keeps it
+                blobs.append(bytes(part) if copied is None else copied)
             pos += n
     else:
         blobs = req.bufs
