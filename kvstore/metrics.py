@@ -56,9 +56,15 @@ class _TierCollector(Collector):
             "Keys a tier could not reach to delete or replace, waiting to be deleted there (never served)",
             labels=["tier"],
         )
+        spill = GaugeMetricFamily(
+            "kvstore_spilled_bytes",
+            "Bytes of blobs the cpu tier keeps outside its shared arena (no free region was large enough)",
+            labels=["tier"],
+        )
         for t in m.tiers:
             inval.add_metric([t.name], t.stats.extra.get("invalidated", 0))
-        yield from (usage, cap, keys, ev, exp, err, drop, inval)
+            spill.add_metric([t.name], t.stats.extra.get("spilled_bytes", 0))
+        yield from (usage, cap, keys, ev, exp, err, drop, inval, spill)
 
 
 class TierCounters:
@@ -161,6 +167,7 @@ class StoreMetrics:
                 "errors": g("kvstore_tier_errors_total"),
                 "dropped_writes": g("kvstore_dropped_writes_total"),
                 "invalidated": g("kvstore_invalidated_keys"),
+                "spilled_bytes": g("kvstore_spilled_bytes"),
                 "read_bytes": g("kvstore_read_bytes_total"),
                 "written_bytes": g("kvstore_written_bytes_total"),
             })  # fmt: skip

@@ -104,7 +104,9 @@ class Segment:
         try:
             self.map.close()
         except BufferError:  # a view of it is still alive somewhere: the mapping goes with the last one
-            logging.getLogger(__name__).warning("shared-memory segment %d closed while still viewed", self.seg_id)
+            logging.getLogger(__name__).warning(
+                "shared-memory segment %d closed while still viewed", self.seg_id
+            )
         os.close(self.fd)
 
 

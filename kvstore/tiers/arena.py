@@ -29,7 +29,7 @@ SEAL_FUTURE_WRITE = 0x0010  # F_SEAL_FUTURE_WRITE (Linux 5.1); the fcntl module 
 
 def arena_size(capacity: int) -> int:
     """Room for `capacity` blob bytes and the 64-byte rounding of each region, plus slack against
-    fragmentation (a put that finds no free region evicts until one frees up)."""
+    fragmentation (a blob that finds no free region anyway is kept outside the arena: CpuTier)."""
     return capacity + capacity // 16 + (1 << 20) + shm.DATA_START
 
 

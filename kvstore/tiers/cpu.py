@@ -8,7 +8,8 @@ pinned buffer. `torch.empty(..., pin_memory=True)` raises without CUDA, hence th
 
 In a kvstore-server with shared memory on (`StoreConfig.cpu_shared`) the blobs are copied into an
 `Arena` instead, which clients on the same host map read-only (kvstore.tiers.arena); `get` returns a
-read-only memoryview of the blob's region there.
+read-only memoryview of the blob's region there. Eviction stays LRU by bytes exactly: a blob for which
+no free region is large enough (fragmentation, regions lent to clients) is kept outside the arena.
 
 Byte accounting counts blob bytes exactly (`usage() == sum(len(blob))`), not Python object overhead.
 """
@@ -18,14 +19,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 
+import numpy as np
 import torch
 
 from kvstore.config import StoreConfig
 from kvstore.errors import InvalidArgument
 from kvstore.lru import Entry, LRUIndex, check_ttl
 from kvstore.tiers.arena import Arena
-from kvstore.tiers.base import NO_SPACE, Blob, TierStats, TierWriteError, immutable
+from kvstore.tiers.base import Blob, TierStats, immutable
 from kvstore.tiers.indexed import IndexedTier
 
 logger = logging.getLogger(__name__)
@@ -86,23 +89,33 @@ class CpuTier(IndexedTier):
             self._index.touch(key)
             return entry.value
 
-    def _into_arena(self, key: str, blob: Blob, evicted: list[str]) -> memoryview:
-        """`blob` copied into the arena; while no free region is large enough, the LRU blob goes."""
+    def _into_arena(self, key: str, blob: Blob, size: int) -> tuple[Blob, list[str]]:
+        """`blob` in the arena, after LRU evictions by bytes exactly as without one; when no free region
+        is large enough anyway (fragmentation, regions lent to clients) it is kept outside the arena
+        instead, never a blob evicted out of LRU order (`stats.extra["spilled_bytes"]`)."""
         assert self.arena is not None
+        with self._lock:  # make room first: the regions of the evicted blobs are what the new one gets
+            self._index.pop(key)
+            evicted = self._index.make_room(size)
+            self.stats.evictions += len(evicted)
+        keys = [k for k, _ in evicted]
+        del evicted  # their regions are free now, unless a client holds one of the blobs
         if self.arena.offset_of(blob) is not None:
-            return blob  # type: ignore[return-value]  # the server received it there already
-        while (value := self.arena.store(blob)) is None:
-            with self._lock:
-                oldest = self._index.pop_oldest()
-                if oldest is not None:
-                    self.stats.evictions += 1
-            if oldest is None:  # every region is a blob some client still reads
-                raise TierWriteError(
-                    self.name, {key: NO_SPACE}, "ENOSPC: the shared arena is full of lent blobs"
-                )
-            evicted.append(oldest[0])
-            del oldest  # its region is free now, unless a client holds the blob
-        return value
+            return blob, keys  # the server received it there already
+        value = self.arena.store(blob)
+        if value is None:
+            value = self._spill(blob, size)
+        return value, keys
+
+    def _spill(self, blob: Blob, size: int) -> memoryview:
+        spilled = np.frombuffer(memoryview(blob).cast("B"), np.uint8).copy()
+        self.stats.extra["spilled_bytes"] = self.stats.extra.get("spilled_bytes", 0) + size
+        done = weakref.finalize(spilled, self._unspill, size)
+        done.atexit = False
+        return memoryview(spilled).toreadonly()
+
+    def _unspill(self, size: int) -> None:
+        self.stats.extra["spilled_bytes"] -= size
 
     def put(self, key: str, blob: Blob, ttl_s: float | None = None) -> list[str]:
         check_ttl(ttl_s)
@@ -110,7 +123,10 @@ class CpuTier(IndexedTier):
         if size > self.capacity:
             raise self._too_large(key, size)
         evicted_keys: list[str] = []
-        value = self._own(blob) if self.arena is None else self._into_arena(key, blob, evicted_keys)
+        if self.arena is None:
+            value = self._own(blob)
+        else:
+            value, evicted_keys = self._into_arena(key, blob, size)
         expires_at = None if ttl_s is None else self._clock() + ttl_s
         with self._lock:
             self._ttl_seen = self._ttl_seen or expires_at is not None
