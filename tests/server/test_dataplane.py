@@ -184,6 +184,33 @@ def test_shared_memory_regions_are_checked(server):
     mapped.close()
 
 
+@pytest.mark.skipif(not shm.available(), reason="needs memfd and /proc (Linux)")
+def test_lending_needs_the_arena_nonce_and_pins_are_checked(server):
+    c = Raw(server.port)
+    blob = make_blob(1, tokens=512)
+    assert c.call(dp.PUT, {"k": [key(1)], "l": [len(blob)]}, blob)[0].status == 201
+    _, hello, _ = c.call(dp.HELLO, {"v": dp.VERSION})
+    path, size, nonce = hello["arena"]
+    _, meta, _ = c.call(dp.SHM_OPEN, {"size": 4 << 20})
+    seg_id = meta["seg"]
+    region = [seg_id, shm.DATA_START, 1 << 20]
+    head, meta, _ = c.call(dp.GET, {"k": [key(1), key(2)], "s": region, "a": b"x" * 16}, flags=dp.FLAG_SHM)
+    assert head.flags & dp.FLAG_SHM and "a" not in meta and meta["o"] == shm.DATA_START  # copied
+    head, meta, _ = c.call(dp.GET, {"k": [key(1), key(2)], "s": region, "a": nonce}, flags=dp.FLAG_SHM)
+    assert head.status == 200 and meta["l"] == [len(blob), -1] and meta["a"][1] == -1
+    arena = shm.open_segment(path, size, nonce, writable=False)
+    assert arena[meta["a"][0] : meta["a"][0] + len(blob)] == blob
+    seg = server.thread.server.plane.shm._segments[seg_id]
+    assert list(seg.lent) == [meta["p"]]
+    for bad in ("1", [1.5], ["x"], list(range(dp.MAX_PINS + 1))):
+        head, reply, _ = c.call(dp.GET, {"k": [key(1)], "s": region, "u": bad}, flags=dp.FLAG_SHM)
+        assert head.status == 400 and reply["type"] == "InvalidArgument"
+    assert list(seg.lent) == [meta["p"]]
+    c.call(dp.GET, {"k": [key(3)], "s": region, "u": [meta["p"] + 1000, meta["p"]]}, flags=dp.FLAG_SHM)
+    assert not seg.lent and seg.lent_bytes == 0
+    arena.close()
+
+
 def test_a_server_without_the_data_plane_answers_it_with_http(server_factory):
     srv = server_factory(dataplane=False)
     with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
