@@ -305,6 +305,7 @@ def run_load(duration: float, clients: int, capacity: int, budget: int, hostile:
     latencies = [x for r in results for x in r["latencies"]]
     connections = clients + (cfg.slow_headers + cfg.idle_sockets + cfg.oversized_threads if hostile else 0)
     allowance = OVERHEAD_FIXED + connections * PER_CONNECTION
+    bound = idle + arena_size(capacity) + max(spill_samples) + budget + SHM_BUDGET + allowance
     rss_max = max(samples) if samples else idle
     cpu = stats["tiers"][0]
     return {
@@ -336,10 +337,9 @@ def run_load(duration: float, clients: int, capacity: int, budget: int, hostile:
         "rss_shm_max": max(shm_samples, default=0),
         "shm_segments_end": stats["server"].get("shm", {}).get("segments", 0),
         "rss_spilled_max": max(spill_samples),
-        "rss_bound": idle + arena_size(capacity) + max(spill_samples) + budget + SHM_BUDGET + allowance,
+        "rss_bound": bound,
         "rss_allowance": allowance,
-        "rss_within_bound": rss_max
-        <= idle + arena_size(capacity) + max(spill_samples) + budget + SHM_BUDGET + allowance,
+        "rss_within_bound": rss_max <= bound,
         "hostile_report": {k: v for k, v in vars(rep).items() if k != "log"},
     }
 

@@ -169,10 +169,12 @@ class TieredStore:
             found: list[tuple[str, Blob]] = []
             trusted = not headers and getattr(tier, "trusted", False)
             for j, blob in zip(pending, blobs, strict=True):
-                if trusted and blob is not None:
+                if blob is None:
+                    header = None
+                elif trusted:
                     header = _UNPARSED
                 else:
-                    header = None if blob is None else self._verified(tier, keys[j], blob)
+                    header = self._verified(tier, keys[j], blob)
                 if header is None:
                     if blob is not None:
                         why[j] = "corrupt"

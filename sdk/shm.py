@@ -43,11 +43,7 @@ class ClientArena:
         return out
 
     def close(self) -> None:
-        self.view.release()
-        try:
-            self._map.close()
-        except BufferError:  # a lease is still out: the mapping goes when its last view does
-            pass
+        _unmap(self.view, self._map)
 
 
 class ClientSegment:
@@ -97,8 +93,12 @@ class ClientSegment:
     def close(self) -> None:
         if self.arena is not None:
             self.arena.close()
-        self.view.release()
-        try:
-            self._map.close()
-        except BufferError:  # a lease is still out: the mapping goes when its last view does
-            pass
+        _unmap(self.view, self._map)
+
+
+def _unmap(view: memoryview, mapped: mmap.mmap) -> None:
+    view.release()
+    try:
+        mapped.close()
+    except BufferError:  # a lease is still out: the mapping goes when its last view does
+        pass

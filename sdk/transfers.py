@@ -139,7 +139,11 @@ def fetch_shm(
     lens = dp.meta_lens(meta, len(keys), allow_missing=True)
     if head.flags & dp.FLAG_SHM and "a" in meta and seg.arena is not None:
         seg.free(offset, capacity)
-        return meta, _lent(seg, seg.arena.views(meta["a"], lens), meta.get("p"), rx), True
+        pin = meta.get("p")
+        if type(pin) is not int:
+            raise InvalidArgument("the server lent blobs without a pin")
+        views = seg.arena.views(meta["a"], lens)
+        return meta, _hand_over(views, lambda: seg.unpin.append(pin), rx), True
     if not head.flags & dp.FLAG_SHM or capacity == 0:  # did not fit: the answer came on the socket
         seg.free(offset, capacity)
         if head.flags & dp.FLAG_SHM:  # all misses, "written" into the empty region
@@ -149,33 +153,20 @@ def fetch_shm(
     if meta.get("o") != offset:
         raise InvalidArgument("the server wrote the answer elsewhere than asked")
     seg.allocator.shrink(offset, capacity, used)
-    views = seg.views(offset, lens)
-    if rx.pool is not None:  # lent: the region is the caller's until the lease ends
-        return (
-            meta,
-            (list(views), Loan([v for v in views if v is not None], lambda: seg.free(offset, used))),
-            True,
-        )
-    owned: list[Blob | None] = [None if v is None else bytes(v) for v in views]
-    for v in views:
-        if v is not None:
-            v.release()
-    seg.free(offset, used)
-    return meta, (owned, None), True
+    return meta, _hand_over(seg.views(offset, lens), lambda: seg.free(offset, used), rx), True
 
 
-def _lent(seg: ClientSegment, views: list[memoryview | None], pin: Any, rx: Receiver) -> Got:
-    """Blobs the server lent in its arena: the caller's until the lease ends (then the pin goes back),
-    or copied into buffers the caller owns."""
-    if type(pin) is not int:
-        raise InvalidArgument("the server lent blobs without a pin")
+def _hand_over(views: list[memoryview | None], done: Free, rx: Receiver) -> Got:
+    """Blobs in shared memory (the client's region, or the server's arena): lent to the caller until
+    the lease ends, then `done` (the region freed, the pin given back); or copied into buffers the
+    caller owns, and `done` at once."""
     if rx.pool is not None:
-        return list(views), Loan([v for v in views if v is not None], lambda: seg.unpin.append(pin))
+        return list(views), Loan([v for v in views if v is not None], done)
     owned: list[Blob | None] = [None if v is None else bytes(v) for v in views]
     for v in views:
         if v is not None:
             v.release()
-    seg.unpin.append(pin)
+    done()
     return owned, None
 
 

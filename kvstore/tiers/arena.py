@@ -16,7 +16,6 @@ free list when its last buffer goes, so the tier's capacity is exact and the are
 from __future__ import annotations
 
 import collections
-import mmap
 import weakref
 
 import numpy as np
@@ -84,8 +83,3 @@ class Arena:
             self.segment.close()
         except BufferError:  # a blob is still referenced somewhere: the mapping goes with the process
             pass
-
-
-def open_arena(path: str, size: int, nonce: bytes) -> mmap.mmap | None:
-    """A client's read-only mapping of a server's arena (None: not the one described, stay on TCP)."""
-    return shm.open_segment(path, size, nonce, writable=False)
