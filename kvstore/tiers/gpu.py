@@ -188,8 +188,11 @@ class GpuTier(IndexedTier):
             raise self._too_large(key, size)
         with self._lock:  # room first (for the copies in flight too), so the allocation below fits
             expired = self._index.pop_expired(self._clock())
-            self._index.pop(key)
-            evicted = self._index.make_room(min(size + self._reserved, self.capacity))
+            old = self._index.peek(key)  # readable until the new blob is in, and the last to go
+            if old is not None:
+                self._index.touch(key)
+            need = size + self._reserved - (old.size if old is not None else 0)
+            evicted = self._index.make_room(max(0, min(need, self.capacity)))
             self._reserved += size
             self.stats.expired += len(expired)
             self.stats.evictions += len(evicted)
@@ -197,6 +200,8 @@ class GpuTier(IndexedTier):
         try:
             dev = copy()
         except RuntimeError as e:  # torch.cuda.OutOfMemoryError and other CUDA errors
+            with self._lock:
+                self._index.pop(key)  # never serve an older blob of a key whose put failed
             self.stats.errors += 1
             self.stats.dropped_puts += 1
             log.warning("gpu tier: put of %s (%d B) dropped: %s", key, size, e)

@@ -41,12 +41,19 @@ def blob(tokens: int, seed: int = 0) -> bytes:
 SIZE = len(blob(1))  # 308
 
 
-@pytest.fixture(params=["cpu", "disk"])
+def make_kind(kind: str, capacity: int, path: Path) -> Tier:
+    """cpu, cpu-shared (its blobs in the arena, as in a kvstore-server with shared memory) or disk."""
+    if kind == "disk":
+        return DiskTier(path, capacity, fsync=False)
+    return CpuTier(capacity, pinned=False, shared=kind == "cpu-shared")
+
+
+@pytest.fixture(params=["cpu", "cpu-shared", "disk"])
 def make(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callable[[int], Tier]]:
     made: list[Tier] = []
 
     def factory(capacity: int) -> Tier:
-        tier: Tier = CpuTier(capacity) if request.param == "cpu" else DiskTier(tmp_path / "d", capacity)
+        tier = make_kind(request.param, capacity, tmp_path / "d")
         made.append(tier)
         return tier
 
@@ -305,12 +312,12 @@ def test_disk_sigkill_mid_write_loses_no_acknowledged_blob(tmp_path: Path) -> No
 # -- threads ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["cpu", "disk"])
+@pytest.mark.parametrize("kind", ["cpu", "cpu-shared", "disk"])
 def test_four_threads_hammering_keep_capacity_accounting_and_lru(kind: str, tmp_path: Path) -> None:
     blobs = [blob(t, t) for t in (1, 2, 3, 5, 8)]
     capacity = 12 * SIZE
-    tier: Tier = CpuTier(capacity) if kind == "cpu" else DiskTier(tmp_path, capacity, fsync=False)
-    stop = time.monotonic() + (3.0 if kind == "cpu" else 2.0)
+    tier = make_kind(kind, capacity, tmp_path)
+    stop = time.monotonic() + (2.0 if kind == "disk" else 3.0)
     over: list[int] = []
     bad: list[str] = []
 
@@ -350,3 +357,40 @@ def test_four_threads_hammering_keep_capacity_accounting_and_lru(kind: str, tmp_
     evicted = tier.put(key(1000), blobs[4])
     assert evicted == order[: len(evicted)] and bool(evicted) == must_evict
     tier.close()
+
+
+def test_an_overwritten_key_reads_as_the_old_or_the_new_blob_never_a_miss(
+    make: Callable[[int], Tier],
+) -> None:
+    """A writer re-saving a stored chunk (an engine saves a prompt's partial chunk again each turn)
+    while others read it: every read gets one of the two blobs, at capacity or not."""
+    blobs = [blob(40, 1), blob(40, 2)]
+    tier = make(3 * len(blobs[0]))
+    tier.put(key(0), blobs[0])
+    tier.put(key(1), blobs[1])  # the tier is nearly full: the overwrite must make room
+    stop = time.monotonic() + 1.5
+    misses, wrong, reads = [], [], [0]
+
+    def read() -> None:
+        while time.monotonic() < stop:
+            got = tier.get(key(0))
+            reads[0] += 1
+            if got is None:
+                misses.append(1)
+            elif bytes(got) not in blobs:
+                wrong.append(1)
+
+    readers = [threading.Thread(target=read) for _ in range(2)]
+    for t in readers:
+        t.start()
+    i = 0
+    while time.monotonic() < stop:
+        tier.put(key(0), blobs[i % 2])
+        i += 1
+    for t in readers:
+        t.join()
+    assert i > 10 and reads[0] > 10
+    assert not misses and not wrong, (len(misses), len(wrong), reads[0], i)
+    assert tier.get(key(1)) is not None, (
+        "the overwrite evicted another key though the old blob's room was enough"
+    )
