@@ -40,6 +40,16 @@ def metric(url: str, name: str) -> float:
     return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == name)
 
 
+def wait_saves_landed(url: str, timeout_s: float = 60.0) -> None:
+    """Until the engine at `url` has no save in flight: saves are asynchronous (a response may come
+    before the finished request's partial chunk reaches the store), so another engine's lookup right
+    after it may not see that chunk yet."""
+    deadline = time.monotonic() + timeout_s
+    while metric(url, "kvstore_connector_pending_saves") > 0:
+        assert time.monotonic() < deadline, f"saves of {url} still pending after {timeout_s} s"
+        time.sleep(0.1)
+
+
 class Proc:
     def __init__(self, args: list[str]) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}

@@ -20,7 +20,7 @@ import pytest
 
 from sdk.remote import RemoteBackend
 from tests.connectors.engine_util import ENGINE, doc, free_port
-from tests.connectors.test_engine_pd import Proc, http_json, metric
+from tests.connectors.test_engine_pd import Proc, http_json, metric, wait_saves_landed
 from tests.server.conftest import key, make_blob
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
@@ -100,6 +100,7 @@ def test_dashboard_tells_the_cache_story_with_real_engines(server_factory, chrom
         first, second = (f"http://127.0.0.1:{p}" for p in ports)
         http_json(first + "/v1/completions", body)  # cold: computed, its chunks saved
         http_json(first + "/v1/completions", body)  # the engine's own prefix cache
+        wait_saves_landed(first)
         n = http_json(second + "/v1/completions", body)["usage"]["prompt_tokens"]  # another engine: the store
         http_json(second + "/v1/completions", {**body, "prompt": doc(300, 78)})  # new: a not_stored miss
         # the full 256-token chunks and the first run's partial chunk, up to the block before the last token
