@@ -4,13 +4,21 @@ Sync and thread-safe like `sdk.http.HttpClient`, with the same retries: every ca
 A request sends its header, meta and blobs in one `sendmsg` (no join); a response's body lands with
 `recv_into` in the buffer the caller picks. Connections that named a shared-memory segment remember
 it, so a segment is attached once per connection.
+
+Waiting for the answer of a server on this host, a thread first polls the socket for up to `spin_s`
+(yielding the CPU between polls) before it sleeps in `recv`: a sleeping thread is woken by an
+interrupt to its CPU, which on a virtual machine costs tens of microseconds per message, as much as
+the server's whole work on a small request (measured here: exists 211 -> 156 us, a 1 MiB lease
+390 -> 290 us, a 256 KiB get over TCP 448 -> 330 us). At most half the CPUs spin at once per process.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import ssl
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -25,6 +33,10 @@ from sdk.pool import ConnectionPool
 
 log = logging.getLogger(__name__)
 _RX = 4096  # first read of a response: its header and meta, a few body bytes at most
+SPIN_S = 200e-6  # how long a thread polls for a same-host server's answer before it sleeps
+_MAX_SPINNERS = max(1, (os.cpu_count() or 2) // 2)
+_spinners = 0
+_spin_lock = threading.Lock()
 
 
 class NotSpoken(Exception):
@@ -55,6 +67,7 @@ class _Conn:
         self.sock = sock
         self.rx = bytearray(_RX)
         self.segments: set[int] = set()
+        self.spin_s = 0.0  # set once HELLO says the server is on this host (plain sockets only)
 
     def close(self) -> None:
         try:
@@ -100,10 +113,32 @@ class _Conn:
         return head, meta, body
 
     def _recv(self, view: memoryview) -> int:
-        n = self.sock.recv_into(view)
+        n = self._recv_spinning(view) if self.spin_s else self.sock.recv_into(view)
         if n == 0:
             raise ConnectionError("server closed the data-plane connection")
         return n
+
+    def _recv_spinning(self, view: memoryview) -> int:
+        global _spinners
+        with _spin_lock:
+            spin = _spinners < _MAX_SPINNERS
+            _spinners += spin
+        if not spin:
+            return self.sock.recv_into(view)
+        try:
+            # A socket with a timeout is non-blocking underneath (Python polls before each call), so
+            # readv on its descriptor returns at once; recv_into would poll for the whole timeout.
+            fd, deadline = self.sock.fileno(), time.perf_counter() + self.spin_s
+            while True:
+                try:
+                    return os.readv(fd, [view])
+                except BlockingIOError:
+                    if time.perf_counter() >= deadline:
+                        return self.sock.recv_into(view)  # the socket's timeout from here on
+                    os.sched_yield()  # a server waiting for this CPU runs now
+        finally:
+            with _spin_lock:
+                _spinners -= 1
 
 
 class DataPlaneClient:
@@ -122,10 +157,14 @@ class DataPlaneClient:
         backoff: float,
         pool_size: int,
         local: bool = False,
+        spin_s: float = SPIN_S,
     ) -> None:
-        """`local`: reach a server on this host through the Unix socket its HELLO names (`unix`)."""
+        """`local`: reach a server on this host through the Unix socket its HELLO names (`unix`).
+        `spin_s`: how long to poll for the answer of a server on this host before sleeping (0: never)."""
+        assert 0 <= spin_s < 1, spin_s
         self.host, self.port, self.tls, self.token = host, port, tls, token
         self.local = local
+        self.spin_s = spin_s
         self.unix_path: str | None = None
         self._unix_refused: set[str] = set()  # named by HELLO, but not reachable from here
         self.timeout, self.connect_timeout = timeout, connect_timeout
@@ -166,9 +205,12 @@ class DataPlaneClient:
             conn.close()
             raise dp.error_from_meta(head.status, meta)
         self.hello = meta
+        same_host = bool(shm.host_id()) and meta.get("host") == shm.host_id()
         unix = meta.get("unix")
-        if self.local and isinstance(unix, str) and meta.get("host") == shm.host_id() and shm.host_id():
+        if self.local and isinstance(unix, str) and same_host:
             self.unix_path = None if unix in self._unix_refused else unix
+        if same_host and not isinstance(sock, ssl.SSLSocket):
+            conn.spin_s = self.spin_s
         return conn
 
     def call(

@@ -30,7 +30,7 @@ from kvstore.tiers.base import Blob
 from sdk import transfers as tr
 from sdk.backend import Backend
 from sdk.buffers import BlobLease, BufferPool, LoanBook
-from sdk.dataplane import DataPlaneClient, NotSpoken, SegmentGone
+from sdk.dataplane import SPIN_S, DataPlaneClient, NotSpoken, SegmentGone
 from sdk.http import HttpClient
 from sdk.shm import ClientArena, ClientSegment
 
@@ -56,12 +56,17 @@ class RemoteBackend(Backend):
         verify_tls: bool | str = True,
         transport: str = "auto",
         shm_size: int = 256 * 2**20,
+        spin_us: float = SPIN_S * 1e6,
     ) -> None:
+        """`spin_us`: how long a call polls for the answer of a server on this host before its thread
+        sleeps (sdk.dataplane; 0: never poll)."""
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise InvalidArgument(f"server URL must be http(s)://host[:port], got {url!r}")
         if transport not in TRANSPORTS:
             raise InvalidArgument(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        if not (isinstance(spin_us, (int, float)) and 0 <= spin_us < 1e6):
+            raise InvalidArgument(f"spin_us must be between 0 and 1e6 microseconds, got {spin_us!r}")
         self.url = url.rstrip("/")
         self.host, self.port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
         tls: ssl.SSLContext | None = None
@@ -78,6 +83,7 @@ class RemoteBackend(Backend):
         self.http = HttpClient(self.host, self.port, tls, token, **self._conn_args)
         self.wanted = transport
         self.shm_size = shm_size
+        self._spin_us = spin_us
         self._plane: DataPlaneClient | None = None
         self._plane_state = "off" if transport == "http" else "untried"  # -> "on" / "off"
         self._segment: ClientSegment | None = None
@@ -115,6 +121,7 @@ class RemoteBackend(Backend):
                             self._token,
                             **self._conn_args,
                             local=self.wanted in ("auto", "shm"),
+                            spin_s=self._spin_us / 1e6,
                         )
                         self._plane_state = "on"
                     except NotSpoken:

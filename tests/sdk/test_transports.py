@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import threading
+import time
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ import torch
 from kvstore import shm
 from kvstore.blob import verify_blob
 from kvstore.errors import CorruptBlob, InvalidArgument, InvalidKey, TooLarge, Unauthorized, Unavailable
+from sdk import dataplane as sdp
 from sdk.remote import RemoteBackend
 from sdk.store import Store
 from tests.server.conftest import key, make_blob
@@ -275,3 +278,41 @@ def wait_for(cond, timeout: float = 10.0) -> None:
     while not cond():
         assert time.monotonic() < deadline, "condition not reached in time"
         time.sleep(0.02)
+
+
+def test_calls_to_a_same_host_server_poll_before_sleeping_unless_told_not_to(server):
+    spinning = RemoteBackend(server.url, transport="tcp")
+    still = RemoteBackend(server.url, transport="tcp", spin_us=0)
+    blob = make_blob(7, tokens=512)
+    spinning.put_blob(key(7), blob)
+    assert bytes(still.get_blob(key(7))) == blob == bytes(spinning.get_blob(key(7)))
+    conns = lambda be: be._plane.pool._idle  # noqa: E731
+    assert {c.spin_s for c in conns(spinning)} == {200e-6} and {c.spin_s for c in conns(still)} == {0.0}
+    for bad in (-1, float("nan"), 2e6, "10"):
+        with pytest.raises(InvalidArgument, match="spin_us"):
+            RemoteBackend(server.url, spin_us=bad)
+    spinning.close()
+    still.close()
+
+
+def test_a_spinning_wait_gets_early_late_and_no_answers_right() -> None:
+    """The poll-then-sleep wait on a socket pair: data already there, data after the poll gave up
+    (the socket's own timeout then applies), no data (that timeout), the peer gone (an error)."""
+    a, b = socket.socketpair()
+    a.settimeout(0.5)
+    conn = sdp._Conn(a)
+    conn.spin_s = 200e-6
+    view = memoryview(bytearray(16))
+    b.sendall(b"early")
+    assert conn._recv(view) == 5 and bytes(view[:5]) == b"early"
+    threading.Timer(0.05, b.sendall, [b"late"]).start()
+    assert conn._recv(view) == 4 and bytes(view[:4]) == b"late"
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        conn._recv(view)
+    assert 0.4 < time.monotonic() - t0 < 2.0
+    b.close()
+    with pytest.raises(ConnectionError):
+        conn._recv(view)
+    assert sdp._spinners == 0, "every wait gave its spinning slot back"
+    a.close()
