@@ -65,6 +65,7 @@ SERVER_FLAGS = {
     "dataplane": "the binary data plane on the port, for the SDK (default; --no-dataplane: HTTP only)",
     "shm_budget": "shared memory for clients on this host, all segments together, e.g. 1GiB (0: off)",
     "shm_max_segment": "largest shared-memory segment one client gets (default 512MiB)",
+    "poll_us": "µs the loop polls for a same-host client's next request before sleeping (default 200; 0: off)",
 }
 
 

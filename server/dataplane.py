@@ -11,7 +11,9 @@ metrics and errors are the HTTP routes' (`server.dataplane_ops`).
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
+import socket
 import time
 from typing import Any
 
@@ -20,6 +22,7 @@ import numpy as np
 from kvstore import dataplane as dp
 from kvstore.errors import InvalidArgument, KVStoreError, TooLarge, Unauthorized
 from server.dataplane_ops import Reply, Request, error_reply, handle, inline_ops
+from server.idle_poll import IdlePoll
 from server.shm_pool import ShmPool
 from server.state import ServerState
 
@@ -40,6 +43,7 @@ class DataPlane:
         self.arena = next((t.arena for t in tiers if getattr(t, "arena", None) is not None), None)
         self.connections: set[DataPlaneProtocol] = set()
         self.unix_path: str | None = None  # the same-host Unix socket (server.runner), HELLO's `unix`
+        self.idle_poll = IdlePoll(c.poll_us / 1e6)
 
     def protocol(self) -> DataPlaneProtocol:
         return DataPlaneProtocol(self)
@@ -48,6 +52,7 @@ class DataPlane:
         for conn in list(self.connections):
             conn.close()
         self.shm.close()
+        self.idle_poll.close()
 
 
 class DataPlaneProtocol(asyncio.BufferedProtocol):
@@ -57,6 +62,7 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         self.transport: Any = None
         self.authed = plane.token is None
         self.segments: dict[int, Any] = {}  # kvstore.shm.Segment this connection may name
+        self._polled_fd: int | None = None  # a same-host client's socket, in plane.idle_poll
         self._head = bytearray(_HEAD_BUF)
         self._have = 0  # valid bytes at the start of _head
         self._parts: list[memoryview] | None = None  # where the body of the pending request goes
@@ -76,6 +82,9 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
     def connection_made(self, transport: Any) -> None:
         self.transport = transport
         self.plane.connections.add(self)
+        sock = transport.get_extra_info("socket")
+        if sock is not None and _same_host(sock) and self.plane.idle_poll.add(sock.fileno()):
+            self._polled_fd = sock.fileno()
         self._arm_idle()
 
     def start(self, initial: bytes) -> None:
@@ -319,6 +328,8 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         packed = dp.pack_meta(reply.meta)
         flags = reply.flags | (dp.FLAG_CLOSE if reply.close else 0)
         self.transport.writelines([dp.pack_head(req.op, packed, body_len, flags, reply.status), *reply.body])
+        if self._polled_fd is not None:
+            self.plane.idle_poll.after_reply()
         if reply.close:
             self.transport.close()
             return
@@ -341,3 +352,13 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         self.transport.write(dp.pack_head(0, meta, 0, dp.FLAG_CLOSE, status))
         self.transport.close()
         self._closed = True
+
+
+def _same_host(sock: Any) -> bool:
+    """A Unix-socket or loopback peer: a client on this host."""
+    if sock.family == socket.AF_UNIX:
+        return True
+    try:
+        return ipaddress.ip_address(sock.getpeername()[0]).is_loopback
+    except (OSError, ValueError, IndexError):
+        return False

@@ -1,0 +1,77 @@
+"""The server's poll for a same-host client's next request (server.idle_poll): it watches exactly the
+same-host data-plane connections, forgets them when they close, returns as soon as one has a request
+waiting, gives up after `poll_us`, and is off with 0."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from pathlib import Path
+
+from sdk.remote import RemoteBackend
+from server.idle_poll import IdlePoll
+from tests.sdk.test_transports import wait_for
+from tests.server.conftest import key, make_blob
+from tests.server.test_dataplane import Raw
+
+
+def watched(poll: IdlePoll) -> set[int]:
+    """The descriptors the poll's epoll watches, from the kernel's own list."""
+    assert poll._epoll is not None
+    info = Path(f"/proc/self/fdinfo/{poll._epoll.fileno()}").read_text()
+    return {int(line.split()[1]) for line in info.splitlines() if line.startswith("tfd:")}
+
+
+def test_same_host_connections_are_watched_until_they_close(server):
+    poll = server.thread.server.plane.idle_poll
+    assert poll.poll_s == 200e-6 and watched(poll) == set()
+    shm_client = RemoteBackend(server.url)  # over the Unix socket
+    tcp_client = RemoteBackend(server.url, transport="tcp")  # loopback TCP: this host too
+    raw = Raw(server.port)
+    for be in (shm_client, tcp_client):
+        be.put_blob(key(1), make_blob(1))
+        assert bytes(be.get_blob(key(1))) == make_blob(1)
+    conns = server.thread.server.plane.connections
+    wait_for(lambda: watched(poll) == {c._polled_fd for c in list(conns)})  # HELLO's first socket closing
+    fds = {c._polled_fd for c in list(conns)}
+    assert None not in fds and len(fds) == len(conns) >= 3
+    shm_client.close()
+    tcp_client.close()
+    raw.sock.close()
+    wait_for(lambda: not server.thread.server.plane.connections)
+    assert watched(poll) == set()
+
+
+def test_poll_us_0_watches_nothing(server_factory):
+    srv = server_factory(poll_us=0)
+    be = RemoteBackend(srv.url)
+    be.put_blob(key(2), make_blob(2))
+    assert bytes(be.get_blob(key(2))) == make_blob(2)
+    plane = srv.thread.server.plane
+    assert plane.idle_poll._epoll is None and all(c._polled_fd is None for c in plane.connections)
+    be.close()
+
+
+def test_the_poll_returns_when_a_request_waits_and_gives_up_after_its_bound():
+    a, b = socket.socketpair()
+    poll = IdlePoll(0.05)
+    assert poll.add(a.fileno())
+
+    async def one_poll() -> float:
+        t0 = time.perf_counter()
+        poll.after_reply()
+        poll.after_reply()  # once per loop iteration, however many replies
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        return time.perf_counter() - t0
+
+    idle = asyncio.run(one_poll())
+    assert 0.05 <= idle < 0.5, idle
+    b.sendall(b"next request")
+    ready = asyncio.run(one_poll())
+    assert ready < 0.02, ready
+    poll.close()
+    assert not IdlePoll(0).add(a.fileno())
+    a.close()
+    b.close()
