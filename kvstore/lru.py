@@ -91,6 +91,16 @@ class LRUIndex(Generic[V]):
             evicted.append(oldest)
         return evicted
 
+    def make_room_for(self, key: str, size: int) -> list[tuple[str, Entry[V]]]:
+        """Evict least-recently-used entries until `key` can hold `size` bytes (capped at the capacity)
+        in place of what it holds now. Its current entry is made the last to go and stays readable
+        until `insert` replaces it: a reader racing the overwrite sees the old value or the new one."""
+        old = self._entries.get(key)
+        if old is None:
+            return self.make_room(min(size, self.capacity))
+        self.touch(key)
+        return self.make_room(max(0, min(size - old.size, self.capacity)))
+
     def insert(self, key: str, entry: Entry[V]) -> tuple[Entry[V] | None, list[tuple[str, Entry[V]]]]:
         """Add or replace `key` as most recently used, evicting LRU entries to fit.
 

@@ -238,19 +238,20 @@ class TieredStore:
 
     def batch_get(self, keys: Sequence[str], reasons: list[str | None] | None = None) -> list[Blob | None]:
         """Blobs in key order, None for misses; `reasons` receives why each one missed (None: a hit)."""
-        for key in keys:
-            validate_key(key)
-        with self.metrics.time("batch_get"):
-            hits = self._lookup(list(keys), reasons, headers=False)
-        return [None if hit is None else hit[0] for hit in hits]
+        return [None if hit is None else hit[0] for hit in self._batch_lookup(keys, reasons, headers=False)]
 
     def batch_get_verified(
         self, keys: Sequence[str], reasons: list[str | None] | None = None
     ) -> list[Verified | None]:
+        return self._batch_lookup(keys, reasons)
+
+    def _batch_lookup(
+        self, keys: Sequence[str], reasons: list[str | None] | None, headers: bool = True
+    ) -> list[Verified | None]:
         for key in keys:
             validate_key(key)
         with self.metrics.time("batch_get"):
-            return self._lookup(list(keys), reasons)
+            return self._lookup(list(keys), reasons, headers)
 
     def _contains(self, tier: Tier, key: str) -> bool:
         return tier_calls.call(self.metrics, tier, "contains", tier.contains, key, default=False)

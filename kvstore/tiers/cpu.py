@@ -95,12 +95,7 @@ class CpuTier(IndexedTier):
         instead, never a blob evicted out of LRU order (`stats.extra["spilled_bytes"]`)."""
         assert self.arena is not None
         with self._lock:  # make room first: the regions of the evicted blobs are what the new one gets
-            # A blob it replaces stays readable until the new one is in (a reader sees one or the
-            # other, never a miss), so it is made the last to go and its bytes count as freed.
-            old = self._index.peek(key)
-            if old is not None:
-                self._index.touch(key)
-            evicted = self._index.make_room(max(0, size - (old.size if old else 0)))
+            evicted = self._index.make_room_for(key, size)  # a blob it replaces stays readable
             self.stats.evictions += len(evicted)
         keys = [k for k, _ in evicted]
         del evicted  # their regions are free now, unless a client holds one of the blobs

@@ -188,11 +188,7 @@ class GpuTier(IndexedTier):
             raise self._too_large(key, size)
         with self._lock:  # room first (for the copies in flight too), so the allocation below fits
             expired = self._index.pop_expired(self._clock())
-            old = self._index.peek(key)  # readable until the new blob is in, and the last to go
-            if old is not None:
-                self._index.touch(key)
-            need = size + self._reserved - (old.size if old is not None else 0)
-            evicted = self._index.make_room(max(0, min(need, self.capacity)))
+            evicted = self._index.make_room_for(key, size + self._reserved)  # the old blob stays readable
             self._reserved += size
             self.stats.expired += len(expired)
             self.stats.evictions += len(evicted)
