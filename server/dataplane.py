@@ -62,7 +62,7 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         self.transport: Any = None
         self.authed = plane.token is None
         self.segments: dict[int, Any] = {}  # kvstore.shm.Segment this connection may name
-        self._polled_fd: int | None = None  # a same-host client's socket, in plane.idle_poll
+        self._polled = False  # a same-host client: its socket is in plane.idle_poll
         self._head = bytearray(_HEAD_BUF)
         self._have = 0  # valid bytes at the start of _head
         self._parts: list[memoryview] | None = None  # where the body of the pending request goes
@@ -83,8 +83,7 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         self.transport = transport
         self.plane.connections.add(self)
         sock = transport.get_extra_info("socket")
-        if sock is not None and _same_host(sock) and self.plane.idle_poll.add(sock.fileno()):
-            self._polled_fd = sock.fileno()
+        self._polled = sock is not None and _same_host(sock) and self.plane.idle_poll.add(sock.fileno())
         self._arm_idle()
 
     def start(self, initial: bytes) -> None:
@@ -328,7 +327,7 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         packed = dp.pack_meta(reply.meta)
         flags = reply.flags | (dp.FLAG_CLOSE if reply.close else 0)
         self.transport.writelines([dp.pack_head(req.op, packed, body_len, flags, reply.status), *reply.body])
-        if self._polled_fd is not None:
+        if self._polled:
             self.plane.idle_poll.after_reply()
         if reply.close:
             self.transport.close()

@@ -33,9 +33,9 @@ def test_same_host_connections_are_watched_until_they_close(server):
         be.put_blob(key(1), make_blob(1))
         assert bytes(be.get_blob(key(1))) == make_blob(1)
     conns = server.thread.server.plane.connections
-    wait_for(lambda: watched(poll) == {c._polled_fd for c in list(conns)})  # HELLO's first socket closing
-    fds = {c._polled_fd for c in list(conns)}
-    assert None not in fds and len(fds) == len(conns) >= 3
+    sockets = lambda: {c.transport.get_extra_info("socket").fileno() for c in list(conns)}  # noqa: E731
+    wait_for(lambda: watched(poll) == sockets())  # HELLO's first socket closing
+    assert all(c._polled for c in list(conns)) and len(sockets()) == len(conns) >= 3
     shm_client.close()
     tcp_client.close()
     raw.sock.close()
@@ -49,7 +49,7 @@ def test_poll_us_0_watches_nothing(server_factory):
     be.put_blob(key(2), make_blob(2))
     assert bytes(be.get_blob(key(2))) == make_blob(2)
     plane = srv.thread.server.plane
-    assert plane.idle_poll._epoll is None and all(c._polled_fd is None for c in plane.connections)
+    assert plane.idle_poll._epoll is None and not any(c._polled for c in plane.connections)
     be.close()
 
 
