@@ -4,12 +4,14 @@ Blobs of 256 KiB / 1 MiB / 4 MiB; single get and put, batches of 8 (Valkey: MGET
 over each transport of `sdk.remote.RemoteBackend`:
     http       HTTP/1.1 (the public API)
     tcp        the binary data plane on the same port (kvstore.dataplane)
-    shm        the data plane with blobs in shared memory (kvstore.shm): a put through the client's
-               segment, a get lent where the blob lies in the server's cpu arena
-               (kvstore.tiers.arena); `get` copies each blob into a buffer the caller owns, as
-               redis-py's GET does; over the server's Unix socket
-    shm-lease  the same, but the blob stays lent (no copy) and is verified (xxh3) before the lease
-               ends: what the engines' connectors do with a loaded chunk
+    shm        the data plane with blobs in shared memory (kvstore.shm), over the server's Unix
+               socket: a put through the client's segment; a get copies the blob out of the
+               server's cpu arena where its index says it lies, without a request
+               (kvstore.tiers.arena_index), into a buffer the caller owns, as redis-py's GET does
+    shm-lease  the same get into the SDK's reused buffers (a lease), verified (xxh3) before the
+               lease ends: what the engines' connectors do with a loaded chunk
+    shm-lent   a lease without the index (`read_index=False`): the server answers where the blob
+               lies in its arena and lends it there (no copy), verified before the lease ends
     memcpy     np.copyto of the same bytes between prefaulted buffers: the machine's ceiling
 Keys are distinct: gets walk a pool of stored keys larger than the CPU caches, puts overwrite a pool
 of keys in order; the client sends from distinct source buffers. Every round runs each system once per
@@ -44,7 +46,8 @@ from tests.valkey import ValkeyProcess  # noqa: E402
 
 SIZES = {"256KiB": 32, "1MiB": 128, "4MiB": 512}  # tokens of a [2, 4, T, 8, 64] fp16 chunk
 OUT = Path.home() / ".cache" / "kvstore" / "bench"
-KVSTORE = ("http", "tcp", "shm", "shm-lease")
+KVSTORE = ("http", "tcp", "shm", "shm-lease", "shm-lent")
+GET_ONLY = ("shm-lease", "shm-lent")  # their puts are shm's
 CELLS = [("get", 1), ("put", 1), ("get", 8), ("put", 8)]
 
 
@@ -90,8 +93,9 @@ class System:
 class KVStoreSystem(System):
     def __init__(self, name: str, url: str) -> None:
         super().__init__(name)
-        self.be = RemoteBackend(url, transport=name.removesuffix("-lease"), timeout=60)
-        assert self.be.transport == name.removesuffix("-lease"), (name, self.be.transport)
+        transport = name.split("-")[0]
+        self.be = RemoteBackend(url, transport=transport, timeout=60, read_index=name != "shm-lent")
+        assert self.be.transport == transport, (name, self.be.transport)
 
     def prepare(self, keys: list[str], blobs: list[bytes]) -> None:
         super().prepare(keys, blobs)
@@ -110,7 +114,7 @@ class KVStoreSystem(System):
                 return sum(len(b) for _, b in items)
 
             return put
-        if self.name.endswith("-lease"):
+        if self.name in GET_ONLY:
 
             def lease() -> int:  # noqa: E306
                 with be.lease(self.next_keys(batch)) as got:
@@ -224,9 +228,10 @@ def main() -> None:
             for s in systems:
                 s.prepare(keys, blobs)
             for op, batch in CELLS:
-                runs: dict[str, list[float]] = {s.name: [] for s in systems}
+                cast = [s for s in systems if op == "get" or s.name not in GET_ONLY]
+                runs: dict[str, list[float]] = {s.name: [] for s in cast}
                 for r in range(args.rounds):
-                    for s in systems[r % len(systems) :] + systems[: r % len(systems)]:
+                    for s in cast[r % len(cast) :] + cast[: r % len(cast)]:
                         runs[s.name].append(timed(s.op(op, batch), args.budget_mib << 20))
                 row = {"size": size_name, "op": op, "batch": batch, "MBps": runs}
                 rows.append(row)
@@ -248,13 +253,14 @@ def ratios(row: dict, a: str, b: str) -> list[float]:
 
 
 def print_row(row: dict, header: bool) -> None:
-    names = list(row["MBps"])
+    names = [*KVSTORE, "valkey", "memcpy"]
     if header:
         print(f"{'size':>6} {'op':>3} {'n':>1} | " + " ".join(f"{n:>9}" for n in names)
               + " | " + " ".join(f"{n + '/valkey':>21}" for n in KVSTORE))  # fmt: skip
         print("  (MB/s: median of rounds; ratios: median [min-max] of per-round ratios)")
-    mbps = " ".join(f"{statistics.median(row['MBps'][n]):9.0f}" for n in names)
-    vs = " ".join(f"{spread(ratios(row, n, 'valkey')):>21}" for n in KVSTORE)
+    got = row["MBps"]
+    mbps = " ".join(f"{statistics.median(got[n]):9.0f}" if n in got else f"{'-':>9}" for n in names)
+    vs = " ".join(f"{spread(ratios(row, n, 'valkey')):>21}" if n in got else f"{'-':>21}" for n in KVSTORE)
     print(f"{row['size']:>6} {row['op']:>3} {row['batch']:>1} | {mbps} | {vs}", flush=True)
 
 
@@ -273,14 +279,13 @@ def summarize(rows: list[dict]) -> None:
                 per_round = [b / s for b, s in zip(r["MBps"][n], single, strict=True)]
                 print(f"  {size:>6} batch {op} x8 {n} / single {op} {n}: {spread(per_round)}")
             if op == "get":
-                print(
-                    f"  {size:>6} batch get x8 shm-lease / valkey MGET: {spread(ratios(r, 'shm-lease', 'valkey'))}"
-                )
+                for n in GET_ONLY:
+                    print(f"  {size:>6} batch get x8 {n} / valkey MGET: {spread(ratios(r, n, 'valkey'))}")
     for (size, op, batch), r in cell.items():
         if op == "get" and batch == 1:
-            lease = r["MBps"]["shm-lease"]
-            print(f"  {size:>6} shm-lease get: {statistics.median(lease) / 1e3:.2f} GB/s, "
-                  f"{spread(ratios(r, 'shm-lease', 'memcpy'))} of memcpy")  # fmt: skip
+            for n in GET_ONLY:
+                print(f"  {size:>6} {n} get (verified): {statistics.median(r['MBps'][n]) / 1e3:.2f} GB/s, "
+                      f"{spread(ratios(r, n, 'memcpy'))} of memcpy")  # fmt: skip
 
 
 if __name__ == "__main__":

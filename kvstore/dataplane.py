@@ -23,7 +23,13 @@ and `p`, a pin id. Lent blobs keep their place until the client lists the pin in
 FLAG_SHM request naming the same segment, or the segment closes. Response metas:
 GET `l` (lengths, -1 for a miss) and, with FLAG_SHM, `o` (where the first blob starts); EXISTS `e`;
 DELETE `d`; LOOKUP `n`; PUT whatever the HTTP route answers; errors `error` and `type` as in
-`kvstore.wire` (the status field carries the HTTP status; a 503 Busy adds `retry_after`). The first
+`kvstore.wire` (the status field carries the HTTP status; a 503 Busy adds `retry_after`).
+
+HELLO may also answer `index` = [path, size, nonce, slots, seed]: a table of where each arena blob
+lies (kvstore.tiers.arena_index), offered when the arena's tier is the store's top tier. A client that
+mapped it reads such blobs without a request and then sends TOUCH `k` (the keys it read) and `s`
+(the seconds that took), which is never answered: the server counts those reads as gets (in the
+request metrics, with the client's seconds) and refreshes the blobs' recency. The first
 message must be HELLO (token, wire version); anything else, or a wrong token, is answered with 401
 and the connection closes. The server's limits are the HTTP side's: sizes, the body budget, the
 connection limit, and the idle / header / body deadlines.
@@ -54,11 +60,12 @@ MAX_META = 1 << 20
 MISSING = -1
 MAX_PINS = 4096
 
-HELLO, GET, PUT, EXISTS, DELETE, LOOKUP, SHM_OPEN, SHM_ATTACH = range(1, 9)
+HELLO, GET, PUT, EXISTS, DELETE, LOOKUP, SHM_OPEN, SHM_ATTACH, TOUCH = range(1, 10)
 OP_NAMES = {
     HELLO: "hello", GET: "get", PUT: "put", EXISTS: "exists", DELETE: "delete", LOOKUP: "lookup",
-    SHM_OPEN: "shm_open", SHM_ATTACH: "shm_attach",
+    SHM_OPEN: "shm_open", SHM_ATTACH: "shm_attach", TOUCH: "touch",
 }  # fmt: skip
+ONE_WAY = frozenset({TOUCH})  # never answered (an error closes the connection instead)
 FLAG_SHM = 1
 FLAG_CLOSE = 2  # in a response: the server closes the connection after it (do not reuse it)
 

@@ -258,6 +258,25 @@ class DataPlaneClient:
             return head, reply, got
         raise AssertionError("unreachable")
 
+    def tell(self, op: int, meta: dict) -> None:
+        """A one-way message (TOUCH): sent on a pooled connection, never answered. Best effort: a
+        connection that fails is dropped, nothing is retried (what it says is a hint)."""
+        assert op in dp.ONE_WAY, op
+        if self.pool.closed:
+            return
+        try:
+            conn = self.pool.take(self._open)
+        except (OSError, ConnectionError, KVStoreError) as e:
+            log.debug("%s not sent: %s", dp.OP_NAMES[op], e)
+            return
+        try:
+            _sendmsg(conn.sock, [dp.pack_head(op, dp.pack_meta(meta))])
+        except OSError as e:
+            log.debug("%s not sent: %s", dp.OP_NAMES[op], e)
+            conn.close()
+            return
+        self.pool.release(conn)
+
     def open_segment(self, size: int) -> tuple[dict, Any] | None:
         """SHM_OPEN on a pooled connection: the server's answer and the connection, which stays out of
         the pool until `keep` (mapped: it is attached) or `drop` (not mapped: closing frees it); None

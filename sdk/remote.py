@@ -16,6 +16,7 @@ import functools
 import logging
 import ssl
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +27,7 @@ from kvstore import dataplane as dp
 from kvstore import shm, wire
 from kvstore.errors import InvalidArgument, KVStoreError, TooLarge, Unavailable
 from kvstore.keys import validate_key
+from kvstore.tiers.arena_index import IndexReader, usable_here
 from kvstore.tiers.base import Blob
 from sdk import transfers as tr
 from sdk.backend import Backend
@@ -57,9 +59,12 @@ class RemoteBackend(Backend):
         transport: str = "auto",
         shm_size: int = 256 * 2**20,
         spin_us: float = SPIN_S * 1e6,
+        read_index: bool = True,
     ) -> None:
         """`spin_us`: how long a call polls for the answer of a server on this host before its thread
-        sleeps (sdk.dataplane; 0: never poll)."""
+        sleeps (sdk.dataplane; 0: never poll). `read_index`: with shared memory, read the blobs of the
+        server's cpu arena straight from it when its index says where they lie, without a request
+        (kvstore.tiers.arena_index; False: every get asks the server)."""
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise InvalidArgument(f"server URL must be http(s)://host[:port], got {url!r}")
@@ -84,6 +89,7 @@ class RemoteBackend(Backend):
         self.wanted = transport
         self.shm_size = shm_size
         self._spin_us = spin_us
+        self._read_index = read_index
         self._plane: DataPlaneClient | None = None
         self._plane_state = "off" if transport == "http" else "untried"  # -> "on" / "off"
         self._segment: ClientSegment | None = None
@@ -95,7 +101,8 @@ class RemoteBackend(Backend):
         self._executor: ThreadPoolExecutor | None = None
         self._pool_size = pool_size
         self._closed = False
-        self.counts: Counter[str] = Counter()  # calls by the path their blobs took: shm, tcp, http
+        # calls by the path their blobs took: shm, tcp, http, or index (shm without a request)
+        self.counts: Counter[str] = Counter()
 
     # -- transport negotiation ---------------------------------------------------------------------------
 
@@ -168,8 +175,28 @@ class RemoteBackend(Backend):
             path, size, nonce = described
             arena_map = shm.open_segment(path, size, nonce, writable=False)
             if arena_map is not None:
-                arena = ClientArena(size, nonce, arena_map)
+                arena = ClientArena(size, nonce, arena_map, self._map_index(plane.hello, size))
         return ClientSegment(meta["seg"], meta["size"], meta["nonce"], mapped, arena)
+
+    def _map_index(self, hello: dict, arena_size: int) -> IndexReader | None:
+        described = hello.get("index")
+        if (
+            not self._read_index
+            or not usable_here()
+            or not isinstance(described, list)
+            or len(described) != 5
+        ):
+            return None
+        path, size, nonce, slots, seed = described
+        mapped = shm.open_segment(path, size, nonce, writable=False)
+        if mapped is None or type(slots) is not int or type(seed) is not int:
+            return None
+        try:
+            return IndexReader(mapped, slots, seed, arena_size)
+        except ValueError as e:
+            mapped.close()
+            log.info("not reading the arena index of %s: %s", self.url, e)
+            return None
 
     def _forget_segment(self, seg: ClientSegment) -> None:
         """The server restarted and lost `seg`: the next call maps a new one (leases of it stay valid)."""
@@ -190,6 +217,15 @@ class RemoteBackend(Backend):
             self.counts["http"] += 1
             return tr.fetch_http(self.http, keys, rx, reasons)
         seg = self._shm()
+        if seg is not None and seg.arena is not None and seg.arena.index is not None:
+            started = time.perf_counter()
+            read = tr.fetch_index(seg.arena, keys, rx)
+            if read is not None:  # the server counts the reads as gets and refreshes their recency
+                plane.tell(dp.TOUCH, {"k": keys, "s": time.perf_counter() - started})
+                self.counts["index"] += 1
+                if reasons is not None:
+                    reasons[:] = [None] * len(keys)
+                return read
         got = None
         if seg is not None:
             try:

@@ -6,7 +6,8 @@ of them is out, and go back to the allocator when it is released.
 
 A get may instead be answered with blobs the server lends where they lie, in its arena (the cpu
 tier's memory, mapped here read-only: `ClientArena`); the lease then ends by giving their pin back
-in `unpin`, which the next request naming the segment carries to the server.
+in `unpin`, which the next request naming the segment carries to the server. Or, with the arena's
+index mapped too, a get copies arena blobs out without a request at all (sdk.transfers.fetch_index).
 """
 
 from __future__ import annotations
@@ -18,16 +19,19 @@ from collections.abc import Sequence
 from kvstore import shm
 from kvstore.dataplane import MAX_PINS
 from kvstore.errors import InvalidArgument
+from kvstore.tiers.arena_index import IndexReader
 from kvstore.tiers.base import Blob
 
 
 class ClientArena:
-    """A read-only mapping of the server's arena (kvstore.tiers.arena)."""
+    """A read-only mapping of the server's arena (kvstore.tiers.arena), and of its index when the
+    server offers one (kvstore.tiers.arena_index)."""
 
-    def __init__(self, size: int, nonce: bytes, mapped: mmap.mmap) -> None:
+    def __init__(self, size: int, nonce: bytes, mapped: mmap.mmap, index: IndexReader | None = None) -> None:
         self.size, self.nonce = size, nonce
         self._map = mapped
         self.view = memoryview(mapped)
+        self.index = index
 
     def views(self, offsets: Sequence[int], lens: Sequence[int]) -> list[memoryview | None]:
         if len(offsets) != len(lens):
@@ -43,6 +47,8 @@ class ClientArena:
         return out
 
     def close(self) -> None:
+        if self.index is not None:
+            self.index.close()
         _unmap(self.view, self._map)
 
 

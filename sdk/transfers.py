@@ -14,7 +14,7 @@ from kvstore.tiers.base import Blob
 from sdk.buffers import BufferPool, Free, Loan, fresh_buffer
 from sdk.dataplane import DataPlaneClient
 from sdk.http import HttpClient
-from sdk.shm import ClientSegment
+from sdk.shm import ClientArena, ClientSegment
 
 Got = tuple[list[Blob | None], Loan | None]
 
@@ -33,6 +33,12 @@ class Receiver:
         view, free = self.pool.take(n)
         self.frees.append(free)
         return view
+
+    def abandon(self) -> None:
+        """Give back every buffer taken so far (the answer is not used)."""
+        for f in self.frees:
+            f()
+        self.frees = []
 
     def blobs(self, blobs: list[Blob | None], body: memoryview | None) -> Got:
         if self.pool is None:
@@ -154,6 +160,32 @@ def fetch_shm(
         raise InvalidArgument("the server wrote the answer elsewhere than asked")
     seg.allocator.shrink(offset, capacity, used)
     return meta, _hand_over(seg.views(offset, lens), lambda: seg.free(offset, used), rx), True
+
+
+def fetch_index(arena: ClientArena, keys: list[str], rx: Receiver) -> Got | None:
+    """Every blob of `keys` copied out of the server's arena where its index says it lies, without a
+    request; None when one is not in the index, its entry changed during the copy, or the server's
+    heartbeat is stale (the caller then asks the server). A whole copy is the blob the server verified and stored: a region is never reused
+    while an entry names it (kvstore.tiers.arena_index)."""
+    index = arena.index
+    assert index is not None
+    if not index.alive():  # the server died or stopped: ask it (and find out)
+        return None
+    found = []
+    for key in keys:
+        where = index.find(key)
+        if where is None:
+            return None
+        found.append(where)
+    blobs: list[Blob | None] = []
+    for slot, gen, offset, n in found:
+        buf = rx.into(n)
+        buf[:] = arena.view[offset : offset + n]
+        if not index.unchanged(slot, gen):  # replaced or evicted meanwhile: the copy may be torn
+            rx.abandon()
+            return None
+        blobs.append(buf)
+    return rx.blobs(blobs, None)
 
 
 def _hand_over(views: list[memoryview | None], done: Free, rx: Receiver) -> Got:

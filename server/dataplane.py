@@ -41,6 +41,10 @@ class DataPlane:
         self.shm = ShmPool(c.shm_budget, c.shm_max_segment)
         tiers = state.store.tiers if self.shm.enabled and hasattr(state.store, "tiers") else []
         self.arena = next((t.arena for t in tiers if getattr(t, "arena", None) is not None), None)
+        # clients may read the arena without asking only when it serves what a get would: the top tier
+        top = tiers[0] if tiers else None
+        on_top = top is not None and self.arena is not None and getattr(top, "arena", None) is self.arena
+        self.arena_index = getattr(top, "arena_index", None) if on_top else None
         self.connections: set[DataPlaneProtocol] = set()
         self.unix_path: str | None = None  # the same-host Unix socket (server.runner), HELLO's `unix`
         self.idle_poll = IdlePoll(c.poll_us / 1e6)
@@ -311,12 +315,23 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         st = self.st
         st.metrics.in_flight -= 1
         st.budget.release(self._held)  # the body's bytes are a tier's now, or garbage
-        st.metrics.observe(reply.op_name or "unmatched", reply.status, time.perf_counter() - req.started,
-                           reply.bytes_in, reply.bytes_out)  # fmt: skip
+        seconds = time.perf_counter() - req.started if reply.seconds is None else reply.seconds
+        st.metrics.observe(
+            reply.op_name or "unmatched", reply.status, seconds, reply.bytes_in, reply.bytes_out
+        )
         was_busy, self._busy = self._busy, False
         if self._closed:
             if was_busy:
                 self._release_segments()
+            return
+        if req.op in dp.ONE_WAY:  # no answer: an error can only close the connection
+            if reply.status >= 400:
+                log.info("closing a data-plane connection: its %s failed (%s)", reply.op_name or req.op,
+                         reply.meta.get("error"))  # fmt: skip
+                self.transport.close()
+            elif was_busy:
+                self.transport.resume_reading()
+                self._process()
             return
         body_len = sum(len(b) for b in reply.body)
         if body_len > _SMALL_ANSWER:  # it pins its blobs until the client has read them: budgeted

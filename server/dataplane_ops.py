@@ -43,6 +43,7 @@ class Reply:
     flags: int = 0
     close: bool = False
     op_name: str = ""  # the HTTP route's name, for the request metrics
+    seconds: float | None = None  # what the request metrics record (None: the time the server took)
     bytes_in: int = 0
     bytes_out: int = 0
 
@@ -76,6 +77,8 @@ def handle(conn: Connection, req: Request) -> Reply:
         gone = [bool(store.delete(k)) for k in keys]
         status = 404 if single and not gone[0] else 200
         return Reply(status, {"d": gone}, op_name="delete" if single else "batch_delete")
+    if req.op == dp.TOUCH:
+        return _touch(conn, req, keys)
     if req.op == dp.LOOKUP:
         n, reason = store.lookup(keys)
         return Reply(200, {"n": int(n), "miss": reason}, op_name="lookup")
@@ -102,6 +105,8 @@ def _hello(conn: Connection, req: Request) -> Reply:
     arena = conn.plane.arena
     if arena is not None:
         meta["arena"] = [arena.segment.path, arena.size, arena.segment.nonce]
+        if conn.plane.arena_index is not None:
+            meta["index"] = conn.plane.arena_index.describe()
     return Reply(meta=meta, op_name="hello")
 
 
@@ -194,6 +199,17 @@ def _put(conn: Connection, req: Request, keys: list[str]) -> Reply:
         stored_in = st.store.batch_put(list(zip(keys, blobs, strict=True)))
     meta = {"stored": len(keys), "stored_in": stored_in}
     return Reply(201, meta, op_name="put" if len(keys) == 1 else "batch_put", bytes_in=total)
+
+
+def _touch(conn: Connection, req: Request, keys: list[str]) -> Reply:
+    """Gets a client served itself through the arena index: counted as gets (tier hits, the request
+    metrics with the seconds the client took, `s`), their blobs' recency refreshed."""
+    seconds = req.meta.get("s")
+    if not isinstance(seconds, (int, float)) or not 0 <= seconds < 3600:
+        raise InvalidArgument("TOUCH needs 's', the seconds the reads took")
+    found = conn.st.store.batch_get(keys)
+    nbytes = dp.total([-1 if b is None else memoryview(b).nbytes for b in found])
+    return Reply(op_name="get" if len(keys) == 1 else "batch_get", bytes_out=nbytes, seconds=float(seconds))
 
 
 def _shm_open(conn: Connection, req: Request) -> Reply:

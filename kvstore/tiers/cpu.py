@@ -8,7 +8,8 @@ pinned buffer. `torch.empty(..., pin_memory=True)` raises without CUDA, hence th
 
 In a kvstore-server with shared memory on (`StoreConfig.cpu_shared`) the blobs are copied into an
 `Arena` instead, which clients on the same host map read-only (kvstore.tiers.arena); `get` returns a
-read-only memoryview of the blob's region there. Eviction stays LRU by bytes exactly: a blob for which
+read-only memoryview of the blob's region there, and `arena_index` tells those clients where each
+blob lies (kvstore.tiers.arena_index) so they can read it without a request. Eviction stays LRU by bytes exactly: a blob for which
 no free region is large enough (fragmentation, regions lent to clients) is kept outside the arena.
 
 Byte accounting counts blob bytes exactly (`usage() == sum(len(blob))`), not Python object overhead.
@@ -28,6 +29,7 @@ from kvstore.config import StoreConfig
 from kvstore.errors import InvalidArgument
 from kvstore.lru import Entry, LRUIndex, check_ttl
 from kvstore.tiers.arena import Arena
+from kvstore.tiers.arena_index import ArenaIndex, PublishedLRU
 from kvstore.tiers.base import Blob, TierStats, immutable
 from kvstore.tiers.indexed import IndexedTier
 
@@ -58,11 +60,18 @@ class CpuTier(IndexedTier):
             raise InvalidArgument("pinned host memory needs CUDA")
         # pinned memory serves the GPU better than lending serves same-host clients
         self.arena = Arena(capacity) if shared and not self.pinned else None
+        # where each arena blob lies, for same-host clients that read without asking (arena_index)
+        self.arena_index = ArenaIndex(capacity) if self.arena is not None else None
         self.stats = TierStats()
-        self._index: LRUIndex[Blob] = LRUIndex(capacity)
+        self._index: LRUIndex[Blob] = self._new_index()
         self._lock = threading.Lock()
         self._clock = time.monotonic
         self._ttl_seen = False  # sweep expired blobs on put only once some blob has a TTL
+
+    def _new_index(self) -> LRUIndex[Blob]:
+        if self.arena is None or self.arena_index is None:
+            return LRUIndex(self.capacity)
+        return PublishedLRU(self.capacity, self.arena, self.arena_index)
 
     @classmethod
     def from_config(cls, config: StoreConfig) -> CpuTier:
@@ -137,6 +146,10 @@ class CpuTier(IndexedTier):
 
     def close(self) -> None:
         with self._lock:
+            if self.arena_index is not None:
+                self.arena_index.clear()
             self._index = LRUIndex(self.capacity)
         if self.arena is not None:
             self.arena.close()
+        if self.arena_index is not None:
+            self.arena_index.close()

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import socket
+import time
 
 import torch
 
 from kvstore.blob import encode_blob
+from kvstore.tiers.arena_index import STALE_S
 from tests.connectors.sim import HEAD_DIM, KV_HEADS, LAYERS, Req, make_config, prompt, truth_kv
 
 
@@ -122,6 +124,7 @@ def test_server_killed_between_lookup_and_load(engines, kv_server) -> None:
     req = Req("r2", tokens)
     assert b.admit(req) == 512
     kv_server.kill()
+    time.sleep(STALE_S + 0.1)  # until then the engine still reads the dead server's arena index (right)
     assert b.step([(req, 600 - 512)]) == set(req.block_table[:32])
     assert recompute_from_errors(b, req) == 0
     assert kv_equal(b, req)
