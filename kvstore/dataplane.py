@@ -27,9 +27,10 @@ DELETE `d`; LOOKUP `n`; PUT whatever the HTTP route answers; errors `error` and 
 
 HELLO may also answer `index` = [path, size, nonce, slots, seed]: a table of where each arena blob
 lies (kvstore.tiers.arena_index), offered when the arena's tier is the store's top tier. A client that
-mapped it reads such blobs without a request and then sends TOUCH `k` (the keys it read) and `s`
-(the seconds that took), which is never answered: the server counts those reads as gets (in the
-request metrics, with the client's seconds) and refreshes the blobs' recency. The first
+mapped it reads such blobs without a request and later sends TOUCH `k` (the keys it read) and `g`
+([number of keys, seconds] of each get, in the order of `k`), which is never answered: the server
+counts those reads as gets (tier hits; the request metrics, with the client's seconds) and refreshes
+the blobs' recency. The first
 message must be HELLO (token, wire version); anything else, or a wrong token, is answered with 401
 and the connection closes. The server's limits are the HTTP side's: sizes, the body budget, the
 connection limit, and the idle / header / body deadlines.

@@ -31,10 +31,11 @@ from kvstore.tiers.arena_index import IndexReader, usable_here
 from kvstore.tiers.base import Blob
 from sdk import transfers as tr
 from sdk.backend import Backend
-from sdk.buffers import BlobLease, BufferPool, LoanBook
+from sdk.buffers import BlobLease, BufferPool, Loan, LoanBook
 from sdk.dataplane import SPIN_S, DataPlaneClient, NotSpoken, SegmentGone
 from sdk.http import HttpClient
 from sdk.shm import ClientArena, ClientSegment
+from sdk.touches import TouchReporter
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -90,6 +91,7 @@ class RemoteBackend(Backend):
         self.shm_size = shm_size
         self._spin_us = spin_us
         self._read_index = read_index
+        self._touches = TouchReporter(self._tell)
         self._plane: DataPlaneClient | None = None
         self._plane_state = "off" if transport == "http" else "untried"  # -> "on" / "off"
         self._segment: ClientSegment | None = None
@@ -198,6 +200,11 @@ class RemoteBackend(Backend):
             log.info("not reading the arena index of %s: %s", self.url, e)
             return None
 
+    def _tell(self, op: int, meta: dict) -> None:
+        plane = self._plane
+        if plane is not None:
+            plane.tell(op, meta)
+
     def _forget_segment(self, seg: ClientSegment) -> None:
         """The server restarted and lost `seg`: the next call maps a new one (leases of it stay valid)."""
         with self._lock:
@@ -207,25 +214,34 @@ class RemoteBackend(Backend):
 
     # -- gets --------------------------------------------------------------------------------------------
 
-    def _fetch(self, keys: list[str], lend: bool, reasons: list[str | None] | None = None) -> tr.Got:
-        """The blobs of `keys` in caller-owned buffers (lend=False) or in lent ones, with their Loan;
-        `reasons` (if given) receives why each miss missed."""
+    def _fetch(
+        self, keys: list[str], lend: bool, reasons: list[str | None] | None = None
+    ) -> tuple[list[Blob | None], Loan | None, list | None]:
+        """The blobs of `keys` in caller-owned buffers (lend=False) or in lent ones, with their Loan,
+        and their headers where this process verified them (else None); `reasons` (if given) receives
+        why each miss missed."""
         self._loans.retry()
         rx = tr.Receiver(self._buffers if lend else None)
         plane = self._data_plane()
         if plane is None:
             self.counts["http"] += 1
-            return tr.fetch_http(self.http, keys, rx, reasons)
+            return (*tr.fetch_http(self.http, keys, rx, reasons), None)
         seg = self._shm()
-        if seg is not None and seg.arena is not None and seg.arena.index is not None:
+        if (
+            seg is not None
+            and seg.arena is not None
+            and seg.arena.index is not None
+            and len(keys) <= wire.MAX_BATCH_KEYS
+        ):
             started = time.perf_counter()
             read = tr.fetch_index(seg.arena, keys, rx)
             if read is not None:  # the server counts the reads as gets and refreshes their recency
-                plane.tell(dp.TOUCH, {"k": keys, "s": time.perf_counter() - started})
+                self._touches.add(keys, time.perf_counter() - started)
                 self.counts["index"] += 1
                 if reasons is not None:
                     reasons[:] = [None] * len(keys)
-                return read
+                (blobs, loan), headers = read
+                return blobs, loan, headers
         got = None
         if seg is not None:
             try:
@@ -242,7 +258,7 @@ class RemoteBackend(Backend):
         self.counts["shm" if in_shm else "tcp"] += 1
         if reasons is not None:
             reasons[:] = tr.reasons_of(meta, blobs)
-        return blobs, loan
+        return blobs, loan, None
 
     def get_blob(self, key: str) -> Blob | None:
         return self._fetch([validate_key(key)], lend=False)[0][0]
@@ -259,10 +275,10 @@ class RemoteBackend(Backend):
             if reasons is not None:
                 reasons[:] = []
             return BlobLease([])
-        blobs, loan = self._fetch([validate_key(k) for k in keys], lend=True, reasons=reasons)
+        blobs, loan, headers = self._fetch([validate_key(k) for k in keys], lend=True, reasons=reasons)
         if loan is None:
-            return BlobLease(blobs)
-        return BlobLease(blobs, on_release=lambda: self._loans.end(loan))
+            return BlobLease(blobs, headers)
+        return BlobLease(blobs, headers, on_release=lambda: self._loans.end(loan))
 
     # -- puts and the rest -------------------------------------------------------------------------------
 
@@ -343,6 +359,7 @@ class RemoteBackend(Backend):
             return False
 
     def close(self) -> None:
+        self._touches.close()  # what it still holds goes out first
         with self._lock:
             self._closed = True
             plane, self._plane, self._plane_state = self._plane, None, "off"

@@ -9,7 +9,8 @@ from typing import Any
 
 from kvstore import dataplane as dp
 from kvstore import shm, wire
-from kvstore.errors import InvalidArgument
+from kvstore.blob import BlobHeader, copy_verified
+from kvstore.errors import CorruptBlob, InvalidArgument
 from kvstore.tiers.base import Blob
 from sdk.buffers import BufferPool, Free, Loan, fresh_buffer
 from sdk.dataplane import DataPlaneClient
@@ -162,11 +163,12 @@ def fetch_shm(
     return meta, _hand_over(seg.views(offset, lens), lambda: seg.free(offset, used), rx), True
 
 
-def fetch_index(arena: ClientArena, keys: list[str], rx: Receiver) -> Got | None:
+def fetch_index(arena: ClientArena, keys: list[str], rx: Receiver) -> tuple[Got, list] | None:
     """Every blob of `keys` copied out of the server's arena where its index says it lies, without a
-    request; None when one is not in the index, its entry changed during the copy, or the server's
-    heartbeat is stale (the caller then asks the server). A whole copy is the blob the server verified and stored: a region is never reused
-    while an entry names it (kvstore.tiers.arena_index)."""
+    request, and the headers of the copies; None when one is not in the index, its entry changed during
+    the copy, or the server's heartbeat is stale (the caller then asks the server). A whole copy is the
+    blob the server verified and stored (a region is never reused while an entry names it); a lease's
+    copies (pooled buffers) are verified too, in the same pass (headers None for the others)."""
     index = arena.index
     assert index is not None
     if not index.alive():  # the server died or stopped: ask it (and find out)
@@ -178,14 +180,23 @@ def fetch_index(arena: ClientArena, keys: list[str], rx: Receiver) -> Got | None
             return None
         found.append(where)
     blobs: list[Blob | None] = []
+    headers: list[BlobHeader | None] = []
     for slot, gen, offset, n in found:
         buf = rx.into(n)
-        buf[:] = arena.view[offset : offset + n]
+        src = arena.view[offset : offset + n]
+        try:
+            if rx.pool is None:
+                buf[:] = src
+                headers.append(None)
+            else:
+                headers.append(copy_verified(src, buf))
+        except CorruptBlob:  # torn (the check below says so) or spoiled: the server decides
+            gen = -1
         if not index.unchanged(slot, gen):  # replaced or evicted meanwhile: the copy may be torn
             rx.abandon()
             return None
         blobs.append(buf)
-    return rx.blobs(blobs, None)
+    return rx.blobs(blobs, None), headers
 
 
 def _hand_over(views: list[memoryview | None], done: Free, rx: Receiver) -> Got:

@@ -315,10 +315,8 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         st = self.st
         st.metrics.in_flight -= 1
         st.budget.release(self._held)  # the body's bytes are a tier's now, or garbage
-        seconds = time.perf_counter() - req.started if reply.seconds is None else reply.seconds
-        st.metrics.observe(
-            reply.op_name or "unmatched", reply.status, seconds, reply.bytes_in, reply.bytes_out
-        )
+        st.metrics.observe(reply.op_name or "unmatched", reply.status, time.perf_counter() - req.started,
+                           reply.bytes_in, reply.bytes_out)  # fmt: skip
         was_busy, self._busy = self._busy, False
         if self._closed:
             if was_busy:

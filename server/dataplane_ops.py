@@ -43,7 +43,6 @@ class Reply:
     flags: int = 0
     close: bool = False
     op_name: str = ""  # the HTTP route's name, for the request metrics
-    seconds: float | None = None  # what the request metrics record (None: the time the server took)
     bytes_in: int = 0
     bytes_out: int = 0
 
@@ -202,14 +201,31 @@ def _put(conn: Connection, req: Request, keys: list[str]) -> Reply:
 
 
 def _touch(conn: Connection, req: Request, keys: list[str]) -> Reply:
-    """Gets a client served itself through the arena index: counted as gets (tier hits, the request
-    metrics with the seconds the client took, `s`), their blobs' recency refreshed."""
-    seconds = req.meta.get("s")
-    if not isinstance(seconds, (int, float)) or not 0 <= seconds < 3600:
-        raise InvalidArgument("TOUCH needs 's', the seconds the reads took")
+    """Gets a client served itself through the arena index (`g`: [number of keys, seconds] of each, in
+    the order of `k`): counted as gets (tier hits; the request metrics with the client's seconds), their
+    blobs' recency refreshed."""
+    gets = req.meta.get("g")
+    if (
+        not isinstance(gets, list)
+        or not all(
+            isinstance(g, list)
+            and len(g) == 2
+            and type(g[0]) is int
+            and g[0] > 0
+            and isinstance(g[1], (int, float))
+            and 0 <= g[1] < 3600
+            for g in gets
+        )  # fmt: skip
+        or sum(g[0] for g in gets) != len(keys)
+    ):
+        raise InvalidArgument("TOUCH needs 'g', [number of keys, seconds] of each get of 'k'")
     found = conn.st.store.batch_get(keys)
-    nbytes = dp.total([-1 if b is None else memoryview(b).nbytes for b in found])
-    return Reply(op_name="get" if len(keys) == 1 else "batch_get", bytes_out=nbytes, seconds=float(seconds))
+    pos = 0
+    for n, seconds in gets:
+        nbytes = sum(memoryview(b).nbytes for b in found[pos : pos + n] if b is not None)
+        conn.st.metrics.observe("get" if n == 1 else "batch_get", 200, float(seconds), 0, nbytes)
+        pos += n
+    return Reply(op_name="touch")
 
 
 def _shm_open(conn: Connection, req: Request) -> Reply:

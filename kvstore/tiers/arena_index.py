@@ -5,9 +5,10 @@ table, copies it out, and checks that the table did not change meanwhile; a tabl
 and it asks the server as before. The server writes the table; clients map it read-only (sealed like
 the arena, `F_SEAL_FUTURE_WRITE`), so no client can point a key at another key's bytes.
 
-The table is direct-mapped: `slots` entries of 160 bytes, a key's slot is `xxh3_64(key, seed) % slots`
-(`seed` random per server, so no one can aim keys at another's slot), and a key that lands on an
-occupied slot takes it over (the other one is simply not published: its readers ask the server).
+The table is 2-way set-associative: `slots` entries of 160 bytes in pairs; a key's home slot is
+`xxh3_64(key, seed) % slots` (`seed` random per server, so no one can aim keys at another's slots)
+and it may sit there or in the other slot of the pair (`home ^ 1`). A key whose pair is full takes
+its home slot over (the key there is simply not published any more: its readers ask the server).
 Each entry is a seqlock:
 
     word 0  generation: odd while the server rewrites the entry, even when it is whole
@@ -77,10 +78,18 @@ class _Table:
         ]
 
     def slot(self, key: bytes) -> int:
+        """The key's home slot; it may also sit in `home ^ 1`."""
         return xxhash.xxh3_64_intdigest(key, self.seed) & (self.slots - 1)
 
     def _holds(self, s: int, key: bytes) -> bool:
         return int(self.words[s, 3]) == len(key) and self.keys[s, : len(key)].tobytes() == key
+
+    def _where(self, key: bytes) -> int | None:
+        home = self.slot(key)
+        for s in (home, home ^ 1):
+            if self._holds(s, key):
+                return s
+        return None
 
 
 class ArenaIndex(_Table):
@@ -114,7 +123,10 @@ class ArenaIndex(_Table):
     def publish(self, key: str, offset: int, length: int) -> None:
         kb = key.encode()
         assert len(kb) <= MAX_KEY and offset >= shm.DATA_START, (key, offset)
-        s = self.slot(kb)
+        s = self._where(kb)
+        if s is None:
+            home = self.slot(kb)
+            s = home ^ 1 if self.words[home, 3] and not self.words[home ^ 1, 3] else home
         w = self.words[s]
         gen = int(w[0])
         w[0] = gen + 1  # readers of this slot start over from here
@@ -123,9 +135,8 @@ class ArenaIndex(_Table):
         w[0] = gen + 2
 
     def withdraw(self, key: str) -> None:
-        kb = key.encode()
-        s = self.slot(kb)
-        if not self._holds(s, kb):
+        s = self._where(key.encode())
+        if s is None:
             return
         w = self.words[s]
         gen = int(w[0])
@@ -205,9 +216,11 @@ class IndexReader(_Table):
     def find(self, key: str) -> tuple[int, int, int, int] | None:
         """(slot, generation, offset, length) of `key`'s blob as the table says now, or None."""
         kb = key.encode()
-        s = self.slot(kb)
+        s = self._where(kb)
+        if s is None:
+            return None
         gen = int(self.words[s, 0])
-        if gen & 1 or not self._holds(s, kb):
+        if gen & 1 or not self._holds(s, kb):  # being rewritten: seen whole, it may name another key
             return None
         offset, length = int(self.words[s, 1]), int(self.words[s, 2])
         if offset < shm.DATA_START or offset + length > self.arena_size:

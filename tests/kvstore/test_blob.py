@@ -10,7 +10,17 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvstore.blob import _CHECK, _HEAD, HEADER_SIZE, MAGIC, _checksum, decode_blob, encode_blob, verify_blob
+from kvstore.blob import (
+    _CHECK,
+    _HEAD,
+    HEADER_SIZE,
+    MAGIC,
+    _checksum,
+    copy_verified,
+    decode_blob,
+    encode_blob,
+    verify_blob,
+)
 from kvstore.errors import CorruptBlob, InvalidArgument
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -80,6 +90,8 @@ def _must_be_corrupt(data: bytes) -> None:
         verify_blob(data)
     with pytest.raises(CorruptBlob):
         decode_blob(data)
+    with pytest.raises(CorruptBlob):
+        copy_verified(data, bytearray(len(data)))
 
 
 @FUZZ
@@ -206,3 +218,23 @@ def test_lz4_framing_must_match_the_header() -> None:
     for bad in (compress(inner[:-2]), compress(inner + b"\0\0"), b"\x01"):
         with pytest.raises(CorruptBlob):
             verify_blob(forge(good, bad))
+
+
+BIG = encode_blob(_kv((2, 4, 300, 8, 64), torch.float16), codec="int4")  # 0.7 MiB: 3 pieces
+
+
+@pytest.mark.parametrize("blob", [VALID, BIG], ids=["small", "pieces"])
+def test_copy_verified_copies_and_verifies_in_one_pass(blob: bytes) -> None:
+    out = bytearray(len(blob))
+    assert copy_verified(blob, out) == verify_blob(blob) and bytes(out) == blob
+    with pytest.raises(InvalidArgument):
+        copy_verified(blob, bytearray(len(blob) + 1))
+
+
+@FUZZ
+@given(st.data())
+def test_copy_verified_finds_flipped_bits_in_any_piece(data: st.DataObject) -> None:
+    blob = bytearray(BIG)
+    for bit in data.draw(st.sets(st.integers(0, len(blob) * 8 - 1), min_size=1, max_size=4)):
+        blob[bit // 8] ^= 1 << (bit % 8)
+    _must_be_corrupt(bytes(blob))
