@@ -17,6 +17,7 @@ import logging
 import ssl
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -41,6 +42,16 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 TRANSPORTS = ("auto", "shm", "tcp", "http")
 SHM_MIN_BLOB = 16 * 1024  # smaller blobs gain nothing from shared memory: they ride in the request
+
+
+def _tell_through(backend: weakref.ref) -> Callable[[int, dict], None]:
+    def tell(op: int, meta: dict) -> None:
+        be = backend()
+        plane = None if be is None else be._plane
+        if plane is not None:
+            plane.tell(op, meta)
+
+    return tell
 
 
 class RemoteBackend(Backend):
@@ -91,7 +102,10 @@ class RemoteBackend(Backend):
         self.shm_size = shm_size
         self._spin_us = spin_us
         self._read_index = read_index
-        self._touches = TouchReporter(self._tell)
+        self._touches = TouchReporter(_tell_through(weakref.ref(self)))
+        # a backend dropped without close() still goes at once (no cycle through the reporter), and
+        # takes the reporter's thread with it
+        weakref.finalize(self, self._touches.close)
         self._plane: DataPlaneClient | None = None
         self._plane_state = "off" if transport == "http" else "untried"  # -> "on" / "off"
         self._segment: ClientSegment | None = None
@@ -199,11 +213,6 @@ class RemoteBackend(Backend):
             mapped.close()
             log.info("not reading the arena index of %s: %s", self.url, e)
             return None
-
-    def _tell(self, op: int, meta: dict) -> None:
-        plane = self._plane
-        if plane is not None:
-            plane.tell(op, meta)
 
     def _forget_segment(self, seg: ClientSegment) -> None:
         """The server restarted and lost `seg`: the next call maps a new one (leases of it stay valid)."""

@@ -82,7 +82,7 @@ class Store:
         **options: Any,
     ) -> Store:
         """A store served by `kvstore-server` at `url`; `options` go to `sdk.remote.RemoteBackend`
-        (timeout, retries, pool_size, verify_tls, transport="auto"|"shm"|"tcp"|"http", shm_size, spin_us)."""
+        (timeout, retries, pool_size, verify_tls, transport="auto"|"shm"|"tcp"|"http", shm_size, spin_us, read_index)."""
         from sdk.remote import RemoteBackend  # noqa: PLC0415 (the HTTP client is only needed here)
 
         return cls(

@@ -80,6 +80,6 @@ class TouchReporter:
         """Send what is pending and stop the thread."""
         self._stop.set()
         self._pending.set()
-        if self._thread is not None:
+        if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
         self.flush()
