@@ -6,7 +6,7 @@ Checks, and prints: no honest request errors; every hit returns exactly the blob
 for its key (an older version is a wrong blob too: honest clients replace some keys); no lost
 acknowledged write (a miss of a key whose put was acknowledged in the cpu tier while fewer bytes than
 its capacity were touched since, over every client, hostile ones included); the server's peak RSS
-against idle + the cpu arena (capacity + slack) + the body budget + the shared-memory budget (honest clients are on this
+against idle + the cpu arena (capacity + slack) and its index + the body budget + the shared-memory budget (honest clients are on this
 host: their blobs go through shared memory, kvstore.shm) + a stated allowance; the honest clients'
 latency.
 
@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.hostile_clients import HostileConfig, HostileReport, run_hostile  # noqa: E402
 from kvstore.config import parse_size  # noqa: E402
 from kvstore.tiers.arena import arena_size  # noqa: E402  (the cpu tier's memory: capacity + slack)
+from kvstore.tiers.arena_index import ENTRY, slots_for  # noqa: E402
 from sdk.remote import RemoteBackend  # noqa: E402
 
 BLOB_TOKENS = (32, 128)  # [2, 2, T, 8, 64] fp16 -> 128 KiB and 512 KiB blobs (plus a small header)
@@ -305,7 +306,8 @@ def run_load(duration: float, clients: int, capacity: int, budget: int, hostile:
     latencies = [x for r in results for x in r["latencies"]]
     connections = clients + (cfg.slow_headers + cfg.idle_sockets + cfg.oversized_threads if hostile else 0)
     allowance = OVERHEAD_FIXED + connections * PER_CONNECTION
-    bound = idle + arena_size(capacity) + max(spill_samples) + budget + SHM_BUDGET + allowance
+    table = slots_for(capacity) * ENTRY  # where each arena blob lies, for same-host clients
+    bound = idle + arena_size(capacity) + table + max(spill_samples) + budget + SHM_BUDGET + allowance
     rss_max = max(samples) if samples else idle
     cpu = stats["tiers"][0]
     return {

@@ -163,12 +163,15 @@ def fetch_shm(
     return meta, _hand_over(seg.views(offset, lens), lambda: seg.free(offset, used), rx), True
 
 
-def fetch_index(arena: ClientArena, keys: list[str], rx: Receiver) -> tuple[Got, list] | None:
+def fetch_index(
+    arena: ClientArena, keys: list[str], rx: Receiver, lease_max: int = 1 << 62
+) -> tuple[Got, list] | None:
     """Every blob of `keys` copied out of the server's arena where its index says it lies, without a
     request, and the headers of the copies; None when one is not in the index, its entry changed during
     the copy, or the server's heartbeat is stale (the caller then asks the server). A whole copy is the
     blob the server verified and stored (a region is never reused while an entry names it); a lease's
-    copies (pooled buffers) are verified too, in the same pass (headers None for the others)."""
+    copies (pooled buffers) are verified too, in the same pass (headers None for the others). A lease
+    of more than `lease_max` bytes is None too: lent where they lie, such blobs need no copy at all."""
     index = arena.index
     assert index is not None
     if not index.alive():  # the server died or stopped: ask it (and find out)
@@ -179,6 +182,8 @@ def fetch_index(arena: ClientArena, keys: list[str], rx: Receiver) -> tuple[Got,
         if where is None:
             return None
         found.append(where)
+    if rx.pool is not None and sum(n for *_, n in found) > lease_max:
+        return None
     blobs: list[Blob | None] = []
     headers: list[BlobHeader | None] = []
     for slot, gen, offset, n in found:

@@ -63,6 +63,22 @@ def test_gets_and_leases_of_arena_blobs_need_no_request(server):
     be.close()
 
 
+def test_large_leases_are_lent_where_they_lie_instead_of_copied(server):
+    """Over INDEX_LEASE_MAX bytes a round trip costs less than a copy: the server lends them; a get
+    (which copies either way) still needs no request."""
+    be = RemoteBackend(server.url, transport="shm")
+    blobs = [make_blob(i, tokens=8000) for i in range(3)]  # 1,000 KiB each
+    be.batch_put([(key(i), b) for i, b in enumerate(blobs)])
+    with be.lease([key(0), key(1)]) as got:
+        assert [bytes(b) for b in got] == blobs[:2]
+        assert be.counts["index"] == 1  # under 2 MiB: copied out
+    with be.lease([key(0), key(1), key(2)]) as got:
+        assert [bytes(b) for b in got] == blobs and got.headers == [None] * 3  # lent: the caller verifies
+        assert be.counts["index"] == 1 and be.counts["shm"] == 2
+    assert [bytes(b) for b in be.batch_get([key(0), key(1), key(2)])] == blobs and be.counts["index"] == 2
+    be.close()
+
+
 def test_deleted_replaced_and_evicted_blobs_are_never_read_from_the_table(server_factory):
     srv = server_factory(store={"cpu_capacity": "4MiB"})
     be = RemoteBackend(srv.url, transport="shm")
@@ -73,6 +89,7 @@ def test_deleted_replaced_and_evicted_blobs_are_never_read_from_the_table(server
     be.put_blob(key(1), make_blob(2, tokens=4096))
     be.put_blob(key(1), make_blob(3, tokens=4096))  # replaced
     assert bytes(be.get_blob(key(1))) == make_blob(3, tokens=4096)
+    wait_for(lambda: cpu_hits(be) == 2)  # the reads' reports (their recency) land before what follows
     for i in range(10, 20):  # 5 MiB more: key(1) is evicted
         be.put_blob(key(i), make_blob(i, tokens=4096))
     assert be.get_blob(key(1)) is None
