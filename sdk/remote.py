@@ -43,9 +43,10 @@ T = TypeVar("T")
 TRANSPORTS = ("auto", "shm", "tcp", "http")
 SHM_MIN_BLOB = 16 * 1024  # smaller blobs gain nothing from shared memory: they ride in the request
 # A lease of more bytes than this is lent by the server where the blobs lie rather than copied out of
-# its arena without a request: one round trip (~0.2 ms) costs less than copying them (bench_server.py:
-# 4 MiB, or 8 x 1 MiB, lent and verified run at 1.1-1.3x the copy)
-INDEX_LEASE_MAX = 2 * 2**20
+# its arena without a request: past ~3 MiB the round trip (~0.2-0.3 ms) costs less than the copy
+# (~0.07 ms/MiB more than verifying in place; bench_server.py: 4 MiB and 8 x 1 MiB lent and verified
+# ran at 1.1-1.3x the copy, 8 x 256 KiB at 0.65x)
+INDEX_LEASE_MAX = 3 * 2**20
 
 
 def _tell_through(backend: weakref.ref) -> Callable[[int, dict], None]:
