@@ -23,7 +23,7 @@ from sdk import transfers as tr
 from sdk.buffers import BufferPool
 from sdk.remote import RemoteBackend
 from sdk.shm import ClientArena
-from tests.server.conftest import key, make_blob
+from tests.server.conftest import key, make_blob, wait_for
 
 pytestmark = pytest.mark.skipif(
     not (shm.available() and usable_here()), reason="needs memfd, /proc and x86-64"
@@ -33,13 +33,6 @@ MiB = 2**20
 
 def cpu_hits(be: RemoteBackend) -> int:
     return next(t for t in be.stats()["tiers"] if t["name"] == "cpu")["hits"]
-
-
-def wait_for(cond, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
 
 
 def test_gets_and_leases_of_arena_blobs_need_no_request(server):
@@ -54,7 +47,7 @@ def test_gets_and_leases_of_arena_blobs_need_no_request(server):
         assert [bytes(b) for b in got] == [blobs[3], blobs[1]] and reasons == [None, None]
         assert got.headers == [verify_blob(b) for b in got]  # verified by the SDK as it copied
     assert be.counts["index"] == 3 and not seg.lent  # nothing was lent: nothing to give back
-    wait_for(lambda: cpu_hits(be) == 5)  # the server counted every read (TOUCH), as gets
+    wait_for(lambda: cpu_hits(be) == 5, timeout=5)  # the server counted every read (TOUCH), as gets
     text = urllib.request.urlopen(server.url + "/metrics").read().decode()
     assert 'kvstore_http_requests_total{op="get",status="200"} 1.0' in text
     assert 'kvstore_http_requests_total{op="batch_get",status="200"} 2.0' in text
@@ -90,7 +83,9 @@ def test_deleted_replaced_and_evicted_blobs_are_never_read_from_the_table(server
     be.put_blob(key(1), make_blob(2, tokens=4096))
     be.put_blob(key(1), make_blob(3, tokens=4096))  # replaced
     assert bytes(be.get_blob(key(1))) == make_blob(3, tokens=4096)
-    wait_for(lambda: cpu_hits(be) == 2)  # the reads' reports (their recency) land before what follows
+    wait_for(
+        lambda: cpu_hits(be) == 2, timeout=5
+    )  # the reads' reports (their recency) land before what follows
     for i in range(10, 20):  # 5 MiB more: key(1) is evicted
         be.put_blob(key(i), make_blob(i, tokens=4096))
     assert be.get_blob(key(1)) is None
@@ -234,7 +229,7 @@ def test_reads_through_the_table_refresh_recency(server_factory):
     for i in range(1, 4):  # 3 x 512 KiB
         be.put_blob(key(i), make_blob(i, tokens=4096))
     assert be.get_blob(key(1)) is not None and be.counts["index"] == 1
-    wait_for(lambda: cpu_hits(be) == 1)
+    wait_for(lambda: cpu_hits(be) == 1, timeout=5)
     be.put_blob(key(4), make_blob(4, tokens=4096))
     be.put_blob(key(5), make_blob(5, tokens=4096))  # over capacity: key(2) goes, not key(1)
     assert be.batch_exists([key(1), key(2)]) == [True, False]

@@ -18,7 +18,7 @@ from kvstore.errors import CorruptBlob, InvalidArgument, InvalidKey, TooLarge, U
 from sdk import dataplane as sdp
 from sdk.remote import RemoteBackend
 from sdk.store import Store
-from tests.server.conftest import key, make_blob
+from tests.server.conftest import key, make_blob, wait_for
 
 TOKEN = "t0ken"
 pytestmark = pytest.mark.skipif(not shm.available(), reason="needs memfd and /proc (Linux)")
@@ -269,15 +269,6 @@ def test_segments_go_with_their_connections(server):
     assert len(plane.shm) == 1 and memfds() > before
     be.close()
     wait_for(lambda: len(plane.shm) == 0 and plane.shm.used == 0 and memfds() == before)
-
-
-def wait_for(cond, timeout: float = 10.0) -> None:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.02)
 
 
 def test_calls_to_a_same_host_server_poll_before_sleeping_unless_told_not_to(server):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,14 @@ def make_blob(seed: int = 0, tokens: int = 16) -> bytes:
 
 def key(i: int) -> str:
     return f"{i:032x}"
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Poll `cond` until it holds; fail the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
 
 
 @dataclass
