@@ -448,3 +448,54 @@ void silu_and_mul(const float* x, int64_t ldx, float* out, int64_t ldo, int64_t 
         }
     }
 }
+
+/* ---- a decode step's decoder layers in one call ------------------------------------------------- */
+/* The same kernels, in the same order, as the per-layer Python path (LlamaDecoderLayer.forward), so
+ * the results are bit-identical; what it saves is ~10 Python calls per layer (measured: ~15 ms of a
+ * ~45 ms SmolLM2 batch-1 decode step on this CPU). One thread: the caller's. */
+typedef struct {
+    const uint16_t *qkv, *o, *gate_up, *down; /* packed 16-bit weights (pack_weight) */
+    const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias; /* fp32 or NULL */
+    const void *in_norm, *post_norm; /* RMSNorm weights, type norm_type */
+    void *k_cache, *v_cache;         /* this layer's [num_blocks, block_size, Hkv, D] caches */
+    int64_t window;                  /* sliding window, 0 = none */
+} DecodeLayer;
+
+typedef struct {
+    int64_t hidden, inter, Hq, Hkv, D, block_size, s_block, s_tok, s_head;
+    int64_t wtype, norm_type, kv_type;
+    float eps, scale;
+} DecodeShape;
+
+static void gemm_all(const float* x, int64_t ldx, const uint16_t* w, int wtype, const float* bias, float* y,
+                     int64_t M, int64_t N, int64_t K) {
+    gemm_w16(x, ldx, w, wtype, bias, y, N, M, N, K, 0, (N + NR - 1) / NR);
+}
+
+/* res [M, hidden]: the embeddings in, the residual stream out; x [M, hidden]: the last layer's MLP
+ * output (the model's final norm takes norm(x + res)). Scratch: normed [M, hidden], qkv [M, q + 2kv],
+ * attn [M, q], gu [M, 2 inter], act [M, inter]. One token per sequence: row b is sequence b. */
+void decode_layers(const DecodeLayer* layers, int64_t num_layers, const DecodeShape* s, float* res, float* x,
+                   float* normed, float* qkv, float* attn, float* gu, float* act, const int64_t* positions,
+                   const float* cos_sin, const int64_t* slots, const int32_t* block_tables, int64_t ld_table,
+                   const int32_t* context_lens, int64_t M) {
+    const int64_t H = s->hidden, I = s->inter, qs = s->Hq * s->D, kvs = s->Hkv * s->D, ldqkv = qs + 2 * kvs;
+    const int wt = (int)s->wtype, nt = (int)s->norm_type, kt = (int)s->kv_type;
+    for (int64_t l = 0; l < num_layers; l++) {
+        const DecodeLayer* L = layers + l;
+        if (l == 0) rms_norm(res, H, 0, 0, L->in_norm, nt, s->eps, normed, H, H, 0, M);
+        else rms_norm(x, H, res, H, L->in_norm, nt, s->eps, normed, H, H, 0, M);
+        gemm_all(normed, H, L->qkv, wt, L->qkv_bias, qkv, M, ldqkv, H);
+        rope(qkv, ldqkv, qkv + qs, ldqkv, positions, cos_sin, s->Hq, s->Hkv, s->D, 0, M);
+        store_kv(qkv + qs, ldqkv, qkv + qs + kvs, ldqkv, L->k_cache, L->v_cache, kt, s->s_block, s->s_tok, slots,
+                 s->block_size, kvs, 0, M);
+        paged_decode_attention(qkv, ldqkv, attn, qs, L->k_cache, L->v_cache, kt, s->s_block, s->s_tok, s->s_head,
+                               0, 0, block_tables, ld_table, context_lens, 0, s->scale, L->window, s->Hq, s->Hkv,
+                               s->D, s->block_size, 0, M);
+        gemm_all(attn, qs, L->o, wt, L->o_bias, x, M, H, qs);
+        rms_norm(x, H, res, H, L->post_norm, nt, s->eps, normed, H, H, 0, M);
+        gemm_all(normed, H, L->gate_up, wt, L->gate_up_bias, gu, M, 2 * I, H);
+        silu_and_mul(gu, 2 * I, act, I, I, 0, M);
+        gemm_all(act, I, L->down, wt, L->down_bias, x, M, H, I);
+    }
+}

@@ -15,6 +15,7 @@ from torch import nn
 
 from engine.attention_metadata import AttentionMetadata
 from engine.config import ModelConfig
+from engine.layers import cpu_ops
 from engine.layers.activation import SiluAndMul
 from engine.layers.attention import Attention
 from engine.layers.layernorm import RMSNorm
@@ -90,12 +91,49 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
+        self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList([LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # One table for all layers (as in HF); its positions are looked up once per step.
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
         self.act_dtype: torch.dtype | None = None  # None: the weights' dtype
+        # decode steps through one C call for all layers (set with the CPU kernels; built on first use,
+        # once the runner has assigned the KV cache)
+        self.use_fused_decode = False
+        self._fused: cpu_ops.FusedDecode | None = None
+
+    def _fused_decode(self) -> cpu_ops.FusedDecode | None:
+        attn = [layer.self_attn.attn for layer in self.layers]
+        cache = attn[0].kv_cache
+        if not (
+            self.use_fused_decode
+            and torch.get_num_threads() == 1
+            and cache.dim() == 5
+            and cache.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and all(a.use_cpu_kernels for a in attn)
+        ):
+            return None
+        if self._fused is None or self._fused.k_cache_ptr != cache.data_ptr():
+            cfg = self.config
+
+            def linear(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+                return m.packed, m._bias_f32
+
+            self._fused = cpu_ops.FusedDecode(
+                [
+                    cpu_ops.DecodeLayerWeights(
+                        linear(layer.self_attn.qkv_proj), linear(layer.self_attn.o_proj),
+                        linear(layer.mlp.gate_up_proj), linear(layer.mlp.down_proj),
+                        layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data,
+                        a.kv_cache[0], a.kv_cache[1], a.sliding_window,
+                    )  # fmt: skip
+                    for layer, a in zip(self.layers, attn, strict=True)
+                ],
+                num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                intermediate_size=cfg.intermediate_size, eps=cfg.rms_norm_eps, scale=attn[0].scale,
+            )  # fmt: skip
+        return self._fused
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
@@ -104,9 +142,16 @@ class LlamaModel(nn.Module):
         if self.act_dtype is not None:
             hidden_states = hidden_states.to(self.act_dtype)
         rope = self.rotary_emb(positions)
-        residual = None
-        for layer in self.layers:
-            hidden_states, residual = layer(rope, hidden_states, residual, attn_metadata)
+        fused = self._fused_decode() if attn_metadata.is_decode else None
+        if fused is not None:
+            hidden_states, residual = fused(
+                hidden_states.contiguous(), rope.positions, rope.cos_sin, attn_metadata.slot_mapping,
+                attn_metadata.block_tables, attn_metadata.context_lens,
+            )  # fmt: skip
+        else:
+            residual = None
+            for layer in self.layers:
+                hidden_states, residual = layer(rope, hidden_states, residual, attn_metadata)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -148,6 +193,7 @@ class LlamaForCausalLM(nn.Module):
             elif module is not self and hasattr(module, "process_weights_after_loading"):
                 module.process_weights_after_loading(w16)
         self.model.act_dtype = torch.float32 if w16 else None
+        self.model.use_fused_decode = w16
 
     @property
     def num_layers(self) -> int:
