@@ -41,12 +41,14 @@ class Attention(nn.Module):
         # on CPU under TRITON_INTERPRET=1, or the torch path on CUDA for comparison).
         self.use_triton: bool | None = None
         self.use_cpu_kernels = False
+        self.every_row = False  # prefill rows through the kernel too (see paged_attention)
 
-    def process_weights_after_loading(self, use_cpu_kernels: bool) -> None:
+    def process_weights_after_loading(self, use_cpu_kernels: bool, every_row: bool = False) -> None:
         group = self.num_heads // self.num_kv_heads
         self.use_cpu_kernels = (
             use_cpu_kernels and self.head_dim % 16 == 0 and self.head_dim <= 256 and group <= 16
         )
+        self.every_row = self.use_cpu_kernels and every_row
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_metadata: AttentionMetadata
@@ -82,6 +84,6 @@ class Attention(nn.Module):
             store_kvcache(k3, v3, cache, attn_metadata.slot_mapping, self.k_scale, self.v_scale)
         o = paged_attention(
             q3, cache, attn_metadata, self.scale, self.sliding_window, k3, v3, self.k_scale, self.v_scale,
-            use_cpu_kernels=kernels,
+            use_cpu_kernels=kernels, every_row=self.every_row,
         )  # fmt: skip
         return o.view(n, -1)

@@ -449,10 +449,11 @@ void silu_and_mul(const float* x, int64_t ldx, float* out, int64_t ldo, int64_t 
     }
 }
 
-/* ---- a decode step's decoder layers in one call ------------------------------------------------- */
-/* The same kernels, in the same order, as the per-layer Python path (LlamaDecoderLayer.forward), so
- * the results are bit-identical; what it saves is ~10 Python calls per layer (measured: ~15 ms of a
- * ~45 ms SmolLM2 batch-1 decode step on this CPU). One thread: the caller's. */
+/* ---- a step's decoder layers in one call ------------------------------------------------------- */
+/* The same kernels, in the same order, as the per-layer Python path (LlamaDecoderLayer.forward with
+ * every row's attention in paged_decode_attention), so the results are bit-identical; what it saves is
+ * ~10 Python calls per layer (measured: ~15 ms of a ~45 ms SmolLM2 batch-1 decode step on this CPU).
+ * One thread: the caller's. */
 typedef struct {
     const uint16_t *qkv, *o, *gate_up, *down; /* packed 16-bit weights (pack_weight) */
     const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias; /* fp32 or NULL */
@@ -474,8 +475,9 @@ static void gemm_all(const float* x, int64_t ldx, const uint16_t* w, int wtype, 
 
 /* res [M, hidden]: the embeddings in, the residual stream out; x [M, hidden]: the last layer's MLP
  * output (the model's final norm takes norm(x + res)). Scratch: normed [M, hidden], qkv [M, q + 2kv],
- * attn [M, q], gu [M, 2 inter], act [M, inter]. One token per sequence: row b is sequence b. */
-void decode_layers(const DecodeLayer* layers, int64_t num_layers, const DecodeShape* s, float* res, float* x,
+ * attn [M, q], gu [M, 2 inter], act [M, inter]. Row r stores its K/V at slots[r], then attends to the
+ * first context_lens[r] positions of the blocks in block_tables[r] (its position + 1). */
+void decoder_layers(const DecodeLayer* layers, int64_t num_layers, const DecodeShape* s, float* res, float* x,
                    float* normed, float* qkv, float* attn, float* gu, float* act, const int64_t* positions,
                    const float* cos_sin, const int64_t* slots, const int32_t* block_tables, int64_t ld_table,
                    const int32_t* context_lens, int64_t M) {

@@ -42,7 +42,7 @@ _SIGNATURES = {
     "rms_norm": [_ptr, _i64, _ptr, _i64, _ptr, _int, _f32, _ptr, _i64, _i64, _i64, _i64],
     "rope": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64],
     "silu_and_mul": [_ptr, _i64, _ptr, _i64, _i64, _i64, _i64],
-    "decode_layers": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64,
+    "decoder_layers": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64,
                       _ptr, _i64],
 }  # fmt: skip
 
@@ -272,7 +272,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-# ---- a decode step's decoder layers in one call -----------------------------------------------------
+# ---- a step's decoder layers in one call ------------------------------------------------------------
 class _DecodeLayer(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in (
         "qkv", "o", "gate_up", "down", "qkv_bias", "o_bias", "gate_up_bias", "down_bias", "in_norm", "post_norm",
@@ -287,7 +287,7 @@ class _DecodeShape(ctypes.Structure):
 
 @dataclass
 class DecodeLayerWeights:
-    """What `decode_layers` reads of one decoder layer: packed weights [panels, K, 32] with their fp32
+    """What `decoder_layers` reads of one decoder layer: packed weights [panels, K, 32] with their fp32
     biases (or None), the two RMSNorm weights, the layer's K and V caches and its sliding window."""
 
     qkv: tuple[torch.Tensor, torch.Tensor | None]
@@ -301,9 +301,9 @@ class DecodeLayerWeights:
     window: int | None
 
 
-class FusedDecode:
-    """Every decoder layer of a decode step (one new token per sequence) in one C call, running the
-    same kernels in the same order as the layer-by-layer path (bit-identical results) without its
+class FusedLayers:
+    """Every decoder layer of a step in one C call, running the same kernels in the same order as the
+    layer-by-layer path with every row's attention in the kernel (bit-identical results), without its
     ~10 Python calls per layer. Single-threaded: use it when torch runs one intra-op thread."""
 
     def __init__(self, layers: list[DecodeLayerWeights], *, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -344,7 +344,8 @@ class FusedDecode:
     def __call__(self, res: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, slots: torch.Tensor,
                  block_tables: torch.Tensor, context_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """res [M, hidden] fp32 embeddings (becomes the residual stream, in place) -> (the last layer's
-        MLP output, res); the model's final norm is of their sum."""
+        MLP output, res); the model's final norm is of their sum. Row r's attention: `block_tables[r]`
+        and `context_lens[r]` (AttentionPlan.per_row)."""
         _rows(res)
         m = res.shape[0]
         assert res.is_contiguous() and m == positions.shape[0] == slots.shape[0] == context_lens.shape[0]
@@ -359,7 +360,7 @@ class FusedDecode:
         x, normed = torch.empty(m, hidden), torch.empty(m, hidden)
         qkv, attn = torch.empty(m, qs + 2 * kvs), torch.empty(m, qs)
         gu, act = torch.empty(m, 2 * inter), torch.empty(m, inter)
-        _lib().decode_layers(ctypes.addressof(self._table), self.num_layers, ctypes.addressof(self._shape),
+        _lib().decoder_layers(ctypes.addressof(self._table), self.num_layers, ctypes.addressof(self._shape),
                              res.data_ptr(), x.data_ptr(), normed.data_ptr(), qkv.data_ptr(), attn.data_ptr(),
                              gu.data_ptr(), act.data_ptr(), positions.data_ptr(), cos_sin.data_ptr(),
                              slots.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),

@@ -92,8 +92,31 @@ class AttentionPlan:
     decode: _Decode | None
     prefills: list[_Prefill]
     block_size: int
+    meta: AttentionMetadata
     _masks: dict = field(default_factory=dict)
     _buffers: dict = field(default_factory=dict)
+    _per_row: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def per_row(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block tables [N, blocks] int32, context lengths [N] int32) of every row of q: row r at
+        position p of sequence i has sequence i's table and context p + 1, so the decode kernel gives
+        each row causal attention over the cache (the step's K/V stored first)."""
+        if self._per_row is None:
+            meta = self.meta
+            if meta.is_decode:  # one row per sequence: the step's own tables
+                self._per_row = (meta.block_tables, meta.context_lens)
+            else:
+                cu, ctx = meta.cu_seqlens_q.tolist(), meta.context_lens.tolist()
+                seq, lens = [], []
+                for i, c in enumerate(ctx):
+                    n = cu[i + 1] - cu[i]
+                    seq += [i] * n
+                    lens += range(c - n + 1, c + 1)
+                dev = meta.block_tables.device
+                tables = meta.block_tables.index_select(0, torch.tensor(seq, dtype=torch.long, device=dev))
+                self._per_row = (tables.contiguous(), torch.tensor(lens, dtype=torch.int32, device=dev))
+        return self._per_row
 
     def gather(self, cache: torch.Tensor, block_ids: torch.Tensor, which: str) -> torch.Tensor:
         """cache: [num_blocks, block_size, H, D] -> [len(block_ids) * block_size, H, D], copied into a
@@ -162,7 +185,7 @@ def build_plan(meta: AttentionMetadata) -> AttentionPlan:
         if n > 1:
             nb = (ctx[i] + bs - 1) // bs
             prefills.append(_Prefill(row=cu[i], q_len=n, context_len=ctx[i], block_ids=tables[i, :nb].long()))
-    return AttentionPlan(decode=decode, prefills=prefills, block_size=bs)
+    return AttentionPlan(decode=decode, prefills=prefills, block_size=bs, meta=meta)
 
 
 def get_plan(meta: AttentionMetadata) -> AttentionPlan:
@@ -185,19 +208,29 @@ def paged_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     use_cpu_kernels: bool = False,
+    every_row: bool = False,
 ) -> torch.Tensor:
     """q: [N, num_heads, head_dim] for the step's new tokens (their K/V already stored).
     Returns [N, num_heads, head_dim]. With the new tokens' `key`/`value` ([N, num_kv_heads,
     head_dim]) a prefill that starts at position 0 attends to them (rounded through the cache
     dtype) instead of gathering the same values back from the cache. `k_scale`/`v_scale`
     ([num_kv_heads] fp32) dequantise an fp8 cache. `use_cpu_kernels` runs the decode rows through
-    `cpu_ops.paged_decode_attention` (fp32 q on CPU)."""
+    `cpu_ops.paged_decode_attention` (fp32 q on CPU); with `every_row` the prefill rows too, each one
+    on its own: a row's result then depends only on the cache up to its position, never on how the
+    prompt was chunked or batched (the 16-bit CPU path, where that makes KV loaded from a store and KV
+    recomputed bit-identical)."""
     plan = get_plan(meta)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if use_cpu_kernels and every_row:
+        tables, lens = plan.per_row
+        cpu_ops.paged_decode_attention(
+            q, out, k_cache, v_cache, tables, lens, None, scale, sliding_window, k_scale, v_scale
+        )
+        return out
 
     d = plan.decode
     if d is not None and use_cpu_kernels:

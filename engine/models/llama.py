@@ -20,6 +20,7 @@ from engine.layers.activation import SiluAndMul
 from engine.layers.attention import Attention
 from engine.layers.layernorm import RMSNorm
 from engine.layers.linear import MergedLinear, QKVLinear, RowLinear
+from engine.layers.paged_attention import get_plan
 from engine.layers.rotary_embedding import RoPEStep, RotaryEmbedding
 
 
@@ -98,20 +99,20 @@ class LlamaModel(nn.Module):
         # One table for all layers (as in HF); its positions are looked up once per step.
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
         self.act_dtype: torch.dtype | None = None  # None: the weights' dtype
-        # decode steps through one C call for all layers (set with the CPU kernels; built on first use,
-        # once the runner has assigned the KV cache)
-        self.use_fused_decode = False
-        self._fused: cpu_ops.FusedDecode | None = None
+        # every layer of a step in one C call (set with 16-bit weights on the CPU kernels; built on
+        # first use, once the runner has assigned the KV cache)
+        self.use_fused_layers = False
+        self._fused: cpu_ops.FusedLayers | None = None
 
-    def _fused_decode(self) -> cpu_ops.FusedDecode | None:
+    def _fused_layers(self) -> cpu_ops.FusedLayers | None:
         attn = [layer.self_attn.attn for layer in self.layers]
         cache = attn[0].kv_cache
         if not (
-            self.use_fused_decode
+            self.use_fused_layers
             and torch.get_num_threads() == 1
             and cache.dim() == 5
             and cache.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and all(a.use_cpu_kernels for a in attn)
+            and all(a.every_row for a in attn)
         ):
             return None
         if self._fused is None or self._fused.k_cache_ptr != cache.data_ptr():
@@ -120,7 +121,7 @@ class LlamaModel(nn.Module):
             def linear(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
                 return m.packed, m._bias_f32
 
-            self._fused = cpu_ops.FusedDecode(
+            self._fused = cpu_ops.FusedLayers(
                 [
                     cpu_ops.DecodeLayerWeights(
                         linear(layer.self_attn.qkv_proj), linear(layer.self_attn.o_proj),
@@ -142,12 +143,17 @@ class LlamaModel(nn.Module):
         if self.act_dtype is not None:
             hidden_states = hidden_states.to(self.act_dtype)
         rope = self.rotary_emb(positions)
-        fused = self._fused_decode() if attn_metadata.is_decode else None
+        fused = self._fused_layers()
         if fused is not None:
+            tables, lens = get_plan(attn_metadata).per_row
             hidden_states, residual = fused(
-                hidden_states.contiguous(), rope.positions, rope.cos_sin, attn_metadata.slot_mapping,
-                attn_metadata.block_tables, attn_metadata.context_lens,
-            )  # fmt: skip
+                hidden_states.contiguous(),
+                rope.positions,
+                rope.cos_sin,
+                attn_metadata.slot_mapping,
+                tables,
+                lens,
+            )
         else:
             residual = None
             for layer in self.layers:
@@ -187,13 +193,13 @@ class LlamaForCausalLM(nn.Module):
         tied = self.config.tie_word_embeddings
         for module in self.modules():
             if isinstance(module, Attention):
-                module.process_weights_after_loading(use_cpu_kernels)
+                module.process_weights_after_loading(use_cpu_kernels, every_row=w16)
             elif module is self.lm_head:
                 module.process_weights_after_loading(w16, keep_weight=tied)
             elif module is not self and hasattr(module, "process_weights_after_loading"):
                 module.process_weights_after_loading(w16)
         self.model.act_dtype = torch.float32 if w16 else None
-        self.model.use_fused_decode = w16
+        self.model.use_fused_layers = w16
 
     @property
     def num_layers(self) -> int:
