@@ -154,3 +154,24 @@ def test_token_file_env_and_a_rejected_token(smollm2_dir: Path, tmp_path: Path) 
         assert h0 == 0 and n1 == n and (n - 1) // 128 * 128 <= h1 <= (n - 1) // 16 * 16 and h1 > 0
     finally:
         server.stop()
+
+
+def test_a_connector_shortens_the_gil_switch_interval(tiny_engine_dir: Path) -> None:
+    """With the connector's threads running Python, the engine thread would wait up to 5 ms for the
+    GIL after each kernel call (measured on the short-turn chat); the engine bounds that at 1 ms."""
+    from engine import LLM
+    from engine.llm_engine import GIL_SWITCH_S
+
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        llm = LLM(str(tiny_engine_dir), num_kv_blocks=16, max_model_len=64)
+        llm.shutdown()
+        assert sys.getswitchinterval() == 0.005  # no connector: left alone
+        ktc = {"kv_connector": "KVStoreConnector", "kv_role": "kv_both",
+               "kv_connector_extra_config": {"store_url": "local"}}  # fmt: skip
+        llm = LLM(str(tiny_engine_dir), num_kv_blocks=16, max_model_len=64, kv_transfer_config=ktc)
+        llm.shutdown()
+        assert sys.getswitchinterval() == pytest.approx(GIL_SWITCH_S)
+    finally:
+        sys.setswitchinterval(before)
