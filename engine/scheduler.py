@@ -27,6 +27,12 @@ from engine.sequence import Sequence, SequenceStatus
 logger = logging.getLogger(__name__)
 
 
+# What a store hit leaves each running sequence to grow into, at most (see _growth_reserve). Measured
+# on the short-turn chat (bench_ttft.py, bf16, 2 A/B pairs): one block each, 31-35 preemptions per run;
+# up to 8 blocks, 24 and the run 4-6% faster.
+HIT_RESERVE_BLOCKS = 8
+
+
 @dataclass
 class SchedulerConfig:
     max_num_batched_tokens: int = 512
@@ -136,9 +142,9 @@ class Scheduler:
             if self.connector is not None:
                 num_external, load_async = self.connector.get_num_new_matched_tokens(seq, num_computed)
             num_new = 0 if load_async else min(seq.num_tokens - num_computed - num_external, budget)
-            # a store hit claims its whole prefix in one step: it must leave each running sequence room
-            # for its next block, or it only preempts them (and they recompute)
-            reserve = len(self.running) + len(self.loading) if num_external else 0
+            # a store hit claims its whole prefix in one step: it must leave the running sequences room
+            # to grow, or it only preempts them (and they recompute)
+            reserve = self._growth_reserve() if num_external else 0
             if not bm.allocate_slots(seq, num_external + num_new, computed, reserve):
                 break
             if self.connector is not None:  # loaded by the runner before this step's forward
@@ -170,6 +176,17 @@ class Scheduler:
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
+
+    def _growth_reserve(self) -> int:
+        """Free blocks a store hit must leave: each running sequence's blocks up to the end of its
+        max_tokens, at least one (its next) and at most HIT_RESERVE_BLOCKS; one per loading one."""
+        bs = self.block_manager.block_size
+        total = len(self.loading)
+        for seq in self.running:
+            remaining = seq.sampling_params.max_tokens - seq.num_output_tokens
+            end = min(seq.num_tokens + remaining, self.config.max_model_len)
+            total += min(max(1, -(-end // bs) - len(seq.block_table)), HIT_RESERVE_BLOCKS)
+        return total
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)

@@ -246,3 +246,36 @@ def test_a_store_hit_is_not_admitted_into_the_room_the_running_ones_grow_into():
     assert a.is_finished and b.is_finished and hit.is_finished
     first = next(i for i, out in enumerate(log) if any(s.seq is hit for s in out.scheduled))
     assert first > 0, "admitted beside a and b although it would take the blocks they grow into"
+
+
+def test_a_store_hit_leaves_room_for_the_running_ones_to_reach_max_tokens():
+    """Room for one more block each would admit the hit here, and a and b (growing from 4 to 6 blocks)
+    would preempt it or each other two steps later; the hit waits for room to their max_tokens."""
+    bm = BlockManager(14, BS, enable_prefix_caching=False)
+    sched = Scheduler(SchedulerConfig(64, 8, 256), bm, eos_token_ids={EOS}, connector=PrefixFromStore())
+    a, b = seq("a", 16, max_tokens=8), seq("b", 16, start=40, max_tokens=8)
+    hit = seq("hit", 13, start=70, max_tokens=4)
+    log: list = []
+    run(sched, [a, b, hit], log)
+    assert sched.num_preemptions == 0
+    first = next(i for i, out in enumerate(log) if any(s.seq is hit for s in out.scheduled))
+    assert first >= 7, first  # a and b finish their 8 tokens first
+
+
+def test_the_growth_reserve_is_capped():
+    """A running sequence with a long max_tokens reserves at most HIT_RESERVE_BLOCKS: a hit that fits
+    beside that is admitted while it runs."""
+    from engine.scheduler import HIT_RESERVE_BLOCKS
+
+    bm = BlockManager(5 + HIT_RESERVE_BLOCKS + 4, BS, enable_prefix_caching=False)
+    assert bm.num_blocks - 5 - 4 < (16 + 200) // BS - 4  # uncapped, long's growth would not fit
+    sched = Scheduler(SchedulerConfig(64, 8, 256), bm, eos_token_ids={EOS}, connector=PrefixFromStore())
+    long = seq("long", 16, max_tokens=200)  # would grow by 50 blocks
+    hit = seq("hit", 13, start=70, max_tokens=4)
+    for s in (long, hit):
+        sched.add_sequence(s)
+    log: list = []
+    for _ in range(3):
+        step(sched, log)
+    assert any(s.seq is hit for out in log for s in out.scheduled)
+    assert long in sched.running and sched.num_preemptions == 0
