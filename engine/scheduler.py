@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from connectors.base import KVConnectorBase
-from engine.block_manager import BlockManager
+from engine.block_manager import BlockManager, cdiv
 from engine.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
@@ -185,7 +185,7 @@ class Scheduler:
         for seq in self.running:
             remaining = seq.sampling_params.max_tokens - seq.num_output_tokens
             end = min(seq.num_tokens + remaining, self.config.max_model_len)
-            total += min(max(1, -(-end // bs) - len(seq.block_table)), HIT_RESERVE_BLOCKS)
+            total += min(max(1, cdiv(end, bs) - len(seq.block_table)), HIT_RESERVE_BLOCKS)
         return total
 
     def _preempt(self, seq: Sequence) -> None:

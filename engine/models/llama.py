@@ -105,18 +105,17 @@ class LlamaModel(nn.Module):
         self._fused: cpu_ops.FusedLayers | None = None
 
     def _fused_layers(self) -> cpu_ops.FusedLayers | None:
-        attn = [layer.self_attn.attn for layer in self.layers]
-        cache = attn[0].kv_cache
+        cache = self.layers[0].self_attn.attn.kv_cache
         if not (
             self.use_fused_layers
             and torch.get_num_threads() == 1
             and cache.dim() == 5
             and cache.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and all(a.every_row for a in attn)
         ):
             return None
         if self._fused is None or self._fused.k_cache_ptr != cache.data_ptr():
             cfg = self.config
+            attn = [layer.self_attn.attn for layer in self.layers]
 
             def linear(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
                 return m.packed, m._bias_f32
@@ -199,7 +198,9 @@ class LlamaForCausalLM(nn.Module):
             elif module is not self and hasattr(module, "process_weights_after_loading"):
                 module.process_weights_after_loading(w16)
         self.model.act_dtype = torch.float32 if w16 else None
-        self.model.use_fused_layers = w16
+        self.model.use_fused_layers = w16 and all(
+            layer.self_attn.attn.every_row for layer in self.model.layers
+        )
 
     @property
     def num_layers(self) -> int:
