@@ -96,6 +96,11 @@ class KVConnectorBase(ABC):
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         """Everything the worker must load/save this step; resets the scheduler-side step state."""
 
+    def request_preempted(self, request: ConnectorRequest, block_ids: Sequence[int]) -> None:  # noqa: B027
+        """`request` is about to lose `block_ids` to preemption (vLLM tells its connectors through
+        `scheduler_output.preempted_req_ids`, after the fact); what to save of them goes out with
+        this step's metadata and `handle_preemptions` copies it before the blocks are reused."""
+
     @abstractmethod
     def request_finished(
         self, request: ConnectorRequest, block_ids: Sequence[int]
@@ -116,6 +121,10 @@ class KVConnectorBase(ABC):
     @abstractmethod
     def register_kv_caches(self, kv_caches: Sequence[torch.Tensor]) -> None:
         """One tensor per layer, `[2, num_blocks, block_size, num_kv_heads, head_dim]`."""
+
+    def handle_preemptions(self) -> None:  # noqa: B027 (optional hook, vLLM's name)
+        """Before this step's loads and forward: copy out what `request_preempted` asked to keep of
+        blocks that this step may overwrite."""
 
     @abstractmethod
     def start_load_kv(self, **kwargs: Any) -> None:

@@ -3,11 +3,11 @@
 Per request it keeps the chained chunk keys of its tokens (extended as it grows) and a save
 watermark: chunks below it are in the store already (the lookup said so) or have been handed to the
 worker for saving. Each step, every chunk that became full is scheduled for saving exactly once;
-that covers prompt chunks, generated chunks, and the KV of a request about to be preempted (its full
-chunks are already on their way to the store when its blocks are freed, so it resumes by loading
-rather than recomputing). When a request finishes, its trailing partial chunk (block-aligned) is
-saved too, under Spec 1's partial key, so that the next turn of a conversation loads it
+that covers prompt chunks and generated chunks. When a request finishes, its trailing partial chunk
+(block-aligned) is saved too, under Spec 1's partial key, so that the next turn of a conversation loads it
 (`connectors.prefix`); a saved chunk replaces the shorter partials of the same chunk it supersedes.
+A preempted request's full chunks are in the store already; `request_preempted` saves its partial
+chunk as well (copied out before the blocks are reused), so it resumes by loading, not recomputing.
 
 `build_connector_meta` reads the engine's scheduler output duck-typed: `.scheduled` is a list of
 items with `.seq` (the request: `request_id`, `all_token_ids`, `block_table`, `num_computed_tokens`
@@ -58,6 +58,7 @@ class KVStoreScheduler:
         self._with_saves: set[str] = set()  # requests with chunks handed to the worker for saving
         self._loads: list[LoadSpec] = []
         self._finished_saves: list[SaveSpec] = []  # partial chunks of finished requests, for the next meta
+        self._preempt_saves: list[SaveSpec] = []  # partial chunks of requests preempted this step
 
     def _chunk_keys(self, request: ConnectorRequest) -> ChunkKeys:
         ck = self._keys.get(request.request_id)
@@ -145,8 +146,8 @@ class KVStoreScheduler:
         return tuple(keys.partial_keys(tokens, chunk, range(self.block_size, num_tokens, self.block_size)))
 
     def build_connector_meta(self, scheduler_output: Any) -> StepTransfers:
-        step = StepTransfers(loads=self._loads, saves=self._finished_saves)
-        self._loads, self._finished_saves = [], []
+        step = StepTransfers(loads=self._loads, saves=self._finished_saves, preempt_saves=self._preempt_saves)
+        self._loads, self._finished_saves, self._preempt_saves = [], [], []
         if not self.config.saves:
             return step
         cs, bpc = self.chunk_size, self.chunk_size // self.block_size
@@ -184,6 +185,17 @@ class KVStoreScheduler:
         assert len(blocks) == n // bs, (len(blocks), n)
         replaces = self._replaced_partials(keys, tokens, chunk, n)
         return SaveSpec(request.request_id, key, chunk, blocks, partial=True, replaces=replaces)
+
+    def request_preempted(self, request: ConnectorRequest, block_ids: Sequence[int]) -> None:
+        """`request` is preempted: its blocks are about to be freed, `num_computed_tokens` still counts
+        its KV. Its trailing partial chunk goes out with this step's metadata, copied out before
+        anything can overwrite the blocks (the full chunks before it were saved as they filled)."""
+        rid = request.request_id
+        if not (self.config.saves and self.config.partial_chunks and rid in self._keys):
+            return
+        spec = self._partial_save(request, block_ids, self._saved.get(rid, 0))
+        if spec is not None:
+            self._preempt_saves.append(spec)
 
     def request_finished(
         self, request: ConnectorRequest, block_ids: Sequence[int]

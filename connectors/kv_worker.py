@@ -106,6 +106,11 @@ class KVStoreWorker:
         self.kv_caches = list(kv_caches)
         self.geometry = geo
 
+    def handle_preemptions(self, step: StepTransfers) -> None:
+        if step.preempt_saves:
+            assert self.geometry is not None, "register_kv_caches() first"
+            self.saver.copy_out(self.kv_caches, step.preempt_saves)
+
     # ---- loads --------------------------------------------------------------------------------
     def start_load_kv(self, step: StepTransfers) -> None:
         if not step.loads:

@@ -80,6 +80,9 @@ class KVStoreConnector(KVConnectorBase):
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         return KVConnectorMetadata({_TRANSFERS: self.scheduler.build_connector_meta(scheduler_output)})
 
+    def request_preempted(self, request: ConnectorRequest, block_ids: Sequence[int]) -> None:
+        self.scheduler.request_preempted(request, block_ids)
+
     def request_finished(
         self, request: ConnectorRequest, block_ids: Sequence[int]
     ) -> tuple[bool, dict[str, Any] | None]:
@@ -91,6 +94,9 @@ class KVStoreConnector(KVConnectorBase):
 
     def register_kv_caches(self, kv_caches: Sequence[torch.Tensor]) -> None:
         self.worker.register_kv_caches(kv_caches)
+
+    def handle_preemptions(self) -> None:
+        self.worker.handle_preemptions(self._transfers())
 
     def start_load_kv(self, **kwargs: Any) -> None:
         self.worker.start_load_kv(self._transfers())

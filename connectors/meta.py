@@ -43,9 +43,14 @@ class SaveSpec:
 
 @dataclass
 class StepTransfers:
+    """`preempt_saves`: trailing partial chunks of requests preempted while scheduling this step;
+    their blocks are already free, so they are copied out before this step's loads and forward
+    (`handle_preemptions`) can overwrite them. `saves` are copied out after the forward."""
+
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    preempt_saves: list[SaveSpec] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
-        return not self.loads and not self.saves
+        return not self.loads and not self.saves and not self.preempt_saves

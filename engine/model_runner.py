@@ -120,6 +120,7 @@ class ModelRunner:
         connector = self.connector
         assert connector is not None
         connector.bind_connector_metadata(kv_connector_metadata)
+        connector.handle_preemptions()
         connector.start_load_kv()
         connector.wait_for_save()
         self.invalid_block_ids = connector.get_block_ids_with_load_errors()
@@ -134,6 +135,7 @@ class ModelRunner:
         connector = self.connector
         if connector is not None:  # load this step's external KV into its blocks before the forward
             connector.bind_connector_metadata(out.kv_connector_metadata)
+            connector.handle_preemptions()  # blocks freed by this step's preemptions, before reuse
             connector.start_load_kv()
             for layer in range(self.kv_cache.shape[0]):
                 connector.wait_for_layer_load(layer)

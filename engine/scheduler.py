@@ -8,7 +8,8 @@ recomputed. Waiting sequences are admitted while budget, `max_num_seqs` and bloc
 
 Where a KV connector (DESIGN.md, Spec 5) plugs in, marked below: `get_num_new_matched_tokens` after
 the local prefix lookup, `update_state_after_alloc` after allocation, `build_connector_meta` at the
-end of `schedule`, and `request_finished` in `_finish` before blocks are freed. When the connector
+end of `schedule`, `request_finished` in `_finish` and `request_preempted` in `_preempt`, each before
+blocks are freed (with a store, a preempted sequence resumes by loading its KV). When the connector
 loads asynchronously, an admitted sequence waits in `loading` (WAITING_FOR_REMOTE_KVS) holding its
 blocks, while the others keep running; `finish_loads` moves it to `running` once its KV has arrived.
 """
@@ -189,6 +190,8 @@ class Scheduler:
         return total
 
     def _preempt(self, seq: Sequence) -> None:
+        if self.connector is not None:  # it may keep what the blocks hold before they are reused
+            self.connector.request_preempted(seq, seq.block_table)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0

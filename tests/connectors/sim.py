@@ -104,6 +104,13 @@ class MiniEngine:
         delay, _ = self.scheduler.request_finished(req, req.block_table)
         return delay
 
+    def preempt(self, req: Req) -> None:
+        """The engine's preemption: the connector hears of it, then the blocks are free (the next
+        allocation takes them first) and the request starts over."""
+        self.scheduler.request_preempted(req, req.block_table)
+        self.free += req.block_table[::-1]
+        req.block_table, req.num_computed_tokens, req.num_preemptions = [], 0, req.num_preemptions + 1
+
     # -- one engine step: loads, forward (writes truth KV), saves --------------------------------
     def step(self, work: list[tuple[Req, int]]) -> set[int]:
         for r, n in work:  # blocks for the new tokens (a decode step may cross into a new block)
@@ -112,6 +119,7 @@ class MiniEngine:
         out = SchedulerOutput([Scheduled(r, n) for r, n in work])
         meta = self.scheduler.build_connector_meta(out)
         self.worker.bind_connector_metadata(meta)
+        self.worker.handle_preemptions()
         self.worker.start_load_kv()
         for layer in range(LAYERS):
             self.worker.wait_for_layer_load(layer)

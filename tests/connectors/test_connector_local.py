@@ -109,6 +109,41 @@ def test_generated_chunks_are_saved_and_a_preempted_request_reloads(engines, spy
     assert snap["kvstore_connector_skipped_saves_total"] == 0
 
 
+def test_a_preempted_request_keeps_its_partial_chunk_though_the_step_reuses_its_blocks(engines) -> None:
+    config = make_config(local_cpu_capacity="64MiB")
+    eng = engines(config)
+    req = Req("r1", prompt(300, seed=4))
+    eng.prefill(req)  # chunk 0 saved as it filled; tokens 256..300 only in the engine's blocks
+    gen = prompt(10, seed=5)
+    for t in gen:  # decode to 310 computed tokens (the 311th is sampled, not computed)
+        req.all_token_ids.append(t)
+        eng.step([(req, 1)])
+    req.all_token_ids.append(7)
+    old_blocks = list(req.block_table)
+    eng.preempt(req)
+    other = Req("r2", prompt(400, seed=6))  # takes the freed blocks and writes its own KV into them
+    eng.admit(other, use_external=False)
+    assert set(old_blocks) <= set(other.block_table)
+    eng.step([(other, 400)])
+    eng.worker.flush()
+    snap = eng.worker.metrics.snapshot()
+    assert snap["kvstore_connector_partial_chunks_total{event=saved}"] == 1
+    # resume: chunk 0 and the 48-token partial (310 computed, block-aligned: 304 -> 48 of chunk 1)
+    assert eng.admit(req) == 304
+    eng.step([(req, 311 - 304)])
+    assert kv_equal(eng, req, 0, 311), "the partial holds the preempted KV, not what reused its blocks"
+    # without partial chunks a preemption saves nothing beyond the full chunks
+    plain = engines(make_config(local_cpu_capacity="64MiB", partial_chunks=False), seed=3)
+    req3 = Req("r3", prompt(300, seed=8))
+    plain.prefill(req3)
+    plain.preempt(req3)
+    plain.step([])
+    plain.worker.flush()
+    snap = plain.worker.metrics.snapshot()  # the same store as eng's: the same metrics
+    assert snap["kvstore_connector_partial_chunks_total{event=saved}"] == 1
+    assert plain.admit(req3) == 256
+
+
 def test_finished_request_frees_its_blocks_once_copied_out_while_the_save_still_runs(
     engines, spy_store
 ) -> None:

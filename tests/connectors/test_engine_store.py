@@ -39,7 +39,8 @@ def test_working_set_four_times_the_kv_memory_reuses_prefixes_via_the_store(off)
     """9 documents of ~306 tokens through 39 blocks (624 tokens): 4.4x the engine's KV memory.
 
     The engine's own prefix cache is off, so every reuse below is the store's: requests preempted
-    for memory come back by loading their saved chunk, and the second pass loads every document's.
+    for memory come back by loading their saved chunks (the partial one saved at preemption too),
+    and the second pass loads every document's.
     """
     docs = [doc(300, 10 + i) for i in range(9)]
     want = generate(off, docs)
@@ -54,6 +55,9 @@ def test_working_set_four_times_the_kv_memory_reuses_prefixes_via_the_store(off)
         assert first["kvstore_connector_preempted_hits_total"] > 0, (
             "preempted requests reloaded from the store"
         )
+        # full chunks alone come back in multiples of 256 tokens: the rest is the partial chunk that
+        # the connector copied out when the request was preempted
+        assert first["kvstore_connector_preempted_hits_total"] % 256 != 0
         assert generate(small, docs) == want  # the same documents again
         second = store_metrics(small)
     finally:
