@@ -179,105 +179,124 @@ static inline const char* kv_row(const PagedKV* c, const void* base, int64_t pos
            (c->table[pos / c->block_size] * c->s_block + (pos % c->block_size) * c->s_tok + h * c->s_head) * c->esz;
 }
 
-/* One KV head of one sequence: its G query heads attend to positions [first, first + n). Two passes
- * over the blocks (scores, then the weighted sum of V) with a softmax in between; `scores` holds G*n.
- * G and D16 are compile-time constants in the specialised copies below, so q, the accumulators and
- * the K/V rows stay in registers. */
-static inline __attribute__((always_inline)) void attend_head(const PagedKV* c, const float* q, int64_t ldh,
-                                                              float* out, int64_t h, int64_t first, int64_t n,
-                                                              float ks, float vs, float* scores, const int G,
-                                                              const int D16, const int kv_type) {
-    __m512 qv[MAX_G][MAX_D16];
-#pragma GCC unroll 16
-    for (int g = 0; g < G; g++)
-#pragma GCC unroll 16
-        for (int d = 0; d < D16; d++) qv[g][d] = _mm512_mul_ps(_mm512_loadu_ps(q + g * ldh + d * 16), _mm512_set1_ps(ks));
+/* One sequence, all its KV heads: query head h*G + g (G per KV head) attends to positions
+ * [first, first + n). Two passes over the blocks (scores, then the weighted sum of V) with a softmax
+ * in between. Each pass walks the blocks once and does every head inside a block before the next
+ * block, so a block's rows (all heads, contiguous) are read together: the blocks of a sequence lie
+ * anywhere in the cache, and a head-by-head walk re-streams every block once per head. Per query head
+ * the arithmetic (and its order) is that of a head-at-a-time loop. G and D16 are compile-time
+ * constants in the specialised copies below, so the head's q, accumulators and K/V rows stay in
+ * registers. scores: [Hkv*G, n]; part: [Hkv*G, 16] and accs: [Hkv*G, D16] vectors of scratch. */
+static inline __attribute__((always_inline)) void attend_seq(const PagedKV* c, const float* q, float* out,
+                                                             int64_t Hkv, int64_t first, int64_t n,
+                                                             const float* ks, const float* vs, float* scores,
+                                                             __m512* part, __m512* accs, const int G,
+                                                             const int D16, const int kv_type) {
+    const int64_t D = D16 * 16, bs = c->block_size, tok = c->s_tok * c->esz, head = c->s_head * c->esz;
     /* pass 1: q.k per token, 16 tokens' partial vectors summed at once (hsum16) */
-    __m512 part[MAX_G][16];
-    for (int64_t t = 0, pos = first; t < n;) {
-        const int64_t off = pos % c->block_size, len = c->block_size - off < n - t ? c->block_size - off : n - t;
-        const char* kp = kv_row(c, c->k_cache, pos, h);
-        for (int64_t j = 0; j < len; j++, t++, kp += c->s_tok * c->esz) {
-            __m512 kv[MAX_D16];
+    for (int64_t t0 = 0, pos = first; t0 < n;) {
+        const int64_t len = bs - pos % bs < n - t0 ? bs - pos % bs : n - t0;
+        const char* row = kv_row(c, c->k_cache, pos, 0);
+        for (int64_t h = 0; h < Hkv; h++) {
+            __m512 qv[MAX_G][MAX_D16];
 #pragma GCC unroll 16
-            for (int d = 0; d < D16; d++) kv[d] = load16(kp + d * 16 * c->esz, kv_type);
-            const int slot = (int)(t & 15);
+            for (int g = 0; g < G; g++)
 #pragma GCC unroll 16
-            for (int g = 0; g < G; g++) {
-                __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
+                for (int d = 0; d < D16; d++)
+                    qv[g][d] = _mm512_mul_ps(_mm512_loadu_ps(q + (h * G + g) * D + d * 16), _mm512_set1_ps(ks[h]));
+            __m512* ph = part + h * G * 16;
+            const char* kp = row + h * head;
+            for (int64_t j = 0; j < len; j++, kp += tok) {
+                const int64_t t = t0 + j;
+                __m512 kv[MAX_D16];
 #pragma GCC unroll 16
-                for (int d = 1; d < D16; d++) acc = _mm512_fmadd_ps(qv[g][d], kv[d], acc);
-                part[g][slot] = acc;
-            }
-            if (slot == 15 || t == n - 1) {
-                const int64_t base = t - slot;
-                const __mmask16 mk = lane_mask(slot + 1);
+                for (int d = 0; d < D16; d++) kv[d] = load16(kp + d * 16 * c->esz, kv_type);
+                const int slot = (int)(t & 15);
+#pragma GCC unroll 16
                 for (int g = 0; g < G; g++) {
-                    for (int i = slot + 1; i < 16; i++) part[g][i] = _mm512_setzero_ps();
-                    _mm512_mask_storeu_ps(scores + g * n + base, mk, hsum16(part[g]));
+                    __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
+#pragma GCC unroll 16
+                    for (int d = 1; d < D16; d++) acc = _mm512_fmadd_ps(qv[g][d], kv[d], acc);
+                    ph[g * 16 + slot] = acc;
+                }
+                if (slot == 15 || t == n - 1) {
+                    const int64_t base = t - slot;
+                    const __mmask16 mk = lane_mask(slot + 1);
+                    for (int g = 0; g < G; g++) {
+                        for (int i = slot + 1; i < 16; i++) ph[g * 16 + i] = _mm512_setzero_ps();
+                        _mm512_mask_storeu_ps(scores + (h * G + g) * n + base, mk, hsum16(ph + g * 16));
+                    }
                 }
             }
         }
+        t0 += len;
         pos += len;
     }
-    float mx[MAX_G];
-    for (int g = 0; g < G; g++) {
+    for (int64_t hg = 0; hg < Hkv * G; hg++) {
+        float* s = scores + hg * n;
         __m512 m = _mm512_set1_ps(-INFINITY);
         for (int64_t t = 0; t < n; t += 16)
-            m = _mm512_mask_max_ps(m, lane_mask(n - t), m, _mm512_maskz_loadu_ps(lane_mask(n - t), scores + g * n + t));
-        mx[g] = _mm512_reduce_max_ps(m);
-    }
-    float inv[MAX_G];
-    for (int g = 0; g < G; g++) {
-        float* s = scores + g * n;
-        const __m512 m = _mm512_set1_ps(mx[g]);
+            m = _mm512_mask_max_ps(m, lane_mask(n - t), m, _mm512_maskz_loadu_ps(lane_mask(n - t), s + t));
+        const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
         __m512 sum = _mm512_setzero_ps();
         for (int64_t t = 0; t < n; t += 16) {
             const __mmask16 mk = lane_mask(n - t);
-            const __m512 e = _mm512_maskz_mov_ps(mk, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, s + t), m)));
+            const __m512 e = _mm512_maskz_mov_ps(mk, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, s + t), mx)));
             _mm512_mask_storeu_ps(s + t, mk, e);
             sum = _mm512_add_ps(sum, e);
         }
-        inv[g] = vs / _mm512_reduce_add_ps(sum);
+        const float inv = vs[hg / G] / _mm512_reduce_add_ps(sum);
+        for (int d = 0; d < D16; d++) accs[hg * D16 + d] = _mm512_setzero_ps();
+        part[hg] = _mm512_set1_ps(inv); /* pass 1 is done with part: it keeps the 1 / sums now */
     }
-    __m512 acc[MAX_G][MAX_D16];
+    /* pass 2: the probability-weighted sum of V, accumulators kept per head across blocks */
+    for (int64_t t0 = 0, pos = first; t0 < n;) {
+        const int64_t len = bs - pos % bs < n - t0 ? bs - pos % bs : n - t0;
+        const char* row = kv_row(c, c->v_cache, pos, 0);
+        for (int64_t h = 0; h < Hkv; h++) {
+            __m512 acc[MAX_G][MAX_D16];
 #pragma GCC unroll 16
-    for (int g = 0; g < G; g++)
+            for (int g = 0; g < G; g++)
 #pragma GCC unroll 16
-        for (int d = 0; d < D16; d++) acc[g][d] = _mm512_setzero_ps();
-    for (int64_t t = 0, pos = first; t < n;) {
-        const int64_t off = pos % c->block_size, len = c->block_size - off < n - t ? c->block_size - off : n - t;
-        const char* vp = kv_row(c, c->v_cache, pos, h);
-        for (int64_t j = 0; j < len; j++, t++, vp += c->s_tok * c->esz) {
-            __m512 vv[MAX_D16];
+                for (int d = 0; d < D16; d++) acc[g][d] = accs[(h * G + g) * D16 + d];
+            const char* vp = row + h * head;
+            const float* sh = scores + h * G * n;
+            for (int64_t j = 0; j < len; j++, vp += tok) {
+                const int64_t t = t0 + j;
+                __m512 vv[MAX_D16];
 #pragma GCC unroll 16
-            for (int d = 0; d < D16; d++) vv[d] = load16(vp + d * 16 * c->esz, kv_type);
+                for (int d = 0; d < D16; d++) vv[d] = load16(vp + d * 16 * c->esz, kv_type);
 #pragma GCC unroll 16
-            for (int g = 0; g < G; g++) {
-                const __m512 p = _mm512_set1_ps(scores[g * n + t]);
+                for (int g = 0; g < G; g++) {
+                    const __m512 p = _mm512_set1_ps(sh[g * n + t]);
 #pragma GCC unroll 16
-                for (int d = 0; d < D16; d++) acc[g][d] = _mm512_fmadd_ps(p, vv[d], acc[g][d]);
+                    for (int d = 0; d < D16; d++) acc[g][d] = _mm512_fmadd_ps(p, vv[d], acc[g][d]);
+                }
             }
+#pragma GCC unroll 16
+            for (int g = 0; g < G; g++)
+#pragma GCC unroll 16
+                for (int d = 0; d < D16; d++) accs[(h * G + g) * D16 + d] = acc[g][d];
         }
+        t0 += len;
         pos += len;
     }
-#pragma GCC unroll 16
-    for (int g = 0; g < G; g++)
-#pragma GCC unroll 16
-        for (int d = 0; d < D16; d++)
-            _mm512_storeu_ps(out + g * ldh + d * 16, _mm512_mul_ps(acc[g][d], _mm512_set1_ps(inv[g])));
+    for (int64_t hg = 0; hg < Hkv * G; hg++)
+        for (int d = 0; d < D16; d++) _mm512_storeu_ps(out + hg * D + d * 16, _mm512_mul_ps(accs[hg * D16 + d], part[hg]));
 }
 
-typedef void (*attend_fn)(const PagedKV*, const float*, int64_t, float*, int64_t, int64_t, int64_t, float, float,
-                          float*);
+typedef void (*attend_fn)(const PagedKV*, const float*, float*, int64_t, int64_t, int64_t, const float*,
+                          const float*, float*, __m512*, __m512*);
 #define ATTEND(G, D16)                                                                                     \
-    static void attend_##G##_##D16(const PagedKV* c, const float* q, int64_t ldh, float* out, int64_t h,     \
-                                   int64_t first, int64_t n, float ks, float vs, float* scores) {           \
+    static void attend_##G##_##D16(const PagedKV* c, const float* q, float* out, int64_t Hkv, int64_t first, \
+                                   int64_t n, const float* ks, const float* vs, float* scores, __m512* part, \
+                                   __m512* accs) {                                                           \
         switch (c->kv_type) { /* the dtype is a constant inside each copy too */                             \
-        case BF16: attend_head(c, q, ldh, out, h, first, n, ks, vs, scores, G, D16, BF16); break;            \
-        case F16: attend_head(c, q, ldh, out, h, first, n, ks, vs, scores, G, D16, F16); break;              \
-        case FP8_E4M3: attend_head(c, q, ldh, out, h, first, n, ks, vs, scores, G, D16, FP8_E4M3); break;    \
-        default: attend_head(c, q, ldh, out, h, first, n, ks, vs, scores, G, D16, F32); break;               \
+        case BF16: attend_seq(c, q, out, Hkv, first, n, ks, vs, scores, part, accs, G, D16, BF16); break;    \
+        case F16: attend_seq(c, q, out, Hkv, first, n, ks, vs, scores, part, accs, G, D16, F16); break;      \
+        case FP8_E4M3: attend_seq(c, q, out, Hkv, first, n, ks, vs, scores, part, accs, G, D16, FP8_E4M3);   \
+            break;                                                                                           \
+        default: attend_seq(c, q, out, Hkv, first, n, ks, vs, scores, part, accs, G, D16, F32); break;       \
         }                                                                                                    \
     }
 #define ATTEND_G(G) ATTEND(G, 1) ATTEND(G, 2) ATTEND(G, 4) ATTEND(G, 8)
@@ -322,27 +341,36 @@ void paged_decode_attention(const float* q, int64_t ldq, float* out, int64_t ldo
     const attend_fn fn = G <= 8 && D16 <= 8 ? ATTEND_TABLE[G][D16 - 1] : 0;
     const float tscale = type_scale(kv_type);
     PagedKV c = {k_cache, v_cache, kv_type, s_block, s_tok, s_head, block_size, elem_size(kv_type), 0};
+    /* per KV head: the score scale (fp8 scale x 2^8 x softmax scale) and V's scale; then scratch */
+    float* ks = (float*)malloc(sizeof(float) * 2 * Hkv);
+    float* vs = ks + Hkv;
+    for (int64_t h = 0; h < Hkv; h++) {
+        ks[h] = (k_scale ? k_scale[h] : 1.0f) * tscale * scale;
+        vs[h] = (v_scale ? v_scale[h] : 1.0f) * tscale;
+    }
+    __m512* part = (__m512*)aligned_alloc(64, sizeof(__m512) * Hq * (16 + D16));
+    __m512* accs = part + Hq * 16;
     float* scores = 0;
     int64_t cap = 0;
     for (int64_t b = b_begin; b < b_end; b++) {
         const int64_t ctx = context_lens[b], row = rows ? rows[b] : b;
         const int64_t first = window > 0 && ctx > window ? ctx - window : 0, n = ctx - first;
-        if (n * G > cap) {
+        if (n * Hq > cap) {
             free(scores);
-            cap = n * G + 1024;
+            cap = n * Hq + 1024;
             scores = (float*)malloc(sizeof(float) * cap);
         }
         c.table = block_tables + b * ld_table;
-        for (int64_t h = 0; h < Hkv; h++) {
-            const float ks = (k_scale ? k_scale[h] : 1.0f) * tscale * scale;
-            const float vs = (v_scale ? v_scale[h] : 1.0f) * tscale;
-            const float* qh = q + row * ldq + h * G * D;
-            float* oh = out + row * ldo + h * G * D;
-            if (fn) fn(&c, qh, D, oh, h, first, n, ks, vs, scores);
-            else attend_generic(&c, qh, D, oh, h, first, n, ks, vs, scores, G, D16);
-        }
+        const float* qs = q + row * ldq;
+        float* os = out + row * ldo;
+        if (fn) fn(&c, qs, os, Hkv, first, n, ks, vs, scores, part, accs);
+        else
+            for (int64_t h = 0; h < Hkv; h++)
+                attend_generic(&c, qs + h * G * D, D, os + h * G * D, h, first, n, ks[h], vs[h], scores, G, D16);
     }
     free(scores);
+    free(part);
+    free(ks);
 }
 
 /* ---- KV store --------------------------------------------------------------------------------- */
