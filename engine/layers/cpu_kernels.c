@@ -56,6 +56,25 @@ static inline __m256i to_bf16(__m512 x) {
     return _mm512_cvtepi32_epi16(r);
 }
 
+/* fp32 to e4m3 (the bias-7 fp8 of torch.float8_e4m3fn), round to nearest even: the caller has
+ * clamped to +-448, the largest finite value (e4m3 has no infinities; NaN stays NaN, 0x7F). */
+static inline uint8_t to_e4m3(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    const uint8_t sign = (uint8_t)((u >> 24) & 0x80);
+    u &= 0x7FFFFFFF;
+    if (u > 0x7F800000) return sign | 0x7F;
+    float a;
+    memcpy(&a, &u, 4);
+    if (a < 0.015625f) /* below 2^-6: subnormal steps of 2^-9; 8 of them is the first normal, 0x08 */
+        return sign | (uint8_t)nearbyintf(a * 512.0f);
+    int32_t e = (int32_t)(u >> 23) - 127;
+    uint32_t m = (u >> 20) & 7, rest = u & 0xFFFFF;
+    if (rest > 0x80000 || (rest == 0x80000 && (m & 1))) m++;
+    if (m == 8) m = 0, e++;
+    return sign | (uint8_t)(((e + 7) << 3) | m);
+}
+
 /* ---- exp ------------------------------------------------------------------------------------- */
 static inline __m512 exp512(__m512 x) {
     /* 2^n * p(r), r = x - n ln2, |r| <= ln2/2; relative error ~2e-7 */
@@ -375,10 +394,12 @@ void paged_decode_attention(const float* q, int64_t ldq, float* out, int64_t ldo
 
 /* ---- KV store --------------------------------------------------------------------------------- */
 /* k/v: [N, Hkv*D] fp32 rows; slot s goes to block s / block_size, token s % block_size; a negative
- * slot is skipped. Cache types F32, BF16, F16 (fp8 is quantised by the caller). */
+ * slot is skipped. Cache types F32, BF16, F16, and FP8_E4M3 with k_scale/v_scale [Hkv] (the cache
+ * holds clamp(x / scale, +-448) rounded to e4m3, as paged_attention.quantize_kv); head_dim D. */
 void store_kv(const float* k, int64_t ldk, const float* v, int64_t ldv, void* k_cache, void* v_cache,
               int kv_type, int64_t s_block, int64_t s_tok, const int64_t* slots, int64_t block_size,
-              int64_t row_elems, int64_t n_begin, int64_t n_end) {
+              int64_t row_elems, const float* k_scale, const float* v_scale, int64_t D, int64_t n_begin,
+              int64_t n_end) {
     const int64_t esz = elem_size(kv_type);
     for (int64_t i = n_begin; i < n_end; i++) {
         const int64_t s = slots[i];
@@ -389,6 +410,14 @@ void store_kv(const float* k, int64_t ldk, const float* v, int64_t ldv, void* k_
             char* dst = (char*)(which ? v_cache : k_cache) + off;
             if (kv_type == F32) {
                 memcpy(dst, src, row_elems * 4);
+                continue;
+            }
+            if (kv_type == FP8_E4M3) {
+                const float* sc = which ? v_scale : k_scale;
+                for (int64_t e = 0; e < row_elems; e++) {
+                    const float y = src[e] / sc[e / D];
+                    ((uint8_t*)dst)[e] = to_e4m3(y < -448.0f ? -448.0f : (y > 448.0f ? 448.0f : y));
+                }
                 continue;
             }
             for (int64_t e = 0; e < row_elems; e += 16) {
@@ -487,6 +516,7 @@ typedef struct {
     const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias; /* fp32 or NULL */
     const void *in_norm, *post_norm; /* RMSNorm weights, type norm_type */
     void *k_cache, *v_cache;         /* this layer's [num_blocks, block_size, Hkv, D] caches */
+    const float *k_scale, *v_scale;  /* fp8 caches: [Hkv] fp32 (NULL otherwise) */
     int64_t window;                  /* sliding window, 0 = none */
 } DecodeLayer;
 
@@ -518,9 +548,9 @@ void decoder_layers(const DecodeLayer* layers, int64_t num_layers, const DecodeS
         gemm_all(normed, H, L->qkv, wt, L->qkv_bias, qkv, M, ldqkv, H);
         rope(qkv, ldqkv, qkv + qs, ldqkv, positions, cos_sin, s->Hq, s->Hkv, s->D, 0, M);
         store_kv(qkv + qs, ldqkv, qkv + qs + kvs, ldqkv, L->k_cache, L->v_cache, kt, s->s_block, s->s_tok, slots,
-                 s->block_size, kvs, 0, M);
+                 s->block_size, kvs, L->k_scale, L->v_scale, s->D, 0, M);
         paged_decode_attention(qkv, ldqkv, attn, qs, L->k_cache, L->v_cache, kt, s->s_block, s->s_tok, s->s_head,
-                               0, 0, block_tables, ld_table, context_lens, 0, s->scale, L->window, s->Hq, s->Hkv,
+                               L->k_scale, L->v_scale, block_tables, ld_table, context_lens, 0, s->scale, L->window, s->Hq, s->Hkv,
                                s->D, s->block_size, 0, M);
         gemm_all(attn, qs, L->o, wt, L->o_bias, x, M, H, qs);
         rms_norm(x, H, res, H, L->post_norm, nt, s->eps, normed, H, H, 0, M);

@@ -38,7 +38,8 @@ _SIGNATURES = {
     "gemm_w16": [_ptr, _i64, _ptr, _int, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64],
     "paged_decode_attention": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _int, _i64, _i64, _i64, _ptr, _ptr, _ptr,
                                _i64, _ptr, _ptr, _f32, _i64, _i64, _i64, _i64, _i64, _i64, _i64],
-    "store_kv": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _int, _i64, _i64, _ptr, _i64, _i64, _i64, _i64],
+    "store_kv": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _int, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64,
+                 _i64],
     "rms_norm": [_ptr, _i64, _ptr, _i64, _ptr, _int, _f32, _ptr, _i64, _i64, _i64, _i64],
     "rope": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64],
     "silu_and_mul": [_ptr, _i64, _ptr, _i64, _i64, _i64, _i64],
@@ -214,21 +215,32 @@ def paged_decode_attention(
 
 
 def store_kv(
-    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """key/value [N, Hkv*D] fp32 rows into caches [num_blocks, block_size, Hkv, D] (fp32/bf16/fp16,
-    rounded to nearest even); a negative slot is skipped."""
+    rounded to nearest even; fp8 e4m3: x / scale per KV head [Hkv], saturated at +-448, as
+    `paged_attention.quantize_kv`); a negative slot is skipped."""
     _rows(key)
     _rows(value)
     nb, bs, hkv, d = k_cache.shape
-    assert k_cache.dtype in (torch.float32, torch.bfloat16, torch.float16) and k_cache.dtype == v_cache.dtype
+    assert k_cache.dtype in KV_TYPES and k_cache.dtype == v_cache.dtype
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    for s in (k_scale, v_scale):
+        assert (s is not None) == fp8, "scales go with an fp8 cache, and only with one"
+        assert s is None or (s.dtype == torch.float32 and s.is_contiguous() and s.numel() == hkv)
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(2) == d and k_cache.stride(3) == 1
     assert key.shape == value.shape and key.shape[1] == hkv * d and slots.dtype == torch.int64
     assert slots.is_contiguous() and slots.shape[0] == key.shape[0]
     sb, st = k_cache.stride(0), k_cache.stride(1)
     _lib().store_kv(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), k_cache.data_ptr(),
-                    v_cache.data_ptr(), KV_TYPES[k_cache.dtype], sb, st, slots.data_ptr(), bs, hkv * d, 0,
-                    key.shape[0])  # fmt: skip
+                    v_cache.data_ptr(), KV_TYPES[k_cache.dtype], sb, st, slots.data_ptr(), bs, hkv * d,
+                    _ptr_of(k_scale), _ptr_of(v_scale), d, 0, key.shape[0])  # fmt: skip
 
 
 # ---- elementwise -----------------------------------------------------------------------------------
@@ -276,7 +288,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 class _DecodeLayer(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in (
         "qkv", "o", "gate_up", "down", "qkv_bias", "o_bias", "gate_up_bias", "down_bias", "in_norm", "post_norm",
-        "k_cache", "v_cache")] + [("window", ctypes.c_int64)]  # fmt: skip
+        "k_cache", "v_cache", "k_scale", "v_scale")] + [("window", ctypes.c_int64)]  # fmt: skip
 
 
 class _DecodeShape(ctypes.Structure):
@@ -288,7 +300,8 @@ class _DecodeShape(ctypes.Structure):
 @dataclass
 class DecodeLayerWeights:
     """What `decoder_layers` reads of one decoder layer: packed weights [panels, K, 32] with their fp32
-    biases (or None), the two RMSNorm weights, the layer's K and V caches and its sliding window."""
+    biases (or None), the two RMSNorm weights, the layer's K and V caches and its sliding window; an fp8
+    cache's scales per KV head (fp32 [Hkv]; None for 16/32-bit caches)."""
 
     qkv: tuple[torch.Tensor, torch.Tensor | None]
     o: tuple[torch.Tensor, torch.Tensor | None]
@@ -299,6 +312,8 @@ class DecodeLayerWeights:
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     window: int | None
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
 
 
 class FusedLayers:
@@ -312,7 +327,8 @@ class FusedLayers:
         hidden = first.in_norm.shape[0]
         nb, bs, hkv, d = first.k_cache.shape
         assert hkv == num_kv_heads and d == head_dim and d % 16 == 0 and num_heads % num_kv_heads == 0
-        assert first.k_cache.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        assert first.k_cache.dtype in KV_TYPES
+        fp8 = first.k_cache.dtype == torch.float8_e4m3fn
         self.sizes = (hidden, num_heads * head_dim, num_kv_heads * head_dim, intermediate_size)
         self._keep: list[torch.Tensor] = []  # every tensor the C side points into stays alive
         table = (_DecodeLayer * len(layers))()
@@ -331,6 +347,14 @@ class FusedLayers:
             entry.in_norm, entry.post_norm = w.in_norm.data_ptr(), w.post_norm.data_ptr()
             entry.k_cache, entry.v_cache = w.k_cache.data_ptr(), w.v_cache.data_ptr()
             entry.window = int(w.window or 0)
+            for name in ("k_scale", "v_scale"):
+                s = getattr(w, name)
+                assert (s is not None) == fp8 and (
+                    s is None or (s.dtype == torch.float32 and s.is_contiguous())
+                )
+                assert s is None or s.numel() == hkv
+                setattr(entry, name, _ptr_of(s))
+                self._keep += [s] if s is not None else []
             self._keep += [w.in_norm, w.post_norm, w.k_cache, w.v_cache]
         sb, st, sh, _ = first.k_cache.stride()
         self._shape = _DecodeShape(
@@ -340,6 +364,7 @@ class FusedLayers:
         self._table = table
         self.num_layers = len(layers)
         self.k_cache_ptr = first.k_cache.data_ptr()
+        self.k_scale_ptr = _ptr_of(first.k_scale)
 
     def __call__(self, res: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, slots: torch.Tensor,
                  block_tables: torch.Tensor, context_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip

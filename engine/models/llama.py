@@ -110,10 +110,15 @@ class LlamaModel(nn.Module):
             self.use_fused_layers
             and torch.get_num_threads() == 1
             and cache.dim() == 5
-            and cache.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and cache.dtype in cpu_ops.KV_TYPES
         ):
             return None
-        if self._fused is None or self._fused.k_cache_ptr != cache.data_ptr():
+        scale = self.layers[0].self_attn.attn.k_scale  # fp8: set with the cache, by the model runner
+        if (
+            self._fused is None
+            or self._fused.k_cache_ptr != cache.data_ptr()
+            or self._fused.k_scale_ptr != (None if scale is None else scale.data_ptr())
+        ):
             cfg = self.config
             attn = [layer.self_attn.attn for layer in self.layers]
 
@@ -126,7 +131,7 @@ class LlamaModel(nn.Module):
                         linear(layer.self_attn.qkv_proj), linear(layer.self_attn.o_proj),
                         linear(layer.mlp.gate_up_proj), linear(layer.mlp.down_proj),
                         layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data,
-                        a.kv_cache[0], a.kv_cache[1], a.sliding_window,
+                        a.kv_cache[0], a.kv_cache[1], a.sliding_window, a.k_scale, a.v_scale,
                     )  # fmt: skip
                     for layer, a in zip(self.layers, attn, strict=True)
                 ],

@@ -3,7 +3,8 @@ call) is bit-identical to the layer-by-layer kernels, and with every row's atten
 (`paged_attention(every_row=True)`) a token's KV and hidden state do not depend on how its prompt was
 chunked or batched, which is what makes KV loaded from a store and KV recomputed the same bytes.
 Tiny architectures cover head_dim != hidden / heads, qkv bias with tied embeddings, and a sliding
-window shorter than the sequences."""
+window shorter than the sequences; an fp8 cache goes through the C quantiser on the fused path and
+through torch's (`paged_attention.quantize_kv`) on the other."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import pytest
 import torch
 
 from engine.layers import cpu_ops
+from engine.layers.attention import Attention
+from engine.layers.paged_attention import FP8
 from engine.loader import load_model
 from tests.engine.conftest import TINY_ARCHS
 
@@ -42,14 +45,27 @@ def _tokens(config, n: int, seed: int) -> list[int]:
     return torch.randint(3, config.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+def _attach_fp8_scales(model, seed: int) -> None:
+    """Scales per layer and KV head around the tiny models' K/V magnitudes, not powers of two (the
+    division rounds), small enough that some values saturate."""
+    g = torch.Generator().manual_seed(seed)
+    for m in (m for m in model.modules() if isinstance(m, Attention)):
+        m.k_scale = (torch.rand(m.num_kv_heads, generator=g) * 0.01 + 0.0004).contiguous()
+        m.v_scale = (torch.rand(m.num_kv_heads, generator=g) * 0.01 + 0.0004).contiguous()
+
+
 @pytest.mark.parametrize("arch", TINY_ARCHS)
-@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "wdtype,cache", [(torch.bfloat16, None), (torch.float16, None), (torch.bfloat16, FP8)]
+)
 def test_fused_layers_are_bit_identical_to_the_layer_by_layer_path(
-    tiny_checkpoints, paged_kv, count_fused, arch: str, wdtype: torch.dtype
+    tiny_checkpoints, paged_kv, count_fused, arch: str, wdtype: torch.dtype, cache: torch.dtype | None
 ) -> None:
     model, config = load_model(tiny_checkpoints[arch], dtype=wdtype)
     inner = model.model
     assert inner.use_fused_layers  # 16-bit weights on the CPU kernels
+    if cache is FP8:
+        _attach_fp8_scales(model, seed=5)
     a, b, c = (_tokens(config, n, seed) for n, seed in ((5, 1), (11, 2), (30, 3)))
     steps = [[(0, a), (1, b)]]  # two prefills
     steps += [
@@ -59,14 +75,43 @@ def test_fused_layers_are_bit_identical_to_the_layer_by_layer_path(
     got = {}
     for fused in (True, False):
         inner.use_fused_layers = fused
-        kv = paged_kv.for_model(model, num_blocks=40, block_size=4, dtype=wdtype)
+        kv = paged_kv.for_model(model, num_blocks=40, block_size=4, dtype=cache or wdtype)
         before = count_fused[0]
         got[fused] = (_run(model, kv, steps), kv.kv_cache)
         assert count_fused[0] - before == (len(steps) if fused else 0)
     for x, y in zip(got[True][0], got[False][0], strict=True):
         assert torch.equal(x, y)
-    assert torch.equal(got[True][1], got[False][1])
-    assert got[True][1].abs().sum() > 0
+    fused_kv, layers_kv = (got[f][1].view(torch.uint8) if cache is FP8 else got[f][1] for f in (True, False))
+    assert torch.equal(fused_kv, layers_kv)
+    assert got[True][1].float().abs().sum() > 0
+    if cache is FP8:  # the scales are small enough that some values saturate (448 = 0x7E)
+        assert 0x7E in (fused_kv & 0x7F).unique().tolist()
+
+
+def test_c_fp8_store_rounds_like_torch() -> None:
+    """Ties (both ways), subnormals, the smallest normal, saturation, signed zeros and NaN: the C
+    quantiser writes the bytes `quantize_kv` (torch's float8_e4m3fn cast) gives."""
+    from engine.layers.paged_attention import quantize_kv
+
+    hkv, d = 2, 16
+    special = [0.0, -0.0, 448.0, 449.0, 464.0, 1e9, -1e9, float("nan"), 2**-6, 2**-7, 2**-9, 2**-10, 3 * 2**-10,
+               2**-6 * (1 + 1 / 16), 2**-6 * (1 + 3 / 16), 1.0625, 1.1875, -1.0625, 240.0, 232.0, 2**-12]  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    wide = torch.exp2(torch.rand(2000, generator=g) * 30 - 14) * torch.sign(torch.randn(2000, generator=g))
+    vals = torch.cat([torch.tensor(special), wide, torch.randn(2000, generator=g) * 100])
+    n = -(-vals.numel() // (hkv * d))
+    x = torch.zeros(n * hkv * d)
+    x[: vals.numel()] = vals
+    x = x.view(n, hkv * d)
+    scale = torch.tensor([1.0, 0.37])
+    cache = torch.zeros(2, n, 1, hkv, d, dtype=FP8)
+    slots = torch.arange(n, dtype=torch.int64)
+    cpu_ops.store_kv(x, x, cache[0], cache[1], slots, scale, scale)
+    want = quantize_kv(x.view(n, hkv, d), FP8, scale).view(torch.uint8)
+    got = cache[0].view(torch.uint8).view(n, hkv, d)
+    nan = torch.isnan(x.view(n, hkv, d) / scale[:, None])
+    assert torch.equal(got[~nan], want[~nan]) and torch.equal(got, cache[1].view(torch.uint8).view(n, hkv, d))
+    assert bool(nan.any()) and torch.isnan(cache[0].view(n, hkv, d)[nan].float()).all()
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral"])
@@ -98,8 +143,8 @@ def test_kv_and_logits_do_not_depend_on_chunking_or_batching(
 
 
 def test_fused_layers_step_aside(tiny_checkpoints, paged_kv, count_fused) -> None:
-    """More than one torch thread (the layers split rows over threads), an fp8 cache (quantised by
-    torch, not by the C store), fp32 weights (the exactness reference: torch GEMMs and attention)."""
+    """More than one torch thread (the layers split rows over threads) and fp32 weights (the exactness
+    reference: torch GEMMs and attention)."""
     model, config = load_model(tiny_checkpoints["llama"], dtype="bfloat16")
     kv = paged_kv.for_model(model, num_blocks=16, block_size=4, dtype=torch.bfloat16)
     _run(model, kv, [[(0, [3, 4, 5])], [(0, [6])]])
@@ -112,8 +157,6 @@ def test_fused_layers_step_aside(tiny_checkpoints, paged_kv, count_fused) -> Non
     finally:
         torch.set_num_threads(1)
     assert count_fused[0] == 2
-    paged_kv.for_model(model, num_blocks=16, block_size=4, dtype=torch.float8_e4m3fn)
-    assert model.model._fused_layers() is None
     fp32, _ = load_model(tiny_checkpoints["llama"], dtype="float32")
     assert not fp32.model.use_fused_layers and fp32.model._fused_layers() is None
     assert not any(getattr(m, "every_row", False) for m in fp32.modules())
