@@ -11,6 +11,7 @@ per-token or per-block Python loops.
 |---|---|---|
 | `EngineLayout` | `[2, num_blocks, block_size, H, D]` | the bundled engine |
 | `VllmCpuLayout` | `[num_blocks, H, block_size, 2*D]`, contiguous; each (block, head) slab is K **transposed** `[D, block_size]` then V `[block_size, D]` | vLLM's CPU attention backend |
+| `VllmCpuAmxLayout` | the same tensor; with AMX tiles (bf16, block_size a multiple of 32) each slab is K as `[block_size/16, D/2, 16, 2]` (16 tokens by pairs of dims) then V as `[D/16, block_size/2, 16, 2]` (16 dims by pairs of tokens) | vLLM's CPU attention on AMX CPUs |
 | `VllmCudaLayout` | logical `[num_blocks, H, block_size, 2*D]` (any strides: flash-attn's NHD memory is `[num_blocks, block_size, H, 2*D]`), K = `[..., :D]`, V = `[..., D:]` | vLLM CUDA (flash-attn, FlashInfer NHD/HND) |
 """
 
@@ -111,7 +112,8 @@ class _BlockMajorLayout:
         return buf[: cache[0].numel() * n].view(shape)
 
     def _split(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(K, V) of `blocks` `[n, H, bs, 2*D]`, each viewed as `[n, block_size, H, D]`."""
+        """(K, V) of `blocks` `[n, H, bs, 2*D]`, each viewed as `[n, block_size, H, D]` or as a shape
+        that only splits those dimensions (a tiled block cannot be one strided view of them)."""
         raise NotImplementedError
 
     def gather(
@@ -129,8 +131,8 @@ class _BlockMajorLayout:
         for layer, cache in enumerate(kv_caches):
             blocks = torch.index_select(cache, 0, idx, out=self._blocks(cache, n))
             k, v = self._split(blocks)
-            view[0, layer].copy_(k)
-            view[1, layer].copy_(v)
+            view[0, layer].view(k.shape).copy_(k)
+            view[1, layer].view(v.shape).copy_(v)
         return out
 
     def scatter(
@@ -156,8 +158,8 @@ class _BlockMajorLayout:
         for layer, cache in enumerate(kv_caches):
             blocks = self._blocks(cache, n)
             k, v = self._split(blocks)
-            k.copy_(chunk[0, layer, lo:hi].view(n, bs, h, d2 // 2))  # casts and moves to the cache's device
-            v.copy_(chunk[1, layer, lo:hi].view(n, bs, h, d2 // 2))
+            k.copy_(chunk[0, layer, lo:hi].view(k.shape))  # casts and moves to the cache's device
+            v.copy_(chunk[1, layer, lo:hi].view(v.shape))
             cache.index_copy_(0, idx, blocks)
 
 
@@ -177,6 +179,26 @@ class VllmCpuLayout(_BlockMajorLayout):
         slab = blocks.view(n, h, 2, bs * (d2 // 2))
         k = slab[:, :, 0].view(n, h, d2 // 2, bs).permute(0, 3, 1, 2)  # [n, bs, H, D]
         v = slab[:, :, 1].view(n, h, bs, d2 // 2).permute(0, 2, 1, 3)
+        return k, v
+
+
+class VllmCpuAmxLayout(VllmCpuLayout):
+    """vLLM's CPU attention on AMX tiles (what `_get_attn_isa` picks for bf16 with a block_size that is
+    a multiple of 32 on a CPU with AMX): per (block, head) slab, K as `[block_size/16, D/2, 16, 2]` and
+    V as `[D/16, block_size/2, 16, 2]` (checked against vLLM's writer at startup and by the tests)."""
+
+    name = "vllm-cpu-amx"
+
+    def _split(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n, h, bs, d2 = blocks.shape
+        d = d2 // 2
+        if bs % 16 or d % 16:
+            raise InvalidArgument(f"an AMX block is tiled by 16: block_size {bs}, head_dim {d}")
+        slab = blocks.view(n, h, 2, bs * d)
+        # K[t, j] = tile t // 16, pair j // 2, token t % 16, j % 2 -> [n, bs/16, 16, H, D/2, 2]
+        k = slab[:, :, 0].view(n, h, bs // 16, d // 2, 16, 2).permute(0, 2, 4, 1, 3, 5)
+        # V[t, j] = tile j // 16, pair t // 2, dim j % 16, t % 2 -> [n, bs/2, 2, H, D/16, 16]
+        v = slab[:, :, 1].view(n, h, d // 16, bs // 2, 16, 2).permute(0, 3, 5, 1, 2, 4)
         return k, v
 
 

@@ -40,7 +40,7 @@ from vllm.transformers_utils.repo_utils import get_hf_file_to_dict
 from connectors.config import KVTransferConfig
 from connectors.kv_scheduler import KVStoreScheduler
 from connectors.kv_worker import KVStoreWorker
-from connectors.layouts import PagedLayout, VllmCpuLayout, VllmCudaLayout
+from connectors.layouts import PagedLayout, VllmCpuAmxLayout, VllmCpuLayout, VllmCudaLayout
 from connectors.meta import StepTransfers
 from connectors.store_handle import StoreHandle, acquire_store, release_store
 from connectors.vllm_scheduler import VllmScheduler
@@ -173,7 +173,7 @@ class KVStoreConnectorV1(KVConnectorBase_V1):
         names = sorted(kv_caches, key=extract_layer_index)
         caches = [kv_caches[n] for n in names]
         if isinstance(self.worker.paged, VllmCpuLayout):
-            _check_cpu_layout(caches[0], self._vllm_config)
+            _check_cpu_layout(caches[0], self._vllm_config, self.worker.paged)
         self.worker.register_kv_caches(caches)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
@@ -208,28 +208,40 @@ class KVStoreConnectorV1(KVConnectorBase_V1):
         release_store(self.handle)
 
 
-def _layout(vllm_config: VllmConfig) -> PagedLayout:
-    from vllm.platforms import current_platform  # noqa: PLC0415
-
-    return VllmCpuLayout() if current_platform.is_cpu() else VllmCudaLayout()
-
-
-def _check_cpu_layout(cache: torch.Tensor, vllm_config: VllmConfig) -> None:
-    """Write one block with vLLM's own CPU cache writer (for the ISA this machine runs) and read it back
-    through `VllmCpuLayout`: a kernel whose block layout differs (e.g. another ISA) is refused at startup
-    instead of storing wrong KV."""
-    from vllm import _custom_ops as ops  # noqa: PLC0415
+def _cpu_attn_isa(dtype: torch.dtype, block_size: int, head_size: int, vllm_config: VllmConfig) -> str:
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa  # noqa: PLC0415
 
+    return _get_attn_isa(dtype, block_size, head_size, str(vllm_config.cache_config.cache_dtype))
+
+
+def _layout(vllm_config: VllmConfig) -> PagedLayout:
+    """The paged layout vLLM's attention backend will use here: on CPU it depends on the ISA vLLM
+    picks (AMX tiles for bf16 with blocks of a multiple of 32 tokens on AMX CPUs)."""
+    from vllm.platforms import current_platform  # noqa: PLC0415
+
+    if not current_platform.is_cpu():
+        return VllmCudaLayout()
+    mc, cc = vllm_config.model_config, vllm_config.cache_config
+    isa = _cpu_attn_isa(mc.dtype, cc.block_size, mc.get_head_size(), vllm_config)
+    return VllmCpuAmxLayout() if isa == "amx" else VllmCpuLayout()
+
+
+def _check_cpu_layout(cache: torch.Tensor, vllm_config: VllmConfig, layout: VllmCpuLayout) -> None:
+    """Write one block with vLLM's own CPU cache writer (for the ISA this machine runs) and read it back
+    through `layout`: a kernel whose block layout differs (e.g. another ISA) is refused at startup
+    instead of storing wrong KV."""
+    from vllm import _custom_ops as ops  # noqa: PLC0415
+
     _, h, bs, d2 = cache.shape
-    isa = _get_attn_isa(cache.dtype, bs, d2 // 2, str(vllm_config.cache_config.cache_dtype))
+    isa = _cpu_attn_isa(cache.dtype, bs, d2 // 2, vllm_config)
     gen = torch.Generator().manual_seed(0)
     k, v = (torch.randn(bs, h, d2 // 2, generator=gen).to(cache.dtype) for _ in range(2))
     block = torch.zeros(1, h, bs, d2, dtype=cache.dtype)
     k_cache, v_cache = block.view(1, h, 2 * bs, d2 // 2).chunk(2, dim=2)
     ops.cpu_attn_reshape_and_cache(k, v, k_cache, v_cache, torch.arange(bs), isa)
-    chunk = VllmCpuLayout().gather([block], [0])
+    chunk = layout.gather([block], [0])
     if not (torch.equal(chunk[0, 0], k) and torch.equal(chunk[1, 0], v)):
         raise ConfigError(
-            f"vLLM's CPU KV cache layout for ISA {isa!r} is not the one KVStoreConnectorV1 converts"
+            f"vLLM's CPU KV cache layout for ISA {isa!r} is not the {layout.name!r} one KVStoreConnectorV1 "
+            "converts"
         )

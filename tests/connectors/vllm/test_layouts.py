@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from connectors.layouts import ENGINE_LAYOUT, VllmCpuLayout, VllmCudaLayout
+from connectors.layouts import ENGINE_LAYOUT, VllmCpuAmxLayout, VllmCpuLayout, VllmCudaLayout
 from kvstore.errors import InvalidArgument
 
 L, NB, H, BS, D = 3, 6, 3, 32, 64
@@ -36,7 +36,10 @@ def canonical(
 def test_vllm_cpu_layout_matches_vllms_own_cache_writer() -> None:
     ops = pytest.importorskip("vllm._custom_ops")
     slots = torch.randperm(NB * BS, generator=torch.Generator().manual_seed(1))[: NB * BS - 5].long()
-    for isa in ("vec", "vec16"):  # the ISAs this CPU runs (amx needs AMX tiles; the connector probes it)
+    isas = {"vec": VllmCpuLayout(), "vec16": VllmCpuLayout()}
+    if torch.cpu._is_amx_tile_supported():  # the writer needs AMX tiles; the layout itself is tested below
+        isas["amx"] = VllmCpuAmxLayout()
+    for isa, layout in isas.items():
         caches, ks, vs = [], [], []
         for layer in range(L):
             cache = torch.zeros(NB, H, BS, 2 * D, dtype=torch.bfloat16)
@@ -46,7 +49,6 @@ def test_vllm_cpu_layout_matches_vllms_own_cache_writer() -> None:
             caches.append(cache)
             ks.append(k)
             vs.append(v)
-        layout = VllmCpuLayout()
         blocks = [4, 1, 5]
         chunk = layout.gather(caches, blocks)
         assert torch.equal(chunk, canonical(ks, vs, slots, blocks)), isa
@@ -94,6 +96,10 @@ def test_a_chunk_moves_between_every_pair_of_layouts_unchanged() -> None:
     caches = {
         "engine": (ENGINE_LAYOUT, [torch.zeros(2, NB, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]),
         "cpu": (VllmCpuLayout(), [torch.zeros(NB, H, BS, 2 * D, dtype=torch.bfloat16) for _ in range(L)]),
+        "cpu-amx": (
+            VllmCpuAmxLayout(),
+            [torch.zeros(NB, H, BS, 2 * D, dtype=torch.bfloat16) for _ in range(L)],
+        ),
         "cuda": (
             VllmCudaLayout(),
             [torch.zeros(NB, BS, H, 2 * D, dtype=torch.bfloat16).transpose(1, 2) for _ in range(L)],
@@ -109,6 +115,7 @@ def test_a_chunk_moves_between_every_pair_of_layouts_unchanged() -> None:
             assert torch.equal(layout.gather(cache, [1, 3]), want)
     # the CPU layout really is not the engine's: the same bytes in the wrong layout would be wrong KV
     assert not torch.equal(caches["cpu"][1][0][5].flatten(), caches["engine"][1][0][:, 5].flatten())
+    assert not torch.equal(caches["cpu"][1][0][5], caches["cpu-amx"][1][0][5])
 
 
 def test_bad_caches_are_refused() -> None:
