@@ -189,11 +189,15 @@ class VllmCpuAmxLayout(VllmCpuLayout):
 
     name = "vllm-cpu-amx"
 
+    def _check(self, cache: torch.Tensor) -> None:
+        super()._check(cache)
+        _, _, bs, d2 = cache.shape
+        if bs % 16 or (d2 // 2) % 16:
+            raise InvalidArgument(f"an AMX block is tiled by 16: block_size {bs}, head_dim {d2 // 2}")
+
     def _split(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n, h, bs, d2 = blocks.shape
         d = d2 // 2
-        if bs % 16 or d % 16:
-            raise InvalidArgument(f"an AMX block is tiled by 16: block_size {bs}, head_dim {d}")
         slab = blocks.view(n, h, 2, bs * d)
         # K[t, j] = tile t // 16, pair j // 2, token t % 16, j % 2 -> [n, bs/16, 16, H, D/2, 2]
         k = slab[:, :, 0].view(n, h, bs // 16, d // 2, 16, 2).permute(0, 2, 4, 1, 3, 5)

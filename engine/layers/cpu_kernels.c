@@ -550,8 +550,8 @@ void decoder_layers(const DecodeLayer* layers, int64_t num_layers, const DecodeS
         store_kv(qkv + qs, ldqkv, qkv + qs + kvs, ldqkv, L->k_cache, L->v_cache, kt, s->s_block, s->s_tok, slots,
                  s->block_size, kvs, L->k_scale, L->v_scale, s->D, 0, M);
         paged_decode_attention(qkv, ldqkv, attn, qs, L->k_cache, L->v_cache, kt, s->s_block, s->s_tok, s->s_head,
-                               L->k_scale, L->v_scale, block_tables, ld_table, context_lens, 0, s->scale, L->window, s->Hq, s->Hkv,
-                               s->D, s->block_size, 0, M);
+                               L->k_scale, L->v_scale, block_tables, ld_table, context_lens, 0, s->scale, L->window,
+                               s->Hq, s->Hkv, s->D, s->block_size, 0, M);
         gemm_all(attn, qs, L->o, wt, L->o_bias, x, M, H, qs);
         rms_norm(x, H, res, H, L->post_norm, nt, s->eps, normed, H, H, 0, M);
         gemm_all(normed, H, L->gate_up, wt, L->gate_up_bias, gu, M, 2 * I, H);

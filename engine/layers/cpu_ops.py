@@ -136,6 +136,13 @@ def _ptr_of(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def _check_scales(hkv: int, fp8: bool | None, *scales: torch.Tensor | None) -> None:
+    """fp8 scales: fp32, contiguous, one per KV head; with `fp8` given, present exactly for an fp8 cache."""
+    for s in scales:
+        assert fp8 is None or (s is not None) == fp8, "scales go with an fp8 cache, and only with one"
+        assert s is None or (s.dtype == torch.float32 and s.is_contiguous() and s.numel() == hkv)
+
+
 def _rows(t: torch.Tensor) -> None:
     assert t.dtype == torch.float32 and t.dim() == 2 and t.stride(1) == 1, (t.dtype, t.shape, t.stride())
 
@@ -204,8 +211,7 @@ def paged_decode_attention(
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and k_cache.dtype == v_cache.dtype
     assert block_tables.dtype == context_lens.dtype == torch.int32 and block_tables.stride(1) == 1
     assert rows is None or (rows.dtype == torch.int64 and rows.is_contiguous())
-    for s in (k_scale, v_scale):
-        assert s is None or (s.dtype == torch.float32 and s.is_contiguous() and s.numel() == hkv)
+    _check_scales(hkv, None, k_scale, v_scale)
     b = context_lens.shape[0]
     sb, st, sh, _ = k_cache.stride()
     _split(_lib().paged_decode_attention, b, q.data_ptr(), q.stride(0), out.data_ptr(), hq * d, k_cache.data_ptr(),
@@ -230,10 +236,7 @@ def store_kv(
     _rows(value)
     nb, bs, hkv, d = k_cache.shape
     assert k_cache.dtype in KV_TYPES and k_cache.dtype == v_cache.dtype
-    fp8 = k_cache.dtype == torch.float8_e4m3fn
-    for s in (k_scale, v_scale):
-        assert (s is not None) == fp8, "scales go with an fp8 cache, and only with one"
-        assert s is None or (s.dtype == torch.float32 and s.is_contiguous() and s.numel() == hkv)
+    _check_scales(hkv, k_cache.dtype == torch.float8_e4m3fn, k_scale, v_scale)
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(2) == d and k_cache.stride(3) == 1
     assert key.shape == value.shape and key.shape[1] == hkv * d and slots.dtype == torch.int64
     assert slots.is_contiguous() and slots.shape[0] == key.shape[0]
@@ -347,14 +350,9 @@ class FusedLayers:
             entry.in_norm, entry.post_norm = w.in_norm.data_ptr(), w.post_norm.data_ptr()
             entry.k_cache, entry.v_cache = w.k_cache.data_ptr(), w.v_cache.data_ptr()
             entry.window = int(w.window or 0)
-            for name in ("k_scale", "v_scale"):
-                s = getattr(w, name)
-                assert (s is not None) == fp8 and (
-                    s is None or (s.dtype == torch.float32 and s.is_contiguous())
-                )
-                assert s is None or s.numel() == hkv
-                setattr(entry, name, _ptr_of(s))
-                self._keep += [s] if s is not None else []
+            _check_scales(hkv, fp8, w.k_scale, w.v_scale)
+            entry.k_scale, entry.v_scale = _ptr_of(w.k_scale), _ptr_of(w.v_scale)
+            self._keep += [s for s in (w.k_scale, w.v_scale) if s is not None]
             self._keep += [w.in_norm, w.post_norm, w.k_cache, w.v_cache]
         sb, st, sh, _ = first.k_cache.stride()
         self._shape = _DecodeShape(
@@ -363,8 +361,11 @@ class FusedLayers:
         )  # fmt: skip
         self._table = table
         self.num_layers = len(layers)
-        self.k_cache_ptr = first.k_cache.data_ptr()
-        self.k_scale_ptr = _ptr_of(first.k_scale)
+        self._cache_ptrs = (first.k_cache.data_ptr(), _ptr_of(first.k_scale))
+
+    def serves(self, k_cache: torch.Tensor, k_scale: torch.Tensor | None) -> bool:
+        """Whether the table still points at this cache and these fp8 scales (the first layer's)."""
+        return self._cache_ptrs == (k_cache.data_ptr(), _ptr_of(k_scale))
 
     def __call__(self, res: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, slots: torch.Tensor,
                  block_tables: torch.Tensor, context_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip

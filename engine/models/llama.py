@@ -105,7 +105,8 @@ class LlamaModel(nn.Module):
         self._fused: cpu_ops.FusedLayers | None = None
 
     def _fused_layers(self) -> cpu_ops.FusedLayers | None:
-        cache = self.layers[0].self_attn.attn.kv_cache
+        first = self.layers[0].self_attn.attn
+        cache = first.kv_cache
         if not (
             self.use_fused_layers
             and torch.get_num_threads() == 1
@@ -113,12 +114,7 @@ class LlamaModel(nn.Module):
             and cache.dtype in cpu_ops.KV_TYPES
         ):
             return None
-        scale = self.layers[0].self_attn.attn.k_scale  # fp8: set with the cache, by the model runner
-        if (
-            self._fused is None
-            or self._fused.k_cache_ptr != cache.data_ptr()
-            or self._fused.k_scale_ptr != (None if scale is None else scale.data_ptr())
-        ):
+        if self._fused is None or not self._fused.serves(cache[0], first.k_scale):
             cfg = self.config
             attn = [layer.self_attn.attn for layer in self.layers]
 

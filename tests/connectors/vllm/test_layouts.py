@@ -123,6 +123,10 @@ def test_bad_caches_are_refused() -> None:
         VllmCpuLayout().geometry([torch.zeros(2, NB, BS, H, D)])  # the engine's 5-D cache
     with pytest.raises(InvalidArgument):
         VllmCpuLayout().geometry([torch.zeros(NB, BS, H, 2 * D).transpose(1, 2)])  # not contiguous
+    with pytest.raises(InvalidArgument, match="tiled by 16"):
+        VllmCpuAmxLayout().geometry(
+            [torch.zeros(NB, H, 24, 2 * D, dtype=torch.bfloat16)]
+        )  # AMX: 16-token tiles
     with pytest.raises(InvalidArgument):
         VllmCudaLayout().geometry(
             [torch.zeros(NB, H, BS, 2 * D), torch.zeros(NB, H, BS, 2 * D, dtype=torch.float16)]
