@@ -5,6 +5,8 @@
  * weight-bound decode step reads) and widen them in registers to fp32 FMAs; activations stay fp32.
  *
  * - gemm_w16: y[M,N] = x[M,K] @ W^T (+ bias), W bf16/fp16 packed as [ceil(N/32)][K][32] (see there);
+ *   on CPUs with AMX (and when amx_enable() was called), bf16 weights with K % 32 == 0 are packed for the
+ *   tile units instead and x is rounded to bf16 (what oneDNN does there): see gemm_amx;
  * - paged_decode_attention: one query token per sequence against its paged KV, read in place from
  *   the cache blocks (fp32, bf16, fp16, or fp8 e4m3 with a scale per KV head), GQA aware;
  * - store_kv: writes new K/V rows into their cache slots (rounding to the cache dtype);
@@ -13,11 +15,14 @@
  * Every entry point works on rows [row_begin, row_end) or panels [p_begin, p_end) so the caller can
  * split work across threads. All activations are fp32, contiguous in their last dimension.
  */
+#define _GNU_SOURCE /* syscall() */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 enum { F32 = 0, BF16 = 1, F16 = 2, FP8_E4M3 = 3 };
 #define NR 32 /* output columns per packed weight panel */
@@ -150,8 +155,109 @@ static inline __mmask16 lane_mask(int64_t n) { return n >= 16 ? (__mmask16)0xFFF
         GEMM_CASE(T, 5) GEMM_CASE(T, 6) GEMM_CASE(T, 7) GEMM_CASE(T, 8)                                    \
     }
 
+/* ---- GEMM on the AMX tile units ---------------------------------------------------------------- */
+/* A panel of 32 output columns is [K/2][32][2]: k-pairs of a column adjacent, as TDPBF16PS reads its B
+ * tile (16 k-pairs x 16 columns x 2, rows of 64 bytes; the panel's two B tiles interleave with a
+ * 128-byte stride). x is rounded to bf16 into rows of 16-row groups (zero rows pad the last). Each
+ * output element accumulates its K in the same order (32 at a time, ascending) whatever M, so a row's
+ * result does not depend on the rows beside it: chunked prefill, decode and a recomputation agree bit
+ * for bit. Tiles: 0-3 C (2 x 2 blocks of 16 x 16 fp32), 4-5 A, 6-7 B. */
+static int g_amx = 0;
+
+/* Ask Linux for the tile-data state (once per process); 1 when the AMX kernel is in use from now on. */
+int amx_enable(void) {
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+    if (!g_amx) g_amx = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+#endif
+    return g_amx;
+}
+
+/* How gemm_w16 reads a weight of this type and K: 1 = AMX panels, 0 = the AVX-512 panels. */
+int gemm_layout(int wtype, int64_t K) { return g_amx && wtype == BF16 && K % 32 == 0; }
+
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+#define AMX_CHUNK 256 /* rows of x per pass over the panels (their bf16 copy stays in L2) */
+
+static void gemm_amx(const float* x, int64_t ldx, const uint16_t* w, const float* bias, float* y, int64_t ldy,
+                     int64_t M, int64_t N, int64_t K, int64_t p_begin, int64_t p_end) {
+    static _Thread_local uint16_t* xb = 0;
+    static _Thread_local int64_t cap = 0;
+    const int64_t rows = (M < AMX_CHUNK ? (M + 15) / 16 * 16 : AMX_CHUNK);
+    if (rows * K > cap) {
+        free(xb);
+        cap = rows * K;
+        xb = (uint16_t*)aligned_alloc(64, cap * 2);
+    }
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+    _tile_loadconfig(&cfg);
+    float c[4][16][16] __attribute__((aligned(64)));
+    for (int64_t m0 = 0; m0 < M; m0 += AMX_CHUNK) {
+        const int64_t mc = M - m0 < AMX_CHUNK ? M - m0 : AMX_CHUNK, mp = (mc + 15) / 16 * 16;
+        for (int64_t r = 0; r < mp; r++)
+            for (int64_t e = 0; e < K; e += 16)
+                _mm256_store_si256((__m256i*)(xb + r * K + e),
+                                   r < mc ? to_bf16(_mm512_loadu_ps(x + (m0 + r) * ldx + e)) : _mm256_setzero_si256());
+        for (int64_t p = p_begin; p < p_end; p++) {
+            const uint16_t* wp = w + p * K * NR;
+            const int64_t n0 = p * NR;
+            const __mmask16 k0 = lane_mask(N - n0), k1 = lane_mask(N - n0 - 16);
+            const __m512 b0 = bias ? _mm512_maskz_loadu_ps(k0, bias + n0) : _mm512_setzero_ps();
+            const __m512 b1 = bias ? _mm512_maskz_loadu_ps(k1, bias + n0 + 16) : _mm512_setzero_ps();
+            for (int64_t m = 0; m < mp; m += 32) {
+                const int two = mp - m > 16; /* a second 16-row block of A */
+                const uint16_t* a = xb + m * K;
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int64_t kb = 0; kb < K; kb += 32) {
+                    _tile_loadd(4, a + kb, K * 2);
+                    _tile_loadd(6, wp + kb * NR, 2 * NR * 2);
+                    _tile_loadd(7, wp + kb * NR + 32, 2 * NR * 2);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(1, 4, 7);
+                    if (two) {
+                        _tile_loadd(5, a + 16 * K + kb, K * 2);
+                        _tile_dpbf16ps(2, 5, 6);
+                        _tile_dpbf16ps(3, 5, 7);
+                    }
+                }
+                _tile_stored(0, c[0], 64);
+                _tile_stored(1, c[1], 64);
+                if (two) {
+                    _tile_stored(2, c[2], 64);
+                    _tile_stored(3, c[3], 64);
+                }
+                for (int64_t i = 0; i < 32 && m + i < mc; i++) {
+                    float* out = y + (m0 + m + i) * ldy + n0;
+                    const int t = i < 16 ? 0 : 2;
+                    _mm512_mask_storeu_ps(out, k0, _mm512_add_ps(_mm512_load_ps(c[t][i & 15]), b0));
+                    _mm512_mask_storeu_ps(out + 16, k1, _mm512_add_ps(_mm512_load_ps(c[t + 1][i & 15]), b1));
+                }
+            }
+        }
+    }
+    _tile_release();
+}
+#endif
+
 void gemm_w16(const float* x, int64_t ldx, const uint16_t* w, int wtype, const float* bias, float* y,
               int64_t ldy, int64_t M, int64_t N, int64_t K, int64_t p_begin, int64_t p_end) {
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+    if (gemm_layout(wtype, K)) {
+        gemm_amx(x, ldx, w, bias, y, ldy, M, N, K, p_begin, p_end);
+        return;
+    }
+#endif
     for (int64_t p = p_begin; p < p_end; p++) {
         const uint16_t* wp = w + p * K * NR;
         int64_t n0 = p * NR;

@@ -5,6 +5,10 @@ They need x86-64 with AVX-512F and a C compiler (`$CC`, `cc` or `gcc`); without 
 `KVSTORE_CPU_KERNELS=0`, `available()` is False and the layers keep their torch paths. Calls release
 the GIL, so with more than one torch thread a call's rows are split over a small thread pool.
 
+On CPUs with AMX (`amx_bf16`) the bf16 GEMMs run on the tile units (activations rounded to bf16, as
+oneDNN does); `KVSTORE_AMX=0` keeps them on the AVX-512 kernel. The choice is made once per process,
+when the kernels load, because it decides how `pack_weight` lays weights out.
+
 Every wrapper takes fp32 activations contiguous in their last dimension (asserted).
 """
 
@@ -43,6 +47,8 @@ _SIGNATURES = {
     "rms_norm": [_ptr, _i64, _ptr, _i64, _ptr, _int, _f32, _ptr, _i64, _i64, _i64, _i64],
     "rope": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64],
     "silu_and_mul": [_ptr, _i64, _ptr, _i64, _i64, _i64, _i64],
+    "amx_enable": [],
+    "gemm_layout": [_int, _i64],
     "decoder_layers": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64,
                       _ptr, _i64],
 }  # fmt: skip
@@ -105,7 +111,10 @@ def _lib() -> ctypes.CDLL | None:
         else:
             for name, args in _SIGNATURES.items():
                 fn = getattr(lib, name)
-                fn.argtypes, fn.restype = args, None
+                fn.argtypes, fn.restype = args, (_int if name in ("amx_enable", "gemm_layout") else None)
+            if os.environ.get("KVSTORE_AMX", "1") != "0" and "amx_bf16" in _cpu_flags().split():
+                if not lib.amx_enable():
+                    logger.warning("the kernel refused AMX tile state (ARCH_REQ_XCOMP_PERM): AVX-512 GEMMs")
             return lib
     logger.warning("engine CPU kernels off (%s): torch paths instead", reason)
     return None
@@ -152,13 +161,21 @@ def _rows(t: torch.Tensor) -> None:
 _BF16_ORDER = torch.stack([torch.arange(PANEL // 2), torch.arange(PANEL // 2, PANEL)], 1).reshape(-1)
 
 
+def amx() -> bool:
+    """Whether bf16 GEMMs (with K % 32 == 0) run on the AMX tile units in this process."""
+    lib = _lib()
+    return lib is not None and bool(lib.gemm_layout(W_TYPES[torch.bfloat16], 32))
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """[N, K] bf16/fp16 -> [ceil(N/32), K, 32] (zero-padded panels of 32 output columns; bf16 ones
-    interleaved, see cpu_kernels.c)."""
+    interleaved, or for AMX as [K/2, 32, 2] k-pairs: see cpu_kernels.c)."""
     n, k = weight.shape
     panels = -(-n // PANEL)
     padded = torch.zeros(panels * PANEL, k, dtype=weight.dtype)
     padded[:n] = weight
+    if _lib().gemm_layout(W_TYPES[weight.dtype], k):
+        return padded.view(panels, PANEL, k // 2, 2).transpose(1, 2).reshape(panels, k, PANEL).contiguous()
     packed = padded.view(panels, PANEL, k).transpose(1, 2)
     if weight.dtype == torch.bfloat16:
         packed = packed[:, :, _BF16_ORDER]

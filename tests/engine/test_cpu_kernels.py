@@ -21,9 +21,15 @@ def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+def _amx_gemm(wdtype, k: int) -> bool:
+    """Whether this GEMM runs on the AMX tile units here (x rounded to bf16 first)."""
+    return cpu_ops.amx() and wdtype == torch.bfloat16 and k % 32 == 0
+
+
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
-    ("m", "k", "n"), [(1, 64, 32), (3, 40, 70), (8, 576, 96), (13, 33, 17), (21, 128, 300)]
+    ("m", "k", "n"),
+    [(1, 64, 32), (3, 40, 70), (8, 576, 96), (13, 33, 17), (21, 128, 300), (300, 96, 40)],
 )
 def test_gemm_w16_matches_fp32_matmul_of_the_same_weights(wdtype, m: int, k: int, n: int) -> None:
     g = _gen(m * k + n)
@@ -32,14 +38,29 @@ def test_gemm_w16_matches_fp32_matmul_of_the_same_weights(wdtype, m: int, k: int
     bias = torch.randn(n, generator=g)
     packed = cpu_ops.pack_weight(w)
     assert packed.shape == (-(-n // 32), k, 32)
-    ref = x.double() @ w.double().T
+    # the AMX path multiplies bf16-rounded activations (exactly, accumulating in fp32)
+    rounded = (lambda t: t.bfloat16().double()) if _amx_gemm(wdtype, k) else (lambda t: t.double())
+    ref = rounded(x) @ w.double().T
     torch.testing.assert_close(cpu_ops.gemm_w16(x, packed, n).double(), ref, atol=1e-4 * k**0.5, rtol=1e-5)
     with_bias = cpu_ops.gemm_w16(x, packed, n, bias)
     torch.testing.assert_close(with_bias.double(), ref + bias.double(), atol=1e-4 * k**0.5, rtol=1e-5)
     strided = torch.randn(m, k + 7, generator=g)[:, 3 : 3 + k]  # rows with a stride != K
     torch.testing.assert_close(
-        cpu_ops.gemm_w16(strided, packed, n), F.linear(strided, w.float()), atol=1e-3, rtol=1e-5
+        cpu_ops.gemm_w16(strided, packed, n).double(), rounded(strided) @ w.double().T, atol=1e-3, rtol=1e-5
     )
+
+
+@pytest.mark.parametrize("k", [64, 576, 40])
+def test_gemm_w16_rows_do_not_depend_on_their_neighbours(k: int) -> None:
+    """A row's result is the same bits alone, inside a decode batch, or deep in a 300-row prefill
+    chunk (what chunked prefill and store reuse rely on), on the AMX path and the AVX-512 one."""
+    g = _gen(k)
+    w = torch.randn(70, k, generator=g).bfloat16()
+    x = torch.randn(300, k, generator=g)
+    packed = cpu_ops.pack_weight(w)
+    full = cpu_ops.gemm_w16(x, packed, 70)
+    for lo, hi in [(0, 1), (17, 18), (299, 300), (5, 9), (16, 48), (250, 290)]:
+        assert torch.equal(cpu_ops.gemm_w16(x[lo:hi].contiguous(), packed, 70), full[lo:hi]), (lo, hi)
 
 
 def _fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
