@@ -5,8 +5,8 @@ each parameter carries a `weight_loader(param, tensor, shard_id)` that copies a 
 into its slice.
 
 After loading, `process_weights_after_loading(use_cpu_kernels=True)` (vLLM's name) repacks 16-bit
-weights for the CPU kernels (`cpu_ops.gemm_w16`: 16-bit weights, fp32 activations) and drops the
-original; fp32 weights keep torch's `F.linear` (the exactness reference).
+weights for the CPU kernels (`cpu_ops.gemm_w16`: 16-bit weights, fp32 activations, on AMX CPUs rounded
+to bf16 for the tile units) and drops the original; fp32 weights keep torch's `F.linear` (the exactness reference).
 """
 
 from __future__ import annotations
