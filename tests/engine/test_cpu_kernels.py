@@ -95,7 +95,8 @@ def _reference(q, k_cache, v_cache, tables, ctx, rows, scale, window, k_scale, v
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn])
 @pytest.mark.parametrize(
-    ("hq", "hkv", "d", "bs", "window"), [(9, 3, 64, 16, None), (4, 4, 32, 4, 5), (8, 2, 16, 8, None)]
+    ("hq", "hkv", "d", "bs", "window"),
+    [(9, 3, 64, 16, None), (4, 4, 32, 4, 5), (8, 2, 16, 8, None), (6, 2, 128, 16, 20), (3, 1, 48, 16, None)],
 )
 def test_paged_decode_attention_matches_a_dequantised_reference(kv_dtype, hq, hkv, d, bs, window) -> None:
     g = _gen(hq * d + bs)
