@@ -5,6 +5,10 @@ rounding, RMSNorm with the fused residual, RoPE and SiLU."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -201,3 +205,25 @@ def test_threads_split_the_work_without_changing_results() -> None:
     finally:
         torch.set_num_threads(1)
     assert torch.equal(one, two)
+
+
+def test_amx_off_keeps_the_avx512_kernel_in_a_fresh_process() -> None:
+    """KVSTORE_AMX=0 (decided once per process, since it sets the packing): bf16 weights with K % 32 == 0
+    then take the AVX-512 kernel, exact on fp32 activations; on AMX CPUs the default process rounds them."""
+    script = (
+        "import torch; from engine.layers import cpu_ops; g = torch.Generator().manual_seed(0);"
+        "w = torch.randn(40, 64, generator=g).bfloat16(); x = torch.randn(5, 64, generator=g);"
+        "y = cpu_ops.gemm_w16(x, cpu_ops.pack_weight(w), 40).double();"
+        "exact = (y - x.double() @ w.double().T).abs().max().item() < 1e-4;"
+        "print(cpu_ops.amx(), exact)"
+    )
+    run = {}
+    for amx in ("0", "1"):
+        env = {**os.environ, "KVSTORE_AMX": amx}
+        out = subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        run[amx] = out.stdout.split()
+    assert run["0"] == ["False", "True"]
+    assert run["1"] == (["True", "False"] if cpu_ops.amx() else ["False", "True"])
