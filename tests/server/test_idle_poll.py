@@ -40,7 +40,8 @@ def test_same_host_connections_are_watched_until_they_close(server):
     tcp_client.close()
     raw.sock.close()
     wait_for(lambda: not server.thread.server.plane.connections)
-    assert watched(poll) == set()
+    # asyncio closes a socket just after connection_lost: epoll drops it then, a moment later
+    wait_for(lambda: watched(poll) == set())
 
 
 def test_poll_us_0_watches_nothing(server_factory):
