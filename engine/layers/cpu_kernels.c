@@ -172,6 +172,11 @@ int amx_enable(void) {
     return g_amx;
 }
 
+/* 1 when paged_decode_attention runs on the tile units for such a cache and layer (see attend_amx) */
+int attention_on_tiles(int kv_type, int64_t Hkv, int64_t G, int64_t D, int64_t block_size, int64_t window) {
+    return g_amx && kv_type == BF16 && D % 32 == 0 && G <= 16 && block_size % 16 == 0 && window <= 0 && Hkv <= 64;
+}
+
 /* How gemm_w16 reads a weight of this type and K: 1 = AMX panels, 0 = the AVX-512 panels. */
 int gemm_layout(int wtype, int64_t K) { return g_amx && wtype == BF16 && K % 32 == 0; }
 
@@ -454,6 +459,171 @@ static void attend_generic(const PagedKV* c, const float* q, int64_t ldh, float*
     }
 }
 
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+/* ---- paged attention on the AMX tile units (bf16 caches) -------------------------------------- */
+/* R query rows of one sequence (R = 1 for a decode row; up to 16 / G consecutive prompt rows, which
+ * share the block table) against their contexts [0, ns[r]), every KV head h. A tile column is one
+ * (row r, query head g) pair, j = r * G + g, J = R * G <= 16 of them.
+ * - Scores: S^T[16 tokens, J] = K[16 tokens, D] . (q * scale)^T, K rows loaded as A tiles straight from
+ *   the cache (16 tokens of one block, the cache's token stride), q * scale rounded to bf16.
+ * - Softmax per column in fp32 (max, exp, sum over its own context).
+ * - O[J, D] = P[J, tokens] . V[tokens, D], P = bf16(exp(s - max)) with zeros past a column's context,
+ *   V rewritten per 32 tokens into the B tile's token pairs (zeros past the longest context); O / sum.
+ * Per element the tiles sum in a fixed order and the other columns only add exact zeros to it, so a
+ * row's result does not depend on the rows it was grouped with: decode and prefill rows, however
+ * chunked, agree bit for bit. Tiles: pass 1: 0-3 S^T of four KV heads, 4-5 K, 6-7 q^T; pass 2: 1 V
+ * pairs, 3 P, 4-7 O (16 dims each). */
+#define MAX_ROWS_HEADS 1024 /* KV heads x 16 columns */
+typedef struct {
+    float* scores; /* [Hkv][16][cap] fp32: column j's scores */
+    uint16_t* pb;  /* [Hkv][16][cap] bf16 P */
+    uint16_t* qt;  /* [Hkv][D/32][16][32] bf16 q^T pairs (64-byte rows) */
+    uint16_t* vt;  /* [4][16][32] bf16 V pairs: 32 tokens x 64 dims */
+    float* cbuf;   /* [4][16][16] fp32 */
+    int64_t cap;
+} AmxScratch;
+
+static void amx_attention_config(int J, int pass) {
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        const int narrow = pass == 1 ? (t < 4 || t >= 6) : (t >= 3); /* J columns / J rows */
+        cfg.rows[t] = (uint8_t)(pass == 2 && narrow ? J : 16);
+        cfg.colsb[t] = (uint16_t)(pass == 1 && narrow ? J * 4 : 64);
+    }
+    _tile_loadconfig(&cfg);
+}
+
+static void attend_amx(const PagedKV* c, const float* const* qs, float* const* outs, const int64_t* ns, int R,
+                       int64_t Hkv, const float* ks, const float* vs, AmxScratch* w, int G, int64_t D) {
+    const int J = R * G;
+    const int64_t nmax = ns[R - 1], npad = (nmax + 31) / 32 * 32, D32 = D / 32, tok = c->s_tok * c->esz;
+    const int64_t ld = w->cap;
+    for (int64_t h = 0; h < Hkv; h++) /* q^T: row k of chunk dc, column j = (q_j[32dc + 2k], q_j[32dc + 2k + 1]) */
+        for (int64_t dc = 0; dc < D32; dc++) {
+            uint16_t* qt = w->qt + (h * D32 + dc) * 16 * 32;
+            const __m512 sc = _mm512_set1_ps(ks[h]);
+            for (int j = 0; j < J; j++) {
+                const float* qv = qs[j / G] + (h * G + j % G) * D + dc * 32;
+                uint16_t tmp[32];
+                _mm256_storeu_si256((__m256i*)tmp, to_bf16(_mm512_mul_ps(_mm512_loadu_ps(qv), sc)));
+                _mm256_storeu_si256((__m256i*)(tmp + 16), to_bf16(_mm512_mul_ps(_mm512_loadu_ps(qv + 16), sc)));
+                for (int k = 0; k < 16; k++) {
+                    qt[k * 32 + j * 2] = tmp[2 * k];
+                    qt[k * 32 + j * 2 + 1] = tmp[2 * k + 1];
+                }
+            }
+        }
+    const __m512i gidx = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+    const __m512i pair0 = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), pair1 = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+    float inv[MAX_ROWS_HEADS];
+    amx_attention_config(J, 1);
+    for (int64_t h = 0; h < Hkv; h++) {
+        float* scores = w->scores + h * 16 * ld;
+        for (int64_t t0 = 0; t0 < nmax; t0 += 64) { /* pass 1: four groups of 16 tokens in flight */
+            const char* kp[4];
+            int ng = 0;
+            for (int64_t t = t0; t < nmax && ng < 4; t += 16) kp[ng++] = kv_row(c, c->k_cache, t, h);
+            const uint16_t* qt = w->qt + h * D32 * 16 * 32;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+#define S_STEP(i, A, B)                                                                                    \
+    _tile_loadd(A, kp[i] + dc * 64, tok);                                                                  \
+    _tile_loadd(B, qt + dc * 16 * 32, 64);                                                                 \
+    _tile_dpbf16ps(i, A, B);
+            for (int64_t dc = 0; dc < D32; dc++) {
+                S_STEP(0, 4, 6)
+                if (ng > 1) { S_STEP(1, 5, 7) }
+                if (ng > 2) { S_STEP(2, 4, 6) }
+                if (ng > 3) { S_STEP(3, 5, 7) }
+            }
+#undef S_STEP
+            _tile_stored(0, w->cbuf, 64);
+            if (ng > 1) _tile_stored(1, w->cbuf + 256, 64);
+            if (ng > 2) _tile_stored(2, w->cbuf + 512, 64);
+            if (ng > 3) _tile_stored(3, w->cbuf + 768, 64);
+            for (int i = 0; i < ng; i++) {
+                const __mmask16 mk = lane_mask(nmax - t0 - 16 * i);
+                for (int j = 0; j < J; j++)
+                    _mm512_mask_storeu_ps(scores + j * ld + t0 + 16 * i, mk,
+                                          _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mk,
+                                                                   _mm512_add_epi32(gidx, _mm512_set1_epi32(j)),
+                                                                   w->cbuf + i * 256, 4));
+            }
+        }
+        for (int j = 0; j < J; j++) { /* softmax numerators as bf16 P, zero past the column's context */
+            const int64_t n = ns[j / G];
+            const float* sj = scores + j * ld;
+            uint16_t* pb = w->pb + (h * 16 + j) * ld;
+            __m512 m = _mm512_set1_ps(-INFINITY);
+            for (int64_t t = 0; t < n; t += 16)
+                m = _mm512_mask_max_ps(m, lane_mask(n - t), m, _mm512_maskz_loadu_ps(lane_mask(n - t), sj + t));
+            const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+            __m512 sum = _mm512_setzero_ps();
+            for (int64_t t = 0; t < npad; t += 16) {
+                const __mmask16 k = lane_mask(n - t);
+                const __m512 e = _mm512_maskz_mov_ps(k, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sj + t), mx)));
+                _mm256_storeu_si256((__m256i*)(pb + t), to_bf16(e));
+                sum = _mm512_add_ps(sum, e);
+            }
+            inv[h * 16 + j] = vs[h] / _mm512_reduce_add_ps(sum);
+        }
+    }
+    amx_attention_config(J, 2);
+    for (int64_t h = 0; h < Hkv; h++) {
+        const uint16_t* pbh = w->pb + h * 16 * ld;
+        for (int64_t d0 = 0; d0 < D; d0 += 64) { /* pass 2, 64 dims (4 O tiles) at a time */
+            const int64_t nd = D - d0 < 64 ? (D - d0) / 16 : 4;
+            _tile_zero(4);
+            _tile_zero(5);
+            _tile_zero(6);
+            _tile_zero(7);
+            for (int64_t t0 = 0; t0 < nmax; t0 += 32) {
+                const char* blk = 0; /* 16 tokens from token t0 + 16i lie in one block */
+                for (int64_t pr = 0; pr < 16; pr++) { /* tokens t, t + 1 -> one 64-byte row per 16 dims */
+                    const int64_t t = t0 + 2 * pr;
+                    if ((pr & 7) == 0 && t < nmax) blk = kv_row(c, c->v_cache, t, h);
+                    const char* va = t < nmax ? blk + (pr & 7) * 2 * tok + d0 * 2 : 0;
+                    for (int64_t s32 = 0; 2 * s32 < nd; s32++) {
+                        const __m512i a = t < nmax ? _mm512_loadu_si512(va + s32 * 64) : _mm512_setzero_si512();
+                        const __m512i b = t + 1 < nmax ? _mm512_loadu_si512(va + tok + s32 * 64) : _mm512_setzero_si512();
+                        const __m512i lo = _mm512_unpacklo_epi16(a, b), hi = _mm512_unpackhi_epi16(a, b);
+                        _mm512_storeu_si512(w->vt + (2 * s32 * 16 + pr) * 32, _mm512_permutex2var_epi64(lo, pair0, hi));
+                        _mm512_storeu_si512(w->vt + ((2 * s32 + 1) * 16 + pr) * 32, _mm512_permutex2var_epi64(lo, pair1, hi));
+                    }
+                }
+                _tile_loadd(3, pbh + t0, ld * 2);
+                _tile_loadd(1, w->vt, 64);
+                _tile_dpbf16ps(4, 3, 1);
+                if (nd > 1) {
+                    _tile_loadd(1, w->vt + 16 * 32, 64);
+                    _tile_dpbf16ps(5, 3, 1);
+                }
+                if (nd > 2) {
+                    _tile_loadd(1, w->vt + 2 * 16 * 32, 64);
+                    _tile_dpbf16ps(6, 3, 1);
+                }
+                if (nd > 3) {
+                    _tile_loadd(1, w->vt + 3 * 16 * 32, 64);
+                    _tile_dpbf16ps(7, 3, 1);
+                }
+            }
+            _tile_stored(4, w->cbuf, 64);
+            if (nd > 1) _tile_stored(5, w->cbuf + 256, 64);
+            if (nd > 2) _tile_stored(6, w->cbuf + 512, 64);
+            if (nd > 3) _tile_stored(7, w->cbuf + 768, 64);
+            for (int64_t s16 = 0; s16 < nd; s16++)
+                for (int j = 0; j < J; j++)
+                    _mm512_storeu_ps(outs[j / G] + (h * G + j % G) * D + d0 + s16 * 16,
+                                     _mm512_mul_ps(_mm512_load_ps(w->cbuf + s16 * 256 + j * 16), _mm512_set1_ps(inv[h * 16 + j])));
+        }
+    }
+}
+#endif
+
 /* q: [*, Hq, D] rows `rows[b]` (or b); out: the same rows; caches: base pointers of K and V for this
  * layer with element strides per block, token and head; k_scale/v_scale: [Hkv] fp32 or NULL (= 1). */
 void paged_decode_attention(const float* q, int64_t ldq, float* out, int64_t ldo, const void* k_cache,
@@ -473,6 +643,52 @@ void paged_decode_attention(const float* q, int64_t ldq, float* out, int64_t ldo
         ks[h] = (k_scale ? k_scale[h] : 1.0f) * tscale * scale;
         vs[h] = (v_scale ? v_scale[h] : 1.0f) * tscale;
     }
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+    if (attention_on_tiles(kv_type, Hkv, G, D, block_size, window)) {
+        AmxScratch w = {0};
+        w.qt = (uint16_t*)aligned_alloc(64, Hkv * (D / 32) * 1024);
+        w.vt = (uint16_t*)aligned_alloc(64, 4 * 1024);
+        w.cbuf = (float*)aligned_alloc(64, 4 * 1024);
+        const int max_rows = 16 / G;
+        for (int64_t b = b_begin; b < b_end;) {
+            /* rows b, b+1, ... of one sequence at consecutive positions (the same table, contexts + 1)
+             * go together; a decode batch's rows are one sequence each */
+            int R = 1;
+            while (R < max_rows && b + R < b_end && context_lens[b + R] == context_lens[b + R - 1] + 1 &&
+                   !memcmp(block_tables + (b + R) * ld_table, block_tables + b * ld_table,
+                           sizeof(int32_t) * ((context_lens[b + R] + block_size - 1) / block_size)))
+                R++;
+            const float* qs[16];
+            float* outs[16];
+            int64_t ns[16];
+            for (int r = 0; r < R; r++) {
+                const int64_t row = rows ? rows[b + r] : b + r;
+                qs[r] = q + row * ldq;
+                outs[r] = out + row * ldo;
+                ns[r] = context_lens[b + r];
+            }
+            const int64_t need = (ns[R - 1] + 31) / 32 * 32;
+            if (need > w.cap) {
+                free(w.scores);
+                free(w.pb);
+                w.cap = need + 256;
+                w.scores = (float*)aligned_alloc(64, sizeof(float) * Hkv * 16 * w.cap);
+                w.pb = (uint16_t*)aligned_alloc(64, sizeof(uint16_t) * Hkv * 16 * w.cap);
+            }
+            c.table = block_tables + b * ld_table;
+            attend_amx(&c, qs, outs, ns, R, Hkv, ks, vs, &w, G, D);
+            b += R;
+        }
+        _tile_release();
+        free(w.scores);
+        free(w.pb);
+        free(w.qt);
+        free(w.vt);
+        free(w.cbuf);
+        free(ks);
+        return;
+    }
+#endif
     __m512* part = (__m512*)aligned_alloc(64, sizeof(__m512) * Hq * (16 + D16));
     __m512* accs = part + Hq * 16;
     float* scores = 0;

@@ -49,9 +49,11 @@ _SIGNATURES = {
     "silu_and_mul": [_ptr, _i64, _ptr, _i64, _i64, _i64, _i64],
     "amx_enable": [],
     "gemm_layout": [_int, _i64],
+    "attention_on_tiles": [_int, _i64, _i64, _i64, _i64, _i64],
     "decoder_layers": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64,
                       _ptr, _i64],
 }  # fmt: skip
+_RETURNS_INT = ("amx_enable", "gemm_layout", "attention_on_tiles")
 
 
 def _cpu_flags() -> str:
@@ -111,7 +113,7 @@ def _lib() -> ctypes.CDLL | None:
         else:
             for name, args in _SIGNATURES.items():
                 fn = getattr(lib, name)
-                fn.argtypes, fn.restype = args, (_int if name in ("amx_enable", "gemm_layout") else None)
+                fn.argtypes, fn.restype = args, (_int if name in _RETURNS_INT else None)
             if os.environ.get("KVSTORE_AMX", "1") != "0" and "amx_bf16" in _cpu_flags().split():
                 if not lib.amx_enable():
                     logger.warning("the kernel refused AMX tile state (ARCH_REQ_XCOMP_PERM): AVX-512 GEMMs")
@@ -165,6 +167,24 @@ def amx() -> bool:
     """Whether bf16 GEMMs (with K % 32 == 0) run on the AMX tile units in this process."""
     lib = _lib()
     return lib is not None and bool(lib.gemm_layout(W_TYPES[torch.bfloat16], 32))
+
+
+def attention_on_tiles(
+    kv_dtype: torch.dtype, num_kv_heads: int, group: int, head_dim: int, block_size: int, window: int | None
+) -> bool:
+    """Whether `paged_decode_attention` runs on the AMX tile units for this cache and layer (bf16 cache,
+    head_dim % 32 == 0, at most 16 query heads per KV head and 64 KV heads, block_size % 16 == 0, no
+    sliding window): q * scale and the softmax numerators are rounded to bf16 there."""
+    lib = _lib()
+    return (
+        lib is not None
+        and kv_dtype in KV_TYPES
+        and bool(
+            lib.attention_on_tiles(
+                KV_TYPES[kv_dtype], num_kv_heads, group, head_dim, block_size, int(window or 0)
+            )
+        )
+    )
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
