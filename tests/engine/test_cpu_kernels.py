@@ -245,3 +245,29 @@ def test_amx_off_keeps_the_avx512_kernel_in_a_fresh_process() -> None:
         run[amx] = out.stdout.split()
     assert run["0"] == ["False", "True"]
     assert run["1"] == (["True", "False"] if cpu_ops.amx() else ["False", "True"])
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(9, 3, 64), (4, 1, 32), (2, 2, 128)])
+def test_prompt_rows_attended_together_equal_each_row_alone(kv_dtype, hq: int, hkv: int, d: int) -> None:
+    """A prompt's rows share tiles (the AMX path groups up to 16 / G of them); each row's bits must be
+    what it gets alone, as a decode row, or in another chunking: what store reuse relies on."""
+    g = _gen(hq + d)
+    bs, length, start = 16, 150, 90
+    nb = -(-length // bs) + 2
+    k_cache = torch.randn(nb, bs, hkv, d, generator=g).to(kv_dtype)
+    v_cache = torch.randn(nb, bs, hkv, d, generator=g).to(kv_dtype)
+    table = torch.randperm(nb, generator=g)[: -(-length // bs)].to(torch.int32)
+    n = length - start  # rows at positions start .. length - 1, as AttentionPlan.per_row lays them out
+    tables = table.expand(n, -1).contiguous()
+    lens = torch.arange(start + 1, length + 1, dtype=torch.int32)
+    q = torch.randn(n, hq, d, generator=g)
+    together = torch.empty_like(q)
+    cpu_ops.paged_decode_attention(q, together, k_cache, v_cache, tables, lens, None, d**-0.5, None)
+    for lo, hi in [(0, 1), (7, 8), (59, 60), (3, 17), (30, 60)]:
+        part = torch.empty(hi - lo, hq, d)
+        cpu_ops.paged_decode_attention(
+            q[lo:hi].contiguous(), part, k_cache, v_cache, tables[lo:hi].contiguous(), lens[lo:hi].contiguous(),
+            None, d**-0.5, None,
+        )  # fmt: skip
+        assert torch.equal(part, together[lo:hi]), (lo, hi)
