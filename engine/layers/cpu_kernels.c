@@ -172,9 +172,12 @@ int amx_enable(void) {
     return g_amx;
 }
 
+#define MAX_TILE_KV_HEADS 64 /* attend_amx keeps 1 / sum for 16 columns of each */
+
 /* 1 when paged_decode_attention runs on the tile units for such a cache and layer (see attend_amx) */
 int attention_on_tiles(int kv_type, int64_t Hkv, int64_t G, int64_t D, int64_t block_size, int64_t window) {
-    return g_amx && kv_type == BF16 && D % 32 == 0 && G <= 16 && block_size % 16 == 0 && window <= 0 && Hkv <= 64;
+    return g_amx && kv_type == BF16 && D % 32 == 0 && G <= 16 && block_size % 16 == 0 && window <= 0 &&
+           Hkv <= MAX_TILE_KV_HEADS;
 }
 
 /* How gemm_w16 reads a weight of this type and K: 1 = AMX panels, 0 = the AVX-512 panels. */
@@ -297,6 +300,18 @@ static inline __m512 hsum16(const __m512* v) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(u01, u23, 0x88), _mm512_shuffle_f32x4(u01, u23, 0xDD));
 }
 
+/* Softmax over scores s[0, n): the max (broadcast), and exp(s[t..t+16) - max) with lanes past n zero. */
+static inline __m512 scores_max(const float* s, int64_t n) {
+    __m512 m = _mm512_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < n; t += 16)
+        m = _mm512_mask_max_ps(m, lane_mask(n - t), m, _mm512_maskz_loadu_ps(lane_mask(n - t), s + t));
+    return _mm512_set1_ps(_mm512_reduce_max_ps(m));
+}
+static inline __m512 exp_shifted(const float* s, int64_t t, int64_t n, __m512 mx) {
+    const __mmask16 mk = lane_mask(n - t);
+    return _mm512_maskz_mov_ps(mk, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, s + t), mx)));
+}
+
 typedef struct {
     const void *k_cache, *v_cache;
     int kv_type;
@@ -364,15 +379,11 @@ static inline __attribute__((always_inline)) void attend_seq(const PagedKV* c, c
     }
     for (int64_t hg = 0; hg < Hkv * G; hg++) {
         float* s = scores + hg * n;
-        __m512 m = _mm512_set1_ps(-INFINITY);
-        for (int64_t t = 0; t < n; t += 16)
-            m = _mm512_mask_max_ps(m, lane_mask(n - t), m, _mm512_maskz_loadu_ps(lane_mask(n - t), s + t));
-        const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+        const __m512 mx = scores_max(s, n);
         __m512 sum = _mm512_setzero_ps();
         for (int64_t t = 0; t < n; t += 16) {
-            const __mmask16 mk = lane_mask(n - t);
-            const __m512 e = _mm512_maskz_mov_ps(mk, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, s + t), mx)));
-            _mm512_mask_storeu_ps(s + t, mk, e);
+            const __m512 e = exp_shifted(s, t, n, mx);
+            _mm512_mask_storeu_ps(s + t, lane_mask(n - t), e);
             sum = _mm512_add_ps(sum, e);
         }
         const float inv = vs[hg / G] / _mm512_reduce_add_ps(sum);
@@ -473,7 +484,6 @@ static void attend_generic(const PagedKV* c, const float* q, int64_t ldh, float*
  * row's result does not depend on the rows it was grouped with: decode and prefill rows, however
  * chunked, agree bit for bit. Tiles: pass 1: 0-3 S^T of four KV heads, 4-5 K, 6-7 q^T; pass 2: 1 V
  * pairs, 3 P, 4-7 O (16 dims each). */
-#define MAX_ROWS_HEADS 1024 /* KV heads x 16 columns */
 typedef struct {
     float* scores; /* [Hkv][16][cap] fp32: column j's scores */
     uint16_t* pb;  /* [Hkv][16][cap] bf16 P */
@@ -517,7 +527,7 @@ static void attend_amx(const PagedKV* c, const float* const* qs, float* const* o
         }
     const __m512i gidx = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
     const __m512i pair0 = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), pair1 = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
-    float inv[MAX_ROWS_HEADS];
+    float inv[MAX_TILE_KV_HEADS * 16];
     amx_attention_config(J, 1);
     for (int64_t h = 0; h < Hkv; h++) {
         float* scores = w->scores + h * 16 * ld;
@@ -558,14 +568,10 @@ static void attend_amx(const PagedKV* c, const float* const* qs, float* const* o
             const int64_t n = ns[j / G];
             const float* sj = scores + j * ld;
             uint16_t* pb = w->pb + (h * 16 + j) * ld;
-            __m512 m = _mm512_set1_ps(-INFINITY);
-            for (int64_t t = 0; t < n; t += 16)
-                m = _mm512_mask_max_ps(m, lane_mask(n - t), m, _mm512_maskz_loadu_ps(lane_mask(n - t), sj + t));
-            const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+            const __m512 mx = scores_max(sj, n);
             __m512 sum = _mm512_setzero_ps();
             for (int64_t t = 0; t < npad; t += 16) {
-                const __mmask16 k = lane_mask(n - t);
-                const __m512 e = _mm512_maskz_mov_ps(k, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sj + t), mx)));
+                const __m512 e = exp_shifted(sj, t, n, mx);
                 _mm256_storeu_si256((__m256i*)(pb + t), to_bf16(e));
                 sum = _mm512_add_ps(sum, e);
             }
