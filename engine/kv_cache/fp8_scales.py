@@ -84,8 +84,12 @@ def calibrate_kv_scales(model: nn.Module, token_ids: list[int], granularity: str
     blocks = -(-n // _BLOCK)
     scratch = torch.zeros(len(layers), 2, blocks, _BLOCK, heads, dim, dtype=torch.float32, device=device)
     saved = [(m.kv_cache, m.k_scale, m.v_scale) for m in layers]
+    # the fused C decoder layers never call the Attention modules, so their hooks would see nothing
+    fused = [m for m in model.modules() if getattr(m, "use_fused_layers", False)]
     hooks = [m.register_forward_pre_hook(observe(i)) for i, m in enumerate(layers)]
     try:
+        for m in fused:
+            m.use_fused_layers = False
         for i, m in enumerate(layers):
             m.kv_cache, m.k_scale, m.v_scale = scratch[i], None, None
         meta = AttentionMetadata(
@@ -100,10 +104,13 @@ def calibrate_kv_scales(model: nn.Module, token_ids: list[int], granularity: str
         ids = torch.tensor(token_ids, dtype=torch.long, device=device)
         model(ids, torch.arange(n, dtype=torch.long, device=device), meta)
     finally:
+        for m in fused:
+            m.use_fused_layers = True
         for h in hooks:
             h.remove()
         for m, (cache, ks, vs) in zip(layers, saved, strict=True):
             m.kv_cache, m.k_scale, m.v_scale = cache, ks, vs
+    assert (amax > 0).all(), "calibration saw no K/V in some layer"
     if granularity == "tensor":
         amax = amax.amax(-1, keepdim=True).expand_as(amax)
     return KVScales(_power_of_two_scale(amax).contiguous(), granularity)

@@ -127,6 +127,26 @@ def test_calibrated_scales_are_deterministic_powers_of_two_with_headroom(tiny_ch
     assert all(m.kv_cache.numel() == 0 and m.k_scale is None for m in layers)  # nothing left attached
 
 
+def test_calibration_sees_the_kv_of_the_fused_cpu_layers(tiny_checkpoints) -> None:
+    """With one torch thread the 16-bit CPU path runs all decoder layers in one C call, past the
+    Attention modules: calibration must still see every layer's K/V (it once got none, and every
+    scale fell to the 2^-60 floor: fp8 output was noise)."""
+    model, _ = load_model(tiny_checkpoints["llama"], dtype="bfloat16")
+    if not model.model.use_fused_layers:
+        pytest.skip("no fused CPU layers here (no AVX-512 kernels)")
+    tokens = list(range(5, 120))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        fused = calibrate_kv_scales(model, tokens, "head")
+        torch.set_num_threads(2)  # the per-layer path
+        per_layer = calibrate_kv_scales(model, tokens, "head")
+    finally:
+        torch.set_num_threads(threads)
+    assert model.model.use_fused_layers  # put back
+    assert torch.equal(fused.scales, per_layer.scales) and (fused.scales > 2.0**-20).all()
+
+
 def test_fp8_engine_holds_twice_the_tokens_and_keys_its_scales(tiny_engine_dir) -> None:
     common = dict(model=str(tiny_engine_dir), dtype="bfloat16", kv_cache_memory="2MiB", max_model_len=128)
     bf16 = LLMEngine(EngineArgs(**common))
