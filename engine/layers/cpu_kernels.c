@@ -176,7 +176,7 @@ int amx_enable(void) {
 
 /* 1 when paged_decode_attention runs on the tile units for such a cache and layer (see attend_amx) */
 int attention_on_tiles(int kv_type, int64_t Hkv, int64_t G, int64_t D, int64_t block_size, int64_t window) {
-    return g_amx && kv_type == BF16 && D % 32 == 0 && G <= 16 && block_size % 16 == 0 && window <= 0 &&
+    return g_amx && (kv_type == BF16 || kv_type == FP8_E4M3) && D % 32 == 0 && G <= 16 && block_size % 16 == 0 && window <= 0 &&
            Hkv <= MAX_TILE_KV_HEADS;
 }
 
@@ -471,12 +471,14 @@ static void attend_generic(const PagedKV* c, const float* q, int64_t ldh, float*
 }
 
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
-/* ---- paged attention on the AMX tile units (bf16 caches) -------------------------------------- */
+/* ---- paged attention on the AMX tile units (bf16 and fp8 caches) ------------------------------ */
 /* R query rows of one sequence (R = 1 for a decode row; up to 16 / G consecutive prompt rows, which
  * share the block table) against their contexts [0, ns[r]), every KV head h. A tile column is one
  * (row r, query head g) pair, j = r * G + g, J = R * G <= 16 of them.
  * - Scores: S^T[16 tokens, J] = K[16 tokens, D] . (q * scale)^T, K rows loaded as A tiles straight from
- *   the cache (16 tokens of one block, the cache's token stride), q * scale rounded to bf16.
+ *   a bf16 cache (16 tokens of one block, the cache's token stride), q * scale rounded to bf16. An fp8
+ *   cache's 16 rows are widened to bf16 first: e4m3 values are exact in bf16 (as x 2^-8, see load16;
+ *   the 2^8 and the fp8 scales are in q's and V's scales), so only the rounding of q * scale differs.
  * - Softmax per column in fp32 (max, exp, sum over its own context).
  * - O[J, D] = P[J, tokens] . V[tokens, D], P = bf16(exp(s - max)) with zeros past a column's context,
  *   V rewritten per 32 tokens into the B tile's token pairs (zeros past the longest context); O / sum.
@@ -489,9 +491,18 @@ typedef struct {
     uint16_t* pb;  /* [Hkv][16][cap] bf16 P */
     uint16_t* qt;  /* [Hkv][D/32][16][32] bf16 q^T pairs (64-byte rows) */
     uint16_t* vt;  /* [4][16][32] bf16 V pairs: 32 tokens x 64 dims */
+    uint16_t* kb;  /* fp8 caches: [4][16][D] bf16 K rows of four token groups */
     float* cbuf;   /* [4][16][16] fp32 */
     int64_t cap;
 } AmxScratch;
+
+/* 32 cache values at p as bf16 (exact for bf16 and for fp8, whose value comes x 2^-8 as in load16) */
+static inline __m512i load32_bf16(const char* p, int kv_type) {
+    if (kv_type == BF16) return _mm512_loadu_si512(p);
+    const __m512i lo = _mm512_srli_epi32(_mm512_castps_si512(load16(p, kv_type)), 16);
+    const __m512i hi = _mm512_srli_epi32(_mm512_castps_si512(load16(p + 16, kv_type)), 16);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(lo)), _mm512_cvtepi32_epi16(hi), 1);
+}
 
 static void amx_attention_config(int J, int pass) {
     TileConfig cfg;
@@ -509,6 +520,7 @@ static void attend_amx(const PagedKV* c, const float* const* qs, float* const* o
                        int64_t Hkv, const float* ks, const float* vs, AmxScratch* w, int G, int64_t D) {
     const int J = R * G;
     const int64_t nmax = ns[R - 1], npad = (nmax + 31) / 32 * 32, D32 = D / 32, tok = c->s_tok * c->esz;
+    const int wide = c->kv_type == BF16; /* K tiles straight from the cache, else from w->kb */
     const int64_t ld = w->cap;
     for (int64_t h = 0; h < Hkv; h++) /* q^T: row k of chunk dc, column j = (q_j[32dc + 2k], q_j[32dc + 2k + 1]) */
         for (int64_t dc = 0; dc < D32; dc++) {
@@ -535,13 +547,22 @@ static void attend_amx(const PagedKV* c, const float* const* qs, float* const* o
             const char* kp[4];
             int ng = 0;
             for (int64_t t = t0; t < nmax && ng < 4; t += 16) kp[ng++] = kv_row(c, c->k_cache, t, h);
+            if (!wide) /* rows past the context are widened too (masked below, as on a bf16 cache) */
+                for (int i = 0; i < ng; i++) {
+                    uint16_t* kb = w->kb + i * 16 * D;
+                    for (int r = 0; r < 16; r++)
+                        for (int64_t e = 0; e < D; e += 32)
+                            _mm512_storeu_si512(kb + r * D + e, load32_bf16(kp[i] + r * tok + e, c->kv_type));
+                    kp[i] = (const char*)kb;
+                }
+            const int64_t kld = wide ? tok : D * 2; /* bytes between the K tile's rows */
             const uint16_t* qt = w->qt + h * D32 * 16 * 32;
             _tile_zero(0);
             _tile_zero(1);
             _tile_zero(2);
             _tile_zero(3);
 #define S_STEP(i, A, B)                                                                                    \
-    _tile_loadd(A, kp[i] + dc * 64, tok);                                                                  \
+    _tile_loadd(A, kp[i] + dc * 64, kld);                                                                  \
     _tile_loadd(B, qt + dc * 16 * 32, 64);                                                                 \
     _tile_dpbf16ps(i, A, B);
             for (int64_t dc = 0; dc < D32; dc++) {
@@ -592,10 +613,11 @@ static void attend_amx(const PagedKV* c, const float* const* qs, float* const* o
                 for (int64_t pr = 0; pr < 16; pr++) { /* tokens t, t + 1 -> one 64-byte row per 16 dims */
                     const int64_t t = t0 + 2 * pr;
                     if ((pr & 7) == 0 && t < nmax) blk = kv_row(c, c->v_cache, t, h);
-                    const char* va = t < nmax ? blk + (pr & 7) * 2 * tok + d0 * 2 : 0;
+                    const char* va = t < nmax ? blk + (pr & 7) * 2 * tok + d0 * c->esz : 0;
                     for (int64_t s32 = 0; 2 * s32 < nd; s32++) {
-                        const __m512i a = t < nmax ? _mm512_loadu_si512(va + s32 * 64) : _mm512_setzero_si512();
-                        const __m512i b = t + 1 < nmax ? _mm512_loadu_si512(va + tok + s32 * 64) : _mm512_setzero_si512();
+                        const char* vs32 = va + s32 * 32 * c->esz;
+                        const __m512i a = t < nmax ? load32_bf16(vs32, c->kv_type) : _mm512_setzero_si512();
+                        const __m512i b = t + 1 < nmax ? load32_bf16(vs32 + tok, c->kv_type) : _mm512_setzero_si512();
                         const __m512i lo = _mm512_unpacklo_epi16(a, b), hi = _mm512_unpackhi_epi16(a, b);
                         _mm512_storeu_si512(w->vt + (2 * s32 * 16 + pr) * 32, _mm512_permutex2var_epi64(lo, pair0, hi));
                         _mm512_storeu_si512(w->vt + ((2 * s32 + 1) * 16 + pr) * 32, _mm512_permutex2var_epi64(lo, pair1, hi));
@@ -655,6 +677,7 @@ void paged_decode_attention(const float* q, int64_t ldq, float* out, int64_t ldo
         w.qt = (uint16_t*)aligned_alloc(64, Hkv * (D / 32) * 1024);
         w.vt = (uint16_t*)aligned_alloc(64, 4 * 1024);
         w.cbuf = (float*)aligned_alloc(64, 4 * 1024);
+        w.kb = kv_type == BF16 ? 0 : (uint16_t*)aligned_alloc(64, 4 * 16 * D * 2);
         const int max_rows = 16 / G;
         for (int64_t b = b_begin; b < b_end;) {
             /* rows b, b+1, ... of one sequence at consecutive positions (the same table, contexts + 1)
@@ -691,6 +714,7 @@ void paged_decode_attention(const float* q, int64_t ldq, float* out, int64_t ldo
         free(w.qt);
         free(w.vt);
         free(w.cbuf);
+        free(w.kb);
         free(ks);
         return;
     }

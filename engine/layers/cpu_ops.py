@@ -172,9 +172,10 @@ def amx() -> bool:
 def attention_on_tiles(
     kv_dtype: torch.dtype, num_kv_heads: int, group: int, head_dim: int, block_size: int, window: int | None
 ) -> bool:
-    """Whether `paged_decode_attention` runs on the AMX tile units for this cache and layer (bf16 cache,
-    head_dim % 32 == 0, at most 16 query heads per KV head and 64 KV heads, block_size % 16 == 0, no
-    sliding window): q * scale and the softmax numerators are rounded to bf16 there."""
+    """Whether `paged_decode_attention` runs on the AMX tile units for this cache and layer (bf16 or
+    fp8 cache, head_dim % 32 == 0, at most 16 query heads per KV head and 64 KV heads, block_size % 16
+    == 0, no sliding window): q * scale (with an fp8 cache q * scale * k_scale * 2^8) and the softmax
+    numerators are rounded to bf16 there."""
     lib = _lib()
     return (
         lib is not None

@@ -79,8 +79,9 @@ def _dequant(cache: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
 
 def _reference(q, k_cache, v_cache, tables, ctx, rows, scale, window, k_scale, v_scale, tiles=False):
     """Per sequence, gather its blocks and run softmax attention in fp64 on the dequantised cache; with
-    `tiles`, rounded as the AMX kernel rounds: q * scale and the softmax numerators to bf16 (the
-    denominator stays the sum of the unrounded ones)."""
+    `tiles`, rounded as the AMX kernel rounds: q * scale (fp8: q * scale * k_scale * 2^8, which meets
+    the cache's e4m3 values x 2^-8) and the softmax numerators to bf16 (the denominator stays the sum
+    of the unrounded ones)."""
     bs = k_cache.shape[1]
     hq, hkv = q.shape[1], k_cache.shape[2]
     out = {}
@@ -94,7 +95,10 @@ def _reference(q, k_cache, v_cache, tables, ctx, rows, scale, window, k_scale, v
         row = int(rows[b]) if rows is not None else b
         qq = q[row].double().view(hkv, hq // hkv, -1)
         if tiles:
-            s = torch.einsum("hgd,thd->hgt", (qq * scale).float().bfloat16().double(), k)
+            # the factor q meets in the kernel, so that bf16 rounds the same value
+            f = scale if k_scale is None else (k_scale.double() * 256 * scale)[:, None, None]
+            qs = (qq * f).float().bfloat16().double() * (scale / f)
+            s = torch.einsum("hgd,thd->hgt", qs, k)
             e = (s - s.amax(-1, keepdim=True)).exp()
             o = torch.einsum("hgt,thd->hgd", e.float().bfloat16().double(), v) / e.sum(-1, keepdim=True)
         else:
@@ -247,7 +251,7 @@ def test_amx_off_keeps_the_avx512_kernel_in_a_fresh_process() -> None:
     assert run["1"] == (["True", "False"] if cpu_ops.amx() else ["False", "True"])
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float32])
 @pytest.mark.parametrize(("hq", "hkv", "d"), [(9, 3, 64), (4, 1, 32), (2, 2, 128)])
 def test_prompt_rows_attended_together_equal_each_row_alone(kv_dtype, hq: int, hkv: int, d: int) -> None:
     """A prompt's rows share tiles (the AMX path groups up to 16 / G of them); each row's bits must be
@@ -255,19 +259,25 @@ def test_prompt_rows_attended_together_equal_each_row_alone(kv_dtype, hq: int, h
     g = _gen(hq + d)
     bs, length, start = 16, 150, 90
     nb = -(-length // bs) + 2
-    k_cache = torch.randn(nb, bs, hkv, d, generator=g).to(kv_dtype)
-    v_cache = torch.randn(nb, bs, hkv, d, generator=g).to(kv_dtype)
+    k_cache = torch.randn(nb, bs, hkv, d, generator=g)
+    v_cache = torch.randn(nb, bs, hkv, d, generator=g)
+    scales = (None, None)
+    if kv_dtype == torch.float8_e4m3fn:
+        scales = (torch.rand(hkv, generator=g) * 0.05 + 0.005, torch.rand(hkv, generator=g) * 0.01 + 0.002)
+        k_cache, v_cache = _fp8(k_cache, scales[0]), _fp8(v_cache, scales[1])
+    else:
+        k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
     table = torch.randperm(nb, generator=g)[: -(-length // bs)].to(torch.int32)
     n = length - start  # rows at positions start .. length - 1, as AttentionPlan.per_row lays them out
     tables = table.expand(n, -1).contiguous()
     lens = torch.arange(start + 1, length + 1, dtype=torch.int32)
     q = torch.randn(n, hq, d, generator=g)
     together = torch.empty_like(q)
-    cpu_ops.paged_decode_attention(q, together, k_cache, v_cache, tables, lens, None, d**-0.5, None)
+    cpu_ops.paged_decode_attention(q, together, k_cache, v_cache, tables, lens, None, d**-0.5, None, *scales)
     for lo, hi in [(0, 1), (7, 8), (59, 60), (3, 17), (30, 60)]:
         part = torch.empty(hi - lo, hq, d)
         cpu_ops.paged_decode_attention(
             q[lo:hi].contiguous(), part, k_cache, v_cache, tables[lo:hi].contiguous(), lens[lo:hi].contiguous(),
-            None, d**-0.5, None,
+            None, d**-0.5, None, *scales,
         )  # fmt: skip
         assert torch.equal(part, together[lo:hi]), (lo, hi)
