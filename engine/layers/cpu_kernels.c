@@ -491,17 +491,23 @@ typedef struct {
     uint16_t* pb;  /* [Hkv][16][cap] bf16 P */
     uint16_t* qt;  /* [Hkv][D/32][16][32] bf16 q^T pairs (64-byte rows) */
     uint16_t* vt;  /* [4][16][32] bf16 V pairs: 32 tokens x 64 dims */
-    uint16_t* kb;  /* fp8 caches: [4][16][D] bf16 K rows of four token groups */
+    uint16_t* kb;  /* fp8 caches: [cap][D] bf16 K rows of one KV head */
     float* cbuf;   /* [4][16][16] fp32 */
     int64_t cap;
 } AmxScratch;
 
-/* 32 cache values at p as bf16 (exact for bf16 and for fp8, whose value comes x 2^-8 as in load16) */
+/* 32 cache values at p as bf16: a bf16 cache as is; e4m3 x 2^-8 (the value load16 gives, exact in
+ * bf16) straight in 16-bit lanes: s.eeee.mmm -> s.(eeee + 112).mmm0000 for eeee > 0, and the eight
+ * subnormals m x 2^-17 from a table (m = 0 -> 0). e4m3's NaN (0x7F) reads as 1.875, as in load16. */
 static inline __m512i load32_bf16(const char* p, int kv_type) {
     if (kv_type == BF16) return _mm512_loadu_si512(p);
-    const __m512i lo = _mm512_srli_epi32(_mm512_castps_si512(load16(p, kv_type)), 16);
-    const __m512i hi = _mm512_srli_epi32(_mm512_castps_si512(load16(p + 16, kv_type)), 16);
-    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(lo)), _mm512_cvtepi32_epi16(hi), 1);
+    static const uint16_t subnormal[32] __attribute__((aligned(64))) = {0, 0x3700, 0x3780, 0x37C0, 0x3800, 0x3820, 0x3840, 0x3860};
+    const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)p));
+    const __m512i mag = _mm512_and_si512(b, _mm512_set1_epi16(0x7F));
+    __m512i r = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), _mm512_set1_epi16(112 << 7));
+    r = _mm512_mask_permutexvar_epi16(r, _mm512_testn_epi16_mask(b, _mm512_set1_epi16(0x78)), mag,
+                                      _mm512_load_si512(subnormal));
+    return _mm512_ternarylogic_epi32(r, _mm512_slli_epi16(b, 8), _mm512_set1_epi16((short)0x8000), 0xF8); /* r | sign */
 }
 
 static void amx_attention_config(int J, int pass) {
@@ -541,21 +547,22 @@ static void attend_amx(const PagedKV* c, const float* const* qs, float* const* o
     const __m512i pair0 = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), pair1 = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
     float inv[MAX_TILE_KV_HEADS * 16];
     amx_attention_config(J, 1);
+    const int64_t kld = wide ? tok : D * 2; /* bytes between a K tile's rows */
     for (int64_t h = 0; h < Hkv; h++) {
         float* scores = w->scores + h * 16 * ld;
+        /* fp8: the head's K rows widened first, all of them (tile loads right after the stores that
+         * wrote their rows stall: 2x slower); rows past the context too, masked below as on bf16 */
+        for (int64_t t0 = 0; !wide && t0 < nmax; t0 += 16) {
+            const char* kp = kv_row(c, c->k_cache, t0, h);
+            for (int r = 0; r < 16; r++)
+                for (int64_t e = 0; e < D; e += 32)
+                    _mm512_storeu_si512(w->kb + (t0 + r) * D + e, load32_bf16(kp + r * tok + e, c->kv_type));
+        }
         for (int64_t t0 = 0; t0 < nmax; t0 += 64) { /* pass 1: four groups of 16 tokens in flight */
             const char* kp[4];
             int ng = 0;
-            for (int64_t t = t0; t < nmax && ng < 4; t += 16) kp[ng++] = kv_row(c, c->k_cache, t, h);
-            if (!wide) /* rows past the context are widened too (masked below, as on a bf16 cache) */
-                for (int i = 0; i < ng; i++) {
-                    uint16_t* kb = w->kb + i * 16 * D;
-                    for (int r = 0; r < 16; r++)
-                        for (int64_t e = 0; e < D; e += 32)
-                            _mm512_storeu_si512(kb + r * D + e, load32_bf16(kp[i] + r * tok + e, c->kv_type));
-                    kp[i] = (const char*)kb;
-                }
-            const int64_t kld = wide ? tok : D * 2; /* bytes between the K tile's rows */
+            for (int64_t t = t0; t < nmax && ng < 4; t += 16)
+                kp[ng++] = wide ? kv_row(c, c->k_cache, t, h) : (const char*)(w->kb + t * D);
             const uint16_t* qt = w->qt + h * D32 * 16 * 32;
             _tile_zero(0);
             _tile_zero(1);
@@ -677,7 +684,6 @@ void paged_decode_attention(const float* q, int64_t ldq, float* out, int64_t ldo
         w.qt = (uint16_t*)aligned_alloc(64, Hkv * (D / 32) * 1024);
         w.vt = (uint16_t*)aligned_alloc(64, 4 * 1024);
         w.cbuf = (float*)aligned_alloc(64, 4 * 1024);
-        w.kb = kv_type == BF16 ? 0 : (uint16_t*)aligned_alloc(64, 4 * 16 * D * 2);
         const int max_rows = 16 / G;
         for (int64_t b = b_begin; b < b_end;) {
             /* rows b, b+1, ... of one sequence at consecutive positions (the same table, contexts + 1)
@@ -700,7 +706,9 @@ void paged_decode_attention(const float* q, int64_t ldq, float* out, int64_t ldo
             if (need > w.cap) {
                 free(w.scores);
                 free(w.pb);
+                free(w.kb);
                 w.cap = need + 256;
+                w.kb = kv_type == BF16 ? 0 : (uint16_t*)aligned_alloc(64, sizeof(uint16_t) * w.cap * D);
                 w.scores = (float*)aligned_alloc(64, sizeof(float) * Hkv * 16 * w.cap);
                 w.pb = (uint16_t*)aligned_alloc(64, sizeof(uint16_t) * Hkv * 16 * w.cap);
             }

@@ -134,6 +134,9 @@ def test_paged_decode_attention_matches_a_dequantised_reference(kv_dtype, hq, hk
         k_scale = torch.rand(hkv, generator=g) * 0.05 + 0.005
         v_scale = torch.rand(hkv, generator=g) * 0.01 + 0.002
         k_cache, v_cache = _fp8(k_full, k_scale), _fp8(v_full, v_scale)
+        for c in (k_cache, v_cache):  # every other block: any e4m3 code but NaN, subnormals included
+            codes = torch.randint(0, 254, c[::2].shape, generator=g, dtype=torch.uint8)
+            c.view(torch.uint8)[::2] = codes + (codes >= 0x7F).to(torch.uint8)  # skip 0x7F (NaN)
     else:
         k_cache, v_cache = k_full.to(kv_dtype), v_full.to(kv_dtype)
     perm = torch.randperm(nb, generator=g)
