@@ -296,9 +296,11 @@ class ChatRun:
 
 
 def chat_run(args: argparse.Namespace, w: Workload, **kw) -> ChatRun:
-    blocks = 2 * -(-w.longest // 16) + 8  # KV memory for about two conversations
-    llm = LLM("smollm2", dtype=args.dtype, max_model_len=w.longest + 64, num_kv_blocks=blocks,
-              num_threads=args.threads, **kw)  # fmt: skip
+    blocks = 2 * -(-w.longest // 16) + 8  # KV memory for about two conversations (16-bit KV)
+    if args.kv_cache_dtype == "fp8":
+        blocks *= 2  # the same bytes hold twice the blocks
+    llm = LLM("smollm2", dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_model_len=w.longest + 64,
+              num_kv_blocks=blocks, num_threads=args.threads, **kw)  # fmt: skip
     history = [list(w.system) + o for o in w.openings]
     run = ChatRun(0.0, [], 0, [])
     runner = llm.engine.runner
@@ -345,7 +347,7 @@ def part2(args: argparse.Namespace) -> None:
     all_workloads = workloads(args)
     for w in (all_workloads[name] for name in args.workloads):
         n_req = len(w.messages) * len(w.messages[0])
-        print(f"\n== chat, {w.name}, {args.dtype}: {len(w.messages)} conversations x {len(w.messages[0])} turns, "
+        print(f"\n== chat, {w.name}, {args.dtype}, {args.kv_cache_dtype} KV cache: {len(w.messages)} conversations x {len(w.messages[0])} turns, "
               f"up to {w.longest} tokens each, KV memory for ~2; {args.rounds} rounds of (off, on) ==")  # fmt: skip
         store = {"off": {}}
         for v in args.store_variants:
@@ -381,6 +383,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="rounds of (store off, store on) per chat workload")
     ap.add_argument("--dtype", default="float32",
                     help="the engine's dtype: float32 (the exact reference: answers must agree), bfloat16, auto")  # fmt: skip
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float16", "fp8"],
+                    help="the chat engine's KV cache; fp8 gets twice the blocks (the same KV bytes)")  # fmt: skip
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: the engine's)")
     ap.add_argument("--conversations", type=int, default=20)
     ap.add_argument("--turns", type=int, default=6, help="turns of the short-turn chat")
