@@ -47,6 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from engine import LLM, SamplingParams  # noqa: E402
+from engine.kv_cache.spec import KV_CACHE_DTYPES  # noqa: E402
 from kvstore.codecs import codec_names  # noqa: E402
 
 SOURCES = ["engine", "cpu-raw", "cpu-fp8", "cpu-int4", "server", "disk", "redis"]
@@ -297,7 +298,7 @@ class ChatRun:
 
 def chat_run(args: argparse.Namespace, w: Workload, **kw) -> ChatRun:
     blocks = 2 * -(-w.longest // 16) + 8  # KV memory for about two conversations (16-bit KV)
-    if args.kv_cache_dtype == "fp8":
+    if args.kv_cache_dtype.startswith("fp8"):
         blocks *= 2  # the same bytes hold twice the blocks
     llm = LLM("smollm2", dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_model_len=w.longest + 64,
               num_kv_blocks=blocks, num_threads=args.threads, **kw)  # fmt: skip
@@ -383,7 +384,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="rounds of (store off, store on) per chat workload")
     ap.add_argument("--dtype", default="float32",
                     help="the engine's dtype: float32 (the exact reference: answers must agree), bfloat16, auto")  # fmt: skip
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float16", "fp8"],
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                     help="the chat engine's KV cache; fp8 gets twice the blocks (the same KV bytes)")  # fmt: skip
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: the engine's)")
     ap.add_argument("--conversations", type=int, default=20)
