@@ -19,7 +19,7 @@ goes according to the connector's metrics: lookup, load (fetch, verify, decode, 
 engine's own part (the rest: scheduling, computing the uncached tail, sampling).
 
 Part 2, multi-turn chat, served in turns (turn t of every conversation as one batch) by an engine
-whose KV memory holds only about two conversations, store off and store on in alternating rounds:
+whose KV memory holds only about two conversations (--kv-conversations), store off and store on in alternating rounds:
   document  a 300-token system prompt, then a 500-token document per conversation, 4 turns of
             40-token questions and 16-token answers (20 conversations)
   short     the same system prompt, no document, 6 turns of 20-80-token messages and 16-64-token
@@ -290,6 +290,8 @@ class ChatRun:
     preemptions: int = 0
     prefill_s: float = 0.0  # model steps that computed a prompt chunk (with the decodes batched in)
     decode_s: float = 0.0  # model steps that only decoded
+    decode_steps: int = 0
+    decode_rows: int = 0  # sequences decoded in those steps, summed
     computed: int = 0  # prompt tokens the engine computed (not from its cache or the store)
     hit_rate: float = 0.0
     lookup: float = 0.0
@@ -297,7 +299,9 @@ class ChatRun:
 
 
 def chat_run(args: argparse.Namespace, w: Workload, **kw) -> ChatRun:
-    blocks = 2 * -(-w.longest // 16) + 8  # KV memory for about two conversations (16-bit KV)
+    blocks = (
+        args.kv_conversations * -(-w.longest // 16) + 8
+    )  # KV memory for about N conversations (16-bit KV)
     if args.kv_cache_dtype.startswith("fp8"):
         blocks *= 2  # the same bytes hold twice the blocks
     llm = LLM("smollm2", dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_model_len=w.longest + 64,
@@ -318,6 +322,8 @@ def chat_run(args: argparse.Namespace, w: Workload, **kw) -> ChatRun:
                 run.prefill_s += time.perf_counter() - t
             else:
                 run.decode_s += time.perf_counter() - t
+                run.decode_steps += 1
+                run.decode_rows += len(out.scheduled)
 
     runner.execute_model = timed
     try:
@@ -349,7 +355,7 @@ def part2(args: argparse.Namespace) -> None:
     for w in (all_workloads[name] for name in args.workloads):
         n_req = len(w.messages) * len(w.messages[0])
         print(f"\n== chat, {w.name}, {args.dtype}, {args.kv_cache_dtype} KV cache: {len(w.messages)} conversations x {len(w.messages[0])} turns, "
-              f"up to {w.longest} tokens each, KV memory for ~2; {args.rounds} rounds of (off, on) ==")  # fmt: skip
+              f"up to {w.longest} tokens each, KV memory for ~{args.kv_conversations}; {args.rounds} rounds of (off, on) ==")  # fmt: skip
         store = {"off": {}}
         for v in args.store_variants:
             store[f"on {v}" if len(args.store_variants) > 1 else "on"] = {
@@ -367,7 +373,9 @@ def part2(args: argparse.Namespace) -> None:
                       f"{run.tokens / run.wall:6.0f} tok/s, mean TTFT {statistics.mean(run.ttfts) * 1e3:5.0f} ms, "
                       f"{run.preemptions} preemptions{extra}", flush=True)  # fmt: skip
                 print(f"      model steps: prompt {run.prefill_s:5.1f} s ({run.computed} prompt tokens computed), "
-                      f"decode-only {run.decode_s:5.1f} s", flush=True)  # fmt: skip
+                      f"decode-only {run.decode_s:5.1f} s ({run.decode_steps} steps, "
+                      f"{run.decode_rows / max(run.decode_steps, 1):.1f} sequences each, "
+                      f"{run.decode_s / max(run.decode_steps, 1) * 1e3:.1f} ms each)", flush=True)  # fmt: skip
         for name in list(store)[1:]:
             pairs = list(zip(runs["off"], runs[name], strict=True))
             ratios = [off.wall / on.wall for off, on in pairs]
@@ -388,6 +396,8 @@ def main() -> None:
                     help="the chat engine's KV cache; fp8 gets twice the blocks (the same KV bytes)")  # fmt: skip
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: the engine's)")
     ap.add_argument("--conversations", type=int, default=20)
+    ap.add_argument("--kv-conversations", type=int, default=2,
+                    help="the chat engine's KV memory, in longest conversations (16-bit KV; fp8 gets twice the blocks)")  # fmt: skip
     ap.add_argument("--turns", type=int, default=6, help="turns of the short-turn chat")
     ap.add_argument("--workloads", nargs="+", choices=["document", "short"], default=["document", "short"])
     ap.add_argument("--sources", nargs="+", default=SOURCES, choices=SOURCES, help="TTFT rows")
