@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from collections.abc import Awaitable
 from typing import TypeVar
 
@@ -69,6 +70,9 @@ def _http_message(request: web.Request, e: web.HTTPException) -> str:
     return e.reason
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # only a \uXXXX escape can make a lone surrogate
+
+
 def parse_json(raw: bytes) -> dict:
     try:
         body = json.loads(raw)
@@ -78,6 +82,13 @@ def parse_json(raw: bytes) -> dict:
         raise InvalidRequest(f"the request body is not valid JSON: {str(e)[:200]}") from None
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
+    if _SURROGATE_ESCAPE.search(raw):  # a pair decodes to one code point; a lone half is not text
+        try:
+            json.dumps(body, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise InvalidRequest(
+                "the request body holds a lone UTF-16 surrogate (\\uD800-\\uDFFF) in a string"
+            ) from None
     return body
 
 

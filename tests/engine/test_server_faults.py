@@ -200,6 +200,10 @@ async def test_bad_sampling_values_are_400_json_naming_the_field(
         ("POST", "/v1/completions", b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}", 400, "JSON"),
         ("POST", "/v1/completions", b'{"prompt": "hi", "seed": ' + b"9" * 4000 + b"}", 400, "seed"),
         ("POST", "/v1/completions", b"\xff\xfe", 400, "JSON"),
+        # a lone UTF-16 half is not text: the tokenizer would raise (was a 500)
+        ("POST", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', 400, "surrogate"),
+        ("POST", "/v1/completions", b'{"prompt": "hi", "stop": ["\\uDC00"]}', 400, "surrogate"),
+        ("POST", "/v1/completions", b'{"prompt": ["ok", "\\udbff"], "max_tokens": 2}', 400, "surrogate"),
         ("POST", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "model": "gpt-9"}', 404,
          "does not exist"),
     ],
@@ -214,6 +218,13 @@ async def test_every_error_is_json_in_one_shape(
         match in err["message"] and err["code"] == status and set(err) == {"message", "type", "param", "code"}
     )
     await complete(http, base_url, max_tokens=2)
+
+
+async def test_an_escaped_surrogate_pair_is_one_character(base_url: str, http: aiohttp.ClientSession) -> None:
+    body = b'{"messages": [{"role": "user", "content": "\\ud83d\\ude00 and \\\\ud800 as text"}], "max_tokens": 2}'
+    async with http.post(f"{base_url}/v1/chat/completions", data=body) as r:
+        assert r.status == 200, await r.text()
+        assert (await r.json())["usage"]["completion_tokens"] == 2
 
 
 async def test_tokenization_runs_off_the_event_loop(
