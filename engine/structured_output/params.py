@@ -40,6 +40,25 @@ def _nesting(value: Any) -> int:
     return deepest
 
 
+_DATA_KEYWORDS = ("enum", "const", "default", "examples")  # their values are JSON data, not schemas
+
+
+def _external_ref(schema: Any) -> str | None:
+    """The first `$ref` that points outside the schema (a URL or a file), if any: nothing here can
+    fetch it, and xgrammar would silently allow any value in its place."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and not ref.startswith("#"):
+                return ref
+            stack.extend(v for k, v in node.items() if k not in _DATA_KEYWORDS)
+        elif isinstance(node, list):
+            stack.extend(node)
+    return None
+
+
 @dataclass(frozen=True)
 class StructuredOutputsParams:
     """Exactly one constraint: `json` (a JSON schema, dict or string), `regex`, `choice` (the answer is
@@ -81,6 +100,8 @@ class StructuredOutputsParams:
                 raise bad(
                     f"the JSON schema nests objects and arrays more than {MAX_JSON_NESTING} levels deep"
                 )
+            if (ref := _external_ref(schema)) is not None:
+                raise bad(f"$ref {ref[:100]!r} points outside the schema; only local references (#/...) work")
             object.__setattr__(self, "json", schema)
         if self.regex is not None:
             if not isinstance(self.regex, str) or not self.regex:

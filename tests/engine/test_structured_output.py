@@ -86,6 +86,22 @@ def test_schema_nesting_is_bounded_like_vllm() -> None:
         SO(json="[" * 5000 + "]" * 5000)
 
 
+def test_a_ref_outside_the_schema_is_rejected_not_ignored(manager) -> None:
+    # xgrammar compiles an unresolvable URL $ref as "any value": the constraint would be dropped silently
+    for ref in ("http://example.com/s.json", "other.json#/a"):
+        with pytest.raises(InvalidRequest, match="outside the schema"):
+            SO(json={"type": "object", "properties": {"a": {"$ref": ref}}})
+    local = {
+        "$defs": {"n": {"type": "integer"}},
+        "type": "object",
+        "properties": {"a": {"$ref": "#/$defs/n"}},
+    }
+    manager.compile(SO(json=local))
+    # a property named $ref and $ref in enum data are not references
+    SO(json={"type": "object", "properties": {"$ref": {"type": "string"}}})
+    SO(json={"enum": [{"$ref": "http://example.com"}]})
+
+
 def test_cache_key_ignores_spacing_but_keeps_property_order() -> None:
     a = SO(json=json.dumps(SCHEMA, indent=4))
     assert a.key == SO(json=SCHEMA).key and a.json == SCHEMA
