@@ -14,7 +14,7 @@ from engine.protocol import (
     resolve_max_tokens,
     sampling_params_from,
 )
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MAX_STOP_STRINGS, SamplingParams
 
 
 def params_of(body: dict, max_tokens: int = 8) -> SamplingParams:
@@ -44,6 +44,7 @@ def params_of(body: dict, max_tokens: int = 8) -> SamplingParams:
         ("logit_bias", {"5": "x"}),
         ("stop_token_ids", [-1]),
         ("stop", [""]),
+        ("stop", [f"s{i}" for i in range(MAX_STOP_STRINGS + 1)]),  # each is searched on every token
     ],
 )
 def test_out_of_range_sampling_fields_are_invalid_and_named(field: str, value: object) -> None:
@@ -57,6 +58,7 @@ def test_edges_of_the_ranges_are_accepted() -> None:
                    "presence_penalty": -2, "frequency_penalty": 2, "repetition_penalty": 1e-3})  # fmt: skip
     assert p.seed == 2**63 - 1 and p.greedy and p.has_penalties
     assert params_of({"seed": -(2**63)}).seed == -(2**63)
+    assert len(params_of({"stop": [f"s{i}" for i in range(MAX_STOP_STRINGS)]}).stop) == MAX_STOP_STRINGS
 
 
 def test_logit_bias_keys_are_token_ids_and_biases_are_clamped_like_vllm() -> None:
