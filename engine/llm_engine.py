@@ -345,7 +345,13 @@ class LLMEngine:
 
     def _detokenize(self, seq: Sequence) -> None:
         p = seq.sampling_params
-        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=p.skip_special_tokens)
+        if seq.is_finished:  # the exact full decode, a trailing incomplete character included
+            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=p.skip_special_tokens)
+            seq.detokenizer = None
+        else:
+            if seq.detokenizer is None:
+                seq.detokenizer = self.tokenizer.incremental_decoder(p.skip_special_tokens)
+            text = seq.detokenizer.update(seq.output_token_ids)
         if p.stop:
             # Only the tail can hold a new match: earlier text was checked in earlier steps.
             start = max(0, len(seq.output_text) - max(len(s) for s in p.stop))
@@ -365,6 +371,7 @@ class LLMEngine:
         self.requests.pop(seq.request_id, None)
         self.runner.sampler.release(seq.request_id)
         seq.structured_output = None  # the matcher is done; free it now
+        seq.detokenizer = None
         if seq.status is not SequenceStatus.FINISHED_ABORTED:
             self.metrics.e2e_request_latency.observe(now - seq.arrival_time)
             self.metrics.request_success.inc()

@@ -11,6 +11,7 @@ from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.structured_output.request import StructuredOutputRequest
+    from engine.tokenizer import IncrementalDecoder
 
 
 class SequenceStatus(enum.Enum):
@@ -59,6 +60,7 @@ class Sequence:
     finished_time: float | None = None
     error: str | None = None  # set when the engine gave up on it (a fault in its step)
     structured_output: StructuredOutputRequest | None = None  # the grammar state, when constrained
+    detokenizer: IncrementalDecoder | None = None  # output_text while it runs (engine._detokenize)
 
     def __post_init__(self) -> None:
         assert self.prompt_token_ids, "a sequence needs at least one prompt token"

@@ -20,6 +20,31 @@ def _special_token_text(value: Any) -> str | None:
     return value
 
 
+class IncrementalDecoder:
+    """The text of a growing list of output ids at O(1) per token (`tokenizers`' DecodeStream, as in
+    vLLM V1; decoding all ids again on every token costs O(n) each: 0.5 ms at 4,096 tokens, per
+    sequence per step). `text` only ever grows and holds whole characters: a token that ends inside
+    a UTF-8 character waits for the next one, so `text` is a prefix of the full decode."""
+
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool) -> None:
+        from tokenizers.decoders import DecodeStream
+
+        self._tok = tokenizer
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._num_ids = 0
+        self.text = ""
+
+    def update(self, ids: Sequence[int]) -> str:
+        """`ids`: all output ids so far (the ones already seen are skipped)."""
+        assert len(ids) >= self._num_ids, "output ids only grow"
+        for i in ids[self._num_ids :]:
+            piece = self._stream.step(self._tok, i)
+            if piece:
+                self.text += piece
+        self._num_ids = len(ids)
+        return self.text
+
+
 class Tokenizer:
     def __init__(
         self,
@@ -109,6 +134,9 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def incremental_decoder(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
+        return IncrementalDecoder(self._tok, skip_special_tokens)
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)

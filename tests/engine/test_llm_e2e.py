@@ -136,6 +136,24 @@ def test_text_stop_strings_and_seeded_sampling(llm: LLM) -> None:
     assert a[1].outputs[0].token_ids == b[0].outputs[0].token_ids
 
 
+def test_streamed_text_only_grows_and_ends_as_the_full_decode(llm: LLM) -> None:
+    """Output text is detokenized one token at a time: every step's text is a prefix of the final one,
+    which is the decode of all output ids (sampled at temperature 1.5: odd bytes and characters)."""
+    engine = llm.engine
+    params = SamplingParams(temperature=1.5, seed=3, max_tokens=48, skip_special_tokens=False)
+    prompts = ["Write three emoji and a word in Japanese: 🎉", "Ünïcödé test: ∑ ≠ 日本"]
+    seqs = [engine.add_request(p, params) for p in prompts]
+    seen: dict[str, list[str]] = {s.request_id: [] for s in seqs}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(out.outputs[0].text)
+    for seq in seqs:
+        texts, ids = seen[seq.request_id], seq.output_token_ids
+        assert len(ids) == 48 and texts[-1] == engine.tokenizer.decode(ids, skip_special_tokens=False)
+        assert all(texts[-1].startswith(t) for t in texts)
+        assert any(ord(ch) > 127 for ch in texts[-1]), "the sample holds non-ASCII text"
+
+
 def test_chat_answers_the_question(llm: LLM) -> None:
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}], GREEDY)[0]
     assert "Paris" in out.outputs[0].text

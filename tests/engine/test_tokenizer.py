@@ -95,3 +95,57 @@ def test_template_errors_are_typed(smollm2_dir: Path, tmp_path: Path) -> None:
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
     with pytest.raises(TokenizerError, match="no chat template"):
         Tokenizer.from_pretrained(tmp_path).apply_chat_template(MESSAGES)
+
+
+def _llama2_style_tokenizer() -> Tokenizer:
+    """A Llama-2 style tokenizer (BPE with byte fallback, Metaspace, a Strip decoder) built in memory."""
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as RawTokenizer
+
+    pieces = ["▁", "▁the", "▁é", "the", "t", "h", "e", "é", "日", "▁ok"]
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}}
+    vocab.update({p: len(vocab) + i for i, p in enumerate(pieces)})
+    raw = RawTokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    raw.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    raw.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    raw.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
+    return Tokenizer(raw)
+
+
+def test_incremental_decoding_is_the_full_decode_one_token_at_a_time(ours: Tokenizer) -> None:
+    """At every token the incremental text is a prefix of the final text (a token that ends inside a
+    UTF-8 character waits), and after a plain ASCII token it is the final text: byte-level BPE
+    (SmolLM2, any ids) and byte-fallback Metaspace (Llama 2: pieces, specials and the byte tokens of
+    whole characters), special tokens skipped or kept. Decoding all ids again at each token is no
+    such prefix with byte fallback: "ü" then the first byte of "日" decode to three U+FFFD, as one
+    run of bytes that is not UTF-8. (A run that never becomes UTF-8 turns into U+FFFD only once it
+    is complete, so text already streamed cannot follow that, in vLLM either.)"""
+    import random
+
+    rng = random.Random(0)
+    smol_pool = ours.encode("héllo 🎉 日本語 ∑ <|im_end|> x", add_special_tokens=False)
+    smol_vocab = ours._tok.get_vocab_size(with_added_tokens=True)
+
+    def smol_units() -> list[int]:
+        return [rng.choice(smol_pool) if rng.random() < 0.6 else rng.randrange(smol_vocab)]
+
+    llama = _llama2_style_tokenizer()
+    llama_units = [
+        [llama.token_to_id(p)] for p in ("▁", "▁the", "▁é", "the", "t", "é", "<s>", "</s>", "<unk>")
+    ]
+    llama_units += [[1 + b for b in ch.encode()] for ch in ("a", " ", "\n", "ü", "日", "🎉", "\x00")]
+    cases = [
+        (ours, smol_units, ours.encode(" ok")[-1]),
+        (llama, lambda: rng.choice(llama_units), llama.token_to_id("▁ok")),
+    ]
+    for tok, unit, ascii_id in cases:
+        for _ in range(150):
+            ids = [i for _ in range(rng.randint(1, 30)) for i in unit()] + [ascii_id]
+            for skip in (True, False):
+                dec, full = tok.incremental_decoder(skip), tok.decode(ids, skip)
+                for k in range(1, len(ids) + 1):
+                    text = dec.update(ids[:k])
+                    assert full.startswith(text), (ids[:k], text)
+                assert text == full, ids
