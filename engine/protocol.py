@@ -8,6 +8,7 @@ comes as `response_format` or `structured_outputs` (engine/structured_output/pro
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, TypeVar
 
@@ -23,7 +24,8 @@ from engine.structured_output.protocol import (
 
 logger = logging.getLogger(__name__)
 _R = TypeVar("_R", bound="_SamplingFields")
-MAX_PROMPTS_PER_REQUEST = 2048  # OpenAI's own limit on a prompt array
+MAX_PROMPTS_PER_REQUEST = 2048  # OpenAI's own limit on a prompt array; also on prompts x n
+MAX_N = 128  # OpenAI's limit on n
 
 # field -> the values that mean "not used"; any other value is a 400 naming the field.
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
@@ -130,8 +132,10 @@ class _SamplingFields(BaseModel):
         ignored = body.keys() - cls.model_fields.keys()
         if ignored:
             logger.debug("ignoring unknown request fields: %s", ", ".join(sorted(ignored)[:20]))
-        if req.n != 1:
-            raise InvalidRequest("only n=1 is supported", param="n")
+        if not 1 <= req.n <= MAX_N:
+            raise InvalidRequest(f"n must be in [1, {MAX_N}], got {req.n}", param="n")
+        if req.n > 1 and req.stream:
+            raise InvalidRequest("streaming supports n=1", param="n")
         if req.stream_options is not None and req.stream_options.continuous_usage_stats:
             raise InvalidRequest(
                 "continuous_usage_stats is not supported by this server", param="stream_options"
@@ -222,6 +226,14 @@ def resolve_max_tokens(
             param="max_tokens",
         )
     return requested
+
+
+def choices_of(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """The params of a request's n choices. With a seed, choice i samples with seed + i (vLLM's rule
+    for n > 1), so each choice can be reproduced alone."""
+    if params.seed is None or n == 1:
+        return [params] * n
+    return [dataclasses.replace(params, seed=params.seed + i) for i in range(n)]
 
 
 def sampling_params_from(req: _SamplingFields, max_tokens: int) -> SamplingParams:

@@ -24,7 +24,14 @@ from engine.async_engine import AsyncEngine
 from engine.errors import InvalidRequest, ModelNotFound, TokenizerError
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
-from engine.protocol import ChatCompletionRequest, CompletionRequest, resolve_max_tokens, sampling_params_from
+from engine.protocol import (
+    MAX_PROMPTS_PER_REQUEST,
+    ChatCompletionRequest,
+    CompletionRequest,
+    choices_of,
+    resolve_max_tokens,
+    sampling_params_from,
+)
 from engine.sampling_params import SamplingParams
 from engine.server_middleware import (
     MAX_BODY_KEY,
@@ -60,10 +67,11 @@ def _check_model(engine: LLMEngine, model: str | None) -> None:
         )
 
 
-def _usage(outs: list[RequestOutput]) -> dict:
-    p = sum(len(o.prompt_token_ids) for o in outs)
+def _usage(outs: list[RequestOutput], n: int = 1) -> dict:
+    """`outs`: n choices per prompt, in order; a prompt counts once (as in OpenAI's and vLLM's usage)."""
+    p = sum(len(o.prompt_token_ids) for o in outs[::n])
     c = sum(len(o.outputs[0].token_ids) for o in outs)
-    cached = sum(o.num_cached_tokens for o in outs)
+    cached = sum(o.num_cached_tokens for o in outs[::n])
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
             "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
 
@@ -138,6 +146,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
     prompts = req.prompts()
     if req.stream and len(prompts) != 1:
         raise InvalidRequest("streaming supports one prompt per request", param="stream")
+    if len(prompts) * req.n > MAX_PROMPTS_PER_REQUEST:
+        raise InvalidRequest(
+            f"a request holds at most {MAX_PROMPTS_PER_REQUEST} choices (prompts x n), got {len(prompts) * req.n}",
+            param="n",
+        )
     token_ids = await aengine.off_loop(_tokenize_completion_prompts, engine, prompts, req.add_special_tokens)
     params = [
         sampling_params_from(req, resolve_max_tokens(req.max_tokens, len(ids), engine.max_model_len, 16))
@@ -161,10 +174,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
         stream = SSEStream(request, Delta(params[0].stop), chunk, usage=usage)
         gen = aengine.generate(token_ids[0], params[0], base["id"])
         return await unless_disconnected(request, stream.run(gen))
-    results = await unless_disconnected(request, _generate_all(aengine, token_ids, params, base["id"]))
+    # choice index = prompt index * n + i, as in vLLM
+    flat_ids = [ids for ids in token_ids for _ in range(req.n)]
+    flat_params = [c for p in params for c in choices_of(p, req.n)]
+    results = await unless_disconnected(request, _generate_all(aengine, flat_ids, flat_params, base["id"]))
     choices = [{"index": i, "text": o.outputs[0].text, "logprobs": None, "finish_reason": o.outputs[0].finish_reason,
                 "stop_reason": o.outputs[0].stop_reason} for i, o in enumerate(results)]  # fmt: skip
-    return web.json_response({**base, "choices": choices, "usage": _usage(results)})
+    return web.json_response({**base, "choices": choices, "usage": _usage(results, req.n)})
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -176,6 +192,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     max_tokens = resolve_max_tokens(req.requested_max_tokens, len(prompt), engine.max_model_len, None)
     params = sampling_params_from(req, max_tokens)
     engine.check_request(prompt, params)
+    choice_params = choices_of(params, req.n)
     await _compile_constraint(engine, params)
     base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": engine.model_name}
     if req.stream:
@@ -198,12 +215,17 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         usage = (lambda out: {**base, "choices": [], "usage": _usage([out])}) if req.include_usage else None
         stream = SSEStream(request, Delta(params.stop), chunk, usage=usage, head=[role])
         return await unless_disconnected(request, stream.run(aengine.generate(prompt, params, base["id"])))
-    out = await unless_disconnected(request, _last(aengine.generate(prompt, params, base["id"])))
-    c = out.outputs[0]
-    choice = {"index": 0, "message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason,
-              "stop_reason": c.stop_reason}  # fmt: skip
+    if req.n == 1:
+        outs = [await unless_disconnected(request, _last(aengine.generate(prompt, params, base["id"])))]
+    else:
+        outs = await unless_disconnected(
+            request, _generate_all(aengine, [prompt] * req.n, choice_params, base["id"])
+        )
+    choices = [{"index": i, "message": {"role": "assistant", "content": o.outputs[0].text},
+                "finish_reason": o.outputs[0].finish_reason, "stop_reason": o.outputs[0].stop_reason}
+               for i, o in enumerate(outs)]  # fmt: skip
     return web.json_response(
-        {**base, "object": "chat.completion", "choices": [choice], "usage": _usage([out])}
+        {**base, "object": "chat.completion", "choices": choices, "usage": _usage(outs, req.n)}
     )
 
 

@@ -143,7 +143,15 @@ async def test_concurrent_requests_batch_and_match_sequential(
         ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
         ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
         ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
-        ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n=1"),
+        ("/v1/completions", {"prompt": "hi", "n": 129}, 400, "n must be in [1, 128]"),
+        ("/v1/completions", {"prompt": "hi", "n": 2, "stream": True}, 400, "n=1"),
+        ("/v1/completions", {"prompt": ["a"] * 1025, "n": 2, "max_tokens": 1}, 400, "prompts x n"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "n": 2, "seed": 2**63 - 1},
+            400,
+            "seed",
+        ),
         ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
         ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
         ("/v1/completions", {"prompt": "hi", "model": "gpt-9"}, 404, "does not exist"),
@@ -278,4 +286,35 @@ async def test_vllm_sampling_extras_through_the_openai_client(base_url: str, eng
     assert again.usage.prompt_tokens_details.cached_tokens >= 16
     with pytest.raises(openai.BadRequestError, match="maximum context length is 256 tokens"):
         await client.chat.completions.create(**{**chat, "max_tokens": 250})
+    await client.close()
+
+
+async def test_n_choices_are_the_seeded_requests_seed_plus_i(base_url: str, engine: LLMEngine) -> None:
+    """n > 1 (vLLM's rule): choice i of a seeded request is the n=1 request with seed + i; the prompt
+    counts once in usage; with several prompts, choice index = prompt index * n + i."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0)
+    chat = {"model": engine.model_name, "messages": [{"role": "user", "content": "Tell me a colour."}],
+            "max_tokens": 8, "temperature": 1.0}  # fmt: skip
+    many = await client.chat.completions.create(**chat, n=3, seed=11)
+    alone = [await client.chat.completions.create(**chat, seed=11 + i) for i in range(3)]
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    assert [c.message.content for c in many.choices] == [a.choices[0].message.content for a in alone]
+    assert len({c.message.content for c in many.choices}) > 1, "the choices are sampled apart"
+    assert many.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    assert many.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+
+    prompts = ["The sky is", "Water is"]
+    cmpl = await client.completions.create(model=engine.model_name, prompt=prompts, n=2, max_tokens=4,
+                                           temperature=0.8, seed=5)  # fmt: skip
+    assert [c.index for c in cmpl.choices] == [0, 1, 2, 3]
+    for j, p in enumerate(prompts):
+        for i in range(2):
+            one = await client.completions.create(model=engine.model_name, prompt=p, max_tokens=4,
+                                                  temperature=0.8, seed=5 + i)  # fmt: skip
+            assert cmpl.choices[j * 2 + i].text == one.choices[0].text
+    greedy = await client.completions.create(model=engine.model_name, prompt="The sky is", n=2, max_tokens=4,
+                                             temperature=0)  # fmt: skip
+    assert greedy.choices[0].text == greedy.choices[1].text
     await client.close()

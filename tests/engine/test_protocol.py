@@ -106,10 +106,11 @@ def test_no_op_values_of_unsupported_fields_and_unknown_fields_pass() -> None:
 
 
 def test_n_and_prompt_count() -> None:
-    for n in (0, 2, -1):
-        with pytest.raises(InvalidRequest, match="n=1") as e:
-            CompletionRequest.from_body({"prompt": "hi", "n": n})
+    for body in ({"n": 0}, {"n": -1}, {"n": 129}, {"n": 2, "stream": True}):
+        with pytest.raises(InvalidRequest, match=r"n must be in \[1, 128\]|streaming supports n=1") as e:
+            CompletionRequest.from_body({"prompt": "hi", **body})
         assert e.value.param == "n"
+    assert CompletionRequest.from_body({"prompt": "hi", "n": 128}).n == 128
     req = CompletionRequest.from_body({"prompt": ["x"] * (MAX_PROMPTS_PER_REQUEST + 1)})
     with pytest.raises(InvalidRequest, match="at most") as e:
         req.prompts()
