@@ -299,7 +299,12 @@ class LLMEngine:
             sampled = [sampled[i] for i in keep]
         now = time.monotonic()
         invalid = self.runner.invalid_block_ids
+        logprobs = self.runner.sampler.logprobs
         for seq in self.scheduler.update_from_output(sched_out, sampled, invalid):
+            if seq.sampling_params.logprobs is not None:
+                entry = logprobs[seq.request_id]
+                assert entry.token_id == seq.output_token_ids[-1]
+                seq.output_logprobs.append(entry)
             try:
                 self._on_new_token(seq, now)
             except Exception as e:
@@ -382,8 +387,9 @@ class LLMEngine:
             metrics["time_to_first_token"] = seq.first_token_time - seq.arrival_time
         if seq.finished_time is not None:
             metrics["e2e_latency"] = seq.finished_time - seq.arrival_time
+        logprobs = list(seq.output_logprobs) if seq.sampling_params.logprobs is not None else None
         completion = CompletionOutput(
-            0, seq.output_text, list(seq.output_token_ids), seq.finish_reason, seq.stop_reason
+            0, seq.output_text, list(seq.output_token_ids), seq.finish_reason, seq.stop_reason, logprobs
         )
         return RequestOutput(
             seq.request_id, seq.prompt, list(seq.prompt_token_ids), [completion], seq.is_finished,

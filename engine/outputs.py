@@ -5,6 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One output token: its log-probability and the top ones at its position, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class CompletionOutput:
     index: int
@@ -12,6 +21,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None  # "stop", "length", "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    logprobs: list[TokenLogprobs] | None = None  # per output token, when SamplingParams.logprobs is set
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """OpenAI request bodies (pydantic) and their mapping to SamplingParams.
 
 Unknown fields are ignored (and logged), as OpenAI clients send many. Fields this server knows but
-cannot honour (`best_of`, `suffix`, `tools`, `logprobs`, ...) are a 400 naming the field whenever they
+cannot honour (`best_of`, `suffix`, `tools`, `prompt_logprobs`, ...) are a 400 naming the field whenever they
 carry anything but their no-op value: nothing a client asks for is silently dropped. Structured output
 comes as `response_format` or `structured_outputs` (engine/structured_output/protocol.py).
 """
@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.errors import InvalidRequest
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from engine.structured_output.protocol import (
     ResponseFormat,
     StructuredOutputsRequest,
@@ -32,8 +32,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
     "suffix": (None, ""),
     "echo": (None, False),
-    "logprobs": (None, False),
-    "top_logprobs": (None,),
     "prompt_logprobs": (None,),
     "logprob_token_ids": (None,),
     "tools": (None, []),
@@ -74,7 +72,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
 
 
 def _is_noop(value: Any, noops: tuple[Any, ...]) -> bool:
-    # type-exact: `logprobs: 0` asks for the sampled token's logprob, it is not `False`
+    # type-exact: `best_of: true` is not the no-op 1, `echo: 0` not the no-op false
     return any(value is None if n is None else (type(value) is type(n) and value == n) for n in noops)
 
 
@@ -142,6 +140,10 @@ class _SamplingFields(BaseModel):
             )
         return req
 
+    def logprobs_count(self) -> int | None:
+        """SamplingParams.logprobs: how many top logprobs per output token (None: no logprobs)."""
+        raise NotImplementedError
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -154,6 +156,14 @@ class _SamplingFields(BaseModel):
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     add_special_tokens: bool = True
+    logprobs: bool | int | None = None  # an int: the top logprobs per token; false: none
+
+    def logprobs_count(self) -> int | None:
+        if self.logprobs is True:
+            raise InvalidRequest(
+                "logprobs of a completion is an int: how many top logprobs per token", param="logprobs"
+            )
+        return None if self.logprobs is None or self.logprobs is False else self.logprobs
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -200,6 +210,19 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     add_special_tokens: bool = False  # the chat template already holds them (vLLM's default)
     chat_template_kwargs: dict[str, Any] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    def logprobs_count(self) -> int | None:
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise InvalidRequest("top_logprobs needs logprobs set to true", param="top_logprobs")
+            return None
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise InvalidRequest(
+                f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}", param="top_logprobs"
+            )
+        return 0 if self.top_logprobs is None else self.top_logprobs
 
     def plain_messages(self) -> list[dict[str, str]]:
         return [m.plain() for m in self.messages]
@@ -258,4 +281,5 @@ def sampling_params_from(req: _SamplingFields, max_tokens: int) -> SamplingParam
         ignore_eos=req.ignore_eos,
         skip_special_tokens=req.skip_special_tokens,
         structured_outputs=structured_outputs_params(req.response_format, req.structured_outputs),
+        logprobs=req.logprobs_count(),
     )

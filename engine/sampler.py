@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
+from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ def apply_penalties(
 class Sampler:
     def __init__(self, eos_token_ids: set[int] | None = None) -> None:
         self._generators: dict[str, torch.Generator] = {}
+        self.logprobs: dict[str, TokenLogprobs] = {}  # request id -> its sampled token's, this step
         self.eos_token_ids = set(eos_token_ids or ())  # banned, with stop_token_ids, before min_tokens
 
     def generator_for(
@@ -98,7 +100,7 @@ class Sampler:
         """logits [n, vocab] -> one token id per row. `history` (prompt, output token ids) per row is
         needed only when a row has penalties."""
         assert logits.shape[0] == len(params) == len(request_ids)
-        logits = logits.float()
+        logits = raw = logits.float()  # `raw` is never written to: processing works on copies
         dev = logits.device
         biased = [i for i, p in enumerate(params) if p.logit_bias]
         early = [i for i, p in enumerate(params) if p.min_tokens and history is not None
@@ -137,7 +139,24 @@ class Sampler:
                 gen = self.generator_for(request_ids[i], params[i], dev)
                 noise[j].exponential_(generator=gen)
             out[idx] = (probs / noise).argmax(dim=-1)
-        return out.tolist()
+        tokens = out.tolist()
+        self._record_logprobs(raw, tokens, request_ids, params)
+        return tokens
+
+    def _record_logprobs(
+        self, raw: torch.Tensor, tokens: list[int], request_ids: list[str], params: list[SamplingParams]
+    ) -> None:
+        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if not rows:
+            return
+        lps = raw[torch.tensor(rows, device=raw.device)].log_softmax(dim=-1)
+        k = max(params[i].logprobs for i in rows)
+        top_lp, top_ids = lps.topk(k, dim=-1) if k else (lps[:, :0], lps[:, :0].long())
+        chosen = lps.gather(1, torch.tensor([[tokens[i]] for i in rows], device=raw.device)).squeeze(1)
+        for j, i in enumerate(rows):
+            n = params[i].logprobs
+            top = tuple(zip(top_ids[j, :n].tolist(), top_lp[j, :n].tolist(), strict=True))
+            self.logprobs[request_ids[i]] = TokenLogprobs(tokens[i], chosen[j].item(), top)
 
     def sample_isolated(
         self,
@@ -148,6 +167,7 @@ class Sampler:
     ) -> tuple[list[int | None], dict[int, Exception]]:
         """Like `__call__`, but a failure is pinned on the rows it belongs to: (tokens with None for a
         failed row, {row: exception}). Seeded rows draw the same tokens as if nothing had failed."""
+        self.logprobs = {}
         saved = {rid: g.get_state() for rid, g in self._generators.items() if rid in set(request_ids)}
         try:
             return list(self(logits, request_ids, params, history)), {}

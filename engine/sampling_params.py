@@ -16,6 +16,7 @@ _MAX_LOGIT_BIAS = 100.0  # vLLM clamps each bias to [-100, 100]
 # 85,000 of them (a 1 MiB body) cost 12 ms per token, which every other request would wait for.
 # OpenAI allows 4; vLLM sets no limit.
 MAX_STOP_STRINGS = 256
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs, OpenAI's top_logprobs limit
 
 
 def _is_int(v: object) -> bool:
@@ -50,6 +51,8 @@ class SamplingParams:
     InvalidRequest (a 400 from the server), never an error inside the shared engine step. Limits that
     depend on the model (token ids and `top_k` against the vocabulary) are checked by the engine.
     `structured_outputs` constrains the output to a JSON schema, regex, choice or EBNF grammar.
+    `logprobs` (None: off): each output token's log-probability and the `logprobs` most likely tokens'
+    at its position, from the model's raw logits (vLLM V1's default `raw_logprobs`).
     """
 
     temperature: float = 1.0
@@ -69,6 +72,7 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -133,6 +137,10 @@ class SamplingParams:
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(f"{name} must be a bool, got {_show(getattr(self, name))}")
+        if self.logprobs is not None and (
+            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise bad(f"logprobs must be an int in [0, {MAX_LOGPROBS}], got {_show(self.logprobs)}")
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):
             raise bad(f"structured_outputs must be StructuredOutputsParams, got {type(so).__name__}")

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from engine.outputs import TokenLogprobs
     from engine.structured_output.request import StructuredOutputRequest
     from engine.tokenizer import IncrementalDecoder
 
@@ -60,6 +61,7 @@ class Sequence:
     finished_time: float | None = None
     error: str | None = None  # set when the engine gave up on it (a fault in its step)
     structured_output: StructuredOutputRequest | None = None  # the grammar state, when constrained
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)  # when sampling_params.logprobs
     detokenizer: IncrementalDecoder | None = None  # output_text while it runs (engine._detokenize)
 
     def __post_init__(self) -> None:

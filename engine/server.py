@@ -23,6 +23,7 @@ from aiohttp import web
 from engine.async_engine import AsyncEngine
 from engine.errors import InvalidRequest, ModelNotFound, TokenizerError
 from engine.llm_engine import LLMEngine
+from engine.openai_logprobs import LogprobsRenderer
 from engine.outputs import RequestOutput
 from engine.protocol import (
     MAX_PROMPTS_PER_REQUEST,
@@ -44,6 +45,7 @@ from engine.streaming import Delta, SSEStream
 
 logger = logging.getLogger(__name__)
 ENGINE_KEY = web.AppKey("async_engine", AsyncEngine)
+LOGPROBS_KEY = web.AppKey("logprobs_renderer", LogprobsRenderer)
 MAX_BODY_BYTES = 8 * 2**20
 _PARSE_OFF_LOOP_BYTES = 256 * 2**10  # bigger bodies are parsed in the tokenizer pool
 R = TypeVar("R", CompletionRequest, ChatCompletionRequest)
@@ -74,6 +76,11 @@ def _usage(outs: list[RequestOutput], n: int = 1) -> dict:
     cached = sum(o.num_cached_tokens for o in outs[::n])
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
             "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
+
+
+def _completion_logprobs(renderer: LogprobsRenderer, out: RequestOutput) -> dict | None:
+    lps = out.outputs[0].logprobs
+    return None if lps is None else renderer.completion(lps)
 
 
 async def _last(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
@@ -161,11 +168,17 @@ async def completions(request: web.Request) -> web.StreamResponse:
     await _compile_constraint(engine, params[0])  # one constraint for every prompt of the request
     base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": engine.model_name}  # fmt: skip
+    logprobs = request.app[LOGPROBS_KEY]
     if req.stream:
+        sent = [0, 0]  # output tokens whose logprobs went out, and the text they cover
 
         def chunk(out: RequestOutput, text: str) -> dict:
             c = out.outputs[0]
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": c.finish_reason}
+            lps = None
+            if c.logprobs is not None:
+                lps = logprobs.completion(c.logprobs[sent[0] :], sent[1])
+                sent[0], sent[1] = len(c.logprobs), sent[1] + sum(map(len, lps["tokens"]))
+            choice = {"index": 0, "text": text, "logprobs": lps, "finish_reason": c.finish_reason}
             if c.finish_reason is not None:
                 choice["stop_reason"] = c.stop_reason
             return {**base, "choices": [choice]}
@@ -178,8 +191,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     flat_ids = [ids for ids in token_ids for _ in range(req.n)]
     flat_params = [c for p in params for c in choices_of(p, req.n)]
     results = await unless_disconnected(request, _generate_all(aengine, flat_ids, flat_params, base["id"]))
-    choices = [{"index": i, "text": o.outputs[0].text, "logprobs": None, "finish_reason": o.outputs[0].finish_reason,
-                "stop_reason": o.outputs[0].stop_reason} for i, o in enumerate(results)]  # fmt: skip
+    choices = [{"index": i, "text": o.outputs[0].text, "logprobs": _completion_logprobs(logprobs, o),
+                "finish_reason": o.outputs[0].finish_reason, "stop_reason": o.outputs[0].stop_reason}
+               for i, o in enumerate(results)]  # fmt: skip
     return web.json_response({**base, "choices": choices, "usage": _usage(results, req.n)})
 
 
@@ -195,6 +209,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     choice_params = choices_of(params, req.n)
     await _compile_constraint(engine, params)
     base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": engine.model_name}
+    logprobs = request.app[LOGPROBS_KEY]
     if req.stream:
         base["object"] = "chat.completion.chunk"
         role = {
@@ -202,12 +217,16 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
         }
 
+        sent = [0]  # output tokens whose logprobs went out (a chunk with no text waits for the next)
+
         def chunk(out: RequestOutput, text: str) -> dict | None:
             c = out.outputs[0]
             if not text and c.finish_reason is None:
                 return None
             choice: dict[str, Any] = {"index": 0, "delta": {"content": text} if text else {},
                                       "finish_reason": c.finish_reason}  # fmt: skip
+            if c.logprobs is not None:
+                choice["logprobs"], sent[0] = logprobs.chat(c.logprobs[sent[0] :]), len(c.logprobs)
             if c.finish_reason is not None:
                 choice["stop_reason"] = c.stop_reason
             return {**base, "choices": [choice]}
@@ -222,6 +241,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             request, _generate_all(aengine, [prompt] * req.n, choice_params, base["id"])
         )
     choices = [{"index": i, "message": {"role": "assistant", "content": o.outputs[0].text},
+                "logprobs": None if o.outputs[0].logprobs is None else logprobs.chat(o.outputs[0].logprobs),
                 "finish_reason": o.outputs[0].finish_reason, "stop_reason": o.outputs[0].stop_reason}
                for i, o in enumerate(outs)]  # fmt: skip
     return web.json_response(
@@ -255,6 +275,7 @@ def build_app(
     app[MAX_BODY_KEY] = max_body_bytes
     aengine = AsyncEngine(engine)
     app[ENGINE_KEY] = aengine
+    app[LOGPROBS_KEY] = LogprobsRenderer(engine.tokenizer)
 
     async def on_startup(_: web.Application) -> None:
         await aengine.start()

@@ -318,3 +318,44 @@ async def test_n_choices_are_the_seeded_requests_seed_plus_i(base_url: str, engi
                                              temperature=0)  # fmt: skip
     assert greedy.choices[0].text == greedy.choices[1].text
     await client.close()
+
+
+async def test_logprobs_in_chat_and_completions_streamed_or_not(base_url: str, engine: LLMEngine) -> None:
+    """OpenAI's two logprobs shapes through the official client: one entry per output token whose texts
+    make the answer, greedy tokens are their own top-1, a stream carries the same entries."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0)
+    chat = {"model": engine.model_name, "messages": [{"role": "user", "content": "Name a fruit."}],
+            "max_tokens": 8, "temperature": 0, "logprobs": True, "top_logprobs": 3}  # fmt: skip
+    r = await client.chat.completions.create(**chat)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 8
+    assert "".join(e.token for e in content) == r.choices[0].message.content
+    for e in content:
+        assert len(e.top_logprobs) == 3 and e.top_logprobs[0].token == e.token and e.logprob <= 0
+        assert (
+            e.top_logprobs[0].logprob == e.logprob >= e.top_logprobs[1].logprob >= e.top_logprobs[2].logprob
+        )
+        assert bytes(e.bytes).decode() == e.token
+    streamed = []
+    async for ch in await client.chat.completions.create(**chat, stream=True):
+        if ch.choices and ch.choices[0].logprobs is not None:
+            streamed += ch.choices[0].logprobs.content
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-4)
+    plain = await client.chat.completions.create(**{**chat, "logprobs": False, "top_logprobs": None})
+    assert plain.choices[0].logprobs is None
+
+    kw = {"model": engine.model_name, "prompt": "The capital of France is", "max_tokens": 6, "temperature": 0,
+          "logprobs": 2}  # fmt: skip
+    c = (await client.completions.create(**kw)).choices[0]
+    lp = c.logprobs
+    assert "".join(lp.tokens) == c.text and len(lp.tokens) == len(lp.token_logprobs) == 6
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(6)]
+    for tok, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert top[tok] == value and len(top) == 2 and max(top.values()) == value
+    chunks = [ch.choices[0].logprobs async for ch in await client.completions.create(**kw, stream=True)]
+    assert sum((ch.tokens for ch in chunks), []) == lp.tokens
+    assert sum((ch.text_offset for ch in chunks), []) == lp.text_offset
+    await client.close()

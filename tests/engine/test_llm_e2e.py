@@ -136,6 +136,23 @@ def test_text_stop_strings_and_seeded_sampling(llm: LLM) -> None:
     assert a[1].outputs[0].token_ids == b[0].outputs[0].token_ids
 
 
+def test_logprobs_equal_transformers_log_softmax(llm: LLM, smollm2_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=8, logprobs=2))[0]
+    c = out.outputs[0]
+    model = AutoModelForCausalLM.from_pretrained(
+        smollm2_dir, dtype=torch.float32, attn_implementation="eager"
+    )
+    ids = torch.tensor([out.prompt_token_ids + c.token_ids])
+    with torch.inference_mode():
+        theirs = model(ids).logits[0, len(out.prompt_token_ids) - 1 : -1].log_softmax(-1)
+    assert [e.token_id for e in c.logprobs] == c.token_ids
+    for e, row in zip(c.logprobs, theirs, strict=True):
+        assert e.logprob == pytest.approx(row[e.token_id].item(), abs=1e-4)
+        assert [t for t, _ in e.top] == row.topk(2).indices.tolist()
+
+
 def test_streamed_text_only_grows_and_ends_as_the_full_decode(llm: LLM) -> None:
     """Output text is detokenized one token at a time: every step's text is a prefix of the final one,
     which is the decode of all output ids (sampled at temperature 1.5: odd bytes and characters)."""

@@ -14,7 +14,7 @@ from engine.protocol import (
     resolve_max_tokens,
     sampling_params_from,
 )
-from engine.sampling_params import MAX_STOP_STRINGS, SamplingParams
+from engine.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams
 
 
 def params_of(body: dict, max_tokens: int = 8) -> SamplingParams:
@@ -83,9 +83,6 @@ def test_top_k_and_token_ids_are_checked_against_the_vocabulary() -> None:
         ("echo", True),
         ("tools", [{"type": "function", "function": {"name": "f"}}]),
         ("tool_choice", "auto"),
-        ("logprobs", 0),
-        ("logprobs", 5),
-        ("top_logprobs", 2),
         ("use_beam_search", True),
         ("guided_json", {"type": "object"}),
         ("prompt_logprobs", 1),
@@ -102,7 +99,33 @@ def test_no_op_values_of_unsupported_fields_and_unknown_fields_pass() -> None:
     body = {"prompt": "hi", "best_of": 1, "echo": False, "logprobs": None, "tools": [],
             "response_format": {"type": "text"}, "user": "alice", "some_future_field": 1}  # fmt: skip
     CompletionRequest.from_body(body)
-    assert set(UNSUPPORTED_FIELDS) >= {"best_of", "suffix", "tools", "top_logprobs", "guided_json"}
+    assert set(UNSUPPORTED_FIELDS) >= {"best_of", "suffix", "tools", "prompt_logprobs", "guided_json"}
+
+
+def test_logprobs_map_to_sampling_params_in_each_api_s_shape() -> None:
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+
+    def chat_lp(**kw) -> int | None:
+        return sampling_params_from(ChatCompletionRequest.from_body({**chat, **kw}), 8).logprobs
+
+    def cmpl_lp(**kw) -> int | None:
+        return params_of(kw).logprobs
+
+    assert chat_lp() is None and chat_lp(logprobs=False) is None and chat_lp(logprobs=True) == 0
+    assert chat_lp(logprobs=True, top_logprobs=5) == 5 and chat_lp(logprobs=False, top_logprobs=0) is None
+    assert cmpl_lp() is None and cmpl_lp(logprobs=False) is None
+    assert cmpl_lp(logprobs=0) == 0 and cmpl_lp(logprobs=MAX_LOGPROBS) == MAX_LOGPROBS
+    for kw, param in (
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ):
+        with pytest.raises(InvalidRequest) as e:
+            chat_lp(**kw)
+        assert e.value.param == param
+    for value in (True, -1, MAX_LOGPROBS + 1):
+        with pytest.raises(InvalidRequest) as e:
+            cmpl_lp(logprobs=value)
+        assert e.value.param == "logprobs"
 
 
 def test_n_and_prompt_count() -> None:

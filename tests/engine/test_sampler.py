@@ -144,3 +144,38 @@ def test_min_tokens_bans_eos_and_stop_tokens_until_reached_like_vllm() -> None:
     assert sampler(logits, ["a"], [p], [([0], [1, 1])]) == [2]
     ignore = SamplingParams(temperature=0, min_tokens=2, ignore_eos=True)
     assert sampler(logits, ["a"], [ignore], [([0], [])]) == [2], "ignore_eos: eos is an ordinary token"
+
+
+def test_logprobs_are_the_raw_distribution_of_the_rows_that_ask() -> None:
+    """vLLM V1's raw logprobs: log_softmax of the model's logits, before logit_bias, penalties,
+    temperature and top-k; the sampled token's, and the top n most likely first; other rows get none."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50)
+    raw = logits.log_softmax(-1)
+    params = [
+        SamplingParams(temperature=0.0, logprobs=3, logit_bias={7: 100.0}),  # the bias picks token 7
+        SamplingParams(temperature=0.7, top_k=5, seed=1),  # no logprobs
+        SamplingParams(temperature=1.3, seed=2, logprobs=0),
+    ]
+    sampler = Sampler()
+    tokens, errors = sampler.sample_isolated(logits.clone(), ["a", "b", "c"], params)
+    assert not errors and tokens[0] == 7 and set(sampler.logprobs) == {"a", "c"}
+    a, c = sampler.logprobs["a"], sampler.logprobs["c"]
+    assert a.token_id == 7 and a.logprob == pytest.approx(raw[0, 7].item(), abs=1e-6)
+    top_lp, top_ids = raw[0].topk(3)
+    assert [t for t, _ in a.top] == top_ids.tolist()
+    assert [lp for _, lp in a.top] == pytest.approx(top_lp.tolist(), abs=1e-6)
+    assert (
+        c.token_id == tokens[2]
+        and c.top == ()
+        and c.logprob == pytest.approx(raw[2, tokens[2]].item(), abs=1e-6)
+    )
+    sampler.sample_isolated(logits, ["b"], [params[1]])
+    assert sampler.logprobs == {}, "each step's logprobs replace the last"
+
+
+def test_logprobs_bounds() -> None:
+    for bad in (-1, 21, 2.0, True):
+        with pytest.raises(InvalidRequest, match="logprobs"):
+            SamplingParams(logprobs=bad)
+    assert SamplingParams(logprobs=20).logprobs == 20

@@ -1,0 +1,63 @@
+"""Output-token logprobs in OpenAI's two shapes: chat (`logprobs.content`, one entry per token with
+its `top_logprobs`) and completions (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`).
+
+A token's text is its own decode (special tokens shown), as in vLLM: a token that holds only part
+of a UTF-8 character reads U+FFFD. Log-probabilities are clamped at -9999.0 as in vLLM, since JSON
+has no -inf (a token masked by a grammar or a logit bias)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from engine.outputs import TokenLogprobs
+from engine.tokenizer import Tokenizer
+
+_FLOOR = -9999.0
+
+
+def _lp(value: float) -> float:
+    return value if value > _FLOOR else _FLOOR  # NaN (a row with every token masked) too
+
+
+class LogprobsRenderer:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._text: dict[int, str] = {}
+
+    def token_text(self, token_id: int) -> str:
+        text = self._text.get(token_id)
+        if text is None:
+            if len(self._text) > 65536:
+                self._text.clear()
+            text = self._text[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+    def _entry(self, token_id: int, logprob: float) -> dict:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": _lp(logprob), "bytes": list(text.encode("utf-8"))}
+
+    def chat(self, entries: Sequence[TokenLogprobs]) -> dict:
+        return {
+            "content": [
+                {
+                    **self._entry(e.token_id, e.logprob),
+                    "top_logprobs": [self._entry(t, lp) for t, lp in e.top],
+                }
+                for e in entries
+            ]
+        }
+
+    def completion(self, entries: Sequence[TokenLogprobs], text_offset: int = 0) -> dict:
+        """`text_offset`: where the first of these tokens starts in the completion's text (a stream
+        continues from the previous chunk's end)."""
+        tokens, offsets = [], []
+        for e in entries:
+            offsets.append(text_offset)
+            tokens.append(self.token_text(e.token_id))
+            text_offset += len(tokens[-1])
+        top = [
+            {**{self.token_text(t): _lp(lp) for t, lp in e.top}, tokens[i]: _lp(e.logprob)}
+            for i, e in enumerate(entries)
+        ]
+        return {"tokens": tokens, "token_logprobs": [_lp(e.logprob) for e in entries], "top_logprobs": top,
+                "text_offset": offsets}  # fmt: skip
