@@ -297,6 +297,12 @@ class LLMEngine:
             keep = [i for i, s in enumerate(sched_out.scheduled) if s.seq.request_id not in errors]
             sched_out.scheduled = [sched_out.scheduled[i] for i in keep]
             sampled = [sampled[i] for i in keep]
+        for rid, (start, entries) in self.runner.prompt_logprobs.items():
+            seq = self.requests.get(rid)
+            if seq is not None and rid not in errors:
+                if not seq.prompt_logprobs:
+                    seq.prompt_logprobs = [None] * seq.num_prompt_tokens
+                seq.prompt_logprobs[start + 1 : start + 1 + len(entries)] = entries
         now = time.monotonic()
         invalid = self.runner.invalid_block_ids
         logprobs = self.runner.sampler.logprobs
@@ -391,7 +397,10 @@ class LLMEngine:
         completion = CompletionOutput(
             0, seq.output_text, list(seq.output_token_ids), seq.finish_reason, seq.stop_reason, logprobs
         )
+        prompt_logprobs = None
+        if seq.sampling_params.prompt_logprobs is not None:
+            prompt_logprobs = list(seq.prompt_logprobs or [None] * seq.num_prompt_tokens)
         return RequestOutput(
             seq.request_id, seq.prompt, list(seq.prompt_token_ids), [completion], seq.is_finished,
-            seq.num_cached_tokens, metrics, seq.error,
+            seq.num_cached_tokens, metrics, seq.error, prompt_logprobs,
         )  # fmt: skip

@@ -17,8 +17,9 @@ from connectors.base import KVConnectorBase
 from engine.attention_metadata import AttentionMetadata
 from engine.errors import EngineError
 from engine.kv_cache.fp8_scales import KVScales
+from engine.outputs import TokenLogprobs
 from engine.sampler import Sampler
-from engine.scheduler import SchedulerOutput
+from engine.scheduler import ScheduledSequence, SchedulerOutput
 from engine.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,8 @@ class ModelRunner:
         self.connector = connector  # worker side of the KV connector (--kv-backend), or None
         self.invalid_block_ids: set[int] = set()  # blocks whose KV failed to load in the last step
         self.sample_errors: dict[str, Exception] = {}  # requests the sampler failed in the last step
+        # request id -> (first prompt position, logprobs of the tokens after it), the last step's
+        self.prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = {}
         if connector is not None:
             connector.register_kv_caches([self.kv_cache[layer] for layer in range(num_layers)])
         logger.info(
@@ -126,6 +129,31 @@ class ModelRunner:
         self.invalid_block_ids = connector.get_block_ids_with_load_errors()
         connector.clear_connector_metadata()
 
+    _PROMPT_LOGITS_ROWS = 128  # logits of this many positions at a time (fp32 x vocab each)
+
+    def _prompt_logprobs(self, sched: ScheduledSequence, hidden: torch.Tensor, first_row: int) -> None:
+        """Logprobs of the prompt tokens this chunk predicts: position p's logits score token p + 1.
+        The last prompt position predicts the first output token: that is the sample, not this."""
+        seq, start = sched.seq, sched.seq.num_computed_tokens
+        end = min(start + sched.num_new_tokens, seq.num_prompt_tokens - 1)
+        if end <= start:
+            return
+        k = seq.sampling_params.prompt_logprobs
+        entries = []
+        for lo in range(start, end, self._PROMPT_LOGITS_ROWS):
+            hi = min(lo + self._PROMPT_LOGITS_ROWS, end)
+            lps = self.model.compute_logits(
+                hidden[first_row + lo - start : first_row + hi - start]
+            ).log_softmax(-1)
+            targets = torch.tensor(seq.prompt_token_ids[lo + 1 : hi + 1], device=lps.device)
+            chosen = lps.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+            top_lp, top_ids = lps.topk(k, dim=-1) if k else (lps[:, :0], lps[:, :0].long())
+            for j, (t, lp) in enumerate(zip(targets.tolist(), chosen, strict=True)):
+                entries.append(
+                    TokenLogprobs(t, lp, tuple(zip(top_ids[j].tolist(), top_lp[j].tolist(), strict=True)))
+                )
+        self.prompt_logprobs[seq.request_id] = (start, entries)
+
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> list[int | None]:
         """One forward over every scheduled token; a token for each sequence whose chunk ends it."""
@@ -146,6 +174,10 @@ class ModelRunner:
             connector.wait_for_save()
             self.invalid_block_ids = connector.get_block_ids_with_load_errors()
             connector.clear_connector_metadata()
+        self.prompt_logprobs = {}
+        for i, s in enumerate(out.scheduled):
+            if s.seq.sampling_params.prompt_logprobs is not None:
+                self._prompt_logprobs(s, hidden, int(meta.cu_seqlens_q[i]))
         rows = [i for i, s in enumerate(out.scheduled) if s.samples]
         sampled: list[int | None] = [None] * len(out.scheduled)
         if rows:

@@ -47,17 +47,29 @@ class LogprobsRenderer:
             ]
         }
 
-    def completion(self, entries: Sequence[TokenLogprobs], text_offset: int = 0) -> dict:
+    def completion(
+        self,
+        entries: Sequence[TokenLogprobs],
+        text_offset: int = 0,
+        prompt: tuple[Sequence[int], Sequence[TokenLogprobs | None]] | None = None,
+    ) -> dict:
         """`text_offset`: where the first of these tokens starts in the completion's text (a stream
-        continues from the previous chunk's end)."""
+        continues from the previous chunk's end). `prompt` (`echo`): the prompt's ids and logprobs go
+        first, the first token's as null (nothing predicts it), as in vLLM."""
+        ids = [e.token_id for e in entries]
+        scored: list[TokenLogprobs | None] = list(entries)
+        if prompt is not None:
+            ids, scored = [*prompt[0], *ids], [*prompt[1], *scored]
         tokens, offsets = [], []
-        for e in entries:
+        for t in ids:
             offsets.append(text_offset)
-            tokens.append(self.token_text(e.token_id))
+            tokens.append(self.token_text(t))
             text_offset += len(tokens[-1])
         top = [
-            {**{self.token_text(t): _lp(lp) for t, lp in e.top}, tokens[i]: _lp(e.logprob)}
-            for i, e in enumerate(entries)
+            None
+            if e is None
+            else {**{self.token_text(t): _lp(lp) for t, lp in e.top}, tokens[i]: _lp(e.logprob)}
+            for i, e in enumerate(scored)
         ]
-        return {"tokens": tokens, "token_logprobs": [_lp(e.logprob) for e in entries], "top_logprobs": top,
-                "text_offset": offsets}  # fmt: skip
+        return {"tokens": tokens, "token_logprobs": [None if e is None else _lp(e.logprob) for e in scored],
+                "top_logprobs": top, "text_offset": offsets}  # fmt: skip

@@ -34,3 +34,5 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
     error: str | None = None  # why the engine gave up on this request (finish_reason "abort")
+    # per prompt token (None for the first, which nothing predicts), when SamplingParams.prompt_logprobs
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

@@ -31,7 +31,6 @@ MAX_N = 128  # OpenAI's limit on n
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "echo": (None, False),
     "prompt_logprobs": (None,),
     "logprob_token_ids": (None,),
     "tools": (None, []),
@@ -134,6 +133,11 @@ class _SamplingFields(BaseModel):
             raise InvalidRequest(f"n must be in [1, {MAX_N}], got {req.n}", param="n")
         if req.n > 1 and req.stream:
             raise InvalidRequest("streaming supports n=1", param="n")
+        if body.get("echo") not in (None, False):
+            if not isinstance(req, CompletionRequest):
+                raise InvalidRequest("echo is supported on /v1/completions only", param="echo")
+            if req.stream:
+                raise InvalidRequest("echo is not supported with stream", param="echo")
         if req.stream_options is not None and req.stream_options.continuous_usage_stats:
             raise InvalidRequest(
                 "continuous_usage_stats is not supported by this server", param="stream_options"
@@ -143,6 +147,9 @@ class _SamplingFields(BaseModel):
     def logprobs_count(self) -> int | None:
         """SamplingParams.logprobs: how many top logprobs per output token (None: no logprobs)."""
         raise NotImplementedError
+
+    def prompt_logprobs_count(self) -> int | None:
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -157,6 +164,10 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     add_special_tokens: bool = True
     logprobs: bool | int | None = None  # an int: the top logprobs per token; false: none
+    echo: bool = False  # the prompt comes first in the text (and in the logprobs, scored)
+
+    def prompt_logprobs_count(self) -> int | None:
+        return self.logprobs_count() if self.echo else None
 
     def logprobs_count(self) -> int | None:
         if self.logprobs is True:
@@ -282,4 +293,5 @@ def sampling_params_from(req: _SamplingFields, max_tokens: int) -> SamplingParam
         skip_special_tokens=req.skip_special_tokens,
         structured_outputs=structured_outputs_params(req.response_format, req.structured_outputs),
         logprobs=req.logprobs_count(),
+        prompt_logprobs=req.prompt_logprobs_count(),
     )

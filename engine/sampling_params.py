@@ -52,7 +52,9 @@ class SamplingParams:
     depend on the model (token ids and `top_k` against the vocabulary) are checked by the engine.
     `structured_outputs` constrains the output to a JSON schema, regex, choice or EBNF grammar.
     `logprobs` (None: off): each output token's log-probability and the `logprobs` most likely tokens'
-    at its position, from the model's raw logits (vLLM V1's default `raw_logprobs`).
+    at its position, from the model's raw logits (vLLM V1's default `raw_logprobs`). `prompt_logprobs`:
+    the same for every prompt token after the first (such a request computes its whole prompt: no
+    prefix-cache or KV-store hit, as in vLLM).
     """
 
     temperature: float = 1.0
@@ -73,6 +75,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -141,6 +144,12 @@ class SamplingParams:
             not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
             raise bad(f"logprobs must be an int in [0, {MAX_LOGPROBS}], got {_show(self.logprobs)}")
+        if self.prompt_logprobs is not None and (
+            not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            raise bad(
+                f"prompt_logprobs must be an int in [0, {MAX_LOGPROBS}], got {_show(self.prompt_logprobs)}"
+            )
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):
             raise bad(f"structured_outputs must be StructuredOutputsParams, got {type(so).__name__}")

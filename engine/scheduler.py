@@ -137,11 +137,16 @@ class Scheduler:
             and not out.preempted
         ):
             seq = self.waiting[0]
-            computed = bm.get_computed_blocks(seq)
+            whole_prompt = (
+                seq.sampling_params.prompt_logprobs is not None
+            )  # needs every prompt position's logits
+            computed = [] if whole_prompt else bm.get_computed_blocks(seq)
             num_computed = len(computed) * bm.block_size
             num_external, load_async = 0, False  # tokens the KV store has beyond the engine's own cache
             if self.connector is not None:
                 num_external, load_async = self.connector.get_num_new_matched_tokens(seq, num_computed)
+                if whole_prompt:  # asked all the same: the connector still saves what this one computes
+                    num_external, load_async = 0, False
             num_new = 0 if load_async else min(seq.num_tokens - num_computed - num_external, budget)
             # a store hit claims its whole prefix in one step: it must leave the running sequences room
             # to grow, or it only preempts them (and they recompute)

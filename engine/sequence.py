@@ -62,6 +62,7 @@ class Sequence:
     error: str | None = None  # set when the engine gave up on it (a fault in its step)
     structured_output: StructuredOutputRequest | None = None  # the grammar state, when constrained
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)  # when sampling_params.logprobs
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # [i]: prompt token i's
     detokenizer: IncrementalDecoder | None = None  # output_text while it runs (engine._detokenize)
 
     def __post_init__(self) -> None:

@@ -78,9 +78,12 @@ def _usage(outs: list[RequestOutput], n: int = 1) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
 
 
-def _completion_logprobs(renderer: LogprobsRenderer, out: RequestOutput) -> dict | None:
+def _completion_logprobs(renderer: LogprobsRenderer, out: RequestOutput, echo: bool = False) -> dict | None:
     lps = out.outputs[0].logprobs
-    return None if lps is None else renderer.completion(lps)
+    if lps is None:
+        return None
+    prompt = (out.prompt_token_ids, out.prompt_logprobs) if echo else None
+    return renderer.completion(lps, prompt=prompt)
 
 
 async def _last(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
@@ -191,7 +194,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
     flat_ids = [ids for ids in token_ids for _ in range(req.n)]
     flat_params = [c for p in params for c in choices_of(p, req.n)]
     results = await unless_disconnected(request, _generate_all(aengine, flat_ids, flat_params, base["id"]))
-    choices = [{"index": i, "text": o.outputs[0].text, "logprobs": _completion_logprobs(logprobs, o),
+    if req.echo:  # the prompt as sent (a string), or its ids' decode
+        texts = [
+            p if isinstance(p, str) else engine.tokenizer.decode(p) for p in prompts for _ in range(req.n)
+        ]
+    choices = [{"index": i, "text": (texts[i] if req.echo else "") + o.outputs[0].text,
+                "logprobs": _completion_logprobs(logprobs, o, req.echo),
                 "finish_reason": o.outputs[0].finish_reason, "stop_reason": o.outputs[0].stop_reason}
                for i, o in enumerate(results)]  # fmt: skip
     return web.json_response({**base, "choices": choices, "usage": _usage(results, req.n)})

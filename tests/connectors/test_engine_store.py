@@ -68,3 +68,30 @@ def test_working_set_four_times_the_kv_memory_reuses_prefixes_via_the_store(off)
         f"\nworking set 4.4x the KV memory, second pass: store hit rate {hits / queries:.1%} ({hits}/{queries} tokens)"
     )
     assert hits == 9 * 256, "every document's full chunk came back from the store"
+
+
+def test_prompt_logprobs_compute_the_whole_prompt_but_still_save(off) -> None:
+    """A request for prompt logprobs needs every prompt position's logits: it loads nothing from the
+    store (nor the engine's cache) and its scores equal a cold engine's; what it computes is saved."""
+    from engine import SamplingParams
+
+    prompt = doc(300, 40)
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=1)
+    cold = off.generate([prompt], params)[0]
+    a = llm(kv_backend="kvstore", kv_store_url="local")
+    try:
+        first = a.generate([prompt], params)[0]
+        before = store_metrics(a)
+        assert before["kvstore_connector_saved_chunks_total"] >= 1, "its full chunk went to the store"
+        a.engine.block_manager.reset_prefix_cache()
+        out = a.generate([prompt], params)[0]
+        after = store_metrics(a)
+    finally:
+        a.shutdown()
+    assert after[HITS] == before[HITS] and out.num_cached_tokens == first.num_cached_tokens == 0
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for got in (first, out):
+        assert [e.logprob for e in got.prompt_logprobs[1:]] == pytest.approx(
+            [e.logprob for e in cold.prompt_logprobs[1:]], abs=1e-4
+        )
+        assert got.outputs[0].token_ids == cold.outputs[0].token_ids

@@ -359,3 +359,37 @@ async def test_logprobs_in_chat_and_completions_streamed_or_not(base_url: str, e
     assert sum((ch.tokens for ch in chunks), []) == lp.tokens
     assert sum((ch.text_offset for ch in chunks), []) == lp.text_offset
     await client.close()
+
+
+async def test_echo_with_logprobs_scores_the_prompt_like_lm_eval_asks(
+    base_url: str, engine: LLMEngine
+) -> None:
+    """lm-eval's loglikelihood request (echo, logprobs=1, max_tokens=1, temperature 0): the text is
+    prompt + answer, the first prompt token has no logprob, each later one is its log-probability
+    given what precedes it (as fp32 transformers scores it, to bf16 precision)."""
+    import openai
+    import torch
+
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0)
+    prompt = "The capital of France is Paris"
+    r = await client.completions.create(model=engine.model_name, prompt=prompt, max_tokens=1, temperature=0,
+                                        logprobs=1, echo=True)  # fmt: skip
+    c = r.choices[0]
+    ids = engine.tokenize(prompt)
+    assert c.text.startswith(prompt) and len(c.logprobs.tokens) == len(ids) + 1
+    assert "".join(c.logprobs.tokens) == c.text and c.logprobs.token_logprobs[0] is None
+    assert c.logprobs.top_logprobs[0] is None and r.usage.prompt_tokens == len(ids)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(engine.model_dir, dtype=torch.float32)
+    with torch.inference_mode():
+        theirs = model(torch.tensor([ids])).logits[0, :-1].log_softmax(-1)
+    want = [theirs[i, t].item() for i, t in enumerate(ids[1:])]
+    # this server's engine runs bf16 weights (the exact fp32 scores: test_llm_e2e)
+    assert c.logprobs.token_logprobs[1 : len(ids)] == pytest.approx(want, abs=0.15)
+    assert all(lp < 0 for lp in want) and min(want) < -5, "a real score, not a constant"
+    plain = (
+        await client.completions.create(model=engine.model_name, prompt=prompt, max_tokens=2, echo=True)
+    ).choices[0]
+    assert plain.text.startswith(prompt) and plain.logprobs is None
+    await client.close()

@@ -153,6 +153,29 @@ def test_logprobs_equal_transformers_log_softmax(llm: LLM, smollm2_dir: Path) ->
         assert [t for t, _ in e.top] == row.topk(2).indices.tolist()
 
 
+def test_prompt_logprobs_equal_transformers_across_chunks_and_skip_the_prefix_cache(
+    smollm2_dir: Path,
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    small_steps = LLM(str(smollm2_dir), dtype="float32", max_model_len=256, kv_cache_memory="16MiB",
+                      max_num_batched_tokens=16)  # fmt: skip
+    prompt = PROMPTS[3]
+    small_steps.generate(prompt, GREEDY)  # its blocks are in the prefix cache now
+    out = small_steps.generate(prompt, SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3))[0]
+    small_steps.shutdown()
+    ids = out.prompt_token_ids
+    assert len(ids) > 16 and out.num_cached_tokens == 0 and out.prompt_logprobs[0] is None
+    model = AutoModelForCausalLM.from_pretrained(
+        smollm2_dir, dtype=torch.float32, attn_implementation="eager"
+    )
+    with torch.inference_mode():
+        theirs = model(torch.tensor([ids])).logits[0, :-1].log_softmax(-1)
+    for e, token, row in zip(out.prompt_logprobs[1:], ids[1:], theirs, strict=True):
+        assert e.token_id == token and e.logprob == pytest.approx(row[token].item(), abs=1e-4)
+        assert [t for t, _ in e.top] == row.topk(3).indices.tolist()
+
+
 def test_streamed_text_only_grows_and_ends_as_the_full_decode(llm: LLM) -> None:
     """Output text is detokenized one token at a time: every step's text is a prefix of the final one,
     which is the decode of all output ids (sampled at temperature 1.5: odd bytes and characters)."""

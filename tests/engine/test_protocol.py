@@ -80,7 +80,6 @@ def test_top_k_and_token_ids_are_checked_against_the_vocabulary() -> None:
     [
         ("best_of", 2),
         ("suffix", "x"),
-        ("echo", True),
         ("tools", [{"type": "function", "function": {"name": "f"}}]),
         ("tool_choice", "auto"),
         ("use_beam_search", True),
@@ -126,6 +125,17 @@ def test_logprobs_map_to_sampling_params_in_each_api_s_shape() -> None:
         with pytest.raises(InvalidRequest) as e:
             cmpl_lp(logprobs=value)
         assert e.value.param == "logprobs"
+    # echo scores the prompt with as many top logprobs as the output; without logprobs it only echoes
+    assert params_of({"echo": True, "logprobs": 2}).prompt_logprobs == 2
+    assert (
+        params_of({"echo": True}).prompt_logprobs is None
+        and params_of({"logprobs": 2}).prompt_logprobs is None
+    )
+    for cls, body in ((ChatCompletionRequest, {**chat, "echo": True}),
+                      (CompletionRequest, {"prompt": "hi", "echo": True, "stream": True})):  # fmt: skip
+        with pytest.raises(InvalidRequest, match="echo") as e:
+            cls.from_body(body)
+        assert e.value.param == "echo"
 
 
 def test_n_and_prompt_count() -> None:
