@@ -163,7 +163,7 @@ class _SamplingFields(BaseModel):
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     add_special_tokens: bool = True
-    logprobs: bool | int | None = None  # an int: the top logprobs per token; false: none
+    logprobs: int | bool | None = None  # an int: the top logprobs per token; false: none (int first: its error)
     echo: bool = False  # the prompt comes first in the text (and in the logprobs, scored)
 
     def prompt_logprobs_count(self) -> int | None:
