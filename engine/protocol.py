@@ -118,14 +118,7 @@ class _SamplingFields(BaseModel):
     def from_body(cls: type[_R], body: dict[str, Any]) -> _R:
         """Validate a JSON body: unsupported fields first (a 400 naming the field), then the types."""
         check_unsupported(body)
-        try:
-            req = cls.model_validate(body)
-        except ValidationError as e:
-            err = e.errors()[0]
-            where = ".".join(map(str, err["loc"]))
-            raise InvalidRequest(
-                f"invalid request: {where}: {err['msg']}", param=str(err["loc"][0]) if err["loc"] else None
-            ) from None
+        req = _validate(cls, body)
         ignored = body.keys() - cls.model_fields.keys()
         if ignored:
             logger.debug("ignoring unknown request fields: %s", ", ".join(sorted(ignored)[:20]))
@@ -163,7 +156,9 @@ class _SamplingFields(BaseModel):
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     add_special_tokens: bool = True
-    logprobs: int | bool | None = None  # an int: the top logprobs per token; false: none (int first: its error)
+    logprobs: int | bool | None = (
+        None  # an int: the top logprobs per token; false: none (int first: its error)
+    )
     echo: bool = False  # the prompt comes first in the text (and in the logprobs, scored)
 
     def prompt_logprobs_count(self) -> int | None:
@@ -295,3 +290,49 @@ def sampling_params_from(req: _SamplingFields, max_tokens: int) -> SamplingParam
         logprobs=req.logprobs_count(),
         prompt_logprobs=req.prompt_logprobs_count(),
     )
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a `prompt`, or chat `messages` rendered with the chat template."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (vLLM's)
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any]) -> TokenizeRequest:
+        req = _validate(cls, body)
+        if (req.prompt is None) == (req.messages is None):
+            raise InvalidRequest("give exactly one of prompt and messages", param="prompt")
+        return req
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int]
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any]) -> DetokenizeRequest:
+        return _validate(cls, body)
+
+
+_M = TypeVar("_M", bound=BaseModel)
+
+
+def _validate(cls: type[_M], body: dict[str, Any]) -> _M:
+    """A pydantic model from a JSON body; a type error is a 400 naming the field."""
+    try:
+        return cls.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(map(str, err["loc"]))
+        raise InvalidRequest(
+            f"invalid request: {where}: {err['msg']}", param=str(err["loc"][0]) if err["loc"] else None
+        ) from None

@@ -29,6 +29,8 @@ from engine.protocol import (
     MAX_PROMPTS_PER_REQUEST,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     choices_of,
     resolve_max_tokens,
     sampling_params_from,
@@ -125,16 +127,22 @@ def _tokenize_completion_prompts(
     return out
 
 
-def _tokenize_chat(engine: LLMEngine, req: ChatCompletionRequest) -> list[int]:
+def _render_chat(
+    engine: LLMEngine, req: ChatCompletionRequest | TokenizeRequest, add_special_tokens: bool
+) -> list[int]:
     kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items()
               if k not in ("messages", "add_generation_prompt", "bos_token", "eos_token", "tokenize")}  # fmt: skip
     try:
         text = engine.tokenizer.apply_chat_template(
-            req.plain_messages(), add_generation_prompt=req.add_generation_prompt, **kwargs
+            [m.plain() for m in req.messages or ()], add_generation_prompt=req.add_generation_prompt, **kwargs
         )
     except TokenizerError as e:
         raise InvalidRequest(str(e), param="messages") from e
-    ids = engine.tokenize(text, add_special_tokens=req.add_special_tokens)
+    return engine.tokenize(text, add_special_tokens=add_special_tokens)
+
+
+def _tokenize_chat(engine: LLMEngine, req: ChatCompletionRequest) -> list[int]:
+    ids = _render_chat(engine, req, req.add_special_tokens)
     engine.check_prompt(ids)
     return ids
 
@@ -264,6 +272,34 @@ async def models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": [card]})
 
 
+async def tokenize(request: web.Request) -> web.Response:
+    """vLLM's /tokenize: {count, max_model_len, tokens}."""
+    aengine = request.app[ENGINE_KEY]
+    engine = aengine.engine
+    req = TokenizeRequest.from_body(parse_json(await request.read()))
+    _check_model(engine, req.model)
+    if req.prompt is not None:
+        special = True if req.add_special_tokens is None else req.add_special_tokens
+        ids = await aengine.off_loop(engine.tokenize, req.prompt, special)
+    else:
+        ids = await aengine.off_loop(_render_chat, engine, req, bool(req.add_special_tokens))
+    return web.json_response(
+        {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": None}
+    )
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    """vLLM's /detokenize: {prompt} for {tokens}."""
+    aengine = request.app[ENGINE_KEY]
+    engine = aengine.engine
+    req = DetokenizeRequest.from_body(parse_json(await request.read()))
+    _check_model(engine, req.model)
+    vocab = engine.tokenizer.vocab_size
+    if any(not 0 <= t < vocab for t in req.tokens):
+        raise InvalidRequest(f"token ids must be in [0, {vocab})", param="tokens")
+    return web.json_response({"prompt": await aengine.off_loop(engine.tokenizer.decode, req.tokens)})
+
+
 async def health(request: web.Request) -> web.Response:
     if request.app[ENGINE_KEY].draining:
         return error_response(503, "the server is shutting down")
@@ -301,6 +337,8 @@ def build_app(
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     return app

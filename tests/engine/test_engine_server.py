@@ -393,3 +393,23 @@ async def test_echo_with_logprobs_scores_the_prompt_like_lm_eval_asks(
     ).choices[0]
     assert plain.text.startswith(prompt) and plain.logprobs is None
     await client.close()
+
+
+async def test_tokenize_and_detokenize_like_vllm(
+    base_url: str, http: aiohttp.ClientSession, engine: LLMEngine
+) -> None:
+    async with http.post(f"{base_url}/tokenize", json={"prompt": "Hello world"}) as r:
+        body = await r.json()
+    assert r.status == 200 and body["tokens"] == engine.tokenize("Hello world") and body["count"] == 2
+    assert body["max_model_len"] == engine.max_model_len
+    messages = [{"role": "user", "content": "Hi"}]
+    async with http.post(f"{base_url}/tokenize", json={"messages": messages}) as r:
+        chat_ids = (await r.json())["tokens"]
+    text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    assert chat_ids == engine.tokenize(text, add_special_tokens=False)
+    async with http.post(f"{base_url}/detokenize", json={"tokens": chat_ids}) as r:
+        assert (await r.json())["prompt"] == engine.tokenizer.decode(chat_ids)
+    for path, bad, param in (("/tokenize", {}, "prompt"), ("/tokenize", {"prompt": "a", "messages": messages}, "prompt"),
+                             ("/detokenize", {"tokens": [10**9]}, "tokens"), ("/detokenize", {"tokens": "x"}, "tokens")):  # fmt: skip
+        async with http.post(f"{base_url}{path}", json=bad) as r:
+            assert r.status == 400 and (await r.json())["error"]["param"] == param
