@@ -131,10 +131,6 @@ class _SamplingFields(BaseModel):
                 raise InvalidRequest("echo is supported on /v1/completions only", param="echo")
             if req.stream:
                 raise InvalidRequest("echo is not supported with stream", param="echo")
-        if req.stream_options is not None and req.stream_options.continuous_usage_stats:
-            raise InvalidRequest(
-                "continuous_usage_stats is not supported by this server", param="stream_options"
-            )
         return req
 
     def logprobs_count(self) -> int | None:
@@ -147,6 +143,11 @@ class _SamplingFields(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's continuous_usage_stats: with include_usage, every chunk carries the usage so far."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
     @property
     def requested_max_tokens(self) -> int | None:

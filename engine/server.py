@@ -192,7 +192,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
             choice = {"index": 0, "text": text, "logprobs": lps, "finish_reason": c.finish_reason}
             if c.finish_reason is not None:
                 choice["stop_reason"] = c.stop_reason
-            return {**base, "choices": [choice]}
+            return {**base, "choices": [choice], **({"usage": _usage([out])} if req.continuous_usage else {})}
 
         usage = (lambda out: {**base, "choices": [], "usage": _usage([out])}) if req.include_usage else None
         stream = SSEStream(request, Delta(params[0].stop), chunk, usage=usage)
@@ -245,8 +245,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                 choice["logprobs"], sent[0] = logprobs.chat(c.logprobs[sent[0] :]), len(c.logprobs)
             if c.finish_reason is not None:
                 choice["stop_reason"] = c.stop_reason
-            return {**base, "choices": [choice]}
+            return {**base, "choices": [choice], **({"usage": _usage([out])} if req.continuous_usage else {})}
 
+        if req.continuous_usage:
+            role["usage"] = {
+                "prompt_tokens": len(prompt),
+                "completion_tokens": 0,
+                "total_tokens": len(prompt),
+            }
         usage = (lambda out: {**base, "choices": [], "usage": _usage([out])}) if req.include_usage else None
         stream = SSEStream(request, Delta(params.stop), chunk, usage=usage, head=[role])
         return await unless_disconnected(request, stream.run(aengine.generate(prompt, params, base["id"])))

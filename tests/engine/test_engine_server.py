@@ -413,3 +413,25 @@ async def test_tokenize_and_detokenize_like_vllm(
                              ("/detokenize", {"tokens": [10**9]}, "tokens"), ("/detokenize", {"tokens": "x"}, "tokens")):  # fmt: skip
         async with http.post(f"{base_url}{path}", json=bad) as r:
             assert r.status == 400 and (await r.json())["error"]["param"] == param
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(
+    base_url: str, http: aiohttp.ClientSession, path: str
+) -> None:
+    prompt = (
+        {"prompt": "Count: one, two,"}
+        if "chat" not in path
+        else {"messages": [{"role": "user", "content": "Count"}]}
+    )
+    body = {**prompt, "max_tokens": 6, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
+    async with http.post(f"{base_url}{path}", json=body) as r:
+        events = [json.loads(e) for e in (await sse_events(r))[:-1]]
+    assert events and all("usage" in e for e in events)
+    completion = [e["usage"]["completion_tokens"] for e in events]
+    assert completion == sorted(completion) and completion[-1] == 6
+    assert len({e["usage"]["prompt_tokens"] for e in events}) == 1 and events[-1]["choices"] == []
+    body["stream_options"] = {"include_usage": False, "continuous_usage_stats": True}  # needs include_usage
+    async with http.post(f"{base_url}{path}", json=body) as r:
+        assert not any("usage" in json.loads(e) for e in (await sse_events(r))[:-1])
