@@ -124,8 +124,6 @@ class _SamplingFields(BaseModel):
             logger.debug("ignoring unknown request fields: %s", ", ".join(sorted(ignored)[:20]))
         if not 1 <= req.n <= MAX_N:
             raise InvalidRequest(f"n must be in [1, {MAX_N}], got {req.n}", param="n")
-        if req.n > 1 and req.stream:
-            raise InvalidRequest("streaming supports n=1", param="n")
         if body.get("echo") not in (None, False):
             if not isinstance(req, CompletionRequest):
                 raise InvalidRequest("echo is supported on /v1/completions only", param="echo")

@@ -97,6 +97,16 @@ async def _last(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
     return out
 
 
+def _streams(aengine: AsyncEngine, prompts: list[list[int]], params: list, base_id: str) -> list:
+    """One output stream per choice; a single one keeps the response's id as its request id."""
+    if len(prompts) == 1:
+        return [aengine.generate(prompts[0], params[0], base_id)]
+    return [
+        aengine.generate(p, sp, f"{base_id}-{i}")
+        for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+    ]
+
+
 async def _generate_all(aengine: AsyncEngine, prompts: list[list[int]], params: list, base_id: str) -> list:
     """Every prompt of one request, at most `admission_window` of them in the engine at a time; the
     first failure cancels the rest (their requests are aborted)."""
@@ -162,8 +172,6 @@ async def completions(request: web.Request) -> web.StreamResponse:
     req = await _read(request, CompletionRequest)
     _check_model(engine, req.model)
     prompts = req.prompts()
-    if req.stream and len(prompts) != 1:
-        raise InvalidRequest("streaming supports one prompt per request", param="stream")
     if len(prompts) * req.n > MAX_PROMPTS_PER_REQUEST:
         raise InvalidRequest(
             f"a request holds at most {MAX_PROMPTS_PER_REQUEST} choices (prompts x n), got {len(prompts) * req.n}",
@@ -180,27 +188,34 @@ async def completions(request: web.Request) -> web.StreamResponse:
     base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": engine.model_name}  # fmt: skip
     logprobs = request.app[LOGPROBS_KEY]
+    # choice index = prompt index * n + i, as in vLLM
+    flat_ids = [ids for ids in token_ids for _ in range(req.n)]
+    flat_params = [c for p in params for c in choices_of(p, req.n)]
     if req.stream:
-        sent = [0, 0]  # output tokens whose logprobs went out, and the text they cover
+        sent = [[0, 0] for _ in flat_ids]  # per choice: output tokens whose logprobs went out, their text
 
-        def chunk(out: RequestOutput, text: str) -> dict:
+        def chunk(i: int, out: RequestOutput, text: str) -> dict:
             c = out.outputs[0]
             lps = None
             if c.logprobs is not None:
-                lps = logprobs.completion(c.logprobs[sent[0] :], sent[1])
-                sent[0], sent[1] = len(c.logprobs), sent[1] + sum(map(len, lps["tokens"]))
-            choice = {"index": 0, "text": text, "logprobs": lps, "finish_reason": c.finish_reason}
+                done = sent[i]
+                lps = logprobs.completion(c.logprobs[done[0] :], done[1])
+                done[0], done[1] = len(c.logprobs), done[1] + sum(map(len, lps["tokens"]))
+            choice = {"index": i, "text": text, "logprobs": lps, "finish_reason": c.finish_reason}
             if c.finish_reason is not None:
                 choice["stop_reason"] = c.stop_reason
             return {**base, "choices": [choice], **({"usage": _usage([out])} if req.continuous_usage else {})}
 
-        usage = (lambda out: {**base, "choices": [], "usage": _usage([out])}) if req.include_usage else None
-        stream = SSEStream(request, Delta(params[0].stop), chunk, usage=usage)
-        gen = aengine.generate(token_ids[0], params[0], base["id"])
-        return await unless_disconnected(request, stream.run(gen))
-    # choice index = prompt index * n + i, as in vLLM
-    flat_ids = [ids for ids in token_ids for _ in range(req.n)]
-    flat_params = [c for p in params for c in choices_of(p, req.n)]
+        usage = (
+            (lambda outs: {**base, "choices": [], "usage": _usage(outs, req.n)})
+            if req.include_usage
+            else None
+        )
+        stream = SSEStream(request, [Delta(p.stop) for p in flat_params], chunk, usage=usage,
+                           window=aengine.admission_window)  # fmt: skip
+        return await unless_disconnected(
+            request, stream.run(_streams(aengine, flat_ids, flat_params, base["id"]))
+        )
     results = await unless_disconnected(request, _generate_all(aengine, flat_ids, flat_params, base["id"]))
     if req.echo:  # the prompt as sent (a string), or its ids' decode
         texts = [
@@ -233,16 +248,16 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
         }
 
-        sent = [0]  # output tokens whose logprobs went out (a chunk with no text waits for the next)
+        sent = [0] * req.n  # per choice: output tokens whose logprobs went out (a chunk with no text waits)
 
-        def chunk(out: RequestOutput, text: str) -> dict | None:
+        def chunk(i: int, out: RequestOutput, text: str) -> dict | None:
             c = out.outputs[0]
             if not text and c.finish_reason is None:
                 return None
-            choice: dict[str, Any] = {"index": 0, "delta": {"content": text} if text else {},
+            choice: dict[str, Any] = {"index": i, "delta": {"content": text} if text else {},
                                       "finish_reason": c.finish_reason}  # fmt: skip
             if c.logprobs is not None:
-                choice["logprobs"], sent[0] = logprobs.chat(c.logprobs[sent[0] :]), len(c.logprobs)
+                choice["logprobs"], sent[i] = logprobs.chat(c.logprobs[sent[i] :]), len(c.logprobs)
             if c.finish_reason is not None:
                 choice["stop_reason"] = c.stop_reason
             return {**base, "choices": [choice], **({"usage": _usage([out])} if req.continuous_usage else {})}
@@ -253,9 +268,16 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                 "completion_tokens": 0,
                 "total_tokens": len(prompt),
             }
-        usage = (lambda out: {**base, "choices": [], "usage": _usage([out])}) if req.include_usage else None
-        stream = SSEStream(request, Delta(params.stop), chunk, usage=usage, head=[role])
-        return await unless_disconnected(request, stream.run(aengine.generate(prompt, params, base["id"])))
+        usage = (
+            (lambda outs: {**base, "choices": [], "usage": _usage(outs, req.n)})
+            if req.include_usage
+            else None
+        )
+        heads = [{**role, "choices": [{**role["choices"][0], "index": i}]} for i in range(req.n)]
+        stream = SSEStream(request, [Delta(params.stop) for _ in range(req.n)], chunk, usage=usage, head=heads,
+                           window=aengine.admission_window)  # fmt: skip
+        gens = _streams(aengine, [prompt] * req.n, choice_params, base["id"])
+        return await unless_disconnected(request, stream.run(gens))
     if req.n == 1:
         outs = [await unless_disconnected(request, _last(aengine.generate(prompt, params, base["id"])))]
     else:

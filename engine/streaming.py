@@ -7,6 +7,7 @@ After it, an error is an SSE `error` event (`{"error": {...}}`, which the `opena
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -38,23 +39,66 @@ class Delta:
         return delta
 
 
+async def merged(
+    gens: list[AsyncIterator[RequestOutput]], window: int
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(choice index, output) from several requests' streams as they come, at most `window` of the
+    requests in the engine at a time. The first failure ends it with that error; closing it closes
+    every stream (which aborts their requests)."""
+    if len(gens) == 1:
+        async with aclosing(gens[0]) as gen:
+            async for out in gen:
+                yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    admitted = asyncio.Semaphore(window)
+
+    async def pump(i: int, gen: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async with aclosing(gen), admitted:
+                async for out in gen:
+                    queue.put_nowait((i, out, None))
+        except Exception as e:
+            queue.put_nowait((i, None, e))
+            return
+        queue.put_nowait((i, None, None))
+
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        running = len(tasks)
+        while running:
+            i, out, error = await queue.get()
+            if error is not None:
+                raise error
+            if out is None:
+                running -= 1
+                continue
+            yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 class SSEStream:
-    """`head` payloads, then `render(out, delta)` per output (None: nothing to send), then
-    `usage(last_out)` when given, then `[DONE]`."""
+    """`head` payloads, then `render(index, out, delta)` per output of each choice (None: nothing to
+    send), then `usage(last outputs, by index)` when given, then `[DONE]`."""
 
     def __init__(
         self,
         request: web.Request,
-        delta: Delta,
-        render: Callable[[RequestOutput, str], dict | None],
-        usage: Callable[[RequestOutput], dict] | None = None,
+        deltas: list[Delta],
+        render: Callable[[int, RequestOutput, str], dict | None],
+        usage: Callable[[list[RequestOutput]], dict] | None = None,
         head: list[dict] | None = None,
+        window: int = 1,
     ) -> None:
         self.request = request
-        self.delta = delta
+        self.deltas = deltas
         self.render = render
         self.usage = usage
         self.head = head or []
+        self.window = window
         self.resp: web.StreamResponse | None = None
 
     async def _send(self, payload: dict | str, event: str | None = None) -> None:
@@ -63,28 +107,32 @@ class SSEStream:
         prefix = f"event: {event}\n" if event else ""
         await self.resp.write(f"{prefix}data: {data}\n\n".encode())
 
-    async def run(self, gen: AsyncIterator[RequestOutput]) -> web.StreamResponse:
-        async with aclosing(gen):
-            out = await anext(gen)  # a bad request or an early failure raises here, before the stream
+    async def run(self, gens: list[AsyncIterator[RequestOutput]]) -> web.StreamResponse:
+        assert len(gens) == len(self.deltas)
+        outs = merged(gens, self.window)
+        async with aclosing(outs):
+            i, out = await anext(outs)  # a bad request or an early failure raises here, before the stream
             self.resp = web.StreamResponse(
                 headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
             )
             await self.resp.prepare(self.request)
             self.request[STREAM_KEY] = self.resp
+            last: dict[int, RequestOutput] = {}
             try:
                 for payload in self.head:
                     await self._send(payload)
                 while True:
-                    payload = self.render(out, self.delta(out))
+                    last[i] = out
+                    payload = self.render(i, out, self.deltas[i](out))
                     if payload is not None:
                         await self._send(payload)
-                    if out.finished:
+                    if len(last) == len(gens) and all(o.finished for o in last.values()):
                         break
-                    out = await anext(gen)
+                    i, out = await anext(outs)
                 if self.usage is not None:
-                    await self._send(self.usage(out))
+                    await self._send(self.usage([last[k] for k in range(len(gens))]))
             except ConnectionError:
-                raise  # the client is gone: nothing more to write; aclosing aborts the request
+                raise  # the client is gone: nothing more to write; aclosing aborts the requests
             except Exception as e:
                 logger.warning("stream %s failed after it started: %r", self.request.path, e)
                 status = getattr(e, "status", 500)

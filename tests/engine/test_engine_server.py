@@ -144,7 +144,6 @@ async def test_concurrent_requests_batch_and_match_sequential(
         ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
         ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
         ("/v1/completions", {"prompt": "hi", "n": 129}, 400, "n must be in [1, 128]"),
-        ("/v1/completions", {"prompt": "hi", "n": 2, "stream": True}, 400, "n=1"),
         ("/v1/completions", {"prompt": ["a"] * 1025, "n": 2, "max_tokens": 1}, 400, "prompts x n"),
         (
             "/v1/chat/completions",
@@ -435,3 +434,61 @@ async def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(
     body["stream_options"] = {"include_usage": False, "continuous_usage_stats": True}  # needs include_usage
     async with http.post(f"{base_url}{path}", json=body) as r:
         assert not any("usage" in json.loads(e) for e in (await sse_events(r))[:-1])
+
+
+async def test_streams_of_several_choices_equal_their_non_streamed_answers(
+    base_url: str, engine: LLMEngine
+) -> None:
+    """n > 1 and several prompts stream too (as in vLLM): chunks of every choice interleave, each
+    choice's deltas join into its non-streamed text, every choice finishes, usage counts a prompt once."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0)
+    name = engine.model_name
+    kw = {"model": name, "prompt": ["The sky is", "Water is"], "n": 2, "max_tokens": 6, "temperature": 0.8,
+          "seed": 3, "logprobs": 1}  # fmt: skip
+    whole = await client.completions.create(**kw)
+    texts, tokens, finished, usage = {}, {}, set(), None
+    async for ch in await client.completions.create(
+        **kw, stream=True, stream_options={"include_usage": True}
+    ):
+        if ch.usage is not None:
+            usage = ch.usage
+        for c in ch.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            tokens[c.index] = tokens.get(c.index, []) + (c.logprobs.tokens if c.logprobs else [])
+            if c.finish_reason is not None:
+                finished.add(c.index)
+    assert finished == {0, 1, 2, 3} and [texts[i] for i in range(4)] == [c.text for c in whole.choices]
+    assert [tokens[i] for i in range(4)] == [c.logprobs.tokens for c in whole.choices]
+    assert usage.prompt_tokens == whole.usage.prompt_tokens and usage.completion_tokens == 24
+
+    chat = {"model": name, "messages": [{"role": "user", "content": "A colour?"}], "n": 3, "max_tokens": 5,
+            "temperature": 1.0, "seed": 9}  # fmt: skip
+    whole_chat = await client.chat.completions.create(**chat)
+    parts, roles = {}, set()
+    async for ch in await client.chat.completions.create(**chat, stream=True):
+        for c in ch.choices:
+            if c.delta.role:
+                roles.add(c.index)
+            parts[c.index] = parts.get(c.index, "") + (c.delta.content or "")
+    assert roles == {0, 1, 2}
+    assert [parts[i] for i in range(3)] == [c.message.content for c in whole_chat.choices]
+    await client.close()
+
+
+async def test_a_client_gone_mid_stream_aborts_every_choice(
+    base_url: str, http: aiohttp.ClientSession, engine: LLMEngine
+) -> None:
+    body = {"prompt": "Once upon a time", "n": 3, "max_tokens": 200, "stream": True, "ignore_eos": True}
+    async with http.post(f"{base_url}/v1/completions", json=body) as r:
+        assert r.status == 200
+        await r.content.readline()
+    for _ in range(100):
+        if not engine.has_unfinished_requests():
+            break
+        await asyncio.sleep(0.05)
+    assert (
+        not engine.has_unfinished_requests()
+        and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    )
