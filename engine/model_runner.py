@@ -146,12 +146,12 @@ class ModelRunner:
                 hidden[first_row + lo - start : first_row + hi - start]
             ).log_softmax(-1)
             targets = torch.tensor(seq.prompt_token_ids[lo + 1 : hi + 1], device=lps.device)
-            chosen = lps.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+            chosen = lps.gather(1, targets.unsqueeze(1))
+            ranks = ((lps > chosen).sum(dim=1) + 1).tolist()
             top_lp, top_ids = lps.topk(k, dim=-1) if k else (lps[:, :0], lps[:, :0].long())
-            for j, (t, lp) in enumerate(zip(targets.tolist(), chosen, strict=True)):
-                entries.append(
-                    TokenLogprobs(t, lp, tuple(zip(top_ids[j].tolist(), top_lp[j].tolist(), strict=True)))
-                )
+            for j, (t, lp) in enumerate(zip(targets.tolist(), chosen.squeeze(1).tolist(), strict=True)):
+                top = tuple(zip(top_ids[j].tolist(), top_lp[j].tolist(), strict=True))
+                entries.append(TokenLogprobs(t, lp, top, ranks[j]))
         self.prompt_logprobs[seq.request_id] = (start, entries)
 
     @torch.inference_mode()

@@ -1,5 +1,7 @@
 """Output-token logprobs in OpenAI's two shapes: chat (`logprobs.content`, one entry per token with
-its `top_logprobs`) and completions (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`).
+its `top_logprobs`) and completions (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`); and
+vLLM's `prompt_logprobs` (per prompt token: null for the first, else {token id: {logprob, rank,
+decoded_token}} for the token itself and the top ones).
 
 A token's text is its own decode (special tokens shown), as in vLLM: a token that holds only part
 of a UTF-8 character reads U+FFFD. Log-probabilities are clamped at -9999.0 as in vLLM, since JSON
@@ -73,3 +75,16 @@ class LogprobsRenderer:
         ]
         return {"tokens": tokens, "token_logprobs": [None if e is None else _lp(e.logprob) for e in scored],
                 "top_logprobs": top, "text_offset": offsets}  # fmt: skip
+
+    def vllm_prompt(self, entries: Sequence[TokenLogprobs | None]) -> list[dict | None]:
+        out: list[dict | None] = []
+        for e in entries:
+            if e is None:
+                out.append(None)
+                continue
+            scores = {str(t): {"logprob": _lp(lp), "rank": r, "decoded_token": self.token_text(t)}
+                      for r, (t, lp) in enumerate(e.top, start=1)}  # fmt: skip
+            scores[str(e.token_id)] = {"logprob": _lp(e.logprob), "rank": e.rank,
+                                       "decoded_token": self.token_text(e.token_id)}  # fmt: skip
+            out.append(scores)
+        return out

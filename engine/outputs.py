@@ -12,6 +12,7 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None  # of token_id in its distribution, 1 = most likely (prompt logprobs only)
 
 
 @dataclass

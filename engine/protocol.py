@@ -31,7 +31,6 @@ MAX_N = 128  # OpenAI's limit on n
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "prompt_logprobs": (None,),
     "logprob_token_ids": (None,),
     "tools": (None, []),
     "tool_choice": (None, "none"),
@@ -113,6 +112,7 @@ class _SamplingFields(BaseModel):
     n: int = 1
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob, rank and the top ones
 
     @classmethod
     def from_body(cls: type[_R], body: dict[str, Any]) -> _R:
@@ -124,6 +124,10 @@ class _SamplingFields(BaseModel):
             logger.debug("ignoring unknown request fields: %s", ", ".join(sorted(ignored)[:20]))
         if not 1 <= req.n <= MAX_N:
             raise InvalidRequest(f"n must be in [1, {MAX_N}], got {req.n}", param="n")
+        if req.prompt_logprobs is not None and req.stream:
+            raise InvalidRequest(
+                "prompt_logprobs are not available with stream (as in vLLM)", param="prompt_logprobs"
+            )
         if body.get("echo") not in (None, False):
             if not isinstance(req, CompletionRequest):
                 raise InvalidRequest("echo is supported on /v1/completions only", param="echo")
@@ -136,7 +140,7 @@ class _SamplingFields(BaseModel):
         raise NotImplementedError
 
     def prompt_logprobs_count(self) -> int | None:
-        return None
+        return self.prompt_logprobs
 
     @property
     def include_usage(self) -> bool:
@@ -161,7 +165,9 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False  # the prompt comes first in the text (and in the logprobs, scored)
 
     def prompt_logprobs_count(self) -> int | None:
-        return self.logprobs_count() if self.echo else None
+        if self.prompt_logprobs is not None or not self.echo:
+            return self.prompt_logprobs
+        return self.logprobs_count()  # echo scores the prompt as the output
 
     def logprobs_count(self) -> int | None:
         if self.logprobs is True:

@@ -225,6 +225,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
                 "logprobs": _completion_logprobs(logprobs, o, req.echo),
                 "finish_reason": o.outputs[0].finish_reason, "stop_reason": o.outputs[0].stop_reason}
                for i, o in enumerate(results)]  # fmt: skip
+    if req.prompt_logprobs is not None:  # vLLM's field, per choice
+        for choice, o in zip(choices, results, strict=True):
+            choice["prompt_logprobs"] = logprobs.vllm_prompt(o.prompt_logprobs)
     return web.json_response({**base, "choices": choices, "usage": _usage(results, req.n)})
 
 
@@ -288,9 +291,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                 "logprobs": None if o.outputs[0].logprobs is None else logprobs.chat(o.outputs[0].logprobs),
                 "finish_reason": o.outputs[0].finish_reason, "stop_reason": o.outputs[0].stop_reason}
                for i, o in enumerate(outs)]  # fmt: skip
-    return web.json_response(
-        {**base, "object": "chat.completion", "choices": choices, "usage": _usage(outs, req.n)}
-    )
+    body = {**base, "object": "chat.completion", "choices": choices, "usage": _usage(outs, req.n)}
+    if req.prompt_logprobs is not None:  # vLLM's field, once per response
+        body["prompt_logprobs"] = logprobs.vllm_prompt(outs[0].prompt_logprobs)
+    return web.json_response(body)
 
 
 async def models(request: web.Request) -> web.Response:

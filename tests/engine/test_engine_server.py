@@ -492,3 +492,35 @@ async def test_a_client_gone_mid_stream_aborts_every_choice(
         not engine.has_unfinished_requests()
         and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     )
+
+
+async def test_vllm_prompt_logprobs_field_with_ranks(base_url: str, engine: LLMEngine) -> None:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0)
+    prompt = "The capital of France is Paris"
+    ids = engine.tokenize(prompt)
+    r = await client.completions.create(model=engine.model_name, prompt=prompt, max_tokens=1, temperature=0,
+                                        logprobs=1, echo=True, extra_body={"prompt_logprobs": 2})  # fmt: skip
+    c = r.model_dump()["choices"][0]
+    plp = c["prompt_logprobs"]
+    assert len(plp) == len(ids) and plp[0] is None
+    for pos, scores in enumerate(plp[1:], start=1):
+        own = scores[str(ids[pos])]
+        assert own["decoded_token"] == c["logprobs"]["tokens"][pos]
+        assert own["logprob"] == pytest.approx(c["logprobs"]["token_logprobs"][pos], abs=1e-4)
+        assert sorted(v["rank"] for v in scores.values())[:2] == [1, 2] and len(scores) in (2, 3)
+        assert (own["rank"] == 1) == (own["logprob"] == max(v["logprob"] for v in scores.values()))
+    assert any(s[str(ids[p])]["rank"] > 2 for p, s in enumerate(plp[1:], start=1)), (
+        "some prompt token is unlikely"
+    )
+    chat = await client.chat.completions.create(model=engine.model_name, max_tokens=1,
+                                                messages=[{"role": "user", "content": "Hi"}],
+                                                extra_body={"prompt_logprobs": 0})  # fmt: skip
+    body = chat.model_dump()
+    assert len(body["prompt_logprobs"]) == chat.usage.prompt_tokens and body["prompt_logprobs"][0] is None
+    assert all(len(s) == 1 for s in body["prompt_logprobs"][1:])
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+        await client.completions.create(model=engine.model_name, prompt="x", stream=True,
+                                        extra_body={"prompt_logprobs": 1})  # fmt: skip
+    await client.close()

@@ -84,7 +84,6 @@ def test_top_k_and_token_ids_are_checked_against_the_vocabulary() -> None:
         ("tool_choice", "auto"),
         ("use_beam_search", True),
         ("guided_json", {"type": "object"}),
-        ("prompt_logprobs", 1),
     ],
 )
 def test_fields_that_cannot_be_honoured_are_a_400_naming_the_field(field: str, value: object) -> None:
@@ -98,7 +97,7 @@ def test_no_op_values_of_unsupported_fields_and_unknown_fields_pass() -> None:
     body = {"prompt": "hi", "best_of": 1, "echo": False, "logprobs": None, "tools": [],
             "response_format": {"type": "text"}, "user": "alice", "some_future_field": 1}  # fmt: skip
     CompletionRequest.from_body(body)
-    assert set(UNSUPPORTED_FIELDS) >= {"best_of", "suffix", "tools", "prompt_logprobs", "guided_json"}
+    assert set(UNSUPPORTED_FIELDS) >= {"best_of", "suffix", "tools", "guided_json"}
 
 
 def test_logprobs_map_to_sampling_params_in_each_api_s_shape() -> None:
@@ -127,6 +126,16 @@ def test_logprobs_map_to_sampling_params_in_each_api_s_shape() -> None:
         assert e.value.param == "logprobs"
     # echo scores the prompt with as many top logprobs as the output; without logprobs it only echoes
     assert params_of({"echo": True, "logprobs": 2}).prompt_logprobs == 2
+    assert params_of({"prompt_logprobs": 1}).prompt_logprobs == 1  # vLLM's own field, also on chat
+    assert (
+        sampling_params_from(
+            ChatCompletionRequest.from_body({**chat, "prompt_logprobs": 0}), 8
+        ).prompt_logprobs
+        == 0
+    )
+    with pytest.raises(InvalidRequest, match="stream") as e:
+        CompletionRequest.from_body({"prompt": "hi", "prompt_logprobs": 1, "stream": True})
+    assert e.value.param == "prompt_logprobs"
     assert (
         params_of({"echo": True}).prompt_logprobs is None
         and params_of({"logprobs": 2}).prompt_logprobs is None
