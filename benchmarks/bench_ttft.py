@@ -299,9 +299,8 @@ class ChatRun:
 
 
 def chat_run(args: argparse.Namespace, w: Workload, **kw) -> ChatRun:
-    blocks = (
-        args.kv_conversations * -(-w.longest // 16) + 8
-    )  # KV memory for about N conversations (16-bit KV)
+    # KV memory for about N conversations (16-bit KV)
+    blocks = args.kv_conversations * -(-w.longest // 16) + 8
     if args.kv_cache_dtype.startswith("fp8"):
         blocks *= 2  # the same bytes hold twice the blocks
     llm = LLM("smollm2", dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_model_len=w.longest + 64,

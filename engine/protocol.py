@@ -159,9 +159,8 @@ class _SamplingFields(BaseModel):
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     add_special_tokens: bool = True
-    logprobs: int | bool | None = (
-        None  # an int: the top logprobs per token; false: none (int first: its error)
-    )
+    # an int: the top logprobs per token; false: none (int first, so a float's error names it)
+    logprobs: int | bool | None = None
     echo: bool = False  # the prompt comes first in the text (and in the logprobs, scored)
 
     def prompt_logprobs_count(self) -> int | None:

@@ -137,9 +137,8 @@ class Scheduler:
             and not out.preempted
         ):
             seq = self.waiting[0]
-            whole_prompt = (
-                seq.sampling_params.prompt_logprobs is not None
-            )  # needs every prompt position's logits
+            # prompt logprobs need every prompt position's logits: no hit from the cache or the store
+            whole_prompt = seq.sampling_params.prompt_logprobs is not None
             computed = [] if whole_prompt else bm.get_computed_blocks(seq)
             num_computed = len(computed) * bm.block_size
             num_external, load_async = 0, False  # tokens the KV store has beyond the engine's own cache

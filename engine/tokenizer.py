@@ -24,7 +24,7 @@ class IncrementalDecoder:
     """The text of a growing list of output ids at O(1) per token (`tokenizers`' DecodeStream, as in
     vLLM V1; decoding all ids again on every token costs O(n) each: 0.5 ms at 4,096 tokens, per
     sequence per step). `text` only ever grows and holds whole characters: a token that ends inside
-    a UTF-8 character waits for the next one, so `text` is a prefix of the full decode."""
+    a UTF-8 character waits for the next one, so `text` is a prefix of the final text."""
 
     def __init__(self, tokenizer: Any, skip_special_tokens: bool) -> None:
         from tokenizers.decoders import DecodeStream
