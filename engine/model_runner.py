@@ -18,7 +18,7 @@ from engine.attention_metadata import AttentionMetadata
 from engine.errors import EngineError
 from engine.kv_cache.fp8_scales import KVScales
 from engine.outputs import TokenLogprobs
-from engine.sampler import Sampler
+from engine.sampler import Sampler, token_logprobs
 from engine.scheduler import ScheduledSequence, SchedulerOutput
 from engine.structured_output.manager import StructuredOutputManager
 
@@ -139,19 +139,13 @@ class ModelRunner:
         if end <= start:
             return
         k = seq.sampling_params.prompt_logprobs
-        entries = []
+        entries: list[TokenLogprobs] = []
         for lo in range(start, end, self._PROMPT_LOGITS_ROWS):
             hi = min(lo + self._PROMPT_LOGITS_ROWS, end)
-            lps = self.model.compute_logits(
-                hidden[first_row + lo - start : first_row + hi - start]
-            ).log_softmax(-1)
-            targets = torch.tensor(seq.prompt_token_ids[lo + 1 : hi + 1], device=lps.device)
-            chosen = lps.gather(1, targets.unsqueeze(1))
-            ranks = ((lps > chosen).sum(dim=1) + 1).tolist()
-            top_lp, top_ids = lps.topk(k, dim=-1) if k else (lps[:, :0], lps[:, :0].long())
-            for j, (t, lp) in enumerate(zip(targets.tolist(), chosen.squeeze(1).tolist(), strict=True)):
-                top = tuple(zip(top_ids[j].tolist(), top_lp[j].tolist(), strict=True))
-                entries.append(TokenLogprobs(t, lp, top, ranks[j]))
+            logits = self.model.compute_logits(hidden[first_row + lo - start : first_row + hi - start])
+            entries += token_logprobs(
+                logits, seq.prompt_token_ids[lo + 1 : hi + 1], [k] * (hi - lo), with_rank=True
+            )
         self.prompt_logprobs[seq.request_id] = (start, entries)
 
     @torch.inference_mode()

@@ -68,6 +68,23 @@ def apply_penalties(
     return logits - freq * counts - presence * (counts > 0).float()
 
 
+def token_logprobs(
+    logits: torch.Tensor, tokens: Sequence[int], top: Sequence[int], with_rank: bool = False
+) -> list[TokenLogprobs]:
+    """Per row of raw `logits`: the log-probability of `tokens[i]`, its `top[i]` most likely tokens'
+    and, `with_rank`, the token's rank (1 = most likely)."""
+    lps = logits.log_softmax(dim=-1)
+    chosen = lps.gather(1, torch.tensor(tokens, device=lps.device).unsqueeze(1))
+    ranks = ((lps > chosen).sum(dim=1) + 1).tolist() if with_rank else [None] * len(tokens)
+    k = max(top)
+    top_lp, top_ids = lps.topk(k, dim=-1) if k else (lps[:, :0], lps[:, :0].long())
+    top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+    return [
+        TokenLogprobs(t, lp, tuple(zip(top_ids[j][: top[j]], top_lp[j][: top[j]], strict=True)), ranks[j])
+        for j, (t, lp) in enumerate(zip(tokens, chosen.squeeze(1).tolist(), strict=True))
+    ]
+
+
 class Sampler:
     def __init__(self, eos_token_ids: set[int] | None = None) -> None:
         self._generators: dict[str, torch.Generator] = {}
@@ -149,14 +166,13 @@ class Sampler:
         rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         if not rows:
             return
-        lps = raw[torch.tensor(rows, device=raw.device)].log_softmax(dim=-1)
-        k = max(params[i].logprobs for i in rows)
-        top_lp, top_ids = lps.topk(k, dim=-1) if k else (lps[:, :0], lps[:, :0].long())
-        chosen = lps.gather(1, torch.tensor([[tokens[i]] for i in rows], device=raw.device)).squeeze(1)
-        for j, i in enumerate(rows):
-            n = params[i].logprobs
-            top = tuple(zip(top_ids[j, :n].tolist(), top_lp[j, :n].tolist(), strict=True))
-            self.logprobs[request_ids[i]] = TokenLogprobs(tokens[i], chosen[j].item(), top)
+        entries = token_logprobs(
+            raw[torch.tensor(rows, device=raw.device)],
+            [tokens[i] for i in rows],
+            [params[i].logprobs for i in rows],
+        )
+        for i, entry in zip(rows, entries, strict=True):
+            self.logprobs[request_ids[i]] = entry
 
     def sample_isolated(
         self,
