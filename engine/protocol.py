@@ -214,12 +214,23 @@ class ChatMessage(BaseModel):
         return {"role": self.role, "content": content or ""}
 
 
-class ChatCompletionRequest(_SamplingFields):
+class _ChatTemplateFields(BaseModel):
+    """What the chat template renders: the messages, the generation prompt, extra template variables."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def plain_messages(self) -> list[dict[str, str]]:
+        return [m.plain() for m in self.messages or ()]
+
+
+class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
-    add_generation_prompt: bool = True
     add_special_tokens: bool = False  # the chat template already holds them (vLLM's default)
-    chat_template_kwargs: dict[str, Any] | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
 
@@ -233,9 +244,6 @@ class ChatCompletionRequest(_SamplingFields):
                 f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}", param="top_logprobs"
             )
         return 0 if self.top_logprobs is None else self.top_logprobs
-
-    def plain_messages(self) -> list[dict[str, str]]:
-        return [m.plain() for m in self.messages]
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -296,17 +304,12 @@ def sampling_params_from(req: _SamplingFields, max_tokens: int) -> SamplingParam
     )
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_ChatTemplateFields):
     """vLLM's /tokenize: a `prompt`, or chat `messages` rendered with the chat template."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (vLLM's)
-    add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
 
     @classmethod
     def from_body(cls, body: dict[str, Any]) -> TokenizeRequest:

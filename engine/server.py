@@ -144,7 +144,7 @@ def _render_chat(
               if k not in ("messages", "add_generation_prompt", "bos_token", "eos_token", "tokenize")}  # fmt: skip
     try:
         text = engine.tokenizer.apply_chat_template(
-            [m.plain() for m in req.messages or ()], add_generation_prompt=req.add_generation_prompt, **kwargs
+            req.plain_messages(), add_generation_prompt=req.add_generation_prompt, **kwargs
         )
     except TokenizerError as e:
         raise InvalidRequest(str(e), param="messages") from e
