@@ -49,6 +49,7 @@ class BlockManager:
         self._num_registered: dict[str, int] = {}  # request id -> leading blocks already examined
         self.prefix_cache_queries = 0  # tokens looked up (first scheduling of a request only)
         self.prefix_cache_hits = 0  # tokens found
+        self.num_frees = 0  # calls of free() that returned blocks: the free count only grows through them
 
     # ---- state --------------------------------------------------------------------------------
     @property
@@ -112,18 +113,29 @@ class BlockManager:
         self._num_registered[seq.request_id] = num_full
 
     # ---- allocation ---------------------------------------------------------------------------
+    def _num_required(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int]) -> int:
+        total = seq.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
+        return cdiv(total, self.block_size) - len(seq.block_table) - len(computed_blocks)
+
+    def can_allocate(
+        self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] = (), reserve: int = 0
+    ) -> bool:
+        """Whether `allocate_slots` with these arguments would succeed (it changes nothing)."""
+        num_revived = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
+        return (
+            self._num_required(seq, num_new_tokens, computed_blocks)
+            <= self.num_free_blocks - num_revived - reserve
+        )
+
     def allocate_slots(
         self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] = (), reserve: int = 0
     ) -> bool:
         """Give `seq` blocks for `computed_blocks` plus `num_new_tokens` more tokens, or return False
         and change nothing. The caller advances `num_computed_tokens` over `computed_blocks`.
         `reserve`: free blocks that must remain afterwards."""
-        bs = self.block_size
-        total = seq.num_computed_tokens + len(computed_blocks) * bs + num_new_tokens
-        num_required = cdiv(total, bs) - len(seq.block_table) - len(computed_blocks)
-        num_revived = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
-        if num_required > self.num_free_blocks - num_revived - reserve:
+        if not self.can_allocate(seq, num_new_tokens, computed_blocks, reserve):
             return False
+        num_required = self._num_required(seq, num_new_tokens, computed_blocks)
         for block_id in computed_blocks:
             block = self.blocks[block_id]
             if block.ref_count == 0:
@@ -146,6 +158,8 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Drop `seq`'s references. Tail blocks are queued first so they are evicted first."""
+        if seq.block_table:
+            self.num_frees += 1
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             block.ref_count -= 1

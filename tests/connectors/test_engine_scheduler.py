@@ -161,3 +161,62 @@ def test_a_request_aborted_while_loading_keeps_its_blocks_until_the_load_ends(sc
     assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
     assert not sched.has_unfinished()
     sched.block_manager.check_invariants([])
+
+
+def _count_lookups(sched: Scheduler, monkeypatch) -> list[int]:
+    calls = [0]
+    ask = sched.connector.scheduler._ask
+
+    def counted(query):
+        calls[0] += 1
+        return ask(query)
+
+    monkeypatch.setattr(sched.connector.scheduler, "_ask", counted)
+    return calls
+
+
+def _decode(sched: Scheduler, steps: int) -> None:
+    for _ in range(steps):
+        out = sched.schedule()
+        sched.update_from_output(out, [5] * len(out.scheduled))
+
+
+def test_a_store_hit_waiting_for_memory_is_looked_up_again_only_after_blocks_are_freed(
+    scheduler_pair, monkeypatch
+) -> None:
+    """A hit that does not fit waits at the head of the queue; asking the store again every step
+    would cost a round trip per step for the same answer, until a sequence frees blocks."""
+    sched = scheduler_pair(num_blocks=20)
+    store_chunks(sched, 300)
+    running = Sequence("a", list(range(1000, 1200)), SamplingParams(temperature=0.0, max_tokens=50))
+    sched.add_sequence(running)
+    _decode(sched, 1)  # 200 tokens: 13 of the 20 blocks
+    waiting = seq("b", 300)  # chunk 0 stored: 16 blocks for it, 3 more for the rest
+    sched.add_sequence(waiting)
+    calls = _count_lookups(sched, monkeypatch)
+    _decode(sched, 20)  # `a` grows into a 14th and a 15th block meanwhile
+    assert calls[0] == 1 and waiting.status is SequenceStatus.WAITING
+    assert running.num_output_tokens == 21
+    sched.abort("a")  # its blocks wait for the save of its partial chunk
+    _decode(sched, 1)
+    assert calls[0] == 1, "nothing was freed yet"
+    sched.finish_saves({"a"})  # now they are free
+    out = sched.schedule()
+    assert calls[0] == 2 and [x.seq for x in out.scheduled] == [waiting]
+    assert waiting.num_computed_tokens == 256, "admitted with its store hit"
+
+
+def test_no_lookup_while_neither_a_miss_nor_the_smallest_hit_could_fit(scheduler_pair, monkeypatch) -> None:
+    sched = scheduler_pair(num_blocks=20)
+    store_chunks(sched, 300)
+    running = Sequence("a", list(range(1000, 1300)), SamplingParams(temperature=0.0, max_tokens=50))
+    sched.add_sequence(running)
+    _decode(sched, 1)  # 19 blocks of 20; its growth reserve is 3
+    sched.add_sequence(seq("b", 300))
+    calls = _count_lookups(sched, monkeypatch)
+    _decode(sched, 5)
+    assert calls[0] == 0
+    sched.abort("a")
+    sched.finish_saves({"a"})
+    _decode(sched, 1)
+    assert calls[0] == 1
