@@ -6,8 +6,11 @@ They need x86-64 with AVX-512F and a C compiler (`$CC`, `cc` or `gcc`); without 
 the GIL, so with more than one torch thread a call's rows are split over a small thread pool.
 
 On CPUs with AMX (`amx_bf16`) the bf16 GEMMs run on the tile units (activations rounded to bf16, as
-oneDNN does); `KVSTORE_AMX=0` keeps them on the AVX-512 kernel. The choice is made once per process,
-when the kernels load, because it decides how `pack_weight` lays weights out.
+oneDNN does); without AMX but with `avx512_bf16` (Zen 4/5, Cooper Lake) they run on its dot-product
+instruction, the activations rounded the same way. `KVSTORE_AMX=0` turns the tile units off (GEMMs and
+attention), `KVSTORE_AVX512_BF16=0` the dot products; with neither, bf16 GEMMs widen the weights to
+fp32 FMAs on fp32 activations (the exact kernel). The choice is made once per process, when the
+kernels load, because it decides how `pack_weight` lays weights out.
 
 Every wrapper takes fp32 activations contiguous in their last dimension (asserted).
 """
@@ -48,12 +51,15 @@ _SIGNATURES = {
     "rope": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64],
     "silu_and_mul": [_ptr, _i64, _ptr, _i64, _i64, _i64, _i64],
     "amx_enable": [],
+    "bf16_dot_enable": [],
+    "gemm_kind": [],
     "gemm_layout": [_int, _i64],
     "attention_on_tiles": [_int, _i64, _i64, _i64, _i64, _i64],
     "decoder_layers": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64,
                       _ptr, _i64],
 }  # fmt: skip
-_RETURNS_INT = ("amx_enable", "gemm_layout", "attention_on_tiles")
+_RETURNS_INT = ("amx_enable", "bf16_dot_enable", "gemm_kind", "gemm_layout", "attention_on_tiles")
+GEMM_KINDS = ("avx512", "avx512_bf16", "amx")  # gemm_kind(): how bf16 GEMMs with K % 32 == 0 run
 
 
 def _cpu_flags() -> str:
@@ -114,9 +120,16 @@ def _lib() -> ctypes.CDLL | None:
             for name, args in _SIGNATURES.items():
                 fn = getattr(lib, name)
                 fn.argtypes, fn.restype = args, (_int if name in _RETURNS_INT else None)
-            if os.environ.get("KVSTORE_AMX", "1") != "0" and "amx_bf16" in _cpu_flags().split():
+            flags = _cpu_flags().split()
+            if os.environ.get("KVSTORE_AMX", "1") != "0" and "amx_bf16" in flags:
                 if not lib.amx_enable():
                     logger.warning("the kernel refused AMX tile state (ARCH_REQ_XCOMP_PERM): AVX-512 GEMMs")
+            if (
+                not lib.gemm_kind()
+                and os.environ.get("KVSTORE_AVX512_BF16", "1") != "0"
+                and "avx512_bf16" in flags
+            ):
+                lib.bf16_dot_enable()  # a no-op where the compiler does not target AVX512_BF16
             return lib
     logger.warning("engine CPU kernels off (%s): torch paths instead", reason)
     return None
@@ -163,10 +176,21 @@ def _rows(t: torch.Tensor) -> None:
 _BF16_ORDER = torch.stack([torch.arange(PANEL // 2), torch.arange(PANEL // 2, PANEL)], 1).reshape(-1)
 
 
+def gemm_kind() -> str:
+    """How bf16 GEMMs with K % 32 == 0 run in this process: "amx" (tile units), "avx512_bf16" (dot
+    products), both on activations rounded to bf16, or "avx512" (fp32 activations, weights widened)."""
+    lib = _lib()
+    return GEMM_KINDS[lib.gemm_kind() if lib is not None else 0]
+
+
 def amx() -> bool:
     """Whether bf16 GEMMs (with K % 32 == 0) run on the AMX tile units in this process."""
-    lib = _lib()
-    return lib is not None and bool(lib.gemm_layout(W_TYPES[torch.bfloat16], 32))
+    return gemm_kind() == "amx"
+
+
+def bf16_activations() -> bool:
+    """Whether bf16 GEMMs with K % 32 == 0 round their activations to bf16 here (AMX or AVX-512 BF16)."""
+    return gemm_kind() != "avx512"
 
 
 def attention_on_tiles(
@@ -190,7 +214,7 @@ def attention_on_tiles(
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """[N, K] bf16/fp16 -> [ceil(N/32), K, 32] (zero-padded panels of 32 output columns; bf16 ones
-    interleaved, or for AMX as [K/2, 32, 2] k-pairs: see cpu_kernels.c)."""
+    interleaved, or for AMX and AVX-512 BF16 as [K/2, 32, 2] k-pairs: see cpu_kernels.c)."""
     n, k = weight.shape
     panels = -(-n // PANEL)
     padded = torch.zeros(panels * PANEL, k, dtype=weight.dtype)

@@ -1,7 +1,7 @@
 """bf16 on the real SmolLM2 against transformers bf16 (and fp32): greedy agreement, printed.
 
-The engine's bf16 keeps bf16 weights and KV but computes in fp32 (the CPU kernels; on AMX CPUs the GEMM
-inputs are rounded to bf16, their sums stay fp32); transformers bf16 rounds every activation to bf16. So the two drift apart after a while in free-running greedy decoding,
+The engine's bf16 keeps bf16 weights and KV but computes in fp32 (the CPU kernels; on AMX or AVX-512 BF16
+CPUs the GEMM inputs are rounded to bf16, their sums stay fp32); transformers bf16 rounds every activation to bf16. So the two drift apart after a while in free-running greedy decoding,
 while next-token (teacher-forced) top-1 agreement stays high. The engine must also be at least as close
 to fp32 as transformers' own bf16 is.
 """

@@ -25,9 +25,9 @@ def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def _amx_gemm(wdtype, k: int) -> bool:
-    """Whether this GEMM runs on the AMX tile units here (x rounded to bf16 first)."""
-    return cpu_ops.amx() and wdtype == torch.bfloat16 and k % 32 == 0
+def _bf16_gemm(wdtype, k: int) -> bool:
+    """Whether this GEMM rounds x to bf16 first here (AMX tile units or AVX-512 BF16 dot products)."""
+    return cpu_ops.bf16_activations() and wdtype == torch.bfloat16 and k % 32 == 0
 
 
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float16])
@@ -42,8 +42,8 @@ def test_gemm_w16_matches_fp32_matmul_of_the_same_weights(wdtype, m: int, k: int
     bias = torch.randn(n, generator=g)
     packed = cpu_ops.pack_weight(w)
     assert packed.shape == (-(-n // 32), k, 32)
-    # the AMX path multiplies bf16-rounded activations (exactly, accumulating in fp32)
-    rounded = (lambda t: t.bfloat16().double()) if _amx_gemm(wdtype, k) else (lambda t: t.double())
+    # the AMX and AVX-512 BF16 paths multiply bf16-rounded activations (exactly, accumulating in fp32)
+    rounded = (lambda t: t.bfloat16().double()) if _bf16_gemm(wdtype, k) else (lambda t: t.double())
     ref = rounded(x) @ w.double().T
     torch.testing.assert_close(cpu_ops.gemm_w16(x, packed, n).double(), ref, atol=1e-4 * k**0.5, rtol=1e-5)
     with_bias = cpu_ops.gemm_w16(x, packed, n, bias)
@@ -232,26 +232,41 @@ def test_threads_split_the_work_without_changing_results() -> None:
     assert torch.equal(one, two)
 
 
-def test_amx_off_keeps_the_avx512_kernel_in_a_fresh_process() -> None:
-    """KVSTORE_AMX=0 (decided once per process, since it sets the packing): bf16 weights with K % 32 == 0
-    then take the AVX-512 kernel, exact on fp32 activations; on AMX CPUs the default process rounds them."""
+def _flags() -> list[str]:
+    return cpu_ops._cpu_flags().split()
+
+
+def test_each_gemm_kind_is_chosen_by_cpu_and_environment_in_a_fresh_process() -> None:
+    """KVSTORE_AMX=0 turns the tile units off, KVSTORE_AVX512_BF16=0 the dot products (decided once per
+    process, since it sets the packing). With both off, bf16 weights with K % 32 == 0 take the AVX-512
+    kernel, exact on fp32 activations; otherwise the best the CPU has, on activations rounded to bf16."""
     script = (
         "import torch; from engine.layers import cpu_ops; g = torch.Generator().manual_seed(0);"
         "w = torch.randn(40, 64, generator=g).bfloat16(); x = torch.randn(5, 64, generator=g);"
         "y = cpu_ops.gemm_w16(x, cpu_ops.pack_weight(w), 40).double();"
         "exact = (y - x.double() @ w.double().T).abs().max().item() < 1e-4;"
-        "print(cpu_ops.amx(), exact)"
+        "rounded = (y - x.bfloat16().double() @ w.double().T).abs().max().item() < 1e-4;"
+        "print(cpu_ops.gemm_kind(), exact, rounded)"
     )
     run = {}
-    for amx in ("0", "1"):
-        env = {**os.environ, "KVSTORE_AMX": amx}
+    for amx, dot in (("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")):
+        env = {**os.environ, "KVSTORE_AMX": amx, "KVSTORE_AVX512_BF16": dot}
         out = subprocess.run(
             [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
         )
         assert out.returncode == 0, out.stderr[-2000:]
-        run[amx] = out.stdout.split()
-    assert run["0"] == ["False", "True"]
-    assert run["1"] == (["True", "False"] if cpu_ops.amx() else ["False", "True"])
+        run[amx, dot] = out.stdout.split()
+    exact, dots, tiles = (
+        ["avx512", "True", "False"],
+        ["avx512_bf16", "False", "True"],
+        ["amx", "False", "True"],
+    )
+    has_dot, has_amx = "avx512_bf16" in _flags(), "amx_bf16" in _flags()
+    assert run["0", "0"] == exact
+    assert run["0", "1"] == (dots if has_dot else exact)
+    assert run["1", "0"] == (tiles if has_amx else exact)
+    assert run["1", "1"] == (tiles if has_amx else dots if has_dot else exact)
+    assert cpu_ops.gemm_kind() == run["1", "1"][0]  # this process: the defaults
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float32])
