@@ -37,10 +37,15 @@ def is_unreachable(err: KVStoreError) -> bool:
 
 
 class StoreHandle:
-    def __init__(self, key: tuple, store: Any, backoff_s: float, lookups: Any = None) -> None:
+    def __init__(
+        self, key: tuple, store: Any, backoff_s: float, lookups: Any = None, in_memory: bool = False
+    ) -> None:
         self.key = key
         self.store = store  # sdk.Store
         self.lookups = lookups  # a second sdk.Store with a short timeout for lookups (remote), or None
+        # an in-process store of memory tiers only cannot hang: its lookups run on the caller's thread
+        # (a thread hop per lookup cost the engine more than the lookup itself)
+        self.in_memory = in_memory
         self.metrics = ConnectorMetrics()
         self.refs = 0
         self._backoff_s = backoff_s
@@ -66,6 +71,8 @@ class StoreHandle:
     def _within(self, deadline_s: float, fn: Any, *args: Any) -> Any:
         """`fn(*args)` or Unavailable after `deadline_s`: a hung store costs the step this much, no more
         (the call itself ends in the background, at the lookup client's own socket timeout)."""
+        if self.in_memory:
+            return fn(*args)
         fut = self._lookup_pool.submit(fn, *args)
         try:
             return fut.result(timeout=deadline_s)
@@ -155,7 +162,8 @@ def _open_handle(key: tuple, config: KVTransferConfig) -> StoreHandle:
         except BaseException:
             store.close()
             raise
-    return StoreHandle(key, store, config.unreachable_backoff_s, lookups)
+    in_memory = config.is_local and set(config.local_tiers) <= {"cpu"}
+    return StoreHandle(key, store, config.unreachable_backoff_s, lookups, in_memory)
 
 
 def acquire_store(config: KVTransferConfig) -> StoreHandle:

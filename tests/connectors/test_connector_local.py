@@ -289,3 +289,20 @@ def test_async_load_is_reported_by_get_finished(engines) -> None:
     assert received == {"r2"}
     b.step([(req, 600 - 512)])
     assert kv_equal(b, req, 0, 600) and not b.load_errors
+
+
+@pytest.mark.parametrize(("tiers", "on_caller"), [(["cpu"], True), (["cpu", "disk"], False)])
+def test_lookups_of_an_in_memory_store_run_on_the_callers_thread(tmp_path, tiers, on_caller: bool) -> None:
+    """Only a store that cannot hang skips the deadline thread: an in-process store of memory tiers.
+    A disk tier can stall on I/O, so its lookups keep the hop and the deadline."""
+    import threading  # noqa: PLC0415
+
+    from connectors.store_handle import acquire_store, release_store  # noqa: PLC0415
+
+    config = make_config(local_tiers=tiers, local_disk_path=str(tmp_path))
+    handle = acquire_store(config)
+    try:
+        ran_on = handle.lookup(0.25, lambda store: threading.current_thread())
+        assert (ran_on is threading.current_thread()) is on_caller
+    finally:
+        release_store(handle)
