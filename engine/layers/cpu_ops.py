@@ -183,16 +183,6 @@ def gemm_kind() -> str:
     return GEMM_KINDS[lib.gemm_kind() if lib is not None else 0]
 
 
-def amx() -> bool:
-    """Whether bf16 GEMMs (with K % 32 == 0) run on the AMX tile units in this process."""
-    return gemm_kind() == "amx"
-
-
-def bf16_activations() -> bool:
-    """Whether bf16 GEMMs with K % 32 == 0 round their activations to bf16 here (AMX or AVX-512 BF16)."""
-    return gemm_kind() != "avx512"
-
-
 def attention_on_tiles(
     kv_dtype: torch.dtype, num_kv_heads: int, group: int, head_dim: int, block_size: int, window: int | None
 ) -> bool:
