@@ -234,6 +234,24 @@ static inline uint16_t* bf16_rows_buffer(int64_t rows, int64_t K) {
 
 #define XB_CHUNK 256 /* rows of x per pass over the panels (their bf16 copy stays in L2) */
 
+/* Panel p of a k-pair packed weight: where it lies, its output columns' lane masks and bias. */
+typedef struct {
+    const uint16_t* w;
+    int64_t n0;
+    __mmask16 k0, k1;
+    __m512 b0, b1;
+} KPairPanel;
+
+static inline KPairPanel kpair_panel(const uint16_t* w, const float* bias, int64_t N, int64_t K, int64_t p) {
+    KPairPanel q = {w + p * K * NR, p * NR, lane_mask(N - p * NR), lane_mask(N - p * NR - 16), _mm512_setzero_ps(),
+                    _mm512_setzero_ps()};
+    if (bias) {
+        q.b0 = _mm512_maskz_loadu_ps(q.k0, bias + q.n0);
+        q.b1 = _mm512_maskz_loadu_ps(q.k1, bias + q.n0 + 16);
+    }
+    return q;
+}
+
 /* A panel (32 output columns, K rows of 64 bytes) is read once per row tile of x. With one tile
  * (M <= MR) it streams from memory as the tile goes, prefetched `ahead` of its use. With several
  * (decode batches past MR rows, prompts) the later tiles compute from cache while memory would idle,
@@ -296,7 +314,7 @@ static inline __attribute__((always_inline)) void gemm_dot_micro(const uint16_t*
 }
 
 #define DOT_CASE(R)                                                                                        \
-    case R: gemm_dot_micro(xb + m * K, K, wp, pf, y + (m0 + m) * ldy + n0, ldy, b0, b1, R, k0, k1); break;
+    case R: gemm_dot_micro(xb + m * K, K, q.w, pf, y + (m0 + m) * ldy + q.n0, ldy, q.b0, q.b1, R, q.k0, q.k1); break;
 
 static void gemm_dot(const float* x, int64_t ldx, const uint16_t* w, const float* bias, float* y, int64_t ldy,
                      int64_t M, int64_t N, int64_t K, int64_t p_begin, int64_t p_end) {
@@ -305,14 +323,10 @@ static void gemm_dot(const float* x, int64_t ldx, const uint16_t* w, const float
         const int64_t mc = M - m0 < XB_CHUNK ? M - m0 : XB_CHUNK;
         round_rows_bf16(x + m0 * ldx, ldx, xb, mc, mc, K);
         for (int64_t p = p_begin; p < p_end; p++) {
-            const uint16_t* wp = w + p * K * NR;
-            const int64_t n0 = p * NR;
-            const __mmask16 k0 = lane_mask(N - n0), k1 = lane_mask(N - n0 - 16);
-            const __m512 b0 = bias ? _mm512_maskz_loadu_ps(k0, bias + n0) : _mm512_setzero_ps();
-            const __m512 b1 = bias ? _mm512_maskz_loadu_ps(k1, bias + n0 + 16) : _mm512_setzero_ps();
+            const KPairPanel q = kpair_panel(w, bias, N, K, p);
             const int64_t tiles = (mc + MR - 1) / MR;
             for (int64_t m = 0, t = 0; m < mc; m += tile_rows(mc, m), t++) {
-                const PanelPrefetch pf = panel_prefetch(wp, K, p, p_begin, p_end, tiles, t);
+                const PanelPrefetch pf = panel_prefetch(q.w, K, p, p_begin, p_end, tiles, t);
                 switch (tile_rows(mc, m)) {
                     DOT_CASE(1) DOT_CASE(2) DOT_CASE(3) DOT_CASE(4) DOT_CASE(5) DOT_CASE(6) DOT_CASE(7) DOT_CASE(8)
                 }
@@ -342,11 +356,8 @@ static void gemm_amx(const float* x, int64_t ldx, const uint16_t* w, const float
         const int64_t mc = M - m0 < XB_CHUNK ? M - m0 : XB_CHUNK, mp = (mc + 15) / 16 * 16;
         round_rows_bf16(x + m0 * ldx, ldx, xb, mc, mp, K);
         for (int64_t p = p_begin; p < p_end; p++) {
-            const uint16_t* wp = w + p * K * NR;
-            const int64_t n0 = p * NR;
-            const __mmask16 k0 = lane_mask(N - n0), k1 = lane_mask(N - n0 - 16);
-            const __m512 b0 = bias ? _mm512_maskz_loadu_ps(k0, bias + n0) : _mm512_setzero_ps();
-            const __m512 b1 = bias ? _mm512_maskz_loadu_ps(k1, bias + n0 + 16) : _mm512_setzero_ps();
+            const KPairPanel q = kpair_panel(w, bias, N, K, p);
+            const uint16_t* wp = q.w;
             for (int64_t m = 0; m < mp; m += 32) {
                 const int two = mp - m > 16; /* a second 16-row block of A */
                 const uint16_t* a = xb + m * K;
@@ -373,10 +384,10 @@ static void gemm_amx(const float* x, int64_t ldx, const uint16_t* w, const float
                     _tile_stored(3, c[3], 64);
                 }
                 for (int64_t i = 0; i < 32 && m + i < mc; i++) {
-                    float* out = y + (m0 + m + i) * ldy + n0;
+                    float* out = y + (m0 + m + i) * ldy + q.n0;
                     const int t = i < 16 ? 0 : 2;
-                    _mm512_mask_storeu_ps(out, k0, _mm512_add_ps(_mm512_load_ps(c[t][i & 15]), b0));
-                    _mm512_mask_storeu_ps(out + 16, k1, _mm512_add_ps(_mm512_load_ps(c[t + 1][i & 15]), b1));
+                    _mm512_mask_storeu_ps(out, q.k0, _mm512_add_ps(_mm512_load_ps(c[t][i & 15]), q.b0));
+                    _mm512_mask_storeu_ps(out + 16, q.k1, _mm512_add_ps(_mm512_load_ps(c[t + 1][i & 15]), q.b1));
                 }
             }
         }
