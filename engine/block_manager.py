@@ -113,19 +113,21 @@ class BlockManager:
         self._num_registered[seq.request_id] = num_full
 
     # ---- allocation ---------------------------------------------------------------------------
-    def _num_required(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int]) -> int:
+    def _num_required(
+        self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int], reserve: int
+    ) -> int | None:
+        """New blocks `allocate_slots` would hand out, or None when they (with the revived cached
+        blocks and the reserve) do not fit in the free ones."""
         total = seq.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
-        return cdiv(total, self.block_size) - len(seq.block_table) - len(computed_blocks)
+        num_required = cdiv(total, self.block_size) - len(seq.block_table) - len(computed_blocks)
+        num_revived = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
+        return None if num_required > self.num_free_blocks - num_revived - reserve else num_required
 
     def can_allocate(
         self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] = (), reserve: int = 0
     ) -> bool:
         """Whether `allocate_slots` with these arguments would succeed (it changes nothing)."""
-        num_revived = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
-        return (
-            self._num_required(seq, num_new_tokens, computed_blocks)
-            <= self.num_free_blocks - num_revived - reserve
-        )
+        return self._num_required(seq, num_new_tokens, computed_blocks, reserve) is not None
 
     def allocate_slots(
         self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] = (), reserve: int = 0
@@ -133,9 +135,9 @@ class BlockManager:
         """Give `seq` blocks for `computed_blocks` plus `num_new_tokens` more tokens, or return False
         and change nothing. The caller advances `num_computed_tokens` over `computed_blocks`.
         `reserve`: free blocks that must remain afterwards."""
-        if not self.can_allocate(seq, num_new_tokens, computed_blocks, reserve):
+        num_required = self._num_required(seq, num_new_tokens, computed_blocks, reserve)
+        if num_required is None:
             return False
-        num_required = self._num_required(seq, num_new_tokens, computed_blocks)
         for block_id in computed_blocks:
             block = self.blocks[block_id]
             if block.ref_count == 0:
