@@ -471,7 +471,11 @@ static inline const char* kv_row(const PagedKV* c, const void* base, int64_t pos
 /* The next block of a sequence lies anywhere in the cache, so the hardware prefetcher cannot run ahead
  * across the jump: each pass prefetches the next block's rows (all heads) while it works on a block, a
  * token's row at a time (a whole block at once overflows the core's miss queue; measured 2 blocks ahead
- * no better). 4 x 600-token decode attention over 30 layers from DRAM: 5.5 -> 3.1 ms. */
+ * no better). 4 x 600-token decode attention over 30 layers from DRAM: 5.5 -> 3.1 ms. A decode row
+ * (`cold`: its KV was not just read by the row before) also has pass 1 prefetch the V block pass 2 will
+ * read, and pass 2 the K blocks of the next row's sequence (`next`), so both passes stream two blocks
+ * per block computed and the second pass and the next row start warm: 4 x 500 tokens x 30 layers with
+ * the weights streamed in between and blocks scattered as in a long-running engine 4.1 -> 3.0 ms. */
 static inline const char* next_block_row(const PagedKV* c, const void* base, int64_t pos, int64_t t, int64_t n) {
     return t < n ? kv_row(c, base, pos, 0) : 0;
 }
@@ -492,14 +496,18 @@ static inline __attribute__((always_inline)) void prefetch_row(const char* next,
 static inline __attribute__((always_inline)) void attend_seq(const PagedKV* c, const float* q, float* out,
                                                              int64_t Hkv, int64_t first, int64_t n,
                                                              const float* ks, const float* vs, float* scores,
-                                                             __m512* part, __m512* accs, const int G,
+                                                             __m512* part, __m512* accs, int cold,
+                                                             const PagedKV* next, int64_t next_first,
+                                                             int64_t next_n, const int G,
                                                              const int D16, const int kv_type) {
     const int64_t D = D16 * 16, bs = c->block_size, tok = c->s_tok * c->esz, head = c->s_head * c->esz;
+    const int64_t h_more = Hkv > 1; /* the head whose token loop issues the extra prefetches (below) */
     /* pass 1: q.k per token, 16 tokens' partial vectors summed at once (hsum16) */
     for (int64_t t0 = 0, pos = first; t0 < n;) {
         const int64_t len = bs - pos % bs < n - t0 ? bs - pos % bs : n - t0;
         const char* row = kv_row(c, c->k_cache, pos, 0);
         const char* next_k = next_block_row(c, c->k_cache, pos + len, t0 + len, n);
+        const char* this_v = cold ? kv_row(c, c->v_cache, pos, 0) : 0; /* the block pass 2 reads */
         for (int64_t h = 0; h < Hkv; h++) {
             __m512 qv[MAX_G][MAX_D16];
 #pragma GCC unroll 16
@@ -512,6 +520,7 @@ static inline __attribute__((always_inline)) void attend_seq(const PagedKV* c, c
             for (int64_t j = 0; j < len; j++, kp += tok) {
                 const int64_t t = t0 + j;
                 if (h == 0) prefetch_row(next_k, j, tok);
+                if (h == h_more) prefetch_row(this_v, j, tok);
                 __m512 kv[MAX_D16];
 #pragma GCC unroll 16
                 for (int d = 0; d < D16; d++) kv[d] = load16(kp + d * 16 * c->esz, kv_type);
@@ -554,6 +563,8 @@ static inline __attribute__((always_inline)) void attend_seq(const PagedKV* c, c
         const int64_t len = bs - pos % bs < n - t0 ? bs - pos % bs : n - t0;
         const char* row = kv_row(c, c->v_cache, pos, 0);
         const char* next_v = next_block_row(c, c->v_cache, pos + len, t0 + len, n);
+        /* the next sequence's K block at the same index, for its pass 1 */
+        const char* next_seq_k = next ? next_block_row(next, next->k_cache, next_first + t0, t0, next_n) : 0;
         for (int64_t h = 0; h < Hkv; h++) {
             __m512 acc[MAX_G][MAX_D16];
 #pragma GCC unroll 16
@@ -565,6 +576,7 @@ static inline __attribute__((always_inline)) void attend_seq(const PagedKV* c, c
             for (int64_t j = 0; j < len; j++, vp += tok) {
                 const int64_t t = t0 + j;
                 if (h == 0) prefetch_row(next_v, j, tok);
+                if (h == h_more) prefetch_row(next_seq_k, j, tok);
                 __m512 vv[MAX_D16];
 #pragma GCC unroll 16
                 for (int d = 0; d < D16; d++) vv[d] = load16(vp + d * 16 * c->esz, kv_type);
@@ -588,17 +600,18 @@ static inline __attribute__((always_inline)) void attend_seq(const PagedKV* c, c
 }
 
 typedef void (*attend_fn)(const PagedKV*, const float*, float*, int64_t, int64_t, int64_t, const float*,
-                          const float*, float*, __m512*, __m512*);
+                          const float*, float*, __m512*, __m512*, int, const PagedKV*, int64_t, int64_t);
+#define ATTEND_ARGS(G, D16) c, q, out, Hkv, first, n, ks, vs, scores, part, accs, cold, next, next_first, next_n, G, D16
 #define ATTEND(G, D16)                                                                                     \
     static void attend_##G##_##D16(const PagedKV* c, const float* q, float* out, int64_t Hkv, int64_t first, \
                                    int64_t n, const float* ks, const float* vs, float* scores, __m512* part, \
-                                   __m512* accs) {                                                           \
+                                   __m512* accs, int cold, const PagedKV* next, int64_t next_first,          \
+                                   int64_t next_n) {                                                         \
         switch (c->kv_type) { /* the dtype is a constant inside each copy too */                             \
-        case BF16: attend_seq(c, q, out, Hkv, first, n, ks, vs, scores, part, accs, G, D16, BF16); break;    \
-        case F16: attend_seq(c, q, out, Hkv, first, n, ks, vs, scores, part, accs, G, D16, F16); break;      \
-        case FP8_E4M3: attend_seq(c, q, out, Hkv, first, n, ks, vs, scores, part, accs, G, D16, FP8_E4M3);   \
-            break;                                                                                           \
-        default: attend_seq(c, q, out, Hkv, first, n, ks, vs, scores, part, accs, G, D16, F32); break;       \
+        case BF16: attend_seq(ATTEND_ARGS(G, D16), BF16); break;                                             \
+        case F16: attend_seq(ATTEND_ARGS(G, D16), F16); break;                                               \
+        case FP8_E4M3: attend_seq(ATTEND_ARGS(G, D16), FP8_E4M3); break;                                     \
+        default: attend_seq(ATTEND_ARGS(G, D16), F32); break;                                                \
         }                                                                                                    \
     }
 #define ATTEND_G(G) ATTEND(G, 1) ATTEND(G, 2) ATTEND(G, 4) ATTEND(G, 8)
@@ -820,8 +833,15 @@ static void attend_amx(const PagedKV* c, const float* const* qs, float* const* o
 }
 #endif
 
+/* Whether rows b and b + 1 are consecutive positions of one sequence (a prompt chunk's rows). */
+static inline int same_sequence(const int32_t* tables, int64_t ld, const int32_t* lens, int64_t bs, int64_t b) {
+    return lens[b + 1] == lens[b] + 1 &&
+           !memcmp(tables + (b + 1) * ld, tables + b * ld, sizeof(int32_t) * ((lens[b] + bs - 1) / bs));
+}
+
 /* q: [*, Hq, D] rows `rows[b]` (or b); out: the same rows; caches: base pointers of K and V for this
  * layer with element strides per block, token and head; k_scale/v_scale: [Hkv] fp32 or NULL (= 1). */
+
 void paged_decode_attention(const float* q, int64_t ldq, float* out, int64_t ldo, const void* k_cache,
                             const void* v_cache, int kv_type, int64_t s_block, int64_t s_tok, int64_t s_head,
                             const float* k_scale, const float* v_scale, const int32_t* block_tables,
@@ -903,7 +923,20 @@ void paged_decode_attention(const float* q, int64_t ldq, float* out, int64_t ldo
         c.table = block_tables + b * ld_table;
         const float* qs = q + row * ldq;
         float* os = out + row * ldo;
-        if (fn) fn(&c, qs, os, Hkv, first, n, ks, vs, scores, part, accs);
+        /* A decode row's KV comes from DRAM: pass 1 also prefetches the V blocks pass 2 reads, and pass 2
+         * the K blocks of the next row's pass 1. The rows of a prompt chunk (one sequence, positions +1,
+         * the same blocks) find their KV in cache after the first: no extra prefetches for them. */
+        const int cold = b == b_begin || !same_sequence(block_tables, ld_table, context_lens, block_size, b - 1);
+        PagedKV nc = c;
+        int64_t next_first = 0, next_n = 0;
+        const int next = b + 1 < b_end && !same_sequence(block_tables, ld_table, context_lens, block_size, b);
+        if (next) {
+            nc.table = block_tables + (b + 1) * ld_table;
+            const int64_t nctx = context_lens[b + 1];
+            next_first = window > 0 && nctx > window ? nctx - window : 0;
+            next_n = nctx - next_first;
+        }
+        if (fn) fn(&c, qs, os, Hkv, first, n, ks, vs, scores, part, accs, cold, next ? &nc : 0, next_first, next_n);
         else
             for (int64_t h = 0; h < Hkv; h++)
                 attend_generic(&c, qs + h * G * D, D, os + h * G * D, h, first, n, ks[h], vs[h], scores, G, D16);
