@@ -17,6 +17,7 @@ from connectors.base import KVConnectorBase
 from engine.attention_metadata import AttentionMetadata
 from engine.errors import EngineError
 from engine.kv_cache.fp8_scales import KVScales
+from engine.layers import cpu_ops
 from engine.outputs import TokenLogprobs
 from engine.sampler import Sampler, token_logprobs
 from engine.scheduler import ScheduledSequence, SchedulerOutput
@@ -54,7 +55,10 @@ class ModelRunner:
         self.structured_output = structured_output  # masks the logits of grammar-constrained rows
         shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
         try:
-            self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+            if device.type == "cpu":  # decode attention reads its blocks scattered over the cache
+                self.kv_cache = cpu_ops.zeros_huge_pages(shape, dtype)
+            else:
+                self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         except (RuntimeError, MemoryError) as e:
             raise EngineError(f"cannot allocate a KV cache of {num_blocks} blocks: {e}") from e
         attn_modules = [m for m in model.modules() if hasattr(m, "kv_cache")]

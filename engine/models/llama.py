@@ -198,6 +198,10 @@ class LlamaForCausalLM(nn.Module):
                 module.process_weights_after_loading(w16, keep_weight=tied)
             elif module is not self and hasattr(module, "process_weights_after_loading"):
                 module.process_weights_after_loading(w16)
+        if w16:  # the GEMMs' weights, streamed by every decode step, on huge pages
+            linears = [m for m in self.modules() if getattr(m, "packed", None) is not None]
+            for m, packed in zip(linears, cpu_ops.to_huge_pages([m.packed for m in linears]), strict=True):
+                m.packed = packed
         self.model.act_dtype = torch.float32 if w16 else None
         self.model.use_fused_layers = w16 and all(
             layer.self_attn.attn.every_row for layer in self.model.layers
