@@ -59,7 +59,7 @@ class ModelRunner:
                 self.kv_cache = cpu_ops.zeros_huge_pages(shape, dtype)
             else:
                 self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
-        except (RuntimeError, MemoryError) as e:
+        except (RuntimeError, MemoryError, OSError) as e:  # OSError: the huge-page mmap
             raise EngineError(f"cannot allocate a KV cache of {num_blocks} blocks: {e}") from e
         attn_modules = [m for m in model.modules() if hasattr(m, "kv_cache")]
         if len(attn_modules) != num_layers:

@@ -73,3 +73,11 @@ def test_the_engine_places_packed_weights_and_the_kv_cache_on_huge_pages(smollm2
         assert runner.kv_cache.data_ptr() % cpu_ops.HUGE_PAGE == 0
     finally:
         llm.shutdown()
+
+
+def test_a_kv_cache_larger_than_memory_is_an_engine_error(smollm2_dir: Path) -> None:
+    from engine import LLM
+    from engine.errors import EngineError
+
+    with pytest.raises(EngineError, match="cannot allocate a KV cache of 1000000000 blocks"):
+        LLM(str(smollm2_dir), dtype="bfloat16", num_kv_blocks=10**9, max_model_len=256)
