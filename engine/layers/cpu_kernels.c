@@ -833,15 +833,16 @@ static void attend_amx(const PagedKV* c, const float* const* qs, float* const* o
 }
 #endif
 
-/* Whether rows b and b + 1 are consecutive positions of one sequence (a prompt chunk's rows). */
-static inline int same_sequence(const int32_t* tables, int64_t ld, const int32_t* lens, int64_t bs, int64_t b) {
-    return lens[b + 1] == lens[b] + 1 &&
-           !memcmp(tables + (b + 1) * ld, tables + b * ld, sizeof(int32_t) * ((lens[b] + bs - 1) / bs));
+/* Whether row r is the position after row r - 1 of the sequence whose table row `first` holds (the
+ * rows of a prompt chunk): row r's context is one longer and its blocks are row first's. */
+static inline int follows(const int32_t* tables, int64_t ld, const int32_t* lens, int64_t bs, int64_t first,
+                          int64_t r) {
+    return lens[r] == lens[r - 1] + 1 &&
+           !memcmp(tables + r * ld, tables + first * ld, sizeof(int32_t) * ((lens[r] + bs - 1) / bs));
 }
 
 /* q: [*, Hq, D] rows `rows[b]` (or b); out: the same rows; caches: base pointers of K and V for this
  * layer with element strides per block, token and head; k_scale/v_scale: [Hkv] fp32 or NULL (= 1). */
-
 void paged_decode_attention(const float* q, int64_t ldq, float* out, int64_t ldo, const void* k_cache,
                             const void* v_cache, int kv_type, int64_t s_block, int64_t s_tok, int64_t s_head,
                             const float* k_scale, const float* v_scale, const int32_t* block_tables,
@@ -870,9 +871,7 @@ void paged_decode_attention(const float* q, int64_t ldq, float* out, int64_t ldo
             /* rows b, b+1, ... of one sequence at consecutive positions (the same table, contexts + 1)
              * go together; a decode batch's rows are one sequence each */
             int R = 1;
-            while (R < max_rows && b + R < b_end && context_lens[b + R] == context_lens[b + R - 1] + 1 &&
-                   !memcmp(block_tables + (b + R) * ld_table, block_tables + b * ld_table,
-                           sizeof(int32_t) * ((context_lens[b + R] + block_size - 1) / block_size)))
+            while (R < max_rows && b + R < b_end && follows(block_tables, ld_table, context_lens, block_size, b, b + R))
                 R++;
             const float* qs[16];
             float* outs[16];
@@ -912,6 +911,7 @@ void paged_decode_attention(const float* q, int64_t ldq, float* out, int64_t ldo
     __m512* accs = part + Hq * 16;
     float* scores = 0;
     int64_t cap = 0;
+    int cold = 1; /* row b's KV was not just read by the row before (see below) */
     for (int64_t b = b_begin; b < b_end; b++) {
         const int64_t ctx = context_lens[b], row = rows ? rows[b] : b;
         const int64_t first = window > 0 && ctx > window ? ctx - window : 0, n = ctx - first;
@@ -926,10 +926,9 @@ void paged_decode_attention(const float* q, int64_t ldq, float* out, int64_t ldo
         /* A decode row's KV comes from DRAM: pass 1 also prefetches the V blocks pass 2 reads, and pass 2
          * the K blocks of the next row's pass 1. The rows of a prompt chunk (one sequence, positions +1,
          * the same blocks) find their KV in cache after the first: no extra prefetches for them. */
-        const int cold = b == b_begin || !same_sequence(block_tables, ld_table, context_lens, block_size, b - 1);
         PagedKV nc = c;
         int64_t next_first = 0, next_n = 0;
-        const int next = b + 1 < b_end && !same_sequence(block_tables, ld_table, context_lens, block_size, b);
+        const int next = b + 1 < b_end && !follows(block_tables, ld_table, context_lens, block_size, b, b + 1);
         if (next) {
             nc.table = block_tables + (b + 1) * ld_table;
             const int64_t nctx = context_lens[b + 1];
@@ -940,6 +939,7 @@ void paged_decode_attention(const float* q, int64_t ldq, float* out, int64_t ldo
         else
             for (int64_t h = 0; h < Hkv; h++)
                 attend_generic(&c, qs + h * G * D, D, os + h * G * D, h, first, n, ks[h], vs[h], scores, G, D16);
+        cold = next; /* row b + 1 follows this one unless it starts another sequence */
     }
     free(scores);
     free(part);
