@@ -10,7 +10,7 @@ from typing import Any
 
 from aiohttp import web
 
-from kvstore import wire
+from kvstore import __version__, wire
 from kvstore.config import StoreConfig
 from server.config import ServerConfig
 from server.metrics import BUCKETS
@@ -32,7 +32,11 @@ async def healthz(request: web.Request) -> web.Response:
 async def stats(request: web.Request) -> web.Response:
     st: ServerState = request.app[STATE]
     data = await st.call(st.store.stats)
-    server = {"requests": st.metrics.totals["requests"], "errors": st.metrics.totals["errors"]}
+    server = {
+        "version": __version__,
+        "requests": st.metrics.totals["requests"],
+        "errors": st.metrics.totals["errors"],
+    }
     plane = request.app.get(DATAPLANE)
     if plane is not None:
         server["dataplane_connections"] = len(plane.connections)
