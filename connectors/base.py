@@ -30,9 +30,10 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
+if TYPE_CHECKING:  # annotations only: the CLI's --help and --version must not pay torch's import
+    import torch
 
 
 class KVConnectorRole(enum.Enum):

@@ -82,8 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     EngineArgs.add_cli_args(srv)
-    srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--host", default="127.0.0.1",
+                     help="address to listen on (default 127.0.0.1; 0.0.0.0 serves every interface)")  # fmt: skip
+    srv.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default 8000)")
     srv.add_argument("--shutdown-timeout", type=float, default=10.0,
                      help="seconds requests in flight at SIGTERM may still run before they are failed (503)")  # fmt: skip
 

@@ -34,6 +34,30 @@ def test_help_lists_the_subcommands() -> None:
     assert r.returncode == 0 and "--compare-hf" in r.stdout and "--kv-backend" in r.stdout
 
 
+@pytest.mark.parametrize("args", [["--version"], ["--help"], ["serve", "--help"]])
+def test_version_and_help_do_not_import_torch(args: list[str]) -> None:
+    """torch costs ~2 s to import: --version and --help answer without it."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "engine", *args],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    imported = {
+        line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")
+    }
+    assert "engine.cli" in imported  # -X importtime did report
+    assert "torch" not in imported and "numpy" not in imported
+    if args == ["--version"]:
+        assert r.stdout.startswith("kvstore-engine ")
+
+
+def test_serve_help_describes_host_and_port() -> None:
+    r = cli("serve", "--help")
+    assert r.returncode == 0
+    flat = " ".join(r.stdout.split())
+    assert "--host HOST address to listen on (default 127.0.0.1" in flat
+    assert "--port PORT TCP port to listen on (default 8000)" in flat
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
