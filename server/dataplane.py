@@ -29,6 +29,7 @@ from server.state import ServerState
 log = logging.getLogger(__name__)
 _HEAD_BUF = 64 * 1024
 _SMALL_ANSWER = 64 * 1024  # answers over this are charged to the body budget until they are read
+MAX_HELLO_META = 4096  # a HELLO's meta: the version and the token
 
 
 class DataPlane:
@@ -212,6 +213,8 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
             view = memoryview(self._head)
             try:
                 head = dp.parse_head(view)
+                if not self.authed:  # before HELLO: nothing but the header deadline (no budget, no buffer)
+                    _check_unauthenticated(head)
                 end = dp.HEAD_SIZE + head.meta_len
                 if self._have < end:
                     view.release()
@@ -278,8 +281,6 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
     # -- serving -----------------------------------------------------------------------------------------
 
     def _dispatch(self, head: dp.Head, meta: dict, bufs: list[memoryview]) -> None:
-        if not self.authed and head.op != dp.HELLO:
-            return self._fail(Unauthorized("the first data-plane message must be HELLO"))
         req = Request(head.op, head.flags, meta, [b.toreadonly() for b in bufs], time.perf_counter())
         self.st.metrics.in_flight += 1
         self._last_request = time.monotonic()
@@ -364,6 +365,16 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         self.transport.write(dp.pack_head(0, meta, 0, dp.FLAG_CLOSE, status))
         self.transport.close()
         self._closed = True
+
+
+def _check_unauthenticated(head: dp.Head) -> None:
+    """What a connection may send before its HELLO is accepted: a HELLO of a small meta and no body.
+    Anything else is refused from its 16-byte header, before any of it is received or reserved: a
+    client without the token cannot hold body budget, buffer space or a store thread."""
+    if head.op != dp.HELLO:
+        raise Unauthorized("the first data-plane message must be HELLO")
+    if head.body_len or head.meta_len > MAX_HELLO_META:
+        raise InvalidArgument(f"a HELLO carries no body and at most {MAX_HELLO_META} bytes of meta")
 
 
 def _same_host(sock: Any) -> bool:

@@ -265,3 +265,25 @@ def test_an_answer_a_client_does_not_read_is_budgeted_and_times_out(server_facto
     wait_for(lambda: budget.used > 0)
     wait_for(lambda: budget.used == 0)  # closed after body_timeout, its blobs let go
     assert len(srv.thread.server.plane.connections) == 0
+
+
+def test_a_client_without_the_token_holds_no_body_budget(server_factory):
+    """Issue 30 #9: PUT headers declaring big bodies, sent before (or instead of) HELLO, reserve
+    nothing: each is a 401 from its 16-byte header and the connection closes; an authenticated put
+    still fits. A HELLO announcing a large meta is refused before the meta is received."""
+    srv = server_factory(auth_token="tok", max_body_bytes_in_flight=64 << 20)
+    hogs = [Raw(srv.port, hello=False) for _ in range(16)]
+    for h in hogs:
+        h.send(dp.PUT, {"k": [key(1)], "l": [32 << 20]}, body_len=32 << 20)  # and no body, ever
+    for h in hogs:
+        head, meta, _ = h.receive()
+        assert head.status == 401 and meta["type"] == "Unauthorized" and h.closed()
+    assert srv.thread.state.budget.used == 0
+    blob = make_blob(2, tokens=8000)
+    c = Raw(srv.port, token="tok")
+    assert c.call(dp.PUT, {"k": [key(2)], "l": [len(blob)]}, blob)[0].status == 201
+    big_hello = Raw(srv.port, hello=False)
+    big_hello.sock.sendall(struct.pack("<BBHIQ", dp.HELLO, 0, 0, dp.MAX_META, 0))  # the meta never comes
+    start = time.monotonic()
+    head, meta, _ = big_hello.receive()
+    assert head.status == 400 and big_hello.closed() and time.monotonic() - start < 2  # not the deadline
