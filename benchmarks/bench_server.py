@@ -120,9 +120,10 @@ class KVStoreSystem(System):
         if self.name in GET_ONLY:
 
             def lease() -> int:  # noqa: E306
-                with be.lease(self.next_keys(batch)) as got:
-                    for blob, header in zip(got.blobs, got.headers, strict=True):
-                        header or verify_blob(blob)  # as the connectors do: once, by the SDK or here
+                ks = self.next_keys(batch)
+                with be.lease(ks) as got:
+                    for k, blob, header in zip(ks, got.blobs, got.headers, strict=True):
+                        header or verify_blob(blob, key=k)  # as the connectors do: once, by the SDK or here
                     return sum(len(b) for b in got)
 
             return lease

@@ -85,7 +85,7 @@ class ChunkSaver:
             replaced = list(dict.fromkeys(k for spec, _ in batch for k in spec.replaces))
             present = self.handle.batch_exists(keys + replaced)  # one round trip for both
             items = [
-                (spec.key, encode_blob(kv, codec=self.codec))
+                (spec.key, encode_blob(kv, codec=self.codec, key=spec.key))
                 for (spec, kv), have in zip(batch, present[: len(keys)], strict=True)
                 if not have
             ]

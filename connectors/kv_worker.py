@@ -165,7 +165,14 @@ class KVStoreWorker:
                 if why in (None, "not_stored"):  # the lookup found it, the load did not: it was there
                     why = "evicted"
                 fut = self._load_pool.submit(
-                    self._load_chunk, blob, lease.headers[i], blocks, (lo - c * cs) // bs, size, why
+                    self._load_chunk,
+                    spec.keys[i],
+                    blob,
+                    lease.headers[i],
+                    blocks,
+                    (lo - c * cs) // bs,
+                    size,
+                    why,
                 )
                 futures.append((c, fut))
         finally:  # the lent blobs stay valid until every chunk is scattered
@@ -185,6 +192,7 @@ class KVStoreWorker:
 
     def _load_chunk(
         self,
+        key: str,
         blob: object,
         header: BlobHeader | None,
         block_ids: Sequence[int],
@@ -197,7 +205,9 @@ class KVStoreWorker:
         geo = self.geometry
         shape = geo.chunk_shape(num_tokens)
         try:
-            header = header or verify_blob(blob)  # verified already when the store is in this process
+            # verified (for this key) already when the store is in this process
+            header = header or verify_blob(blob, key=key)
+            header.check_key(key)
             if header.shape != shape or header.dtype != geo.dtype:
                 raise CorruptBlob(
                     f"chunk holds {header.shape} {header.dtype}, this engine needs {shape} {geo.dtype}"

@@ -4,7 +4,7 @@ Layout, all little-endian:
 
     offset size field
     0      4    magic b"KVSB"
-    4      2    format version (1)
+    4      2    format version (2; 1 is still read, see below)
     6      1    codec id (kvstore.codecs: raw=0, fp8=1, int4=2)
     7      1    compression (0 none, 1 lz4), applied after the codec
     8      1    KV dtype id (1 float16, 2 bfloat16, 3 float32, 4 float8_e4m3fn: an fp8 KV cache, raw only)
@@ -13,12 +13,21 @@ Layout, all little-endian:
     12     20   shape, 5 x uint32
     32     4    params length P (msgpack map of codec parameters)
     36     8    payload length N
-    44     8    checksum: xxh3_64 of header bytes 0..44, then params, then payload
-    52     P    params
-    52+P   N    payload
+    44     8    checksum: xxh3_64 of bytes 0..44, then of everything from byte 52 on (key tag, params,
+                payload)
+    52     8    key tag: xxh3_64 of the key's ASCII (`key_tag`), 0 for a blob bound to no key
+    60     P    params
+    60+P   N    payload
 
 Any flipped bit anywhere makes `decode_blob`/`verify_blob` raise CorruptBlob; nothing else escapes them.
 So does a header whose payload length contradicts its codec, shape, dtype and params, checksum or not.
+
+A blob is bound to the key it was encoded for (`encode_blob(kv, key=...)`; the SDK and the connectors
+always pass it): a reader that names its key (`key=` of `verify_blob`, `decode_blob`, `copy_verified`;
+the store on every put and every tier read) gets ForeignBlob, a CorruptBlob, for a blob bound to another
+key: a blob copied or written under the wrong key is a miss, never another key's bytes. A blob encoded
+with no key (tag 0) makes no claim and is accepted under any key, as is a version-1 blob (the same
+layout without the key tag: 52-byte header, params at 52), which stays readable.
 """
 
 from __future__ import annotations
@@ -34,14 +43,17 @@ import xxhash
 
 from kvstore.codecs import get_codec
 from kvstore.codecs.raw import RawCodec
-from kvstore.errors import CodecError, CorruptBlob, InvalidArgument
+from kvstore.errors import CodecError, CorruptBlob, ForeignBlob, InvalidArgument
+from kvstore.keys import validate_key
 
 MAGIC = b"KVSB"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 _HEAD = struct.Struct("<4sHBBBBH5IIQ")  # everything before the checksum
-_CHECK = struct.Struct("<Q")
-HEADER_SIZE = _HEAD.size + _CHECK.size
-assert HEADER_SIZE == 52
+_CHECK = struct.Struct("<Q")  # the checksum, and (version 2) the key tag after it
+V1_HEADER_SIZE = _HEAD.size + _CHECK.size  # version 1: no key tag
+HEADER_SIZE = V1_HEADER_SIZE + _CHECK.size
+HEADER_SIZES = {1: V1_HEADER_SIZE, FORMAT_VERSION: HEADER_SIZE}
+assert HEADER_SIZE == 60
 
 COMPRESSION_NONE, COMPRESSION_LZ4 = 0, 1
 DTYPE_IDS = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float8_e4m3fn: 4}
@@ -58,6 +70,12 @@ class BlobHeader:
     params: dict
     payload_offset: int
     payload_len: int
+    key_tag: int = 0  # `key_tag` of the key the blob is bound to; 0: bound to none
+
+    def check_key(self, key: str | None) -> None:
+        """Raise ForeignBlob when the blob is bound to a key other than `key` (None: no check)."""
+        if key is not None and self.key_tag and self.key_tag != key_tag(key):
+            raise ForeignBlob(f"blob is bound to another key than {key}")
 
     @property
     def num_tokens(self) -> int:
@@ -69,18 +87,27 @@ class BlobHeader:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
+def key_tag(key: str) -> int:
+    """The tag binding a blob to `key` (never 0, which means bound to no key)."""
+    return xxhash.xxh3_64_intdigest(validate_key(key).encode()) or 1
+
+
 def _checksum(head: bytes | memoryview, params: bytes | memoryview, payload: Any) -> int:
+    """`params` is everything between the checksum and the payload: (version 2) key tag, then params."""
     h = xxhash.xxh3_64(head)
     h.update(params)
     h.update(payload)
     return h.intdigest()
 
 
-def encode_blob(kv: torch.Tensor, codec: str = "raw", lz4: bool = False, **options: Any) -> bytes:
-    """Encode a KV tensor `[2, L, T, H, D]` into a blob.
+def encode_blob(
+    kv: torch.Tensor, codec: str = "raw", lz4: bool = False, key: str | None = None, **options: Any
+) -> bytes:
+    """Encode a KV tensor `[2, L, T, H, D]` into a blob, bound to `key` when given (see the module doc).
 
     `lz4=True` compresses the codec's payload and keeps the compressed form only where it is smaller.
     """
+    tag = 0 if key is None else key_tag(key)
     if not isinstance(kv, torch.Tensor):
         raise InvalidArgument(f"kv must be a torch.Tensor, got {type(kv).__name__}")
     if kv.dim() != 5 or kv.shape[0] != 2 or kv.numel() == 0:
@@ -100,41 +127,46 @@ def encode_blob(kv: torch.Tensor, codec: str = "raw", lz4: bool = False, **optio
         packed = compress(payload)
         if len(packed) < len(payload):
             payload, compression = packed, COMPRESSION_LZ4
-    pbytes = msgpack.packb(params)
+    pbytes = _CHECK.pack(tag) + msgpack.packb(params)  # the key tag, then the params
     head = _HEAD.pack(
         MAGIC, FORMAT_VERSION, c.codec_id, compression, DTYPE_IDS[kv.dtype], 5, 0,
-        *kv.shape, len(pbytes), len(payload),
+        *kv.shape, len(pbytes) - _CHECK.size, len(payload),
     )  # fmt: skip
     check = _CHECK.pack(_checksum(head, pbytes, payload))
     return b"".join((head, check, pbytes, payload))
 
 
-def verify_blob(data: bytes | bytearray | memoryview, checksum: bool = True) -> BlobHeader:
-    """Parse the header and verify the checksum of the whole blob; raise CorruptBlob on any fault.
+def verify_blob(
+    data: bytes | bytearray | memoryview, checksum: bool = True, key: str | None = None
+) -> BlobHeader:
+    """Parse the header and verify the checksum of the whole blob; raise CorruptBlob on any fault,
+    ForeignBlob (a CorruptBlob) when `key` is given and the blob is bound to another key.
     `checksum=False` checks everything but the checksum: for a buffer verified before, that nobody
     could have written since (a trusted tier's, see kvstore.tiers.base.Tier)."""
     view = memoryview(data).cast("B")
-    if len(view) < HEADER_SIZE:
+    if len(view) < V1_HEADER_SIZE:
         raise CorruptBlob(f"blob of {len(view)} bytes is shorter than its {HEADER_SIZE}-byte header")
     magic, version, codec_id, compression, dtype_id, ndim, _, *rest = _HEAD.unpack_from(view)
     shape, (plen, nlen) = tuple(rest[:5]), rest[5:]
     if magic != MAGIC:
         raise CorruptBlob("bad magic: not a kvstore blob")
-    if version != FORMAT_VERSION:
+    if version not in HEADER_SIZES:
         raise CorruptBlob(f"unsupported blob format version {version}")
+    size = HEADER_SIZES[version]
     if ndim != 5 or dtype_id not in DTYPES or compression not in (COMPRESSION_NONE, COMPRESSION_LZ4):
         raise CorruptBlob("bad header fields")
     if shape[0] != 2 or 0 in shape:
         raise CorruptBlob(f"bad KV shape {shape}: [2, layers, tokens, kv_heads, head_dim], none empty")
-    if plen > MAX_PARAMS or HEADER_SIZE + plen + nlen != len(view):
-        raise CorruptBlob(f"blob length {len(view)} does not match header ({HEADER_SIZE}+{plen}+{nlen})")
+    if plen > MAX_PARAMS or size + plen + nlen != len(view):
+        raise CorruptBlob(f"blob length {len(view)} does not match header ({size}+{plen}+{nlen})")
     (check,) = _CHECK.unpack_from(view, _HEAD.size)
-    pstart, payload_offset = HEADER_SIZE, HEADER_SIZE + plen
+    pstart, payload_offset = size, size + plen
     if (
         checksum
-        and _checksum(view[: _HEAD.size], view[pstart:payload_offset], view[payload_offset:]) != check
+        and _checksum(view[: _HEAD.size], view[V1_HEADER_SIZE:payload_offset], view[payload_offset:]) != check
     ):
         raise CorruptBlob("checksum mismatch")
+    tag = _CHECK.unpack_from(view, V1_HEADER_SIZE)[0] if version > 1 else 0
     try:
         params = msgpack.unpackb(view[pstart:payload_offset]) if plen else {}
     except Exception as e:  # msgpack raises a zoo of types; a verified blob should never get here
@@ -142,13 +174,17 @@ def verify_blob(data: bytes | bytearray | memoryview, checksum: bool = True) -> 
     if not isinstance(params, dict):
         raise CorruptBlob("codec params are not a map")
     _check_payload_size(codec_id, compression, DTYPES[dtype_id], shape, params, view[payload_offset:])
-    return BlobHeader(codec_id, compression, DTYPES[dtype_id], shape, params, payload_offset, nlen)
+    header = BlobHeader(codec_id, compression, DTYPES[dtype_id], shape, params, payload_offset, nlen, tag)
+    header.check_key(key)
+    return header
 
 
 _PIECE = 256 * 1024  # copied, then hashed while it is still in the CPU's cache
 
 
-def copy_verified(src: bytes | bytearray | memoryview, dst: bytearray | memoryview) -> BlobHeader:
+def copy_verified(
+    src: bytes | bytearray | memoryview, dst: bytearray | memoryview, key: str | None = None
+) -> BlobHeader:
     """Copy the blob `src` into `dst` (the same size) and verify the copy as `verify_blob` does, one
     piece at a time: each is hashed right after it is copied, from the cache, so the blob's memory is
     read once, not twice. Raises CorruptBlob as `verify_blob` does (`dst` then holds garbage)."""
@@ -156,19 +192,19 @@ def copy_verified(src: bytes | bytearray | memoryview, dst: bytearray | memoryvi
     n = len(s)
     if len(d) != n:
         raise InvalidArgument(f"copy of a {n}-byte blob into {len(d)} bytes")
-    if n < HEADER_SIZE:
+    if n < V1_HEADER_SIZE:
         d[:] = s
-        return verify_blob(d)
+        return verify_blob(d, key=key)
     h = xxhash.xxh3_64()
     for pos in range(0, n, _PIECE):
         end = min(n, pos + _PIECE)
         d[pos:end] = s[pos:end]
         if pos == 0:  # the checksum covers the header up to itself, then everything after it
             h.update(d[: _HEAD.size])
-            h.update(d[HEADER_SIZE:end])
+            h.update(d[V1_HEADER_SIZE:end])
         else:
             h.update(d[pos:end])
-    header = verify_blob(d, checksum=False)
+    header = verify_blob(d, checksum=False, key=key)
     if h.intdigest() != _CHECK.unpack_from(d, _HEAD.size)[0]:
         raise CorruptBlob("checksum mismatch")
     return header
@@ -198,7 +234,10 @@ def _check_payload_size(
 
 
 def decode_blob(
-    data: bytes | bytearray | memoryview, out: torch.Tensor | None = None, header: BlobHeader | None = None
+    data: bytes | bytearray | memoryview,
+    out: torch.Tensor | None = None,
+    header: BlobHeader | None = None,
+    key: str | None = None,
 ) -> torch.Tensor:
     """Verify and decode a blob into its KV tensor: a fresh CPU tensor, or `out` when given.
 
@@ -206,9 +245,11 @@ def decode_blob(
     cost more than the copy itself; a raw, uncompressed blob is then copied straight into it.
     `header`: what `verify_blob(data)` returned for this very, immutable buffer, when the caller has
     just verified it (the store does on every read); skips a second checksum pass.
+    `key`: the key the blob was read under; ForeignBlob (a CorruptBlob) if it is bound to another.
     """
     if header is None:
-        header = verify_blob(data)
+        header = verify_blob(data, key=key)
+    header.check_key(key)
     if out is not None and (tuple(out.shape) != header.shape or out.dtype != header.dtype):
         raise InvalidArgument(
             f"out is {tuple(out.shape)} {out.dtype}, the blob holds {header.shape} {header.dtype}"

@@ -65,7 +65,7 @@ def store_round_trip(data_dir: Path) -> None:
 
     with TieredStore(config) as store:
         t0 = time.perf_counter()
-        store.batch_put([(k, encode_blob(kv)) for k, kv in zip(keys, chunks, strict=True)])
+        store.batch_put([(k, encode_blob(kv, key=k)) for k, kv in zip(keys, chunks, strict=True)])
         dt = time.perf_counter() - t0
         size = sum(c.numel() * c.element_size() for c in chunks)
         print(f"put {len(keys)} chunks, {size / 1e6:.1f} MB, in {dt * 1e3:.0f} ms (disk writes are fsync'ed)")
@@ -80,14 +80,14 @@ def store_round_trip(data_dir: Path) -> None:
         assert hit == 1
 
         for k, kv in zip(keys, chunks, strict=True):
-            assert torch.equal(decode_blob(store.get_blob(k)), kv), "round trip changed the KV"
+            assert torch.equal(decode_blob(store.get_blob(k), key=k), kv), "round trip changed the KV"
         print(f"all {len(keys)} chunks read back bit-exact")
 
     with TieredStore(config) as store:  # a restart: the disk tier rebuilds its index from the files
         n = store.lookup_prefix(keys)
         assert n == len(keys)
         for k, kv in zip(keys, chunks, strict=True):
-            assert torch.equal(decode_blob(store.get_blob(k)), kv)
+            assert torch.equal(decode_blob(store.get_blob(k), key=k), kv)
         s = store.stats()
         print(f"after a restart: lookup_prefix = {n}/{len(keys)}; reads served by " +
               ", ".join(f"{t['name']} {t['hits']}" for t in s["tiers"]) +

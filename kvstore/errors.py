@@ -30,6 +30,10 @@ class CorruptBlob(KVStoreError):
     status = 422
 
 
+class ForeignBlob(CorruptBlob):
+    """A valid blob bound to another key than the one it was stored or read under: a miss."""
+
+
 class CodecError(InvalidArgument):
     """Unknown codec or parameters a codec cannot honour (bad group size, wrong dtype...)."""
 

@@ -137,8 +137,8 @@ class TieredStore:
 
     def _verified(self, tier: Tier, key: str, blob: Blob) -> BlobHeader | None:
         try:
-            return verify_blob(blob, checksum=not getattr(tier, "trusted", False))
-        except CorruptBlob as e:
+            return verify_blob(blob, checksum=not getattr(tier, "trusted", False), key=key)
+        except CorruptBlob as e:  # ForeignBlob too: a blob bound to another key is a miss
             logger.warning("corrupt blob %s in tier %s (%s): deleted", key, tier.name, e)
             self.metrics.tier[tier.name].corrupt.inc()
             self.miss_log.corrupt(key)
@@ -316,7 +316,7 @@ class TieredStore:
         size = memoryview(blob).nbytes
         if size > self.config.max_blob_size:
             raise TooLarge(f"blob of {size} bytes is over max_blob_size {self.config.max_blob_size}")
-        verify_blob(blob)  # raises CorruptBlob: nothing is stored
+        verify_blob(blob, key=key)  # raises CorruptBlob (ForeignBlob: bound to another key): nothing stored
         return immutable(blob)  # tiers and the write-back queue keep it
 
     def _store(self, items: list[tuple[str, bytes]]) -> list[list[str]]:

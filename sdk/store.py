@@ -91,11 +91,11 @@ class Store:
 
     # -- encoding (client side) -------------------------------------------------------------------------
 
-    def encode(self, kv_or_blob: KVOrBlob) -> Blob:
-        """A tensor becomes a blob with this store's codec; a bytes-like must already be a valid blob
-        (the store verifies it on receipt: CorruptBlob and nothing stored)."""
+    def encode(self, kv_or_blob: KVOrBlob, key: str | None = None) -> Blob:
+        """A tensor becomes a blob with this store's codec, bound to `key` (kvstore.blob); a bytes-like
+        must already be a valid blob (the store verifies it on receipt: CorruptBlob and nothing stored)."""
         if isinstance(kv_or_blob, torch.Tensor):
-            return encode_blob(kv_or_blob, codec=self.codec, lz4=self.lz4, **self.codec_options)
+            return encode_blob(kv_or_blob, codec=self.codec, lz4=self.lz4, key=key, **self.codec_options)
         if isinstance(kv_or_blob, (bytes, bytearray, memoryview)):
             return kv_or_blob
         raise InvalidArgument(f"put takes a KV tensor or a blob, got {type(kv_or_blob).__name__}")
@@ -106,7 +106,7 @@ class Store:
         if blob is None:
             return None
         try:
-            return decode_blob(blob, out=out, header=header)
+            return decode_blob(blob, out=out, header=header, key=key)
         except CorruptBlob as e:  # locally the store has verified it; remote: damaged on the way
             logger.warning("blob %s does not decode (%s): treated as a miss", key, e)
             return None
@@ -115,7 +115,7 @@ class Store:
 
     def put(self, key: str, kv_or_blob: KVOrBlob) -> list[str]:
         """Store a chunk; returns the tiers that hold it (NotStored / Unavailable if none does)."""
-        return self.backend.put_blob(key, self.encode(kv_or_blob))
+        return self.backend.put_blob(key, self.encode(kv_or_blob, key))
 
     def get(self, key: str, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """The KV tensor under `key` or None; `out` (right shape and dtype) receives it without allocating."""
@@ -139,7 +139,7 @@ class Store:
         return self.backend.delete(key)
 
     def batch_put(self, items: Sequence[tuple[str, KVOrBlob]]) -> list[list[str]]:
-        return self.backend.batch_put([(key, self.encode(x)) for key, x in items])
+        return self.backend.batch_put([(key, self.encode(x, key)) for key, x in items])
 
     def batch_get(self, keys: Sequence[str]) -> list[torch.Tensor | None]:
         with self.backend.lease(keys) as lease:
@@ -183,7 +183,7 @@ class Store:
     # encoding and decoding move whole chunks (and lossy codecs are slow), so they leave the event loop
 
     async def aput(self, key: str, kv_or_blob: KVOrBlob) -> list[str]:
-        return await self.backend.aput_blob(key, await asyncio.to_thread(self.encode, kv_or_blob))
+        return await self.backend.aput_blob(key, await asyncio.to_thread(self.encode, kv_or_blob, key))
 
     async def aget(self, key: str, out: torch.Tensor | None = None) -> torch.Tensor | None:
         with await self.backend.alease([key]) as lease:
@@ -202,7 +202,7 @@ class Store:
         return await self.backend.adelete(key)
 
     async def abatch_put(self, items: Sequence[tuple[str, KVOrBlob]]) -> list[list[str]]:
-        blobs = await asyncio.to_thread(lambda: [(key, self.encode(x)) for key, x in items])
+        blobs = await asyncio.to_thread(lambda: [(key, self.encode(x, key)) for key, x in items])
         return await self.backend.abatch_put(blobs)
 
     async def abatch_get(self, keys: Sequence[str]) -> list[torch.Tensor | None]:

@@ -186,7 +186,7 @@ def fetch_index(
         return None
     blobs: list[Blob | None] = []
     headers: list[BlobHeader | None] = []
-    for slot, gen, offset, n in found:
+    for key, (slot, gen, offset, n) in zip(keys, found, strict=True):
         buf = rx.into(n)
         src = arena.view[offset : offset + n]
         try:
@@ -194,7 +194,7 @@ def fetch_index(
                 buf[:] = src
                 headers.append(None)
             else:
-                headers.append(copy_verified(src, buf))
+                headers.append(copy_verified(src, buf, key=key))
         except CorruptBlob:  # torn (the check below says so) or spoiled: the server decides
             gen = -1
         if not index.unchanged(slot, gen):  # replaced or evicted meanwhile: the copy may be torn

@@ -15,6 +15,7 @@ from kvstore.blob import (
     _HEAD,
     HEADER_SIZE,
     MAGIC,
+    V1_HEADER_SIZE,
     _checksum,
     copy_verified,
     decode_blob,
@@ -140,14 +141,22 @@ DIM = st.one_of(st.integers(0, 5), st.integers(0, 2**32 - 1))
         st.dictionaries(st.text(max_size=4), st.integers(-(2**63), 2**63 - 1), max_size=3),
     ),
     payload=st.one_of(st.binary(max_size=512), st.binary(min_size=2, max_size=2).map(lambda b: b * 60)),
+    tag=st.one_of(st.none(), st.integers(0, 2**64 - 1)),  # None: a version-1 blob (no key tag)
 )
 def test_forged_headers_with_a_valid_checksum_never_escape(
-    codec: int, compression: int, dtype_id: int, shape: list[int], params: object, payload: bytes
+    codec: int,
+    compression: int,
+    dtype_id: int,
+    shape: list[int],
+    params: object,
+    payload: bytes,
+    tag: int | None,
 ) -> None:
     """A header that passes the checksum but lies about codec, dtype, shape or params."""
     pbytes = params if isinstance(params, bytes) else msgpack.packb(params)
-    head = _HEAD.pack(MAGIC, 1, codec, compression, dtype_id, 5, 0, *shape, len(pbytes), len(payload))
-    blob = head + _CHECK.pack(_checksum(head, pbytes, payload)) + pbytes + payload
+    version, tagged = (1, b"") if tag is None else (2, _CHECK.pack(tag))
+    head = _HEAD.pack(MAGIC, version, codec, compression, dtype_id, 5, 0, *shape, len(pbytes), len(payload))
+    blob = head + _CHECK.pack(_checksum(head, tagged + pbytes, payload)) + tagged + pbytes + payload
     try:
         kv = decode_blob(blob)
     except CorruptBlob:
@@ -173,11 +182,12 @@ def forge(
     head = list(_HEAD.unpack_from(blob))
     plen = head[12]
     pbytes = blob[HEADER_SIZE : HEADER_SIZE + plen] if params is None else msgpack.packb(params)
+    assert head[1] == 2
     if shape is not None:
         head[7:12] = shape
     head[12], head[13] = len(pbytes), len(payload)
-    packed = _HEAD.pack(*head)
-    return packed + _CHECK.pack(_checksum(packed, pbytes, payload)) + pbytes + payload
+    packed, tag = _HEAD.pack(*head), blob[V1_HEADER_SIZE:HEADER_SIZE]
+    return packed + _CHECK.pack(_checksum(packed, tag + pbytes, payload)) + tag + pbytes + payload
 
 
 def _payload(blob: bytes) -> bytes:
