@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 from kvstore.tiers.base import Blob
 from sdk.buffers import BlobLease
+from sdk.health import StoreHealth
 
 T = TypeVar("T")
 
@@ -69,6 +70,10 @@ class Backend(ABC):
     def stats(self) -> dict[str, Any]: ...
 
     @abstractmethod
+    def health(self) -> StoreHealth:
+        """Whether the store answers and accepts this client (never raises over a store that does not)."""
+
+    @abstractmethod
     def close(self) -> None: ...
 
     # -- async twins: the blocking call on a thread, so an event loop never waits on a socket or a disk
@@ -108,6 +113,9 @@ class Backend(ABC):
 
     async def astats(self) -> dict[str, Any]:
         return await self._run(self.stats)
+
+    async def ahealth(self) -> StoreHealth:
+        return await self._run(self.health)
 
     async def aclose(self) -> None:
         await self._run(self.close)

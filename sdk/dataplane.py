@@ -1,6 +1,7 @@
 """The SDK side of the binary data plane (kvstore.dataplane): a pool of connections that said HELLO.
 
-Sync and thread-safe like `sdk.http.HttpClient`, with the same retries: every call is idempotent.
+Sync and thread-safe like `sdk.http.HttpClient`, with the same retries (`sdk.http.Retry`): every call is
+idempotent.
 A request sends its header, meta and blobs in one `sendmsg` (no join); a response's body lands with
 `recv_into` in the buffer the caller picks. Connections that named a shared-memory segment remember
 it, so a segment is attached once per connection.
@@ -25,10 +26,10 @@ from typing import Any
 
 from kvstore import dataplane as dp
 from kvstore import shm
-from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
+from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.tiers.base import Blob
 from sdk.buffers import fresh_buffer
-from sdk.http import RETRY_STATUSES, Into, connect
+from sdk.http import RETRY_STATUSES, Into, Retry, connect, failure
 from sdk.pool import ConnectionPool
 
 log = logging.getLogger(__name__)
@@ -156,6 +157,7 @@ class DataPlaneClient:
         retries: int,
         backoff: float,
         pool_size: int,
+        retry_timeouts: bool = False,
         local: bool = False,
         spin_s: float = SPIN_S,
     ) -> None:
@@ -168,7 +170,7 @@ class DataPlaneClient:
         self.unix_path: str | None = None
         self._unix_refused: set[str] = set()  # named by HELLO, but not reachable from here
         self.timeout, self.connect_timeout = timeout, connect_timeout
-        self.retries, self.backoff = retries, backoff
+        self.retry = Retry(retries, backoff, timeout, retry_timeouts)
         self.hello: dict[str, Any] = {}
         self.pool: ConnectionPool[_Conn] = ConnectionPool(pool_size)
         conn = self._open()  # NotSpoken / Unauthorized / OSError now, not on the first call
@@ -226,7 +228,8 @@ class DataPlaneClient:
         other than 404. `segment` (sdk.shm.ClientSegment): attach it first on a connection that has not."""
         if self.pool.closed:
             raise InvalidArgument("this client is closed")
-        for attempt in range(self.retries + 1):
+        started = time.monotonic()
+        for attempt in range(self.retry.retries + 1):
             conn = None
             try:
                 conn = self.pool.take(self._open)
@@ -244,15 +247,20 @@ class DataPlaneClient:
             except (OSError, ConnectionError) as e:
                 if conn is not None:
                     conn.close()
-                if attempt == self.retries:
-                    raise Unavailable(
-                        f"{dp.OP_NAMES.get(op, op)} on {self.host}:{self.port} failed: {e}"
+                wait = self.retry.delay(attempt, started, timed_out=isinstance(e, TimeoutError))
+                if wait is None:
+                    raise failure(
+                        f"{dp.OP_NAMES.get(op, op)} on {self.host}:{self.port}", e, self.timeout
                     ) from None
-                time.sleep(self.backoff * 2**attempt)
+                time.sleep(wait)
                 continue
-            if head.status in RETRY_STATUSES and attempt < self.retries:  # Busy: retried, as over HTTP
-                time.sleep(max(self.backoff * 2**attempt, min(float(reply.get("retry_after", 0)), 1.0)))
-                continue
+            if head.status in RETRY_STATUSES:  # Busy: retried, as over HTTP
+                wait = self.retry.delay(
+                    attempt, started, at_least=min(float(reply.get("retry_after", 0)), 1.0)
+                )
+                if wait is not None:
+                    time.sleep(wait)
+                    continue
             if head.status >= 400 and head.status != 404:
                 raise dp.error_from_meta(head.status, reply)
             return head, reply, got

@@ -6,13 +6,16 @@ their headers and nothing is verified twice); the async twins run the store call
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
+from kvstore import __version__
 from kvstore.store import TieredStore
 from kvstore.tiers.base import Blob
 from sdk.backend import Backend
 from sdk.buffers import BlobLease
+from sdk.health import StoreHealth
 
 
 class LocalBackend(Backend):
@@ -56,6 +59,11 @@ class LocalBackend(Backend):
 
     def stats(self) -> dict[str, Any]:
         return self.store.stats()
+
+    def health(self) -> StoreHealth:
+        started = time.monotonic()
+        tiers = tuple(t.name for t in self.store.tiers)
+        return StoreHealth("local", True, True, time.monotonic() - started, None, __version__, tiers, "local")
 
     def close(self) -> None:
         self.store.close()

@@ -34,7 +34,8 @@ from sdk import transfers as tr
 from sdk.backend import Backend
 from sdk.buffers import BlobLease, BufferPool, Loan, LoanBook
 from sdk.dataplane import SPIN_S, DataPlaneClient, NotSpoken, SegmentGone
-from sdk.http import HttpClient
+from sdk.health import StoreHealth
+from sdk.http import HttpClient, failure
 from sdk.shm import ClientArena, ClientSegment
 from sdk.touches import TouchReporter
 
@@ -67,10 +68,11 @@ class RemoteBackend(Backend):
         url: str,
         token: str | None = None,
         *,
-        timeout: float = 60.0,
-        connect_timeout: float = 5.0,
-        retries: int = 3,
+        timeout: float = 10.0,
+        connect_timeout: float = 3.0,
+        retries: int = 2,
         backoff: float = 0.05,
+        retry_timeouts: bool = False,
         pool_size: int = 16,
         verify_tls: bool | str = True,
         transport: str = "auto",
@@ -78,7 +80,12 @@ class RemoteBackend(Backend):
         spin_us: float = SPIN_S * 1e6,
         read_index: bool = True,
     ) -> None:
-        """`spin_us`: how long a call polls for the answer of a server on this host before its thread
+        """`timeout`: the longest a call waits for the server (a call that gets no answer fails then,
+        Unavailable); `connect_timeout` for a connection. `retries`: how often a call is tried again
+        after a connection error or a 502/503/504 (with `backoff`, doubling), never once it is older
+        than `timeout`, and after a timeout only with `retry_timeouts` (sdk.http.Retry). So a hung server
+        costs a call about `timeout` seconds, an unreachable one `connect_timeout`.
+        `spin_us`: how long a call polls for the answer of a server on this host before its thread
         sleeps (sdk.dataplane; 0: never poll). `read_index`: with shared memory, read the blobs of the
         server's cpu arena straight from it when its index says where they lie, without a request
         (kvstore.tiers.arena_index; False: every get asks the server)."""
@@ -99,7 +106,7 @@ class RemoteBackend(Backend):
                 tls.verify_mode = ssl.CERT_NONE
         self._conn_args: dict[str, Any] = dict(
             timeout=timeout, connect_timeout=connect_timeout, retries=retries, backoff=backoff,
-            pool_size=pool_size,
+            pool_size=pool_size, retry_timeouts=retry_timeouts,
         )  # fmt: skip
         self._tls, self._token = tls, token
         self.http = HttpClient(self.host, self.port, tls, token, **self._conn_args)
@@ -155,6 +162,8 @@ class RemoteBackend(Backend):
                     except NotSpoken:
                         log.info("%s does not speak the data plane: using HTTP", self.url)
                         self._plane_state = "off"
+                    except TimeoutError as e:  # it accepted and did not answer: HTTP would wait as long
+                        raise failure(f"HELLO to {self.url}", e, self._conn_args["timeout"]) from None
                     except (OSError, ConnectionError) as e:  # try again on the next call; HTTP now
                         log.debug("data plane of %s not reachable (%s)", self.url, e)
         if self._plane_state == "off" and self.wanted in ("shm", "tcp"):
@@ -366,11 +375,47 @@ class RemoteBackend(Backend):
     def stats(self) -> dict[str, Any]:
         return self.http.request("GET", wire.STATS_PATH).json()
 
-    def health(self) -> bool:
+    def _probe(self) -> tuple[StoreHealth, KVStoreError | None]:
+        started = time.monotonic()
+
+        def answer(
+            reachable: bool, err: KVStoreError | None, **more: Any
+        ) -> tuple[StoreHealth, KVStoreError | None]:
+            error = None if err is None else f"{type(err).__name__}: {err}"
+            return StoreHealth(
+                self.url, reachable, err is None, time.monotonic() - started, error, **more
+            ), err
+
         try:
-            return self.http.request("GET", "/healthz").status == 200
-        except KVStoreError:
-            return False
+            alive = self.http.request("GET", "/healthz").json()
+        except Unavailable as e:
+            return answer(False, e)
+        except (KVStoreError, ValueError) as e:  # an HTTP server, but not ours (a 404, HTML...)
+            return answer(False, Unavailable(f"{self.url} is not a kvstore-server (/healthz: {e})"))
+        if not isinstance(alive, dict) or alive.get("status") != "ok":
+            return answer(False, Unavailable(f"{self.url} is not a kvstore-server (/healthz: {alive!r:.80})"))
+        try:
+            stats = self.stats()  # authenticated: proves the token
+            transport = self.transport
+        except KVStoreError as e:
+            return answer(True, e)
+        tiers = tuple(str(t.get("name")) for t in stats.get("tiers", ()))
+        version = (stats.get("server") or {}).get("version")
+        return answer(True, None, version=version, tiers=tiers, transport=transport)
+
+    def health(self) -> StoreHealth:
+        """Whether the server answers (`/healthz`, no token needed), accepts this client's token (an
+        authenticated `/v1/stats`), and what it runs. Never raises over a server that is down, hung,
+        not a kvstore-server or refusing the token: the answer says which (`error`), within about
+        `timeout` seconds."""
+        return self._probe()[0]
+
+    def check(self) -> None:
+        """Raise now what a call would: Unavailable (down, hung, not a kvstore-server: the message says
+        which) or Unauthorized (a token missing or wrong)."""
+        err = self._probe()[1]
+        if err is not None:
+            raise err
 
     def close(self) -> None:
         self._touches.close()  # what it still holds goes out first

@@ -32,6 +32,7 @@ from kvstore.store import TieredStore
 from kvstore.tiers.base import Blob
 from sdk.backend import Backend
 from sdk.buffers import BlobLease
+from sdk.health import StoreHealth
 from sdk.local import LocalBackend
 
 logger = logging.getLogger(__name__)
@@ -79,15 +80,25 @@ class Store:
         codec: str = "raw",
         lz4: bool = False,
         codec_options: dict | None = None,
+        check: bool = False,
         **options: Any,
     ) -> Store:
         """A store served by `kvstore-server` at `url`; `options` go to `sdk.remote.RemoteBackend`
-        (timeout, retries, pool_size, verify_tls, transport="auto"|"shm"|"tcp"|"http", shm_size, spin_us, read_index)."""
+        (timeout=10 s a call waits for an answer, connect_timeout=3, retries=2 after connection errors
+        and 502/503/504 but not after a timeout, retry_timeouts, pool_size, verify_tls,
+        transport="auto"|"shm"|"tcp"|"http", shm_size, spin_us, read_index). `check=True` asks the server
+        once now: a wrong URL, a server down or hung raises Unavailable, a missing or wrong token
+        Unauthorized (otherwise the first call does)."""
         from sdk.remote import RemoteBackend  # noqa: PLC0415 (the HTTP client is only needed here)
 
-        return cls(
-            RemoteBackend(url, token=token, **options), codec=codec, lz4=lz4, codec_options=codec_options
-        )
+        backend = RemoteBackend(url, token=token, **options)
+        if check:
+            try:
+                backend.check()
+            except BaseException:
+                backend.close()
+                raise
+        return cls(backend, codec=codec, lz4=lz4, codec_options=codec_options)
 
     # -- encoding (client side) -------------------------------------------------------------------------
 
@@ -170,6 +181,11 @@ class Store:
     def stats(self) -> dict[str, Any]:
         return self.backend.stats()
 
+    def health(self) -> StoreHealth:
+        """Whether the store answers (`reachable`) and accepts this client (`authorized`), its version,
+        tiers and transport; never raises over a store that is down, hung or refusing the token."""
+        return self.backend.health()
+
     def close(self) -> None:
         self.backend.close()
 
@@ -223,6 +239,9 @@ class Store:
 
     async def astats(self) -> dict[str, Any]:
         return await self.backend.astats()
+
+    async def ahealth(self) -> StoreHealth:
+        return await self.backend.ahealth()
 
     async def aclose(self) -> None:
         await self.backend.aclose()
