@@ -5,7 +5,9 @@ watermark: chunks below it are in the store already (the lookup said so) or have
 worker for saving. Each step, every chunk that became full is scheduled for saving exactly once;
 that covers prompt chunks and generated chunks. When a request finishes, its trailing partial chunk
 (block-aligned) is saved too, under Spec 1's partial key, so that the next turn of a conversation loads it
-(`connectors.prefix`); a saved chunk replaces the shorter partials of the same chunk it supersedes.
+(`connectors.prefix`); a saved chunk replaces the shorter partials of the same chunk it supersedes
+(except, per block size the save is not a multiple of, the longest one: engines with coarser blocks
+sharing the store still find theirs).
 A preempted request's full chunks are in the store already; `request_preempted` saves its partial
 chunk as well (copied out before the blocks are reused), so it resumes by loading, not recomputing.
 
@@ -140,10 +142,16 @@ class KVStoreScheduler:
     def _replaced_partials(
         self, keys: ChunkKeys, tokens: Sequence[int], chunk: int, num_tokens: int
     ) -> tuple:
-        """Partial keys of `chunk` that a save of its first `num_tokens` tokens supersedes."""
+        """Partial keys of `chunk` that a save of its first `num_tokens` tokens supersedes for every
+        engine sharing the store. An engine reuses whole blocks only, so one whose block size does not
+        divide `num_tokens` (vLLM's 128 beside kvstore-engine's 16) cannot use this save: for each block
+        size that could be (a divisor of the chunk size), its longest shorter partial stays."""
         if not self.config.partial_chunks:
             return ()
-        return tuple(keys.partial_keys(tokens, chunk, range(self.block_size, num_tokens, self.block_size)))
+        cs = self.chunk_size
+        kept = {num_tokens // b * b for b in range(1, cs + 1) if cs % b == 0 and num_tokens % b}
+        lengths = [n for n in range(self.block_size, num_tokens, self.block_size) if n not in kept]
+        return tuple(keys.partial_keys(tokens, chunk, lengths))
 
     def build_connector_meta(self, scheduler_output: Any) -> StepTransfers:
         step = StepTransfers(loads=self._loads, saves=self._finished_saves, preempt_saves=self._preempt_saves)

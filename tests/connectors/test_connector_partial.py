@@ -97,3 +97,28 @@ def test_a_longer_chunk_replaces_the_partials_it_supersedes(engines) -> None:
     snap = eng.worker.metrics.snapshot()
     assert snap[PARTIAL + "{event=saved}"] == 3 and snap[PARTIAL + "{event=replaced}"] == 2
     assert snap["kvstore_connector_saved_chunks_total"] == 2 + 3  # full chunks 0 and 1, three partials
+
+
+def test_a_mixed_fleet_keeps_the_partial_each_block_size_can_use(engines) -> None:
+    """vLLM (128-token blocks) and kvstore-engine (16) share a store: the fine engine's longer,
+    16-aligned partial must not delete the 128-aligned one, the longest the coarse engine can use."""
+    fine = make_config(local_cpu_capacity="64MiB")
+    coarse = make_config(local_cpu_capacity="64MiB", block_size=128)
+    vllm_like, engine_like = engines(coarse, num_blocks=16, seed=1), engines(fine, seed=2)
+    store, layout = engine_like.scheduler.handle.store, fine.layout
+    history = prompt(400, seed=10)  # chunk 0, then 144 tokens of chunk 1
+    serve(vllm_like, Req("v1", history))  # its partial: the 128 tokens its blocks hold
+    assert store.exists(partial_key(history[:384], layout))
+    assert serve(engine_like, Req("k1", history)) == 384  # it loads vLLM's partial, stores its 144
+    assert store.exists(partial_key(history, layout)) and store.exists(partial_key(history[:384], layout))
+    turn = history + prompt(60, seed=11)
+    assert engines(coarse, num_blocks=16, seed=3).admit(Req("v2", turn)) == 384, (
+        "vLLM's partial is still there"
+    )
+    assert engines(fine, seed=4).admit(Req("k2", turn)) == 400, "and the longer one for kvstore-engine"
+    # a full chunk serves every block size: it replaces both
+    history = turn + prompt(60, seed=12)  # 520 tokens: chunk 1 is full
+    serve(engine_like, Req("k3", history))
+    assert not store.exists(partial_key(turn[:384], layout)) and not store.exists(
+        partial_key(turn[:400], layout)
+    )
