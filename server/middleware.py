@@ -9,10 +9,10 @@ import time
 from collections.abc import Awaitable, Callable
 
 import aiohttp
-from aiohttp import web
+from aiohttp import hdrs, web
 
 from kvstore import wire
-from kvstore.errors import Busy, KVStoreError, Unauthorized
+from kvstore.errors import Busy, InvalidArgument, KVStoreError, Unauthorized
 from server.metrics import ServerMetrics
 from server.origin import HostCheck
 from server.state import BYTES_IN, BYTES_OUT, STATE
@@ -59,13 +59,34 @@ def error_response(exc: BaseException, request: web.BaseRequest | None = None) -
     return resp
 
 
+def bearer_credentials(authorization: bytes) -> bytes:
+    """The credentials of a `Bearer` Authorization header, b"" for any other scheme. The scheme is
+    case-insensitive and one or more spaces follow it (RFC 9110, section 11: `bearer x` is `Bearer x`)."""
+    scheme, _, rest = authorization.partition(b" ")
+    return rest.lstrip(b" ") if scheme.lower() == b"bearer" else b""
+
+
+def check_transfer_coding(request: web.BaseRequest) -> None:
+    """Only `Transfer-Encoding: chunked` is understood. aiohttp de-chunks any list that ends with
+    chunked and ignores the codings before it (`identity, chunked`, `gzip, chunked`), handing the
+    handler bytes the client did not mean; RFC 9112 (section 6.1): a server that receives a transfer
+    coding it does not understand SHOULD answer 501 (Not Implemented)."""
+    codings = [
+        c.strip().lower() for v in request.headers.getall(hdrs.TRANSFER_ENCODING) for c in v.split(",")
+    ]
+    if codings != ["chunked"]:
+        e = InvalidArgument("only 'Transfer-Encoding: chunked' is implemented (or send Content-Length)")
+        e.status = 501
+        raise e
+
+
 def make_middlewares(
     token: str | None, metrics: ServerMetrics, metrics_auth: bool, host_check: HostCheck | None = None
 ) -> list:
     """One middleware doing auth (or, without a token, the Host check), JSON errors and metrics: each
     layer of aiohttp middleware costs a coroutine per request, which shows at thousands of small
     requests per second."""
-    expected = f"Bearer {token}".encode() if token else None
+    expected = token.encode() if token else None
     open_paths = OPEN_PATHS if metrics_auth else OPEN_PATHS | {"/metrics"}
     if expected is None and host_check is None:
         host_check = HostCheck(())
@@ -76,12 +97,14 @@ def make_middlewares(
         metrics.in_flight += 1
         status = 500
         try:
+            if hdrs.TRANSFER_ENCODING in request.headers:
+                check_transfer_coding(request)
             if expected is None:
                 host_check.check(request)  # type: ignore[union-attr]
             elif request.path not in open_paths:
                 # the header's own bytes: aiohttp decodes non-UTF-8 bytes to surrogates, which .encode() refuses
                 given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
-                if not hmac.compare_digest(given, expected):
+                if not hmac.compare_digest(bearer_credentials(given), expected):
                     raise Unauthorized("missing bearer token" if not given else "wrong bearer token")
             resp = await handler(request)
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):

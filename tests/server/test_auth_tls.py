@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import socket
 import subprocess
 
 import pytest
@@ -12,7 +13,7 @@ from kvstore.errors import ConfigError, Unauthorized, Unavailable
 from sdk.remote import RemoteBackend
 from sdk.store import Store
 from server.config import ServerConfig
-from tests.server.conftest import key, make_blob
+from tests.server.conftest import key, make_blob, read_response
 
 TOKEN = "s3cret-token"
 
@@ -52,6 +53,37 @@ def test_the_right_token_opens_everything(secured):
     assert secured.request("GET", wire.chunk_path(key(1)), headers=h).body == make_blob(1)
     assert secured.request("GET", "/metrics", headers=h).status == 200
     assert secured.request("GET", wire.STATS_PATH, headers=h).json()["tiers"][0]["keys"] == 1
+
+
+@pytest.mark.parametrize("scheme", ["Bearer", "bearer", "BEARER", "bEaReR", "Bearer "])
+def test_the_auth_scheme_is_case_insensitive(secured, scheme):
+    """Issue 30 #12, RFC 9110 section 11.1: `bearer x` is `Bearer x` (one or more spaces after it)."""
+    h = {"Authorization": f"{scheme} {TOKEN}"}
+    assert secured.request("GET", wire.STATS_PATH, headers=h).status == 200
+    for wrong in (f"{scheme} {TOKEN}x", f"Basic {TOKEN}", f"{scheme.strip()}{TOKEN}", f"bearerx {TOKEN}"):
+        assert secured.request("GET", wire.STATS_PATH, headers={"Authorization": wrong}).status == 401
+
+
+def test_without_the_token_no_body_is_reserved(server_factory):
+    """Issue 30 #9 on HTTP: puts declaring big bodies and no token are a 401 from their headers and
+    reserve nothing of the body budget; an authenticated put still fits."""
+    srv = server_factory(auth_token=TOKEN, max_body_bytes_in_flight=64 << 20)
+    head = (
+        f"PUT {wire.chunk_path(key(1))} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: {wire.BLOB_CONTENT_TYPE}\r\n"
+        f"Content-Length: {32 << 20}\r\n\r\n"
+    ).encode()
+    hogs = [socket.create_connection(("127.0.0.1", srv.port), timeout=10) for _ in range(16)]
+    try:
+        for s in hogs:
+            s.sendall(head)  # and no body
+        for s in hogs:
+            assert read_response(s).status == 401
+        assert srv.thread.state.budget.used == 0
+        r = srv.request("PUT", wire.chunk_path(key(2)), make_blob(2, tokens=8000), _auth(TOKEN))
+        assert r.status == 201
+    finally:
+        for s in hogs:
+            s.close()
 
 
 def test_open_routes(secured):

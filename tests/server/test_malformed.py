@@ -160,6 +160,32 @@ def test_chunked_body_within_limits_is_stored(srv):
     assert srv.request("GET", wire.chunk_path(key(1))).body == blob
 
 
+@pytest.mark.parametrize(
+    "te,status",
+    [("chunked", 201), ("Chunked", 201), ("identity, chunked", 501), ("gzip, chunked", 501),
+     ("chunked, chunked", 400), ("identity", 400)],
+)  # fmt: skip
+def test_transfer_codings_other_than_chunked_are_not_implemented(srv, te, status):
+    """Issue 30 #12, RFC 9112 section 6.1: a transfer coding the server does not understand is a 501;
+    aiohttp stored `identity, chunked` and `gzip, chunked` bodies de-chunked, the other coding ignored."""
+    before = srv.usage()
+    blob = make_blob(1)
+    head = f"PUT {wire.chunk_path(key(1))} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/octet-stream\r\nTransfer-Encoding: {te}\r\n\r\n"
+    r = srv.raw(head.encode() + f"{len(blob):x}\r\n".encode() + blob + b"\r\n0\r\n\r\n")
+    if status == 201:
+        assert r.status == 201
+    else:
+        assert_rejected(srv, r, status, "InvalidArgument", before)
+
+
+def test_the_te_request_header_is_only_advice(srv):
+    """`TE` lists the codings a client accepts in the answer; chunked is always acceptable and a server
+    may use none (RFC 9110 section 10.1.4): a get with `TE: identity, chunked` is served as any other."""
+    srv.request("PUT", wire.chunk_path(key(1)), make_blob(1))
+    r = srv.request("GET", wire.chunk_path(key(1)), headers={"TE": "identity, chunked"})
+    assert r.status == 200 and r.body == make_blob(1)
+
+
 def _batch(srv, body: bytes) -> RawResponse:
     return srv.request("POST", wire.BATCH_PUT_PATH, body, {"Content-Type": wire.BATCH_CONTENT_TYPE})
 
