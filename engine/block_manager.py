@@ -50,6 +50,9 @@ class BlockManager:
         self.prefix_cache_queries = 0  # tokens looked up (first scheduling of a request only)
         self.prefix_cache_hits = 0  # tokens found
         self.num_frees = 0  # calls of free() that returned blocks: the free count only grows through them
+        # KV events (`--kv-events-config`): None = off; else what changed in the prefix cache since the
+        # last `take_events`, as ("stored", hashes, parent hash or None, token ids) / ("removed", hashes)
+        self.events: list[tuple] | None = None
 
     # ---- state --------------------------------------------------------------------------------
     @property
@@ -102,6 +105,7 @@ class BlockManager:
         if num_full <= start:
             return
         self._extend_hashes(seq, num_full * self.block_size)
+        stored: list[int] = []
         for i in range(start, num_full):
             block = self.blocks[seq.block_table[i]]
             if block.block_hash is not None:
@@ -110,7 +114,31 @@ class BlockManager:
             if h not in self.cached:  # a twin computed concurrently keeps the entry; this one stays anonymous
                 self.cached[h] = block.block_id
                 block.block_hash = h
+                stored.append(i)
         self._num_registered[seq.request_id] = num_full
+        if self.events is not None and stored:
+            self._stored_events(seq, stored)
+
+    def _stored_events(self, seq: Sequence, indices: list[int]) -> None:
+        """One "stored" event per run of consecutive newly registered blocks of `seq`."""
+        bs, run = self.block_size, [indices[0]]
+        for i in [*indices[1:], None]:
+            if i is not None and i == run[-1] + 1:
+                run.append(i)
+                continue
+            first, end = run[0], run[-1] + 1
+            parent = seq.block_hashes[first - 1] if first else None
+            tokens = list(seq.all_token_ids[first * bs : end * bs])
+            self.events.append(("stored", seq.block_hashes[first:end], parent, tokens))
+            if i is not None:
+                run = [i]
+
+    def take_events(self) -> list[tuple]:
+        """The prefix-cache changes since the last call (empty when events are off)."""
+        if not self.events:
+            return []
+        out, self.events = self.events, []
+        return out
 
     # ---- allocation ---------------------------------------------------------------------------
     def _num_required(
@@ -146,6 +174,7 @@ class BlockManager:
             seq.block_table.append(block_id)
         if computed_blocks:
             self._num_registered[seq.request_id] = len(seq.block_table)
+        removed: list[bytes] = []
         for _ in range(max(num_required, 0)):
             block_id, _ = self.free_queue.popitem(last=False)
             block = self.blocks[block_id]
@@ -153,9 +182,12 @@ class BlockManager:
             if block.block_hash is not None:  # evict its old content from the prefix cache
                 if self.cached.get(block.block_hash) == block_id:
                     del self.cached[block.block_hash]
+                    removed.append(block.block_hash)
                 block.block_hash = None
             block.ref_count = 1
             seq.block_table.append(block_id)
+        if self.events is not None and removed:
+            self.events.append(("removed", removed))
         return True
 
     def free(self, seq: Sequence) -> None:
@@ -176,7 +208,10 @@ class BlockManager:
     def reset_prefix_cache(self) -> None:
         for block_id in self.free_queue:
             self.blocks[block_id].block_hash = None
-        self.cached = {h: b for h, b in self.cached.items() if self.blocks[b].ref_count > 0}
+        kept = {h: b for h, b in self.cached.items() if self.blocks[b].ref_count > 0}
+        if self.events is not None and len(kept) < len(self.cached):
+            self.events.append(("removed", [h for h in self.cached if h not in kept]))
+        self.cached = kept
 
     def check_invariants(self, live: list[Sequence]) -> None:
         """Assert the bookkeeping is consistent with the sequences holding blocks (tests, debugging)."""

@@ -87,6 +87,7 @@ class EngineArgs:
     kv_store_token_file: str | None = None  # the kvstore-server's bearer token
     num_threads: int | None = None  # torch intra-op threads; default 1 (see llm_engine.default_num_threads)
     served_model_name: str | None = None
+    kv_events_config: str | dict | None = None  # vLLM's KVEventsConfig as JSON text or a mapping (off)
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -208,6 +209,12 @@ class EngineArgs:
                        default=None)  # fmt: skip
         p.add_argument("--num-threads", type=int, help="torch threads (default 1)")
         p.add_argument("--served-model-name", help="the model name in the API (default: the model's)")
+        p.add_argument(
+            "--kv-events-config", metavar="JSON",
+            help="publish prefix-cache events as vLLM does (off by default), vLLM's KVEventsConfig: "
+            '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+            '"replay_endpoint": "tcp://*:5558"}\'',
+        )  # fmt: skip
         k = parser.add_argument_group("KV store (vLLM's --kv-transfer-config, or the shorthands below)")
         k.add_argument(
             "--kv-transfer-config", metavar="JSON",

@@ -18,6 +18,7 @@ from engine.engine_args import EngineArgs
 from engine.errors import InvalidRequest, KVBackendUnavailable
 from engine.kv_cache.fp8_scales import KVScales, engine_kv_scales
 from engine.kv_cache.spec import resolve_kv_cache_dtype
+from engine.kv_events import EngineKVEvents
 from engine.metrics import EngineMetrics
 from engine.model_runner import ModelRunner, kv_bytes_per_block
 from engine.outputs import CompletionOutput, RequestOutput
@@ -26,6 +27,7 @@ from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
 from engine.structured_output.manager import StructuredOutputManager
 from kvstore.errors import KVStoreError
+from kvstore.events import parse_kv_events_config
 from kvstore.keys import KVLayout, model_layout, root_key
 
 logger = logging.getLogger(__name__)
@@ -68,6 +70,7 @@ class LLMEngine:
                 f"max_model_len {self.max_model_len} exceeds the model's {cfg.max_position_embeddings} positions"
             )
         self.kv_cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, self.dtype)
+        events_config = parse_kv_events_config(args.kv_events_config)  # a bad one fails before the load
         fp8 = self.kv_cache_dtype == torch.float8_e4m3fn
         self.kv_scales: KVScales | None = None  # fp8: calibrated once, on a fixed text (kv_cache.fp8_scales)
         bs = args.block_size
@@ -109,6 +112,7 @@ class LLMEngine:
             kv_scales=self.kv_scales.digest() if self.kv_scales is not None else "",
         )  # fmt: skip
         self.block_manager = BlockManager(num_blocks, bs, args.enable_prefix_caching, root_key(layout))
+        self.kv_events = EngineKVEvents.create(events_config, self.block_manager)
         sched_cfg = SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, self.max_model_len)
         self.scheduler = Scheduler(sched_cfg, self.block_manager, eos, kv_scheduler)
         self.runner.sampler.eos_token_ids = eos
@@ -256,6 +260,8 @@ class LLMEngine:
         for connector in (self.runner.connector, self.scheduler.connector):
             if connector is not None:
                 connector.shutdown()
+        if self.kv_events is not None:
+            self.kv_events.shutdown()
 
     # ---- the loop -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -275,6 +281,8 @@ class LLMEngine:
         elif self.runner.connector is not None:  # only loads to start (requests waiting for their KV)
             self.runner.execute_kv_transfers(sched_out.kv_connector_metadata)
         self._finish_kv_transfers(stepped=not sched_out.is_empty)
+        if self.kv_events is not None:
+            self.kv_events.flush()
         self._update_gauges()
         return outputs
 

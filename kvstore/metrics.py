@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -83,6 +83,9 @@ class StoreMetrics:
 
     def __init__(self, tiers: Sequence[Tier]) -> None:
         self.tiers = list(tiers)
+        # KV events (kvstore.events.StoreEvents): told, per tier, the keys each put stored and evicted
+        # and the keys each delete removed (kvstore.tier_calls calls it); None = off
+        self.events: Callable[[str, list[str], list[str]], None] | None = None
         self.registry = CollectorRegistry()
         r = self.registry
         self.hits = Counter(

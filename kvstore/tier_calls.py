@@ -42,6 +42,8 @@ def put(
     metrics.tier[tier.name].written_bytes.inc(sum(len(b) for k, b in items if k not in failed))
     for reason in failed.values():
         metrics.count_drop(tier, reason)
+    if metrics.events is not None:
+        metrics.events(tier.name, [k for k, _ in items if k not in failed], list(evicted))
     return evicted, error
 
 
@@ -66,7 +68,10 @@ def get_many(
 def delete(metrics: StoreMetrics, tier: Tier, key: str) -> bool:
     """Delete from one tier; raises TierWriteError when it may still serve the key afterwards."""
     try:
-        return bool(tier.delete(key))
+        gone = bool(tier.delete(key))
+        if gone and metrics.events is not None:
+            metrics.events(tier.name, [], [key])
+        return gone
     except TierWriteError as e:
         if key in e.stale:
             raise

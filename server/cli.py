@@ -65,6 +65,9 @@ SERVER_FLAGS = {
     "dataplane": "the binary data plane on the port, for the SDK (default; --no-dataplane: HTTP only)",
     "shm_budget": "shared memory for clients on this host, all segments together, e.g. 1GiB (0: off)",
     "shm_max_segment": "largest shared-memory segment one client gets (default 512MiB)",
+    "kv_events_config": "publish every tier's stored/evicted chunks as vLLM KV events (off by default), vLLM's "
+    'KVEventsConfig JSON: \'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", '
+    '"replay_endpoint": "tcp://*:5558"}\'',
     "poll_us": "µs the loop polls for a same-host client's next request before sleeping (default 200; 0: off)",
 }
 

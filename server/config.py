@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError
+from kvstore.events import parse_kv_events_config
 from kvstore.settings import Size, human_error, load_settings, read_token
 
 DEFAULT_PORT = 8100
@@ -56,6 +57,8 @@ class ServerConfig(BaseModel):
     # sleeps (server.idle_poll: a sleeping thread's wake-up costs tens of µs on a VM); 0: never
     poll_us: float = Field(200.0, ge=0, lt=100_000)
     engine_metrics: list[str] = Field(default_factory=list)  # engines' /metrics URLs the dashboard reads
+    # vLLM's KVEventsConfig (JSON text, or a mapping in YAML): publish each tier's chunks as KV events
+    kv_events_config: str | dict[str, Any] | None = None
 
     def __init__(self, **data: Any) -> None:
         try:
@@ -77,6 +80,7 @@ class ServerConfig(BaseModel):
             raise ConfigError("--tls-cert and --tls-key go together")
         if self.auth_token is not None and self.auth_token_file is not None:
             raise ConfigError("give --auth-token or --auth-token-file, not both")
+        parse_kv_events_config(self.kv_events_config)  # ConfigError names what is wrong
         if self.sample_interval <= 0 or self.body_timeout <= 0 or self.history_size < 1:
             raise ConfigError("sample_interval and body_timeout must be positive, history_size >= 1")
         if self.header_timeout <= 0 or self.keepalive_timeout <= 0 or self.max_body_bytes_in_flight <= 0:

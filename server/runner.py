@@ -16,6 +16,7 @@ from aiohttp import web
 
 from kvstore import shm
 from kvstore.config import StoreConfig
+from kvstore.events import StoreEvents
 from server.app import make_app
 from server.config import ServerConfig
 from server.connections import ConnectionGuard, connection_limit, raise_fd_limit
@@ -44,6 +45,7 @@ class RunningServer:
         self.store_config = store_config
         self.config = config
         self.app = make_app(store, store_config, config)
+        self.kv_events = StoreEvents.attach(store, config.kv_events_config)  # None unless configured
         metrics = self.app[STATE].metrics
         limit = connection_limit(config.max_connections, config.store_threads)
         self.guard = ConnectionGuard(limit, config.header_timeout, metrics)
@@ -102,6 +104,8 @@ class RunningServer:
         if self.plane is not None:
             self.plane.close()
         await self.runner.cleanup()
+        if self.kv_events is not None:
+            self.kv_events.shutdown()
 
     async def stop(self) -> None:
         """Stop accepting, let in-flight requests finish, then flush and close the store."""
