@@ -4,6 +4,7 @@ and `ServerThread` for running one inside another process (tests, benchmarks, no
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import os
 import secrets
@@ -37,6 +38,25 @@ def open_store(store_config: StoreConfig, config: ServerConfig) -> Any:
     return TieredStore(store_config)
 
 
+def warn_if_open(config: ServerConfig) -> bool:
+    """A WARNING when the server listens beyond this host without a token (True then): anyone who can
+    reach the port can then read, overwrite and delete every blob."""
+    host = config.host.strip("[]")
+    try:
+        local = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to any interface
+        local = False
+    if local or config.token() is not None:
+        return False
+    log.warning(
+        "listening on %s WITHOUT A TOKEN: anyone who can reach this port can read, overwrite and delete "
+        "every blob. Give --auth-token-file FILE (make one: openssl rand -hex 32 > FILE), or bind "
+        "--host 127.0.0.1",
+        host or "every interface",
+    )
+    return True
+
+
 class RunningServer:
     """An app listening on a socket. `url` has the bound port (useful with port 0)."""
 
@@ -66,6 +86,7 @@ class RunningServer:
         return f"{self.config.scheme}://{host}:{self.port}"
 
     async def start(self) -> str:
+        warn_if_open(self.config)
         await self.runner.setup()
         http = self.runner.server
         assert http is not None

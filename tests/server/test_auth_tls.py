@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import shutil
 import socket
 import subprocess
@@ -13,6 +14,7 @@ from kvstore.errors import ConfigError, Unauthorized, Unavailable
 from sdk.remote import RemoteBackend
 from sdk.store import Store
 from server.config import ServerConfig
+from server.runner import warn_if_open
 from tests.server.conftest import key, make_blob, read_response
 
 TOKEN = "s3cret-token"
@@ -84,6 +86,23 @@ def test_without_the_token_no_body_is_reserved(server_factory):
     finally:
         for s in hogs:
             s.close()
+
+
+@pytest.mark.parametrize(
+    "host,token,warned",
+    [("0.0.0.0", None, True), ("::", None, True), ("", None, True), ("10.1.2.3", None, True),
+     ("kvstore.example", None, True), ("0.0.0.0", TOKEN, False), ("127.0.0.1", None, False),
+     ("::1", None, False), ("localhost", None, False), ("127.0.0.2", None, False)],
+)  # fmt: skip
+def test_listening_beyond_this_host_without_a_token_warns(host, token, warned, caplog):
+    """Issue 30 #12: `--host 0.0.0.0` without a token started silently; now a WARNING says so (the
+    server calls this as it starts; nothing here binds anything but loopback)."""
+    caplog.set_level(logging.WARNING, logger="server.runner")
+    assert warn_if_open(ServerConfig(host=host, auth_token=token)) is warned
+    text = caplog.text
+    assert ("WITHOUT A TOKEN" in text) is warned and (token is None or token not in text)
+    if warned:
+        assert caplog.records[0].levelname == "WARNING"
 
 
 def test_open_routes(secured):
