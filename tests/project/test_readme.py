@@ -97,3 +97,15 @@ def test_readme_runs_as_written(smollm2_dir: Path, tmp_path: Path) -> None:
     # every full 256-token chunk and the first run's partial chunk, up to the block before the last token
     assert first == 0 and n2 == n and second == (n - 1) // 16 * 16 > 512, runs
     assert "cpu_capacity: not a size: 'lots'" in everything
+
+
+def test_every_server_the_readme_starts_binds_loopback() -> None:
+    """Issue 30 #12: vLLM's server and Valkey bind every interface unless told otherwise (kvstore-server
+    and kvstore-engine default to 127.0.0.1): each command starting one names the loopback address."""
+    lines = (ROOT / "README.md").read_text().replace("\\\n", " ").splitlines()  # continuations joined
+    starts = re.compile(r"^(\w+=\S+ )*(\$VALKEY|valkey-server|vllm serve|python -m vllm\.entrypoints)")
+    commands = [line for line in lines if starts.match(line)]
+    assert len(commands) >= 3, commands
+    for cmd in commands:
+        wanted = "--bind 127.0.0.1" if "VALKEY" in cmd or "valkey" in cmd else "--host 127.0.0.1"
+        assert wanted in cmd, cmd
