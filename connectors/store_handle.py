@@ -132,10 +132,17 @@ def _open_store(config: KVTransferConfig, timeout_s: float, retries: int) -> Any
     )
 
 
-def _check_access(store: Any, config: KVTransferConfig) -> None:
+# how to pass the token, in each engine's own terms (the message of a rejected token names it)
+ENGINE_TOKEN_HINT = (
+    "--kv-store-token-file FILE (kv_connector_extra_config auth_token_file, or KVSTORE_AUTH_TOKEN_FILE)"
+)
+
+
+def _check_access(store: Any, config: KVTransferConfig, token_hint: str) -> None:
     """One authenticated call at startup: a rejected token stops the engine here, with a clear
-    message, instead of an engine that looks healthy and logs an error per request. A store that does
-    not answer yet is not fatal (the connector treats it as unreachable and retries later)."""
+    message naming `token_hint`, instead of an engine that looks healthy and logs an error per request.
+    A store that does not answer yet is not fatal (the connector treats it as unreachable and retries
+    later)."""
     try:
         store.stats()
     except Unauthorized:
@@ -143,7 +150,7 @@ def _check_access(store: Any, config: KVTransferConfig) -> None:
         how = "the token was rejected" if config.token() else "it requires a token"
         raise ConfigError(
             f"the kvstore-server at {config.store_url} refused access: {how}; pass the server's token with "
-            "--kv-store-token-file FILE (kv_connector_extra_config auth_token_file, or KVSTORE_AUTH_TOKEN_FILE)"
+            f"{token_hint}"
         ) from None
     except KVStoreError as e:
         logger.warning(
@@ -151,10 +158,10 @@ def _check_access(store: Any, config: KVTransferConfig) -> None:
         )
 
 
-def _open_handle(key: tuple, config: KVTransferConfig) -> StoreHandle:
+def _open_handle(key: tuple, config: KVTransferConfig, token_hint: str) -> StoreHandle:
     store = _open_store(config, config.timeout_s, config.retries)
     if not config.is_local:
-        _check_access(store, config)
+        _check_access(store, config, token_hint)
     lookups = None
     if not config.is_local:  # a hung server must not hold a lookup thread for timeout_s
         try:
@@ -166,12 +173,14 @@ def _open_handle(key: tuple, config: KVTransferConfig) -> StoreHandle:
     return StoreHandle(key, store, config.unreachable_backoff_s, lookups, in_memory)
 
 
-def acquire_store(config: KVTransferConfig) -> StoreHandle:
+def acquire_store(config: KVTransferConfig, token_hint: str = ENGINE_TOKEN_HINT) -> StoreHandle:
+    """The shared handle of `config`'s store; `token_hint` tells the user of a rejected token how to
+    pass one to this engine."""
     key = _pool_key(config)
     with _POOL_LOCK:
         handle = _POOL.get(key)
         if handle is None:
-            handle = _POOL[key] = _open_handle(key, config)
+            handle = _POOL[key] = _open_handle(key, config, token_hint)
         handle.refs += 1
         return handle
 

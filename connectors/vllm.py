@@ -54,6 +54,40 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 logger = logging.getLogger(__name__)
+# how a rejected token's message says to pass one, in vLLM's terms
+TOKEN_HINT = (
+    '"token_file": "FILE" (or "token") in the kv_connector_extra_config of --kv-transfer-config or '
+    "LLM(kv_transfer_config=...), or the KVSTORE_AUTH_TOKEN_FILE variable"
+)
+OUR_LOGGERS = ("connectors", "sdk", "kvstore")  # the connector and what it calls
+
+
+class _ThroughVllm(logging.Handler):
+    """Hands records to vLLM's logger, so they print with vLLM's handler and format. Its handlers are
+    found when a record comes: vLLM configures its logging again in every process it starts."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        logging.getLogger("vllm").handle(record)
+
+
+def log_through_vllm() -> None:
+    """Our loggers write where vLLM's do, at vLLM's level: without this their INFO lines never show
+    and their WARNINGs reach Python's last-resort handler, bare, on stderr. Only where nobody set up
+    Python logging (no root handler): an application that did keeps getting our records itself."""
+    from vllm import envs  # noqa: PLC0415
+
+    if logging.getLogger().handlers:
+        return
+    for name in OUR_LOGGERS:
+        ours = logging.getLogger(name)
+        if not any(isinstance(h, _ThroughVllm) for h in ours.handlers):
+            ours.addHandler(_ThroughVllm())
+            ours.propagate = False
+            if ours.level == logging.NOTSET:
+                ours.setLevel(envs.VLLM_LOGGING_LEVEL)
+
+
+log_through_vllm()  # vLLM imports this module in each process that builds a connector
 _KV_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "half": "float16", "float32": "float32"}
 
 
@@ -111,7 +145,7 @@ class KVStoreConnectorV1(KVConnectorBase_V1):
                 "kvstore is a cache: a chunk that fails to load is recomputed (kv_load_failure_policy)"
             )
             self._kv_transfer_config.kv_load_failure_policy = "recompute"
-        self.handle: StoreHandle = acquire_store(self.config)
+        self.handle: StoreHandle = acquire_store(self.config, TOKEN_HINT)
         self._scheduler: VllmScheduler | None = None
         self._worker: KVStoreWorker | None = None
         try:

@@ -4,10 +4,14 @@ reaches the connector, and what it cannot serve is refused at startup."""
 
 from __future__ import annotations
 
+import os
+import re
+
 import pytest
 
 from kvstore.errors import ConfigError
 from kvstore.keys import KVLayout, root_key
+from tests.connectors.conftest import ServerProcess
 
 pytest.importorskip("vllm")
 
@@ -60,3 +64,57 @@ def test_what_the_connector_cannot_serve_is_refused_at_startup(model_dir) -> Non
         transfer_config(vllm_config(model_dir, kv_cache_dtype="fp8"))
     with pytest.raises(ConfigError):
         transfer_config(vllm_config(model_dir, {"url": "http://127.0.0.1:9", "chunk_size": 192}))  # not 128k
+
+
+def test_a_rejected_token_names_vllms_setting(model_dir, tmp_path) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: PLC0415
+
+    from connectors.vllm import KVStoreConnectorV1  # noqa: PLC0415
+
+    (tmp_path / "token").write_text("t0ken")
+    srv = ServerProcess("--tiers", "cpu", "--auth-token-file", str(tmp_path / "token")).start()
+    try:
+        for extra in ({"url": srv.url}, {"url": srv.url, "token": "wrong"}):
+            with pytest.raises(ConfigError) as err:
+                KVStoreConnectorV1(vllm_config(model_dir, extra), KVConnectorRole.SCHEDULER, None)
+            message = str(err.value)
+            assert '"token_file"' in message and "kv_connector_extra_config" in message, message
+            assert "--kv-store-token-file" not in message, "kvstore-engine's flag means nothing to vLLM"
+            assert "t0ken" not in message and "wrong" not in message
+    finally:
+        srv.stop()
+
+
+# what vLLM's EngineCore does: its logging is configured, then it builds the connector
+CONNECTOR_IN_VLLM = """
+import sys
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.engine.arg_utils import EngineArgs
+from connectors.vllm import KVStoreConnectorV1
+from tests.connectors.vllm.vllm_util import transfer_config
+from vllm.config import KVTransferConfig
+ktc = KVTransferConfig(**transfer_config(sys.argv[2], "kv_both", timeout_s=1))
+cfg = EngineArgs(model=sys.argv[1], dtype="bfloat16", enforce_eager=True, max_model_len=2048,
+                 kv_transfer_config=ktc).create_engine_config()
+KVStoreConnectorV1(cfg, KVConnectorRole.SCHEDULER, None).shutdown()
+"""
+
+
+def test_the_connectors_lines_are_in_vllms_log_with_its_format(model_dir) -> None:
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    from tests.connectors.vllm.vllm_util import ROOT  # noqa: PLC0415
+    from tests.valkey import free_port  # noqa: PLC0415
+
+    url = f"http://127.0.0.1:{free_port()}"  # nobody there: the connector warns and goes on
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_NO_USAGE_STATS": "1"}
+    done = subprocess.run([sys.executable, "-c", CONNECTOR_IN_VLLM, str(model_dir), url], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    stamp = r"\d\d-\d\d \d\d:\d\d:\d\d"  # vLLM's "LEVEL MM-DD HH:MM:SS [file:line] message"
+    assert re.search(rf"WARNING {stamp} \[store_handle\.py:\d+\] the kvstore-server at {url}", done.stdout), (
+        done.stdout
+    )
+    assert re.search(rf"INFO {stamp} \[vllm\.py:\d+\] KVStoreConnectorV1 \(SCHEDULER, kv_both\)", done.stdout)
+    assert "does not answer yet" not in done.stderr, "not a bare line from Python's last-resort handler"
