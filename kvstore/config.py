@@ -39,6 +39,8 @@ class StoreConfig(BaseModel):
     redis_prefix: str = "kvstore:"
     redis_cluster: bool = False
     redis_max_invalidated: int = Field(100_000, ge=1)  # deletes/replaces an outage may leave to replay
+    # what must survive a restart besides the blobs: the redis tier's pending invalidations
+    state_dir: Path = Field(default_factory=lambda: default_data_dir() / "state")
     write_policy: Literal["through", "back"] = "through"
     write_back_queue: int = 256  # blobs waiting for lower tiers before puts start to drop
     admission_hits: int = 0  # a blob reaches lower tiers only after this many hits (0: always)

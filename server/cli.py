@@ -36,6 +36,8 @@ STORE_FLAGS = {
     "max_blob_size": "largest single blob accepted, e.g. 256MiB (default)",
     "redis_prefix": "prefix of every Redis key (default kvstore:)",
     "redis_cluster": "the Redis URL names Cluster nodes",
+    "state_dir": "directory for what must survive a restart: deletes/replaces a Redis outage left to replay "
+    "(default ~/.cache/kvstore/data/state)",
     "write_back_queue": "blobs waiting for lower tiers (write_policy back) before writes to them drop (default 256)",
     "admission_hits": "a blob reaches lower tiers only after this many hits (default 0: always)",
     "lz4": "lz4 after the codec, for tensors put through the local SDK (rarely pays on KV)",

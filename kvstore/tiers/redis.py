@@ -25,7 +25,10 @@
   blob the servers may hold (as far as this process knows: its index), that cannot reach its server
   invalidates the key: reads treat it as a miss until a replayer has deleted it on the server, so the
   older blob is never served. At most `max_invalidated` keys wait; beyond that the put or delete
-  raises with the key in `stale`, and the store fails the request (503) instead of acknowledging it. Each server (each Cluster primary) has a
+  raises with the key in `stale`, and the store fails the request (503) instead of acknowledging it.
+  `handoff_dir` keeps them through a restart (handoff_journal.py: fsync'd before the request is
+  acknowledged, replayed on start); a store built from its config always has one (under
+  `state_dir`); without it they live in this process only. Each server (each Cluster primary) has a
   circuit breaker: after a failure it is skipped without touching the network for a backoff that
   doubles from 0.1 s to 5 s (those calls count in `stats.extra["fast_fails"]`), then one caller
   probes it; the tier reconnects on its own. Timeouts: connect 0.5 s, each socket operation 2 s.
@@ -40,11 +43,13 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -53,6 +58,7 @@ from redis.exceptions import AskError
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError
 from kvstore.tiers.base import BACKEND_ERROR, TOO_LARGE, UNAVAILABLE, Blob, TierStats, TierWriteError
+from kvstore.tiers.handoff_journal import Journal
 from kvstore.tiers.redis_conn import (
     BACKEND_ERRORS,
     CONNECT_TIMEOUT_S,
@@ -74,6 +80,13 @@ UNBOUNDED = sys.maxsize
 MAX_INVALIDATED = 100_000  # ~10 MiB of keys; the store fails deletes/replaces beyond it until replayed
 
 
+def handoff_dir(config: StoreConfig) -> Path:
+    """The directory of the invalidations of `config`'s Redis and prefix: one per (URL, prefix), named
+    by their digest (the URL may hold a password)."""
+    digest = hashlib.sha256(f"{config.redis_url}\0{config.redis_prefix}".encode()).hexdigest()[:16]
+    return Path(config.state_dir) / f"redis-handoff-{digest}"
+
+
 class RedisTier:
     """Blobs in Redis/Valkey. Thread-safe (redis-py pools connections; the index has a lock)."""
 
@@ -88,10 +101,12 @@ class RedisTier:
         connect_timeout_s: float = CONNECT_TIMEOUT_S,
         socket_timeout_s: float = SOCKET_TIMEOUT_S,
         max_invalidated: int = MAX_INVALIDATED,
+        handoff_dir: str | Path | None = None,
     ) -> None:
         """`server_maxmemory`: CONFIG SET maxmemory (+ allkeys-lru) on every primary at each connect,
         for deployments that own their Redis (tests, benchmarks); None leaves the server as it is.
-        `max_invalidated`: keys an outage may leave to delete later (the hinted handoff's bound)."""
+        `max_invalidated`: keys an outage may leave to delete later (the hinted handoff's bound).
+        `handoff_dir`: where those keys survive a restart (None: in this process's memory only)."""
         self.url, self.prefix, self.cluster = url, prefix, cluster
         self._raw_prefix = prefix.encode()
         self.server_maxmemory = server_maxmemory
@@ -104,8 +119,9 @@ class RedisTier:
         self._servers = RedisServers(
             url, cluster, self.stats, self._reconcile_in_background, connect_timeout_s, socket_timeout_s
         )
+        journal = Journal(handoff_dir) if handoff_dir is not None else None
         self._invalid = Handoff(
-            max_invalidated, self._delete_on_servers, f"redis tier {prefix!r}", self.stats
+            max_invalidated, self._delete_on_servers, f"redis tier {prefix!r}", self.stats, journal
         )
         self.reconcile()
         if self._servers.auth_error is not None:
@@ -119,6 +135,7 @@ class RedisTier:
             prefix=config.redis_prefix,
             cluster=config.redis_cluster,
             max_invalidated=config.redis_max_invalidated,
+            handoff_dir=handoff_dir(config),
         )
 
     # ---- keys ----------------------------------------------------------------------------------
@@ -276,9 +293,7 @@ class RedisTier:
 
         with self._invalid.replay_lock if gens else contextlib.nullcontext():
             self._servers.per_node(self._group(keys), store)
-        for key, gen in gens.items():
-            if key not in failed:
-                self._invalid.discard(key, gen)
+        self._invalid.discard_many((k, g) for k, g in gens.items() if k not in failed)
         if failed:
             # An older blob of a key we could not replace must not be served: invalidate it (or, with
             # no room left to remember it, say so: the store fails the put)
@@ -292,11 +307,14 @@ class RedisTier:
         return not self._index.complete or self._index.get(key) is not None
 
     def _invalidate(self, keys: list[str]) -> list[str]:
-        """Hand `keys` off to the replayer (those the servers may hold); returns those that did not fit."""
+        """Hand `keys` off to the replayer (those the servers may hold); returns those that did not fit.
+        Those stay in the index: the servers may still hold them, so a retried delete or a later put
+        of such a key must fail again rather than take it for absent."""
         held = [k for k in keys if self._may_hold(k)]
-        for key in held:
+        overflow = self._invalid.add(held) if held else []
+        for key in set(held) - set(overflow):
             self._index.forget(key)
-        return self._invalid.add(held) if held else []
+        return overflow
 
     def _delete_on_servers(self, keys: list[str]) -> set[str]:
         """DEL `keys` (one pipeline per server); the keys whose DEL the server confirmed."""

@@ -4,16 +4,18 @@ that deletes them on the servers once they answer.
 The replayer wakes every REPLAY_INTERVAL_S while keys wait (at once when one is added), sends one
 pipelined DEL per server for up to REPLAY_BATCH of them, and forgets those the server confirmed. A
 server that is down costs nothing there: its circuit breaker fails the call without touching the
-network until its next probe.
+network until its next probe. With a journal the keys survive a restart (handoff_journal.py): those
+kept from before it are replayed like any other.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 
 from kvstore.tiers.base import TierStats
+from kvstore.tiers.handoff_journal import Journal
 from kvstore.tiers.invalidations import Invalidations
 
 log = logging.getLogger("kvstore.tiers.redis")
@@ -26,9 +28,14 @@ class Handoff(Invalidations):
     it confirmed deleted; `stats.extra["invalidated"]` follows the number of keys waiting."""
 
     def __init__(
-        self, limit: int, delete: Callable[[list[str]], Collection[str]], name: str, stats: TierStats
+        self,
+        limit: int,
+        delete: Callable[[list[str]], Collection[str]],
+        name: str,
+        stats: TierStats,
+        journal: Journal | None = None,
     ) -> None:
-        super().__init__(limit)
+        super().__init__(limit, journal)
         self._delete = delete
         self._name = name
         self._stats = stats
@@ -36,6 +43,9 @@ class Handoff(Invalidations):
         self._closed = False
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
+        self._stats.extra["invalidated"] = len(self)
+        if len(self):
+            self._ensure_thread()
 
     def add(self, keys: list[str]) -> list[str]:
         """Invalidate `keys` until the servers delete them; returns those that did not fit."""
@@ -51,8 +61,8 @@ class Handoff(Invalidations):
             )  # fmt: skip
         return overflow
 
-    def discard(self, key: str, gen: int | None = None) -> None:
-        super().discard(key, gen)
+    def discard_many(self, pairs: Iterable[tuple[str, int | None]]) -> None:
+        super().discard_many(pairs)
         self._stats.extra["invalidated"] = len(self)
 
     def _ensure_thread(self) -> None:
@@ -68,9 +78,7 @@ class Handoff(Invalidations):
             return 0
         with self.replay_lock:
             done = self._delete([k for k, _ in batch])
-        for key, gen in batch:
-            if key in done:
-                self.discard(key, gen)
+        self.discard_many((key, gen) for key, gen in batch if key in done)
         if done:
             log.info("%s: replayed %d invalidations, %d still waiting", self._name, len(done), len(self))
         return len(done)
@@ -92,3 +100,4 @@ class Handoff(Invalidations):
         self._wake.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+        self.close_journal()

@@ -1,11 +1,13 @@
 """Consistency through a Redis outage, against a real valkey-server that is SIGKILLed (and comes back
 with its data: AOF) or SIGSTOPped (hung): a delete or a replacing put that could not reach Redis is
 remembered and replayed when it answers again; until then Redis never serves the older blob; when the
-bounded set of remembered keys is full the request fails (503) instead."""
+bounded set of remembered keys is full the request fails (503) instead, and keeps failing. With a
+handoff directory the remembered keys survive a restart of the store."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -38,10 +40,17 @@ def durable(valkey_factory) -> ValkeyProcess:
 
 
 def make_store(
-    server: ValkeyProcess, max_invalidated: int = 1000, socket_timeout_s: float = 2.0
+    server: ValkeyProcess,
+    max_invalidated: int = 1000,
+    socket_timeout_s: float = 2.0,
+    handoff_dir: Path | None = None,
 ) -> TieredStore:
     redis_tier = RedisTier(
-        server.url, prefix=PREFIX, max_invalidated=max_invalidated, socket_timeout_s=socket_timeout_s
+        server.url,
+        prefix=PREFIX,
+        max_invalidated=max_invalidated,
+        socket_timeout_s=socket_timeout_s,
+        handoff_dir=handoff_dir,
     )
     return TieredStore(StoreConfig(tiers=["cpu", "redis"]), [CpuTier(1 << 24), redis_tier])
 
@@ -131,5 +140,87 @@ def test_when_the_set_is_full_deletes_and_replaces_fail_loudly(durable) -> None:
         durable.start()
         wait_until(lambda: in_redis(durable, key(0)) is None and in_redis(durable, key(1)) is None)
         assert store.delete(key(2)) is True and in_redis(durable, key(2)) is None  # room again
+    finally:
+        store.close()
+
+
+def test_a_refused_delete_stays_refused_and_an_unrecorded_replace_is_not_acknowledged(durable) -> None:
+    """Past the limit the key must stay known as held: a retried delete is a 503 again (never a 404
+    while Redis holds the blob), a replace is a 503 (never a 201 that the older blob outlives), and the
+    refused replace's new blob is taken back, so no read serves it and then the older one."""
+    store = make_store(durable, max_invalidated=2)
+    try:
+        for i in range(4):
+            store.put_blob(key(i), blob(i))
+        durable.kill()
+        assert store.delete(key(0)) and store.delete(key(1))  # two fit
+        for _ in range(3):
+            with pytest.raises(Unavailable):
+                store.delete(key(2))
+        for k in (key(2), key(3)):
+            with pytest.raises(Unavailable):
+                store.put_blob(k, blob(33))
+        assert store.get_blob(key(3)) is None  # neither the refused blob nor (redis down) the old one
+        assert store.put_blob(key(9), blob(9)) == ["cpu"]  # a key redis never had needs no room
+        durable.start()
+        wait_until(lambda: in_redis(durable, key(0)) is None and in_redis(durable, key(1)) is None)
+        wait_until(lambda: store.get_blob(key(3)) is not None)  # out of backoff
+        assert store.get_blob(key(3)) == blob(3) and store.get_blob(key(2)) == blob(
+            2
+        )  # the acknowledged ones
+        assert store.delete(key(2)) is True and in_redis(durable, key(2)) is None
+    finally:
+        store.close()
+
+
+def test_invalidations_survive_a_restart_of_the_store(durable, tmp_path: Path) -> None:
+    """A delete (204) and a replace (201, cpu only) made while Redis is down, then the store closed and
+    opened again (a new process's view: empty cpu tier) before Redis returns: the deleted and the older
+    blob are never served; both are deleted on Redis once it answers."""
+    handoff = tmp_path / "handoff"
+    store = make_store(durable, handoff_dir=handoff)
+    store.put_blob(key(1), blob(1))
+    store.put_blob(key(2), blob(2))
+    durable.kill()
+    assert store.delete(key(1)) is True
+    assert store.put_blob(key(2), blob(22)) == ["cpu"]
+    store.close()
+    again = make_store(durable, handoff_dir=handoff)
+    try:
+        assert again.tiers[1].stats.extra["invalidated"] == 2
+        durable.start()  # the AOF brings both old blobs back
+        assert in_redis(durable, key(1)) == blob(1) and in_redis(durable, key(2)) == blob(2)
+        for _ in range(20):
+            assert again.get_blob(key(1)) is None and again.get_blob(key(2)) is None
+        wait_until(lambda: in_redis(durable, key(1)) is None and in_redis(durable, key(2)) is None)
+        wait_until(lambda: again.tiers[1].stats.extra["invalidated"] == 0)
+        assert again.put_blob(key(2), blob(3)) == ["cpu", "redis"]
+    finally:
+        again.close()
+    assert not any(p.stat().st_size for p in handoff.glob("*.log"))  # nothing waits: the log is empty
+
+
+def test_an_invalidation_that_cannot_be_made_durable_is_refused(durable, tmpfs: Path) -> None:
+    """The handoff directory on a full file system: the delete or replace is a 503, not a 204/201 that
+    a restart would forget."""
+    store = make_store(durable, handoff_dir=tmpfs / "handoff")
+    try:
+        store.put_blob(key(1), blob(1))
+        store.put_blob(key(2), blob(2))
+        filler = tmpfs / "filler"
+        with pytest.raises(OSError), filler.open("wb") as f:
+            while True:
+                f.write(b"x" * 65536)
+                f.flush()
+        durable.kill()
+        with pytest.raises(Unavailable):
+            store.delete(key(1))
+        with pytest.raises(Unavailable):
+            store.put_blob(key(2), blob(22))
+        filler.unlink()
+        assert store.delete(key(1)) is True  # room again: remembered
+        durable.start()
+        wait_until(lambda: in_redis(durable, key(1)) is None)
+        assert store.get_blob(key(2)) in (None, blob(2))  # the acknowledged blob or a miss
     finally:
         store.close()

@@ -1,0 +1,160 @@
+"""The redis tier's invalidations on disk (hinted handoff, redis_handoff.py), so that a restart keeps
+them: a delete or replace made while Redis was down is never undone by restarting this process.
+
+A directory per Redis URL and prefix holds slots `<n>.log` (records) and `<n>.lock` (flock'ed while a
+process owns the slot: several processes with the same Redis and prefix each take their own).
+Records are lines: `+<key>` (invalidated) and `-<key>` (deleted on the server, or overwritten there:
+forgotten); a torn last line (a crash mid-append) is ignored. Every append is fsync'd before it
+returns, so an invalidation is acknowledged only once it would survive a crash or a restart.
+
+On open a process takes the first free slot and merges into it every slot no live process holds (the
+keys of a process that stopped with keys still waiting): the merged set is written to a temp file,
+fsync'd and renamed over its slot's log, and only then are the other logs removed. The log is
+rewritten the same way when it holds far more records than waiting keys, and emptied when none wait.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+from kvstore.errors import ConfigError
+from kvstore.tiers.disk_files import fsync_dir
+
+log = logging.getLogger("kvstore.tiers.redis")
+MAX_SLOTS = 64  # processes sharing one Redis and prefix on one host, with the same state directory
+COMPACT_SLACK = 4096  # records beyond twice the waiting keys before the log is rewritten
+
+
+def _lock(path: Path) -> int | None:
+    """An fd holding an exclusive flock on `path`, or None if another process holds it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _read(path: Path) -> dict[str, None]:
+    """The keys whose last record in `path` is `+`, in order of their records."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return {}
+    keys: dict[str, None] = {}
+    for line in data.split(b"\n")[:-1]:  # the part after the last newline is torn (or empty)
+        key = line[1:].decode(errors="replace")
+        if line[:1] == b"+":
+            keys[key] = None
+        elif line[:1] == b"-":
+            keys.pop(key, None)
+    return keys
+
+
+class Journal:
+    """One process's slot of invalidated keys on disk. Not thread-safe: Invalidations serialises it."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.dir = Path(directory)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self._lock_fd, self.path = self._claim()
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            raise ConfigError(
+                f"cannot keep the redis tier's invalidations in {self.dir}: {e} (set state_dir, "
+                "--state-dir or KVSTORE_STATE_DIR to a writable directory)"
+            ) from None
+        self._records = 0  # records in the log now
+        self._live = 0  # keys waiting (as the caller last told us)
+
+    def _claim(self) -> tuple[int, Path]:
+        for n in range(MAX_SLOTS):
+            fd = _lock(self.dir / f"{n}.lock")
+            if fd is not None:
+                return fd, self.dir / f"{n}.log"
+        raise ConfigError(f"all {MAX_SLOTS} invalidation slots in {self.dir} are in use by other processes")
+
+    def load(self) -> list[str]:
+        """The keys waiting in this slot and in every slot no live process holds; those are merged into
+        this one (durably) and removed."""
+        keys = _read(self.path)
+        orphans: list[tuple[Path, int]] = []
+        for lock in sorted(self.dir.glob("*.lock")):
+            other = lock.with_suffix(".log")
+            if other == self.path or not other.exists():
+                continue
+            fd = _lock(lock)
+            if fd is None:
+                continue  # a live process's
+            keys.update(_read(other))
+            orphans.append((other, fd))
+        try:
+            self.rewrite(keys)
+            for path, _ in orphans:
+                path.unlink(missing_ok=True)
+            if orphans:
+                fsync_dir(self.dir)
+        except OSError as e:
+            raise ConfigError(f"cannot rewrite the redis tier's invalidations in {self.dir}: {e}") from None
+        finally:
+            for _, fd in orphans:
+                os.close(fd)
+        if keys:
+            log.warning("redis tier: %d invalidations from before the restart wait for the servers (%s)",
+                        len(keys), self.dir)  # fmt: skip
+        return list(keys)
+
+    def _write(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self._fd, view) :]
+        os.fsync(self._fd)
+
+    def append(self, added: Iterable[str] = (), removed: Iterable[str] = (), live: int = 0) -> None:
+        """Record `added` and `removed` keys, durably (raises OSError when it could not); `live`: how
+        many keys wait after this (the log is emptied at 0, rewritten when it holds far more)."""
+        lines = [b"+" + k.encode() for k in added] + [b"-" + k.encode() for k in removed]
+        if any(b"\n" in line for line in lines):
+            raise OSError(f"a key with a newline cannot be journaled: {lines[0][:80]!r}")
+        if live == 0 and not any(line[:1] == b"+" for line in lines):
+            if self._records:
+                os.ftruncate(self._fd, 0)
+                os.fsync(self._fd)
+            self._records = self._live = 0
+            return
+        self._write(b"".join(line + b"\n" for line in lines))
+        self._records += len(lines)
+        self._live = live
+
+    def needs_rewrite(self) -> bool:
+        return self._records > 2 * self._live + COMPACT_SLACK
+
+    def rewrite(self, keys: Iterable[str]) -> None:
+        """Replace the log by one record per waiting key (temp file, fsync, rename, fsync dir)."""
+        keys = list(keys)
+        tmp = self.path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            data = memoryview(b"".join(b"+" + k.encode() + b"\n" for k in keys))
+            while data:
+                data = data[os.write(fd, data) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, self.path)
+        fsync_dir(self.dir)
+        os.close(self._fd)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+        self._records = self._live = len(keys)
+
+    def close(self) -> None:
+        for fd in (self._fd, self._lock_fd):
+            if fd >= 0:
+                os.close(fd)
+        self._fd = self._lock_fd = -1
