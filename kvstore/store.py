@@ -9,6 +9,9 @@
   (a put never blocks on it).
 - `admission_hits=N > 0`: a new blob lives only in the top tier until it has been read N times; then
   it is written down like any other put. A blob evicted from the top tier before that is gone.
+- A put that does not write the lower tiers now (write-back, admission) deletes the key from them
+  before it is acknowledged, so no older blob of it waits below: a dropped or unflushed write-back,
+  or a blob never admitted, is a miss there once it leaves the top tier, through restarts too.
 - `ttl`: every tier drops a blob `ttl` seconds after it was written into that tier; a promotion is a
   write, so an upper-tier copy lives `ttl` from its promotion.
 Every miss has a reason (kvstore/miss_log.py: not_stored, evicted, expired, corrupt, unreachable),
@@ -116,8 +119,39 @@ class TieredStore:
                 )
 
     def _delete_down(self, key: str) -> None:
+        """The write-back thread's undo (the key was deleted or replaced while being written)."""
+        errors: list[TierWriteError] = []
+        self._clear_lower([key], errors)
+        for e in errors:
+            logger.error("write-back of %s: %s may serve an older blob (%s)", key, e.tier, e.detail)
+
+    def _clear_lower(self, keys: Sequence[str], errors: list[TierWriteError]) -> None:
+        """Delete `keys` from every lower tier; a tier that may still serve one raises into `errors`."""
         for tier in self.tiers[1:]:
-            tier_calls.delete(self.metrics, tier, key)
+            for key in keys:
+                try:
+                    tier_calls.delete(self.metrics, tier, key)
+                except TierWriteError as e:
+                    errors.append(e)
+
+    def _take_back(
+        self, items: Sequence[tuple[str, bytes]], stored_in: list[list[str]], keys: set[str]
+    ) -> None:
+        """A put that may not be acknowledged (a tier may still serve an older blob of the key): its new
+        blob leaves the tiers that took it, so no read serves it and then, once it is evicted, the
+        older one. The key reads as it did before the put (or as a miss)."""
+        for (key, _), tiers in zip(items, stored_in, strict=True):
+            if key not in keys:
+                continue
+            if self._write_back is not None:
+                self._write_back.cancel(key)
+            for tier in self.tiers:
+                if tier.name in tiers:
+                    try:
+                        tier_calls.delete(self.metrics, tier, key)
+                    except TierWriteError as e:
+                        logger.error("cannot take back %s from %s: %s", key, tier.name, e.detail)
+            tiers.clear()
 
     def _drop_down(self, key: str) -> None:
         for tier in self.tiers[1:]:
@@ -330,7 +364,7 @@ class TieredStore:
         with self._lock:
             for key, _ in items:
                 if self._write_back is not None:  # an older queued write-back of the key is now stale
-                    self._write_back.supersede(key)
+                    self._write_back.cancel(key)
                 if self._admission and len(self.tiers) > 1:
                     self._probation[key] = 0
                     self._probation.move_to_end(key)
@@ -354,7 +388,10 @@ class TieredStore:
         if lower:
             if self._admission or self._write_back is not None:
                 sync = not_on_top
-                queued = [] if self._admission else [i for i in everything if i not in set(not_on_top)]
+                later = [i for i in everything if i not in set(not_on_top)]
+                self._clear_lower([items[i][0] for i in later], errors)  # no older blob waits below
+                stale = {k for e in errors for k in e.stale}  # not acknowledged (_take_back): not queued
+                queued = [] if self._admission else [i for i in later if items[i][0] not in stale]
             else:
                 sync, queued = everything, []
             for tier in lower:
@@ -363,6 +400,9 @@ class TieredStore:
             if queued:
                 assert self._write_back is not None
                 self._write_back.submit([items[i] for i in queued])
+        stale = {k for e in errors for k in e.stale}
+        if stale:
+            self._take_back(items, stored_in, stale)
         self.miss_log.written(
             [k for (k, _), tiers in zip(items, stored_in, strict=True) if tiers], time.monotonic()
         )
@@ -410,10 +450,9 @@ class TieredStore:
 
     # -- lifecycle ---------------------------------------------------------------------------------------
 
-    def flush(self) -> None:
-        """Wait until every queued write-back has reached the lower tiers."""
-        if self._write_back is not None:
-            self._write_back.flush()
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait (at most `timeout` s) until every queued write-back has reached the lower tiers."""
+        return self._write_back.flush(timeout) if self._write_back is not None else True
 
     def stats(self) -> dict[str, Any]:
         s = self.metrics.stats()
@@ -421,13 +460,14 @@ class TieredStore:
         s["write_back_queued"] = self._write_back.queued() if self._write_back is not None else 0
         return s
 
-    def close(self) -> None:
-        """Drain write-back, stop its thread and close the tiers. Idempotent."""
+    def close(self, timeout: float | None = None) -> None:
+        """Drain write-back (at most `timeout` s: what is left is not written below, where those keys
+        were deleted when they were queued), stop its thread and close the tiers. Idempotent."""
         if self._closed:
             return
         self._closed = True
         if self._write_back is not None:
-            self._write_back.close()
+            self._write_back.close(timeout)
         for tier in self.tiers:
             tier_calls.call(self.metrics, tier, "close", tier.close, default=None)
 

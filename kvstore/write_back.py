@@ -2,18 +2,23 @@
 thread that writes them (Spec 4, `write_policy="back"`).
 
 - `submit` never blocks: when the queue is full the blob is not queued and `on_drop(key)` is called
-  (the store counts a dropped write for every lower tier).
+  (the store counts a dropped write for every lower tier; it deleted the key below before queueing,
+  so a dropped write leaves a miss there, never an older blob).
 - Only the newest queued write of a key is written: `cancel(key)` (a newer put reached the top tier,
-  or the key was deleted) makes every queued write of it stale. A delete that lands while its key is
-  being written is undone right after the write (`undo(key)`), so a deleted blob never stays below.
-- `flush` waits until the queue is empty and the writer idle; `close` drains it and stops the thread.
+  or the key was deleted) makes every queued write of it stale, and a write of it in progress is
+  undone right after it lands (`undo(key)`), so neither a deleted nor a replaced blob stays below.
+- `flush(timeout)` waits until the queue is empty and the writer idle; `close(timeout)` drains it
+  (within `timeout`: what is left then is not written, and the thread is told to stop).
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from collections.abc import Callable, Sequence
+
+logger = logging.getLogger(__name__)
 
 
 class WriteBack:
@@ -53,13 +58,8 @@ class WriteBack:
                         del self._pending[key]
                 self._on_drop(key)
 
-    def supersede(self, key: str) -> None:
-        """A newer blob of `key` was stored: its queued write-backs are stale."""
-        with self._lock:
-            self._pending.pop(key, None)
-
     def cancel(self, key: str) -> None:
-        """`key` was deleted: skip its queued write-backs and undo the one being written, if any."""
+        """`key` was deleted or replaced: skip its queued write-backs and undo the one being written."""
         with self._lock:
             self._pending.pop(key, None)
             if self._inflight == key:
@@ -90,11 +90,26 @@ class WriteBack:
     def queued(self) -> int:
         return self._queue.qsize()
 
-    def flush(self) -> None:
-        """Wait until every queued write-back has been written."""
-        self._queue.join()
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait (at most `timeout` s) until every queued write-back has been written; True if so."""
+        done = self._queue.all_tasks_done
+        with done:
+            return done.wait_for(lambda: not self._queue.unfinished_tasks, timeout)
 
-    def close(self) -> None:
-        """Write what is queued, then stop the writer thread."""
-        self._queue.put(None)
-        self._writer.join()
+    def close(self, timeout: float | None = None) -> bool:
+        """Write what is queued (within `timeout` s), then stop the writer thread. What is still queued
+        after `timeout` is not written (the store deleted those keys below when it queued them).
+        True if everything was written."""
+        flushed = self.flush(timeout)
+        if not flushed:
+            with self._lock:
+                left = len(self._pending)
+                self._pending.clear()  # the writer skips what is still queued
+            logger.warning("write-back: %d queued writes not flushed within %.1f s: not written below",
+                           left, timeout)  # fmt: skip
+        try:
+            self._queue.put(None, timeout=None if flushed else 1.0)
+        except queue.Full:  # the writer is stuck in one write: leave it (a daemon thread)
+            return False
+        self._writer.join(None if flushed else 1.0)
+        return flushed

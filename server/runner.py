@@ -10,6 +10,7 @@ import os
 import secrets
 import signal
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -129,13 +130,13 @@ class RunningServer:
             self.kv_events.shutdown()
 
     async def stop(self) -> None:
-        """Stop accepting, let in-flight requests finish, then flush and close the store."""
+        """Stop accepting, let in-flight requests finish, then flush and close the store, all within
+        shutdown_timeout: write-backs still queued then are not written (their keys were deleted from
+        the lower tiers when they were queued, so a restart finds a miss, never an older blob)."""
+        deadline = time.monotonic() + self.config.shutdown_timeout
         await self.drain()
         self.app[STATE].close()
-        try:
-            self.store.flush()
-        finally:
-            self.store.close()
+        self.store.close(timeout=max(0.0, deadline - time.monotonic()))
         log.info("kvstore-server stopped; store flushed and closed")
 
 
