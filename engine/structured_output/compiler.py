@@ -26,6 +26,7 @@ from engine.structured_output.params import (
     StructuredOutputsParams,
     choice_as_grammar,
 )
+from engine.structured_output.satisfiable import unproductive_root
 
 logger = logging.getLogger(__name__)
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
@@ -48,18 +49,29 @@ class CacheStats:
 
 def _compile(compiler: xgr.GrammarCompiler, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
     kind = params.kind
-    if kind in (StructuredOutputOptions.JSON, StructuredOutputOptions.JSON_OBJECT):
-        schema = params.key[1] if kind is StructuredOutputOptions.JSON else '{"type": "object"}'
-        if params.disable_any_whitespace:  # as vLLM: no free whitespace and separators without spaces
-            return compiler.compile_json_schema(schema, any_whitespace=False, separators=(",", ":"))
+    if kind is StructuredOutputOptions.JSON_OBJECT:
         return compiler.compile_json_schema(
-            schema, any_whitespace=True, max_whitespace_cnt=JSON_MAX_WHITESPACE
+            '{"type": "object"}', any_whitespace=True, max_whitespace_cnt=JSON_MAX_WHITESPACE
         )
     if kind is StructuredOutputOptions.REGEX:
         return compiler.compile_regex(params.regex)
     if kind is StructuredOutputOptions.CHOICE:
         return compiler.compile_grammar(choice_as_grammar(params.choice))
-    return compiler.compile_grammar(params.grammar)
+    if kind is StructuredOutputOptions.JSON:
+        if params.disable_any_whitespace:  # as vLLM: no free whitespace and separators without spaces
+            grammar = xgr.Grammar.from_json_schema(params.key[1], any_whitespace=False, separators=(",", ":"))
+        else:
+            grammar = xgr.Grammar.from_json_schema(
+                params.key[1], any_whitespace=True, max_whitespace_cnt=JSON_MAX_WHITESPACE
+            )
+    else:
+        grammar = xgr.Grammar.from_ebnf(params.grammar)
+    if (rule := unproductive_root(grammar)) is not None:  # it would compile, then fail mid-answer
+        raise ValueError(
+            f"no finite text satisfies it: rule {rule!r} never completes (it only recurses, with no "
+            "base case: a $ref to itself or a $ref cycle, a rule defined by itself)"
+        )
+    return compiler.compile_grammar(grammar)
 
 
 class GrammarCache:

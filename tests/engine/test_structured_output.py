@@ -218,6 +218,57 @@ def test_uncompilable_constraints_are_invalid_requests_with_xgrammars_reason(man
         assert "/project/cpp" not in str(e.value), "the C++ source location is stripped"
 
 
+CYCLE = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+SELF = {"type": "object", "properties": {"child": {"$ref": "#"}}}
+
+
+@pytest.mark.parametrize(
+    "so",
+    [
+        SO(json={"$ref": "#"}),
+        SO(json=CYCLE),
+        SO(json={**SELF, "required": ["child"]}),  # every object must hold another: never ends
+        SO(json={"type": "array", "items": {"$ref": "#"}, "minItems": 1}),
+        SO(json={"$ref": "#"}, disable_any_whitespace=True),
+        SO(grammar="root ::= root"),
+        SO(grammar='root ::= "x" a\na ::= "y" a'),
+        SO(grammar='root ::= a{2,5}\na ::= "x" a'),
+    ],
+    ids=[
+        "self-ref",
+        "ref-cycle",
+        "required-self",
+        "array-min1-self",
+        "compact",
+        "root-root",
+        "endless",
+        "repeat",
+    ],
+)
+def test_a_constraint_nothing_finite_satisfies_is_invalid(manager, so) -> None:
+    """It would compile, and the matcher would then allow no token (or never an end): a 400, not a
+    500 in the middle of the answer."""
+    with pytest.raises(InvalidRequest, match="no finite text satisfies it: rule 'root' never completes"):
+        manager.compile(so)
+
+
+@pytest.mark.parametrize(
+    "so",
+    [
+        SO(json=SELF),  # {} ends it
+        SO(json={"type": "array", "items": {"$ref": "#"}}),  # [] ends it
+        SO(json={"anyOf": [{"type": "integer"}, {"type": "array", "items": {"$ref": "#"}, "minItems": 1}]}),
+        SO(grammar='root ::= "x" | "(" root ")"'),
+        SO(grammar='root ::= ("x" root)*'),
+        SO(grammar='root ::= "q" a{0,3}\na ::= "x" a'),  # a never ends, but zero of them is fine
+    ],
+)
+def test_recursive_constraints_with_a_base_case_compile(manager, so) -> None:
+    manager.compile(so)
+    matcher = manager.new_request(so).matcher
+    assert allowed(matcher).any()
+
+
 def test_a_compile_that_takes_too_long_is_an_invalid_request(hf_tokenizer) -> None:
     info, fingerprint = build_tokenizer_info(hf_tokenizer, 49152, [2])
     cache = GrammarCache(info, fingerprint, timeout_s=0.001)

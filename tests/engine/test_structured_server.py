@@ -5,6 +5,7 @@ constraints as 400s before any work while the server keeps serving."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from pathlib import Path
@@ -156,6 +157,19 @@ BAD = [
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "not both"),
     ({"guided_json": {"type": "object"}}, "guided_json"),
     ({"structured_outputs": {"json": nested(70)}}, "nests"),
+    ({"structured_outputs": {"json": {"$ref": "#"}}}, "no finite text satisfies it"),
+    (
+        {
+            "structured_outputs": {
+                "json": {
+                    "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+                    "$ref": "#/$defs/a",
+                }
+            }
+        },
+        "never completes",
+    ),  # fmt: skip
+    ({"structured_outputs": {"grammar": "root ::= root"}}, "rule 'root' never completes"),
 ]
 
 
@@ -174,3 +188,27 @@ async def test_bad_constraints_are_400_before_any_work(
         ok = {"messages": user("hi"), "max_tokens": 2, "temperature": 0}
         async with http.post(base_url + "/v1/chat/completions", json=ok) as resp:
             assert resp.status == 200
+
+
+async def test_an_unsatisfiable_constraint_is_a_400_and_its_batch_mates_are_served(base_url: str) -> None:
+    """Sent together with a free and a constrained request: the unsatisfiable one is refused at
+    validation (it used to fail mid-answer with a 500), the other two answer as they do alone."""
+    free = {"messages": user("Name a color."), "max_tokens": 6, "temperature": 0}
+    city = {**free, "messages": user("A city as JSON."), "max_tokens": 40,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}}}  # fmt: skip
+    bad = {**free, "structured_outputs": {"json": {"type": "object", "properties": {"x": {"$ref": "#"}},
+                                                   "required": ["x"]}}}  # fmt: skip
+
+    async with aiohttp.ClientSession() as http:
+
+        async def post(body: dict) -> tuple[int, dict]:
+            async with http.post(base_url + "/v1/chat/completions", json=body) as resp:
+                return resp.status, await resp.json()
+
+        alone = [await post(free), await post(city)]
+        together = await asyncio.gather(post(free), post(bad), post(city))
+    assert [status for status, _ in together] == [200, 400, 200]
+    assert "never completes" in together[1][1]["error"]["message"]
+    text = [r["choices"][0]["message"]["content"] for _, r in (together[0], together[2])]
+    assert text == [r["choices"][0]["message"]["content"] for _, r in alone]
+    jsonschema.validate(json.loads(text[1]), CITY)
