@@ -10,11 +10,13 @@ returns, so an invalidation is acknowledged only once it would survive a crash o
 On open a process takes the first free slot and merges into it every slot no live process holds (the
 keys of a process that stopped with keys still waiting): the merged set is written to a temp file,
 fsync'd and renamed over its slot's log, and only then are the other logs removed. The log is
-rewritten the same way when it holds far more records than waiting keys, and emptied when none wait.
+rewritten the same way when it holds far more records than waiting keys, emptied when none wait, and
+removed when the process closes it with none waiting.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
@@ -153,7 +155,13 @@ class Journal:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
         self._records = self._live = len(keys)
 
-    def close(self) -> None:
+    def close(self, waiting: int) -> None:
+        """Release the slot; with no key `waiting`, remove its files (and the directory once empty)."""
+        if waiting == 0 and self._lock_fd >= 0:
+            for path in (self.path, self.path.with_suffix(".lock")):
+                path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # another process's slot is still there
+                self.dir.rmdir()
         for fd in (self._fd, self._lock_fd):
             if fd >= 0:
                 os.close(fd)

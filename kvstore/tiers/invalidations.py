@@ -97,7 +97,7 @@ class Invalidations:
     def close_journal(self) -> None:
         if self._journal is not None:
             with self._lock:
-                self._journal.close()
+                self._journal.close(len(self._keys))
 
     def snapshot(self, n: int) -> list[tuple[str, int]]:
         """Up to `n` (key, generation) pairs, oldest first."""
