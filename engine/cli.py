@@ -98,6 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_proxy_args(proxy)
 
+    router = sub.add_parser(
+        "router", help="KV-aware routing over several engines (or the prefill/decode proxy)"
+    )
+    from engine.router.cli import add_cli_args as add_router_args  # noqa: PLC0415
+
+    add_router_args(router)
+
     model = sub.add_parser("model", help="prepare a model directory").add_subparsers(
         dest="model_cmd", required=True
     )
@@ -166,6 +173,12 @@ def _proxy(ns: argparse.Namespace) -> None:
     run_proxy(ns)
 
 
+def _router(ns: argparse.Namespace) -> None:
+    from engine.router.cli import run_router  # noqa: PLC0415
+
+    run_router(ns)
+
+
 def _model(ns: argparse.Namespace) -> None:
     from engine.convert import SMOLLM2_NAME, ensure_smollm2, is_complete
 
@@ -177,9 +190,14 @@ def _model(ns: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    handler = {"generate": _generate, "serve": _serve, "bench": _bench, "model": _model, "proxy": _proxy}[
-        ns.command
-    ]
+    handler = {
+        "generate": _generate,
+        "serve": _serve,
+        "bench": _bench,
+        "model": _model,
+        "proxy": _proxy,
+        "router": _router,
+    }[ns.command]
     try:
         handler(ns)
     except (EngineError, KVStoreError) as e:

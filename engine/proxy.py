@@ -23,6 +23,7 @@ import itertools
 import json
 import logging
 import signal
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -143,8 +144,19 @@ async def _prefill(request: web.Request, path: str, body: dict) -> web.Response 
     raise BadGateway("; ".join(problems))
 
 
-async def _decode(request: web.Request, path: str, body: dict, url: str) -> web.StreamResponse:
-    config: ProxyConfig = request.app[CONFIG_KEY]
+async def forward(
+    request: web.Request,
+    path: str,
+    body: dict,
+    url: str,
+    role: str = "decode",
+    on_first_chunk: Callable[[int], None] | None = None,
+    headers: dict[str, str] | None = None,
+) -> web.StreamResponse:
+    """Send `body` to the engine at `url` and stream its answer back (the proxy's decode step and the
+    router's only step). `on_first_chunk(status)` runs when the first bytes of the body arrive: for a
+    streamed completion, its first token. `headers` are added to the response."""
+    config = request.app[CONFIG_KEY]  # ProxyConfig or RouterConfig: both have `timeout`
     out: web.StreamResponse | None = None
     try:
         async with request.app[SESSION_KEY].post(url + path, json=body) as resp:
@@ -152,9 +164,13 @@ async def _decode(request: web.Request, path: str, body: dict, url: str) -> web.
             for k, v in resp.headers.items():
                 if k.lower() not in _HOP_HEADERS:
                     out.headers[k] = v
+            out.headers.update(headers or {})
             await out.prepare(request)
             request[STREAM_KEY] = out
             async for chunk in resp.content.iter_any():
+                if on_first_chunk is not None:
+                    on_first_chunk(resp.status)
+                    on_first_chunk = None
                 await out.write(chunk)
             await out.write_eof()
             return out
@@ -164,7 +180,7 @@ async def _decode(request: web.Request, path: str, body: dict, url: str) -> web.
         if isinstance(e, asyncio.CancelledError):  # the drain at shutdown ran out of time
             message, status = "the proxy is shutting down", 503
         else:
-            message, status = describe("decode", url, e, config.timeout.total), 502
+            message, status = describe(role, url, e, config.timeout.total), 502
         if out is None:
             raise BadGateway(message) from None
         logger.warning("%s %s: %s", request.method, request.path, message)
@@ -187,7 +203,7 @@ async def _handle(request: web.Request, path: str) -> web.StreamResponse:
 
         async def both() -> web.StreamResponse:
             refused = await _prefill(request, path, body)
-            return refused if refused is not None else await _decode(request, path, body, decode_url)
+            return refused if refused is not None else await forward(request, path, body, decode_url)
 
         return await unless_disconnected(request, both())
     finally:

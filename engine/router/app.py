@@ -1,0 +1,255 @@
+"""`kvstore-engine router`: a KV-aware OpenAI-compatible router in front of several engines.
+
+    client --> router --> the engine `--policy` picks (ttft by default, engine.router.scoring)
+                 ^
+                 +-- KV events (ZMQ, vLLM's format) from every engine and kvstore-server, replayed on start
+
+For each request the router tokenizes the prompt as the engines do (`--model`: the same model
+directory, for its tokenizer, chat template and the store's chunk keys), looks up how much of it each
+engine holds and how much the store holds (engine.router.index), scores the engines and forwards the
+request, unchanged, through the proxy's `forward` (one place forwards OpenAI requests). With
+`--prefill`/`--decode` instead of `--engine` it is the disaggregated proxy (engine.proxy).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from engine.errors import InvalidRequest
+from engine.proxy import CONFIG_KEY, INFLIGHT_KEY, SESSION_KEY, forward
+from engine.router.calibrate import Calibrator
+from engine.router.index import PrefixIndex
+from engine.router.metrics import RouterMetrics
+from engine.router.scoring import Choice, EngineState, Request, choose
+from engine.router.subscriber import EventSubscriber, Source
+from engine.router.tokens import PromptTokens
+from engine.server_middleware import MAX_BODY_KEY, errors_middleware, parse_json, unless_disconnected
+
+logger = logging.getLogger(__name__)
+ROUTER_KEY = web.AppKey("router", object)
+ENGINE_HEADER = "X-KVStore-Engine"  # on every routed response: the engine that served it
+_MAX_BODY_BYTES = 64 * 2**20
+
+
+@dataclass
+class EngineLoad:
+    url: str
+    in_flight: int = 0
+    waiting_tokens: int = 0
+
+
+@dataclass
+class RouterConfig:
+    engines: list[str]
+    engine_events: list[str]
+    engine_replay: list[str | None]
+    store_events: list[str] = field(default_factory=list)
+    store_replay: list[str | None] = field(default_factory=list)
+    policy: str = "ttft"
+    max_share: float = 1.2
+    share_window: int = 64  # decisions per engine the share cap looks back over
+    calibrate_s: float = 2.0  # between scrapes of the engines' /metrics (0: never)
+    timeout_s: float = 600.0
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        self.engines = [u.rstrip("/") for u in self.engines]
+        if not self.engines:
+            raise ValueError("the router needs at least one --engine URL")
+        if len(self.engine_events) != len(self.engines):
+            raise ValueError("give one --engine-events endpoint per --engine, in the same order")
+        self.engine_replay = (list(self.engine_replay) + [None] * len(self.engines))[: len(self.engines)]
+        self.store_replay = (list(self.store_replay) + [None] * len(self.store_events))[
+            : len(self.store_events)
+        ]
+        self.timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+
+
+class Router:
+    """The decision state: index, loads, recent decisions, costs. Used from the event loop only,
+    except the index (the event thread feeds it)."""
+
+    def __init__(self, config: RouterConfig, tokens: PromptTokens) -> None:
+        self.config = config
+        self.tokens = tokens
+        self.index = PrefixIndex()
+        self.metrics = RouterMetrics()
+        self.calibrator = Calibrator()
+        self.loads = {u: EngineLoad(u) for u in config.engines}
+        self.recent: collections.deque[str] = collections.deque(
+            maxlen=config.share_window * len(config.engines)
+        )
+        self.turn = 0
+        sources = [
+            Source(url, ev, rp, self.index.apply_engine, config.topic)
+            for url, ev, rp in zip(config.engines, config.engine_events, config.engine_replay, strict=True)
+        ]
+        sources += [
+            Source(f"store{i}", ev, rp, self.index.apply_store, config.topic)
+            for i, (ev, rp) in enumerate(zip(config.store_events, config.store_replay, strict=True))
+        ]
+        self.subscriber = EventSubscriber(sources)
+
+    def decide(self, token_ids: list[int] | None) -> Choice:
+        counts = collections.Counter(self.recent)
+        if token_ids:
+            keys = self.tokens.chunk_keys(token_ids)
+            store = self.index.store_chunks(keys) * self.tokens.chunk_size
+            request = Request(len(token_ids), store)
+        else:
+            request = Request(1)
+        engines = [
+            EngineState(
+                url,
+                self.index.local_tokens(url, token_ids) if token_ids else 0,
+                load.in_flight,
+                load.waiting_tokens,
+                counts[url],
+            )
+            for url, load in self.loads.items()
+        ]
+        choice = choose(
+            self.config.policy, engines, request, self.calibrator.costs, self.config.max_share, self.turn
+        )
+        self.turn += 1
+        self.recent.append(choice.engine)
+        self.metrics.decided(choice)
+        return choice
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "policy": self.config.policy,
+            "ready": self.subscriber.ready.is_set(),
+            "index": self.index.stats(),
+            "sources": {
+                s.name: {"last_seq": s.last_seq, "batches": s.batches} for s in self.subscriber.sources
+            },
+            "costs": vars(self.calibrator.costs),
+            "engines": {u: vars(load) for u, load in self.loads.items()},
+        }
+
+
+async def _route(request: web.Request, path: str, chat: bool) -> web.StreamResponse:
+    router: Router = request.app[ROUTER_KEY]
+    inflight = request.app[INFLIGHT_KEY]
+    task = asyncio.current_task()
+    inflight.add(task)
+    started = time.monotonic()
+    try:
+        body = parse_json(await request.read())
+        if not isinstance(body, dict):
+            raise InvalidRequest("the request body must be a JSON object")
+        token_ids = router.tokens.of_chat(body) if chat else router.tokens.of_completion(body)
+        choice = router.decide(token_ids)
+        load = router.loads[choice.engine]
+        pending = choice.compute_tokens + choice.store_tokens
+        load.in_flight += 1
+        load.waiting_tokens += pending
+        streamed = bool(body.get("stream"))
+
+        def first(status: int) -> None:
+            nonlocal pending
+            load.waiting_tokens -= pending
+            pending = 0
+            if streamed and status == 200:
+                router.metrics.first_token(choice, time.monotonic() - started)
+
+        try:
+            return await unless_disconnected(
+                request,
+                forward(request, path, body, choice.engine, "engine", first, {ENGINE_HEADER: choice.engine}),
+            )
+        finally:
+            load.in_flight -= 1
+            load.waiting_tokens -= pending
+    finally:
+        inflight.discard(task)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _route(request, "/v1/completions", chat=False)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _route(request, "/v1/chat/completions", chat=True)
+
+
+async def models(request: web.Request) -> web.Response:
+    router: Router = request.app[ROUTER_KEY]
+    async with request.app[SESSION_KEY].get(router.config.engines[0] + "/v1/models") as resp:
+        return web.Response(body=await resp.read(), status=resp.status, content_type="application/json")
+
+
+async def health(request: web.Request) -> web.Response:
+    router: Router = request.app[ROUTER_KEY]
+    if not router.subscriber.ready.is_set():
+        return web.json_response({"status": "replaying KV events"}, status=503)
+    return web.json_response({"status": "ok"})
+
+
+async def state(request: web.Request) -> web.Response:
+    return web.json_response(request.app[ROUTER_KEY].state())
+
+
+async def metrics(request: web.Request) -> web.Response:
+    router: Router = request.app[ROUTER_KEY]
+    for url, load in router.loads.items():
+        router.metrics.in_flight.labels(url).set(load.in_flight)
+        router.metrics.waiting.labels(url).set(load.waiting_tokens)
+    router.metrics.set_costs(router.calibrator.costs)
+    return web.Response(body=router.metrics.render(), content_type="text/plain")
+
+
+async def _calibrate(app: web.Application) -> None:
+    router: Router = app[ROUTER_KEY]
+    session: aiohttp.ClientSession = app[SESSION_KEY]
+    timeout = aiohttp.ClientTimeout(total=2)
+    while True:
+        await asyncio.sleep(router.config.calibrate_s)
+        for url in router.config.engines:
+            try:
+                async with session.get(url + "/metrics", timeout=timeout) as resp:
+                    if resp.status == 200:
+                        router.calibrator.observe(url, await resp.text())
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+                logger.debug("calibration: %s/metrics: %r", url, e)
+
+
+def build_router_app(config: RouterConfig, tokens: PromptTokens) -> web.Application:
+    app = web.Application(middlewares=[errors_middleware], client_max_size=_MAX_BODY_BYTES)
+    router = Router(config, tokens)
+    app[ROUTER_KEY] = router
+    app[CONFIG_KEY] = config
+    app[MAX_BODY_KEY] = _MAX_BODY_BYTES
+    app[INFLIGHT_KEY] = set()
+    tasks: list[asyncio.Task] = []
+
+    async def on_startup(_: web.Application) -> None:
+        app[SESSION_KEY] = aiohttp.ClientSession(timeout=config.timeout)
+        router.subscriber.start()
+        if config.calibrate_s > 0:
+            tasks.append(asyncio.create_task(_calibrate(app)))
+
+    async def on_cleanup(_: web.Application) -> None:
+        for t in tasks:
+            t.cancel()
+        router.subscriber.stop()
+        await app[SESSION_KEY].close()
+
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/router/state", state)
+    return app

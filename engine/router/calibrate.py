@@ -1,0 +1,71 @@
+"""The scoring costs, calibrated from the engines' own Prometheus metrics (vLLM's names, which
+kvstore-engine exports too), read every few seconds:
+
+- prefill s/token = growth of `vllm:request_prefill_time_seconds_sum` minus the time spent loading
+  (`kvstore_connector_load_seconds_sum`), over the prompt tokens computed (`vllm:prompt_tokens_total`
+  minus `vllm:prefix_cache_hits_total` and `vllm:external_prefix_cache_hits_total`);
+- load s/token = growth of `kvstore_connector_load_seconds_sum` over `kvstore_connector_loaded_tokens_total`;
+
+each an exponentially weighted average over the engines and scrapes, updated only when a scrape saw
+enough tokens to mean something. Until then the scoring module's defaults hold.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine.router.scoring import Costs
+
+_NAMES = {
+    "vllm:request_prefill_time_seconds_sum": "prefill_s",
+    "vllm:prompt_tokens_total": "prompt",
+    "vllm:prefix_cache_hits_total": "local_hits",
+    "vllm:external_prefix_cache_hits_total": "store_hits",
+    "kvstore_connector_load_seconds_sum": "load_s",
+    "kvstore_connector_loaded_tokens_total": "loaded",
+}
+MIN_TOKENS = 64  # a scrape with fewer new tokens does not move a cost
+ALPHA = 0.3
+
+
+def parse_totals(text: str) -> dict[str, float]:
+    """The counters calibration uses, summed over labels, from a /metrics body."""
+    out = dict.fromkeys(_NAMES.values(), 0.0)
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            key = _NAMES.get(s.name)
+            if key is not None:
+                out[key] += s.value
+    return out
+
+
+class Calibrator:
+    def __init__(self, costs: Costs | None = None) -> None:
+        self.costs = costs or Costs()
+        self._last: dict[str, dict[str, float]] = {}
+        self.updates = 0
+
+    def _blend(self, name: str, value: float) -> None:
+        old = getattr(self.costs, name)
+        new = value if self.updates == 0 else (1 - ALPHA) * old + ALPHA * value
+        self.costs = dataclasses.replace(self.costs, **{name: new})
+
+    def observe(self, engine: str, text: str) -> None:
+        """One scrape of `engine`'s /metrics."""
+        now = parse_totals(text)
+        last = self._last.get(engine)
+        self._last[engine] = now
+        if last is None or now["prompt"] < last["prompt"]:  # first look, or the engine restarted
+            return
+        d = {k: now[k] - last[k] for k in now}
+        computed = d["prompt"] - d["local_hits"] - d["store_hits"]
+        moved = False
+        if d["loaded"] >= MIN_TOKENS and d["load_s"] > 0:
+            self._blend("load_s_per_token", d["load_s"] / d["loaded"])
+            moved = True
+        if computed >= MIN_TOKENS and d["prefill_s"] > 0:
+            self._blend("prefill_s_per_token", max(d["prefill_s"] - d["load_s"], 0.0) / computed)
+            moved = True
+        self.updates += moved

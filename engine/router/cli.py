@@ -1,0 +1,94 @@
+"""The `kvstore-engine router` command line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+
+from aiohttp import web
+
+from engine.router.scoring import POLICIES
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("KV-aware routing")
+    g.add_argument("--engine", action="append", default=[], metavar="URL", help="an engine (repeatable)")
+    g.add_argument("--engine-events", action="append", default=[], metavar="ENDPOINT",
+                   help="that engine's KV events PUB endpoint, e.g. tcp://host:5557 (one per --engine, in order)")  # fmt: skip
+    g.add_argument("--engine-replay", action="append", default=[], metavar="ENDPOINT",
+                   help="that engine's replay endpoint, e.g. tcp://host:5558 (one per --engine)")  # fmt: skip
+    g.add_argument("--store-events", action="append", default=[], metavar="ENDPOINT",
+                   help="a kvstore-server's KV events endpoint (repeatable)")  # fmt: skip
+    g.add_argument("--store-replay", action="append", default=[], metavar="ENDPOINT",
+                   help="that kvstore-server's replay endpoint (one per --store-events)")  # fmt: skip
+    g.add_argument("--policy", choices=POLICIES, default="ttft", help="default ttft")
+    g.add_argument("--max-share", type=float, default=1.2,
+                   help="ttft: an engine takes at most this times its fair share of recent requests (1.2)")  # fmt: skip
+    g.add_argument("--model", default="smollm2", help="the engines' model directory (tokenizer, chunk keys)")
+    g.add_argument("--chunk-size", type=int, default=256, help="the engines' KV connector chunk_size (256)")
+    g.add_argument("--kv-namespace", default="", help="the engines' KV connector namespace")
+    g.add_argument("--dtype", default="auto", help="the engines' --dtype (auto)")
+    g.add_argument("--kv-cache-dtype", default="auto", help="the engines' --kv-cache-dtype (auto)")
+    g.add_argument("--calibrate-interval", type=float, default=2.0,
+                   help="seconds between reads of the engines' /metrics for the costs (0: never)")  # fmt: skip
+    g.add_argument("--events-topic", default="", help="the publishers' topic")
+    pd = p.add_argument_group("disaggregated prefill/decode (instead of --engine)")
+    pd.add_argument("--prefill", action="append", help="prefill engine URL (repeatable)")
+    pd.add_argument("--decode", action="append", help="decode engine URL (repeatable)")
+    pd.add_argument("--health-timeout", type=float, default=2.0)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8200, help="0 picks a free port")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per upstream request")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0)
+
+
+def build(ns: argparse.Namespace) -> web.Application:
+    from engine.errors import InvalidRequest  # noqa: PLC0415
+
+    if ns.prefill or ns.decode:
+        from engine.proxy import ProxyConfig, build_app  # noqa: PLC0415
+
+        if ns.engine:
+            raise InvalidRequest(
+                "give --engine (KV-aware routing) or --prefill/--decode (disaggregated), not both"
+            )
+        return build_app(ProxyConfig(ns.prefill or [], ns.decode or [], ns.timeout, ns.health_timeout,
+                                     ns.shutdown_timeout))  # fmt: skip
+    from engine.llm_engine import resolve_model_dir  # noqa: PLC0415
+    from engine.router.app import RouterConfig, build_router_app  # noqa: PLC0415
+    from engine.router.tokens import PromptTokens  # noqa: PLC0415
+
+    try:
+        config = RouterConfig(
+            ns.engine, ns.engine_events, ns.engine_replay, ns.store_events, ns.store_replay, ns.policy,
+            ns.max_share, calibrate_s=ns.calibrate_interval, timeout_s=ns.timeout, topic=ns.events_topic,
+        )  # fmt: skip
+    except ValueError as e:
+        raise InvalidRequest(str(e)) from None
+    tokens = PromptTokens(
+        resolve_model_dir(ns.model), ns.chunk_size, ns.kv_namespace, ns.dtype, ns.kv_cache_dtype
+    )
+    return build_router_app(config, tokens)
+
+
+def run_router(ns: argparse.Namespace) -> None:
+    app = build(ns)
+
+    async def main() -> None:
+        runner = web.AppRunner(app, shutdown_timeout=ns.shutdown_timeout)
+        await runner.setup()
+        site = web.TCPSite(runner, ns.host, ns.port)
+        await site.start()
+        port = runner.addresses[0][1]
+        print(f"kvstore-engine router listening on http://{ns.host}:{port}", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await stop.wait()
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())

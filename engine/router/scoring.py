@@ -1,0 +1,108 @@
+"""Where a request should go: one pure function over the engines' state (no I/O, no clock), used by
+`kvstore-engine router` and by the fleet simulator in benchmarks/ alike.
+
+    choose(policy, engines, request, costs) -> Choice
+
+An engine's estimated time to first token for a request is
+
+    queueing  = its tokens waiting to prefill x prefill cost + requests in flight x step cost
+    + remote  = tokens the shared store has beyond the engine's own prefix x load cost
+    + compute = tokens nobody has x prefill cost          (at least the last prompt token)
+
+with costs per token calibrated from the engines' own metrics (engine.router.calibrate). Policies:
+`round_robin`, `least_loaded` (fewest tokens waiting, then fewest in flight), `prefix` (the longest
+local match: the classic KV-aware router, which hot-spots an engine holding a popular prefix) and
+`ttft` (the lowest estimate among engines under the share cap: an engine that took more than
+`max_share` times its fair share of the recent decisions is passed over while another can serve).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+POLICIES = ("round_robin", "least_loaded", "prefix", "ttft")
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Seconds per token (prefill, load from the store), per request in flight, and a constant.
+    The defaults are a start for a router that has not read an engine's metrics yet."""
+
+    prefill_s_per_token: float = 1e-3
+    load_s_per_token: float = 1e-4
+    step_s_per_request: float = 0.01
+    base_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class EngineState:
+    name: str
+    local_tokens: int = 0  # leading prompt tokens in the engine's own prefix cache
+    in_flight: int = 0  # requests sent to it and not finished
+    waiting_tokens: int = 0  # prompt tokens it has been sent and not yet prefilled
+    recent: int = 0  # decisions for it among the router's recent ones (the share cap)
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt_tokens: int
+    store_tokens: int = 0  # leading prompt tokens the shared store holds
+
+
+@dataclass(frozen=True)
+class Choice:
+    engine: str
+    policy: str
+    predicted_ttft_s: float
+    local_tokens: int  # reused from the engine's cache
+    store_tokens: int  # loaded from the store
+    compute_tokens: int  # prefilled
+
+
+def estimate(engine: EngineState, request: Request, costs: Costs) -> tuple[float, int, int, int]:
+    """(estimated TTFT s, local tokens, store tokens, compute tokens) of `request` on `engine`."""
+    n = request.prompt_tokens
+    local = min(engine.local_tokens, n - 1)
+    reused = max(local, min(request.store_tokens, n - 1))
+    load, compute = reused - local, n - reused
+    queue = engine.waiting_tokens * costs.prefill_s_per_token + engine.in_flight * costs.step_s_per_request
+    ttft = costs.base_s + queue + load * costs.load_s_per_token + compute * costs.prefill_s_per_token
+    return ttft, local, load, compute
+
+
+def under_cap(engines: Sequence[EngineState], max_share: float) -> list[EngineState]:
+    """The engines that may take one more request without exceeding `max_share` x a fair share of the
+    recent decisions; every engine while there are fewer than two recent decisions per engine (a
+    conversation's first turns stay together) and when none may."""
+    total = sum(e.recent for e in engines) + 1
+    if total <= 2 * len(engines):
+        return list(engines)
+    ok = [e for e in engines if e.recent + 1 <= max_share * total / len(engines)]
+    return ok or list(engines)
+
+
+def choose(
+    policy: str,
+    engines: Sequence[EngineState],
+    request: Request,
+    costs: Costs = Costs(),
+    max_share: float = 1.2,
+    turn: int = 0,
+) -> Choice:
+    """The engine `policy` picks for `request`. `turn` is round_robin's counter (the caller's)."""
+    if not engines:
+        raise ValueError("no engines to choose from")
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    scored = {e.name: estimate(e, request, costs) for e in engines}
+    if policy == "round_robin":
+        best = engines[turn % len(engines)]
+    elif policy == "least_loaded":
+        best = min(engines, key=lambda e: (e.waiting_tokens, e.in_flight))
+    elif policy == "prefix":
+        best = max(engines, key=lambda e: (scored[e.name][1], -e.in_flight, -e.waiting_tokens))
+    else:
+        best = min(under_cap(engines, max_share), key=lambda e: scored[e.name][0])
+    ttft, local, load, compute = scored[best.name]
+    return Choice(best.name, policy, ttft, local, load, compute)

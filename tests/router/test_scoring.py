@@ -1,0 +1,95 @@
+"""The scoring module (pure: the fleet simulator runs it too) and the event-fed prefix index."""
+
+from __future__ import annotations
+
+import pytest
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+from engine.router.calibrate import Calibrator
+from engine.router.index import PrefixIndex
+from engine.router.scoring import Costs, EngineState, Request, choose, estimate
+
+COSTS = Costs(prefill_s_per_token=1e-3, load_s_per_token=1e-4, step_s_per_request=0.01)
+
+
+def test_estimate_splits_the_prompt_into_local_store_and_computed() -> None:
+    e = EngineState("a", local_tokens=256, in_flight=2, waiting_tokens=100)
+    ttft, local, load, compute = estimate(e, Request(1000, store_tokens=768), COSTS)
+    assert (local, load, compute) == (256, 512, 232)
+    assert ttft == pytest.approx(100e-3 + 2 * 0.01 + 512e-4 + 232e-3)
+    # the last prompt token is always computed, even when everything is cached
+    assert estimate(EngineState("a", 1000), Request(1000, 1000), COSTS)[1:] == (999, 0, 1)
+
+
+def test_policies() -> None:
+    engines = [
+        EngineState("hot", local_tokens=900, in_flight=6, waiting_tokens=3000),
+        EngineState("idle", local_tokens=0),
+        EngineState("warm", local_tokens=500, in_flight=1, waiting_tokens=100),
+    ]
+    req = Request(1000, store_tokens=900)
+    assert choose("prefix", engines, req, COSTS).engine == "hot"  # longest match, whatever its queue
+    assert choose("least_loaded", engines, req, COSTS).engine == "idle"
+    assert [choose("round_robin", engines, req, COSTS, turn=t).engine for t in range(4)] == [
+        "hot", "idle", "warm", "hot"]  # fmt: skip
+    # ttft: "idle" loads 900 tokens from the store (0.09 s), computes 100; "warm" loads 400 but queues
+    c = choose("ttft", engines, req, COSTS)
+    assert c.engine == "idle" and (c.local_tokens, c.store_tokens, c.compute_tokens) == (0, 900, 100)
+    # without the store, the local prefix wins
+    assert choose("ttft", engines, Request(1000), COSTS).engine == "warm"
+    with pytest.raises(ValueError):
+        choose("random", engines, req, COSTS)
+
+
+def test_share_cap_passes_over_an_engine_with_too_many_recent_requests() -> None:
+    engines = [
+        EngineState("a", local_tokens=900, recent=10),
+        EngineState("b", recent=3),
+        EngineState("c", recent=3),
+    ]
+    assert choose("ttft", engines, Request(1000), COSTS, max_share=1.2).engine != "a"
+    assert choose("ttft", engines, Request(1000), COSTS, max_share=3.0).engine == "a"
+    few = [EngineState("a", local_tokens=900, recent=4), EngineState("b"), EngineState("c")]
+    assert choose("ttft", few, Request(1000), COSTS).engine == "a", "a conversation's first turns stay"
+
+
+def _stored(hashes, parent, tokens, bs=4, medium="GPU"):
+    return BlockStored(hashes, parent, tokens, bs, None, medium, None)
+
+
+def test_index_matches_tokens_and_forgets_removed_and_cleared_blocks() -> None:
+    idx = PrefixIndex()
+    idx.apply_engine(
+        "e", [_stored([b"h1", b"h2"], None, list(range(8))), _stored([b"h3"], b"h2", [8, 9, 10, 11])]
+    )
+    assert idx.local_tokens("e", list(range(20))) == 12
+    assert idx.local_tokens("e", [0, 1, 2, 3, 9, 9, 9, 9]) == 4
+    assert idx.local_tokens("other", list(range(20))) == 0
+    idx.apply_engine("e", [BlockRemoved([b"h2"], "GPU")])
+    assert idx.local_tokens("e", list(range(20))) == 4, "a removed block ends the match"
+    idx.apply_engine("e", [AllBlocksCleared()])
+    assert idx.local_tokens("e", list(range(20))) == 0
+    idx.apply_store(
+        "s", [_stored([b"k1", b"k2", b"k3"], None, [], 0, "CPU"), _stored([b"k1"], None, [], 0, "STORAGE")]
+    )
+    assert idx.store_chunks([b"k1", b"k2", b"k3", b"k4"]) == 3
+    idx.apply_store("s", [BlockRemoved([b"k1", b"k2"], "CPU")])
+    assert idx.store_chunks([b"k1", b"k2", b"k3"]) == 1, "k1 is still on disk; k2 is gone"
+
+
+def test_costs_come_from_the_engines_metrics() -> None:
+    def text(prompt, hits, prefill_s, load_s, loaded):
+        return (
+            f'vllm:prompt_tokens_total{{model_name="m"}} {prompt}\n'
+            f'vllm:prefix_cache_hits_total{{model_name="m"}} {hits}\n'
+            f'vllm:request_prefill_time_seconds_sum{{model_name="m"}} {prefill_s}\n'
+            f"kvstore_connector_load_seconds_sum {load_s}\nkvstore_connector_loaded_tokens_total {loaded}\n"
+        )
+
+    cal = Calibrator()
+    cal.observe("e", text(0, 0, 0, 0, 0))
+    cal.observe("e", text(2000, 1000, 2.2, 0.2, 1000))  # 1000 computed in 2.0 s, 1000 loaded in 0.2 s
+    assert cal.costs.prefill_s_per_token == pytest.approx(2e-3)
+    assert cal.costs.load_s_per_token == pytest.approx(2e-4)
+    cal.observe("e", text(2010, 1000, 2.3, 0.2, 1000))  # too few tokens to move anything
+    assert cal.costs.prefill_s_per_token == pytest.approx(2e-3)
