@@ -5,6 +5,7 @@ from __future__ import annotations
 from kvstore.codecs.base import Codec
 from kvstore.codecs.fp8 import Fp8Codec
 from kvstore.codecs.int4 import Int4Codec
+from kvstore.codecs.kivi import KiviCodec
 from kvstore.codecs.raw import RawCodec
 from kvstore.errors import CodecError
 
@@ -34,5 +35,7 @@ def codec_names() -> list[str]:
 register(RawCodec())
 register(Fp8Codec())
 register(Int4Codec())
+register(KiviCodec(4, codec_id=3))
+register(KiviCodec(2, codec_id=4))
 
 __all__ = ["Codec", "register", "get_codec", "codec_names"]

@@ -1,0 +1,226 @@
+"""`kivi4` / `kivi2`: b-bit KV in the KIVI split with cheap metadata (codec ids 3 and 4).
+
+Keys are quantised per channel across tokens (keys carry persistent outlier channels), values per
+token across channels; both asymmetric min-max, fp16 scale and zero per group, codes packed 8/b per
+byte (the lowest bits hold the first element). What makes them smaller than `int4` (id 2, which stays
+readable) is the size of the groups, chosen by benchmarks/bench_codec_quality.py:
+
+Options (`encode_blob(kv, codec="kivi4", key_tokens=256, value_group=None, sink_tokens=1)`):
+    key_tokens:  tokens per key group (per channel); the last group of a chunk takes what is left,
+                 so a 256-token chunk is one group per channel at the default.
+    value_group: channels per value group along the token's row of kv_heads * head_dim channels
+                 (must divide it); default: the whole row, every head of the token.
+    sink_tokens: the first `sink_tokens` KEYS of a chunk of >= 16 tokens are stored exactly, in the KV
+                 dtype, and left out of their channel's group: the first token of a sequence is an
+                 attention sink whose huge keys would stretch every channel's range. Values of those
+                 tokens are quantised like the others (their groups are per token anyway).
+
+Payload, in order: key codes `[L, T - sink, C*b/8]`, value codes `[L, T, C*b/8]` (C = kv_heads *
+head_dim), key scale/zero fp16 pairs `[L, ceil((T - sink) / key_tokens), C, 2]`, value pairs
+`[L, T, C / value_group, 2]`, the sink keys' raw bits `[L, sink, C]`. At the defaults, a 256-token
+chunk with C = 192 (SmolLM2-135M): kivi4 3.83x smaller than bf16/fp16, kivi2 7.33x.
+
+Error bound: |x - x'| <= scale/2 per element (scale = fp16((max - min) / (2^b - 1)) of its group), plus
+the fp16 rounding of scale and zero and the rounding to the KV dtype on decode. NaN/Inf in the KV, or
+values past the fp16 range of the scales, raise CodecError. The CPU path is torch, vectorised.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvstore.codecs import common
+from kvstore.errors import CodecError
+
+DEFAULTS: dict[str, Any] = {"key_tokens": 256, "value_group": None, "sink_tokens": 1}
+SINK_MIN_TOKENS = 16  # shorter chunks keep no sink keys
+MAX_SINK_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class KiviLayout:
+    shape: tuple[int, int, int, int, int]
+    bits: int
+    key_tokens: int
+    value_group: int
+    sink: int
+    itemsize: int
+
+    @property
+    def channels(self) -> int:
+        return self.shape[3] * self.shape[4]
+
+    @property
+    def key_groups(self) -> int:
+        return -(-(self.shape[2] - self.sink) // self.key_tokens)
+
+    def params(self) -> dict:
+        return {"kt": self.key_tokens, "vg": self.value_group, "sink": self.sink}
+
+    @classmethod
+    def from_params(cls, shape: tuple[int, ...], params: dict, dtype: torch.dtype, bits: int) -> KiviLayout:
+        if set(params) != {"kt", "vg", "sink"} or not all(type(v) is int for v in params.values()):
+            raise CodecError(f"kivi: bad params {params!r:.80}")
+        lay = cls(tuple(shape), bits, params["kt"], params["vg"], params["sink"], dtype.itemsize)  # type: ignore[arg-type]
+        lay.validate()
+        return lay
+
+    def validate(self) -> None:
+        c, t = self.channels, self.shape[2]
+        if c * self.bits % 8:
+            raise CodecError(f"kivi{self.bits}: kv_heads * head_dim = {c} does not pack into bytes")
+        if not 1 <= self.key_tokens <= 1 << 20:
+            raise CodecError(f"kivi: key_tokens must be in 1..{1 << 20}, got {self.key_tokens}")
+        if not 1 <= self.value_group <= c or c % self.value_group:
+            raise CodecError(f"kivi: value_group {self.value_group} does not divide kv_heads * head_dim {c}")
+        if not 0 <= self.sink <= min(MAX_SINK_TOKENS, t - 1 if t > 1 else 0):
+            raise CodecError(f"kivi: sink_tokens {self.sink} out of range for {t} tokens")
+
+    def sections(self) -> list[tuple[str, type, tuple[int, ...]]]:
+        _, nl, nt, _, _ = self.shape
+        c, row = self.channels, self.channels * self.bits // 8
+        return [
+            ("k_codes", np.uint8, (nl, nt - self.sink, row)),
+            ("v_codes", np.uint8, (nl, nt, row)),
+            ("k_sz", np.int16, (nl, self.key_groups, c, 2)),  # float16 bits
+            ("v_sz", np.int16, (nl, nt, c // self.value_group, 2)),
+            ("sink", np.uint16 if self.itemsize == 2 else np.uint32, (nl, self.sink, c)),
+        ]
+
+    def nbytes(self) -> int:
+        return sum(math.prod(s) * np.dtype(t).itemsize for _, t, s in self.sections())
+
+    def carve(self, buf: np.ndarray) -> dict[str, np.ndarray]:
+        cur = common.Cursor(buf)
+        parts = {name: cur.take(t, s) for name, t, s in self.sections()}
+        cur.finish()
+        return parts
+
+
+def layout_for(shape: tuple[int, ...], dtype: torch.dtype, bits: int, **options: Any) -> KiviLayout:
+    o = common.take_options(f"kivi{bits}", options, DEFAULTS)
+    c = int(shape[3]) * int(shape[4])
+    vg = c if o["value_group"] is None else o["value_group"]
+    for name, v in (("key_tokens", o["key_tokens"]), ("value_group", vg), ("sink_tokens", o["sink_tokens"])):
+        if type(v) is not int:
+            raise CodecError(f"kivi{bits}: {name} must be an int, got {v!r}")
+    if not 0 <= o["sink_tokens"] <= MAX_SINK_TOKENS:
+        raise CodecError(f"kivi{bits}: sink_tokens must be in 0..{MAX_SINK_TOKENS}, got {o['sink_tokens']}")
+    sink = o["sink_tokens"] if int(shape[2]) >= max(SINK_MIN_TOKENS, o["sink_tokens"] + 1) else 0
+    lay = KiviLayout(tuple(int(s) for s in shape), bits, o["key_tokens"], vg, sink, dtype.itemsize)  # type: ignore[arg-type]
+    lay.validate()
+    return lay
+
+
+def _f16_bits(x: torch.Tensor, what: str) -> torch.Tensor:
+    h = x.to(torch.float16)
+    if not bool(torch.isfinite(h).all()):
+        raise CodecError(f"{what}: KV contains NaN, Inf or values beyond the float16 range of its scales")
+    return h
+
+
+def quantize(x: torch.Tensor, dim: int, bits: int, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric min-max quantisation of float32 `x` in groups along `dim`: codes (uint8, x's shape)
+    and the groups' fp16 (scale, zero): x's shape with `dim` of size 1, then a trailing axis of 2."""
+    top = (1 << bits) - 1
+    mn, mx = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
+    s16 = _f16_bits((mx - mn) / top, what)
+    z16 = _f16_bits(mn, what)
+    s, z = s16.float(), z16.float()
+    inv = torch.where(s > 0, 1 / s, torch.zeros_like(s))
+    q = torch.floor((x - z) * inv + 0.5).clamp_(0, top).to(torch.uint8)
+    return q, torch.stack([s16, z16], -1)
+
+
+def dequantize(q: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
+    s, z = sz[..., 0].float(), sz[..., 1].float()
+    return q.float() * s + z
+
+
+def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes (..., n) -> (..., n*bits/8) bytes, the first code in the lowest bits."""
+    per = 8 // bits
+    q = q.reshape(*q.shape[:-1], -1, per)
+    out = q[..., 0].clone()
+    for i in range(1, per):
+        out |= q[..., i] << (i * bits)
+    return out
+
+
+def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    per, mask = 8 // bits, (1 << bits) - 1
+    parts = [(packed >> (i * bits)) & mask for i in range(per)]
+    return torch.stack(parts, -1).reshape(*packed.shape[:-1], -1)
+
+
+def _key_groups(k: torch.Tensor, kt: int) -> list[tuple[int, int]]:
+    n = k.shape[1]
+    return [(a, min(a + kt, n)) for a in range(0, n, kt)]
+
+
+class KiviCodec:
+    def __init__(self, bits: int, codec_id: int) -> None:
+        self.bits, self.codec_id, self.name = bits, codec_id, f"kivi{bits}"
+
+    def encode(self, kv: torch.Tensor, **options: Any) -> tuple[memoryview, dict]:
+        kv = common.check_kv(kv, self.name).cpu().contiguous()
+        lay = layout_for(tuple(kv.shape), kv.dtype, self.bits, **options)
+        if not bool(torch.isfinite(kv).all()):
+            raise CodecError(f"{self.name}: KV contains NaN or Inf")
+        buf = np.empty(lay.nbytes(), np.uint8)
+        parts = lay.carve(buf)
+        p = {n: torch.from_numpy(a) for n, a in parts.items() if n != "sink"}
+        _, nl, nt, nh, d = lay.shape
+        c = nh * d
+        x = kv.reshape(2, nl, nt, c)
+        keys, values = x[0, :, lay.sink :].float(), x[1].float()
+        for g, (a, b) in enumerate(_key_groups(keys, lay.key_tokens)):
+            q, sz = quantize(keys[:, a:b], 1, self.bits, self.name)  # per channel over tokens a..b
+            p["k_codes"][:, a:b] = pack(q, self.bits)
+            p["k_sz"][:, g] = sz[:, 0].view(torch.int16)
+        vq, vsz = quantize(
+            values.reshape(nl, nt, c // lay.value_group, lay.value_group), 3, self.bits, self.name
+        )
+        p["v_codes"][:] = pack(vq.reshape(nl, nt, c), self.bits)
+        p["v_sz"][:] = vsz[..., 0, :].view(torch.int16)
+        if lay.sink:
+            parts["sink"][:] = common.bits(x[0, :, : lay.sink].contiguous())
+        return memoryview(buf), lay.params()
+
+    def payload_nbytes(self, params: dict, shape: tuple[int, ...], dtype: torch.dtype) -> int:
+        shape = common.check_shape(shape, dtype, self.name)
+        return KiviLayout.from_params(shape, params, dtype, self.bits).nbytes()
+
+    def decode(
+        self,
+        payload: bytes | bytearray | memoryview,
+        params: dict,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        shape = common.check_shape(shape, dtype, self.name)
+        lay = KiviLayout.from_params(shape, params, dtype, self.bits)
+        if len(payload) != lay.nbytes():
+            raise CodecError(
+                f"{self.name}: payload is {len(payload)} bytes, shape {shape} needs {lay.nbytes()}"
+            )
+        parts = lay.carve(np.frombuffer(bytearray(payload), np.uint8))  # writable: torch wants that
+        p = {n: torch.from_numpy(a) for n, a in parts.items() if n != "sink"}
+        _, nl, nt, nh, d = lay.shape
+        c = nh * d
+        out = torch.empty((2, nl, nt, c), dtype=dtype)
+        kq = unpack(p["k_codes"], self.bits)
+        ksz = p["k_sz"].view(torch.float16)
+        for g, (a, b) in enumerate(_key_groups(kq, lay.key_tokens)):
+            out[0, :, lay.sink + a : lay.sink + b] = dequantize(kq[:, a:b], ksz[:, g : g + 1]).to(dtype)
+        vq = unpack(p["v_codes"], self.bits).reshape(nl, nt, c // lay.value_group, lay.value_group)
+        out[1] = dequantize(vq, p["v_sz"].view(torch.float16)[..., None, :]).reshape(nl, nt, c).to(dtype)
+        out = out.reshape(shape)
+        if lay.sink:
+            common.bits(out)[0, :, : lay.sink] = parts["sink"].reshape(nl, lay.sink, nh, d)
+        return out

@@ -1,0 +1,123 @@
+"""kivi4 / kivi2: error bounds per group, sizes, edge cases (all-equal groups, odd lengths, the last
+partial key group, tiny chunks), bad input and forged params."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvstore.blob import decode_blob, encode_blob, verify_blob
+from kvstore.codecs import get_codec
+from kvstore.codecs.kivi import layout_for
+from kvstore.errors import CodecError, CorruptBlob
+from tests.kvstore.test_blob import forge
+from tests.kvstore.test_codecs import EPS, make_kv
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+CODECS = {"kivi4": 4, "kivi2": 2}
+
+
+def _bound(x: torch.Tensor, dim: int, bits: int) -> torch.Tensor:
+    """scale/2 per element, + the fp16 rounding of scale (times the top code) and of zero."""
+    top = (1 << bits) - 1
+    mn, mx = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
+    return (mx - mn) / top * (0.5 + top * 2.0**-10) + mn.abs() * 2.0**-10
+
+
+def check_bound(kv: torch.Tensor, out: torch.Tensor, codec: str, **opts: object) -> None:
+    bits = CODECS[codec]
+    lay = layout_for(tuple(kv.shape), kv.dtype, bits, **opts)
+    _, nl, nt, nh, d = kv.shape
+    x, y = kv.double().reshape(2, nl, nt, nh * d), out.double().reshape(2, nl, nt, nh * d)
+    eps = EPS[kv.dtype]
+    assert torch.equal(out[0, :, : lay.sink], kv[0, :, : lay.sink])  # sink keys exact
+    keys = x[0, :, lay.sink :]
+    for a in range(0, keys.shape[1], lay.key_tokens):
+        g = keys[:, a : a + lay.key_tokens]
+        err = (g - y[0, :, lay.sink + a : lay.sink + a + lay.key_tokens]).abs()
+        assert bool((err <= _bound(g, 1, bits) + g.abs() * eps + 1e-6).all())
+    v = x[1].reshape(nl, nt, -1, lay.value_group)
+    err = (v - y[1].reshape(v.shape)).abs()
+    assert bool((err <= _bound(v, 3, bits) + v.abs() * eps + 1e-6).all())
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "shape,opts",
+    [
+        ((2, 2, 256, 3, 64), {}),
+        ((2, 2, 300, 3, 64), {}),  # a last key group of 43 tokens after the 256 (and the sink)
+        ((2, 1, 17, 2, 8), {"key_tokens": 5}),  # odd length, groups of 5, 1, sink
+        ((2, 3, 1, 1, 4), {}),  # one token: no sink, one-token key groups
+        ((2, 2, 15, 3, 64), {"value_group": 64}),  # under 16 tokens: no sink
+        ((2, 1, 64, 2, 64), {"sink_tokens": 0, "value_group": 8}),
+    ],
+)
+def test_round_trip_within_the_bound(codec: str, dtype: torch.dtype, shape: tuple, opts: dict) -> None:
+    kv = make_kv(shape, dtype, seed=sum(shape))
+    blob = encode_blob(kv, codec=codec, **opts)
+    out = decode_blob(blob)
+    assert out.shape == kv.shape and out.dtype == dtype
+    check_bound(kv, out, codec, **opts)
+    assert verify_blob(blob).payload_len == layout_for(shape, dtype, CODECS[codec], **opts).nbytes()
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_all_equal_groups_decode_exactly(codec: str) -> None:
+    kv = make_kv((2, 2, 64, 2, 16))
+    kv[0, :, :, 1, 3] = 0.75  # one key channel constant over every token
+    kv[1, 1] = -2.5  # a layer of constant values
+    kv[:, 0, 5] = 0  # a token of zeros (its values' group)
+    out = decode_blob(encode_blob(kv, codec=codec))
+    assert torch.equal(out[0, :, :, 1, 3], kv[0, :, :, 1, 3])
+    assert torch.equal(out[1, 1], kv[1, 1]) and torch.equal(out[1, 0, 5], kv[1, 0, 5])
+
+
+@pytest.mark.parametrize("codec,floor", [("kivi4", 3.83), ("kivi2", 7.3)])
+def test_size_vs_bf16_with_the_header(codec: str, floor: float) -> None:
+    kv = make_kv((2, 30, 256, 3, 64), torch.bfloat16)  # a SmolLM2-135M chunk
+    blob = encode_blob(kv, codec=codec)
+    assert kv.numel() * 2 / len(blob) >= floor
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), 1e6])
+def test_non_finite_or_out_of_fp16_range_kv_is_rejected(codec: str, bad: float) -> None:
+    kv = make_kv((2, 2, 32, 2, 8), torch.float32)
+    kv[1, 1, 17, 1, 5] = bad
+    with pytest.raises(CodecError, match="NaN|Inf|float16 range"):
+        encode_blob(kv, codec=codec)
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [
+        {"key_tokens": 0},
+        {"value_group": 7},
+        {"value_group": 0},
+        {"sink_tokens": 65},
+        {"key_tokens": 1.5},
+        {"group_size": 64},
+    ],
+)
+def test_bad_options_are_codec_errors(opts: dict) -> None:
+    with pytest.raises(CodecError):
+        encode_blob(make_kv((2, 1, 64, 2, 8)), codec="kivi4", **opts)
+
+
+def test_a_row_that_does_not_pack_is_refused() -> None:
+    with pytest.raises(CodecError, match="pack"):
+        encode_blob(torch.ones(2, 1, 4, 1, 2), codec="kivi2")  # 2 channels of 2 bits: not a byte
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_forged_params_are_corrupt(codec: str) -> None:
+    good = encode_blob(make_kv((2, 2, 64, 2, 16)), codec=codec)
+    h = verify_blob(good)
+    payload = good[h.payload_offset :]
+    for params in ({**h.params, "kt": 32}, {**h.params, "vg": 3}, {"kt": 256}, {**h.params, "sink": "1"}):
+        with pytest.raises(CorruptBlob):
+            verify_blob(forge(good, payload, params=params))
+    with pytest.raises(CodecError):
+        get_codec(codec).decode(memoryview(payload)[:-1], h.params, h.shape, h.dtype)
