@@ -30,7 +30,7 @@ from kvstore.settings import Size, human_error, load_settings, read_token
 
 logger = logging.getLogger(__name__)
 KVRole = Literal["kv_both", "kv_producer", "kv_consumer"]  # vLLM's names (connectors.base.KV_ROLES)
-KVCodec = Literal["raw", "fp8", "int4"]
+KVCodec = Literal["raw", "fp8", "int4", "kivi4", "kivi2"]
 # the short names `kv_connector_extra_config` users write
 SHORT_NAMES = {"url": "store_url", "token": "auth_token", "token_file": "auth_token_file"}
 
