@@ -125,3 +125,15 @@ def _stats(store) -> dict:
 
     tiers = http_json(store.url + "/v1/stats")["tiers"]
     return {"corrupt": int(np.sum([t.get("corrupt", 0) for t in tiers]))}
+
+
+def test_the_connectors_info_lines_are_in_vllms_log(vllm_pair) -> None:
+    """vLLM's own logger carries the connector's lines: each process that built one says so, in
+    vLLM's format (the scheduler side in EngineCore, the worker side in the Worker)."""
+    import re  # noqa: PLC0415
+
+    producer, _ = vllm_pair
+    log = producer.tail(100_000)
+    for role in ("SCHEDULER", "WORKER"):
+        line = rf"INFO \d\d-\d\d \d\d:\d\d:\d\d \[vllm\.py:\d+\] KVStoreConnectorV1 \({role}, kv_producer\)"
+        assert re.search(line, log), f"no {role} line in {producer.log}"
