@@ -87,58 +87,17 @@ def parse_kv_events_config(value: str | Mapping[str, Any] | KVEventsConfig | Non
     return config
 
 
-def _structs() -> dict[str, Any]:
-    """vLLM's msgspec classes, mirrored field for field (so vLLM's decoder reads what we encode and we
-    read what vLLM publishes) without importing vLLM."""
-    import msgspec
-
-    class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-        ts: float
-        events: list[Any]
-        data_parallel_rank: int | None = None
-
-    class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-        pass
-
-    class BlockStored(KVCacheEvent):
-        block_hashes: list[bytes | int]
-        parent_block_hash: bytes | int | None
-        token_ids: list[int]
-        block_size: int
-        lora_id: int | None
-        medium: str | None
-        lora_name: str | None
-        extra_keys: list[tuple[Any, ...] | None] | None = None
-        group_idx: int | None = None
-        kv_cache_spec_kind: str | None = None
-        kv_cache_spec_sliding_window: int | None = None
-        locality: str | None = None
-        ownership: str | None = None
-        session_id: str | None = None
-
-    class BlockRemoved(KVCacheEvent):
-        block_hashes: list[bytes | int]
-        medium: str | None
-        group_idx: int | None = None
-        locality: str | None = None
-        ownership: str | None = None
-
-    class AllBlocksCleared(KVCacheEvent):
-        pass
-
-    class KVEventBatch(EventBatch):
-        events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-
-    return {c.__name__: c for c in (KVEventBatch, BlockStored, BlockRemoved, AllBlocksCleared)}
-
-
 _STRUCTS: dict[str, Any] = {}
 
 
 def structs() -> dict[str, Any]:
     """{"KVEventBatch", "BlockStored", "BlockRemoved", "AllBlocksCleared"} -> msgspec class."""
     if not _STRUCTS:
-        _STRUCTS.update(_structs())
+        from kvstore import event_types as t  # noqa: PLC0415 (needs msgspec: only with events on)
+
+        _STRUCTS.update(
+            {c.__name__: c for c in (t.KVEventBatch, t.BlockStored, t.BlockRemoved, t.AllBlocksCleared)}
+        )
     return _STRUCTS
 
 

@@ -90,7 +90,11 @@ class EventSubscriber:
 
     def _handle_replayed(self, src: Source, seq: int, payload: bytes) -> None:
         if seq > src.last_seq:
-            batch = decode_batch(payload)
+            try:
+                batch = decode_batch(payload)
+            except Exception as e:  # msgspec.DecodeError and friends: skip the batch, keep the feed
+                logger.warning("KV events from %s: undecodable replayed batch %d (%s)", src.name, seq, e)
+                return
             src.last_seq = seq
             src.batches += 1
             src.apply(src.name, batch.events)

@@ -147,3 +147,41 @@ def _layout(chunk: int):
     from kvstore.keys import KVLayout
 
     return KVLayout("m", "0" * 32, 2, 2, 32, "bfloat16", chunk)
+
+
+def test_the_routers_feed_replays_on_start_follows_live_and_sees_a_publisher_restart(tmp_path) -> None:
+    from engine.router.index import PrefixIndex
+    from engine.router.subscriber import EventSubscriber, Source
+    from kvstore.events import KVEventsConfig, ZmqEventPublisher, all_blocks_cleared, block_stored
+
+    cfg = KVEventsConfig(True, "zmq", f"ipc://{tmp_path}/p", f"ipc://{tmp_path}/r")
+    a, b = bytes(16), bytes([1] * 16)
+    pub = ZmqEventPublisher(cfg)
+    pub.publish([all_blocks_cleared()])
+    pub.publish([block_stored([a], None, [1, 2, 3, 4], 4, "GPU")])
+    index = PrefixIndex()
+    sub = EventSubscriber([Source("e", cfg.endpoint, cfg.replay_endpoint, index.apply_engine)])
+    try:
+        settle()  # both batches were published before the subscriber existed: only replay has them
+        sub.start()
+        assert sub.ready.wait(10)
+        assert index.local_tokens("e", [1, 2, 3, 4, 5, 6, 7, 8, 9]) == 4
+        pub.publish([block_stored([b], a, [5, 6, 7, 8], 4, "GPU")])  # live
+        _until(lambda: index.local_tokens("e", [1, 2, 3, 4, 5, 6, 7, 8, 9]) == 8)
+        pub.shutdown()
+        pub = ZmqEventPublisher(cfg)  # a restarted engine: seq 0 again, AllBlocksCleared first
+        settle()
+        pub.publish([all_blocks_cleared()])
+        _until(lambda: index.local_tokens("e", [1, 2, 3, 4, 5, 6, 7, 8, 9]) == 0)
+    finally:
+        sub.stop()
+        pub.shutdown()
+
+
+def _until(cond, timeout_s: float = 10.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "the router's index did not follow the events"
+        time.sleep(0.02)
