@@ -28,7 +28,7 @@ from engine.proxy import CONFIG_KEY, INFLIGHT_KEY, SESSION_KEY, forward
 from engine.router.calibrate import Calibrator
 from engine.router.index import PrefixIndex
 from engine.router.metrics import RouterMetrics
-from engine.router.scoring import Choice, EngineState, Request, choose
+from engine.router.scoring import POLICIES, Choice, EngineState, Request, choose
 from engine.router.subscriber import EventSubscriber, Source
 from engine.router.tokens import PromptTokens
 from engine.server_middleware import MAX_BODY_KEY, errors_middleware, parse_json, unless_disconnected
@@ -36,6 +36,7 @@ from engine.server_middleware import MAX_BODY_KEY, errors_middleware, parse_json
 logger = logging.getLogger(__name__)
 ROUTER_KEY = web.AppKey("router", object)
 ENGINE_HEADER = "X-KVStore-Engine"  # on every routed response: the engine that served it
+POLICY_HEADER = "X-KVStore-Policy"  # a request's own policy (A/B runs, benchmarks/bench_router.py)
 _MAX_BODY_BYTES = 64 * 2**20
 
 
@@ -84,9 +85,8 @@ class Router:
         self.metrics = RouterMetrics()
         self.calibrator = Calibrator()
         self.loads = {u: EngineLoad(u) for u in config.engines}
-        self.recent: collections.deque[str] = collections.deque(
-            maxlen=config.share_window * len(config.engines)
-        )
+        window = config.share_window * len(config.engines)
+        self.recent = collections.defaultdict(lambda: collections.deque(maxlen=window))  # per policy
         self.turn = 0
         sources = [
             Source(url, ev, rp, self.index.apply_engine, config.topic)
@@ -98,8 +98,10 @@ class Router:
         ]
         self.subscriber = EventSubscriber(sources)
 
-    def decide(self, token_ids: list[int] | None) -> Choice:
-        counts = collections.Counter(self.recent)
+    def decide(self, token_ids: list[int] | None, policy: str | None = None) -> Choice:
+        policy = policy or self.config.policy
+        recent = self.recent[policy]
+        counts = collections.Counter(recent)
         if token_ids:
             keys = self.tokens.chunk_keys(token_ids)
             store = self.index.store_chunks(keys) * self.tokens.chunk_size
@@ -116,11 +118,9 @@ class Router:
             )
             for url, load in self.loads.items()
         ]
-        choice = choose(
-            self.config.policy, engines, request, self.calibrator.costs, self.config.max_share, self.turn
-        )
+        choice = choose(policy, engines, request, self.calibrator.costs, self.config.max_share, self.turn)
         self.turn += 1
-        self.recent.append(choice.engine)
+        recent.append(choice.engine)
         self.metrics.decided(choice)
         return choice
 
@@ -148,7 +148,10 @@ async def _route(request: web.Request, path: str, chat: bool) -> web.StreamRespo
         if not isinstance(body, dict):
             raise InvalidRequest("the request body must be a JSON object")
         token_ids = router.tokens.of_chat(body) if chat else router.tokens.of_completion(body)
-        choice = router.decide(token_ids)
+        policy = request.headers.get(POLICY_HEADER)
+        if policy is not None and policy not in POLICIES:
+            raise InvalidRequest(f"{POLICY_HEADER} must be one of {', '.join(POLICIES)}, got {policy!r}")
+        choice = router.decide(token_ids, policy)
         load = router.loads[choice.engine]
         pending = choice.compute_tokens + choice.store_tokens
         load.in_flight += 1

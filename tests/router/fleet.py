@@ -68,8 +68,12 @@ def start_router(engines: list[tuple[str, dict]], store_cfg: dict, *args: str) -
         ]
     cmd += ["--store-events", store_cfg["endpoint"], "--store-replay", store_cfg["replay_endpoint"], *args]
     proc = Proc(cmd)
-    url = proc.wait_line(r"listening on (http://\S+)", timeout=120).group(1)
-    wait_healthy(url, proc, 60)  # 200 once every publisher's replay was read
+    try:
+        url = proc.wait_line(r"listening on (http://\S+)", timeout=120).group(1)
+        wait_healthy(url, proc, 60)  # 200 once every publisher's replay was read
+    except BaseException:
+        proc.stop()
+        raise
     return proc, url
 
 

@@ -1,0 +1,209 @@
+"""KV-aware routing on a slice of the public Mooncake conversation trace: 3 real SmolLM2 engines and one
+kvstore-server behind `kvstore-engine router`, the policies interleaved round by round.
+
+    flock /tmp/kvstore-heavy.lock .venv/bin/python benchmarks/bench_router.py            # a few minutes
+    .venv/bin/python benchmarks/bench_router.py --conversations 8 --rounds 1              # a smoke run
+
+The slice. From the first `--window` requests of `../shared/traces/mooncake_conversation_trace.jsonl`
+the conversations are kept: requests that share their first two 512-token blocks (`hash_ids[:2]`;
+block 0 is one system prompt shared by nearly every request) with another request of the window, in
+trace order. Each round takes the next `--conversations` of them; every policy replays the same round.
+
+Scaling. A 512-token block becomes `--block-tokens` tokens (32: SmolLM2 on 2 cores serves a 16-block
+prompt, 512 tokens, in about a second instead of 8,192 tokens in minutes), drawn from a PRNG seeded
+by (policy, block id), so equal id prefixes give equal token prefixes within a policy and no policy
+reuses another's KV; prompts are cut at `--max-blocks` blocks and the last block to the scaled
+input_length. The store's chunks are one scaled block (chunk_size = block tokens), as the trace's
+blocks are the unit of reuse. Output: output_length / 64 tokens, 1 to 8.
+
+Time. Arrivals keep the trace's order and relative times, compressed so that a round's requests
+arrive at `--rps` on average; a conversation's next turn is never sent before its previous turn
+finished (a user answers what they read), so the time compression cannot make a turn arrive before
+its own history exists.
+
+Per policy it prints: local hit rate (prompt tokens from the chosen engine's own prefix cache), store
+hit rate (loaded from the kvstore-server), recompute share (the rest), TTFT p50 / p90 (client side,
+streamed: request sent to first token), throughput (requests per second of round wall time) and load
+imbalance (max / mean requests per engine). Hit rates come from the engines' own counters
+(vllm:prefix_cache_hits, vllm:external_prefix_cache_hits over vllm:prompt_tokens), read before and
+after each policy's part of a round, when nothing else runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from engine.router.scoring import POLICIES  # noqa: E402
+from tests.router.fleet import start_engine, start_router, start_store, wait_healthy  # noqa: E402
+
+TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+VOCAB = (1000, 40000)  # SmolLM2 ids drawn from the ordinary part of its 49,152-token vocabulary
+
+
+def conversations(path: Path, window: int) -> list[list[dict]]:
+    rows = [json.loads(line) for _, line in zip(range(window), path.open(), strict=False)]
+    groups: dict[tuple, list[dict]] = collections.defaultdict(list)
+    for r in rows:
+        if len(r["hash_ids"]) >= 2:
+            groups[tuple(r["hash_ids"][:2])].append(r)
+    convs = [g for g in groups.values() if len(g) >= 2]
+    return sorted(convs, key=lambda g: g[0]["timestamp"])
+
+
+def prompt(row: dict, policy: str, block_tokens: int, max_blocks: int) -> list[int]:
+    ids = row["hash_ids"][:max_blocks]
+    out: list[int] = []
+    for h in ids:
+        rng = random.Random(f"{policy}:{h}")
+        out += [rng.randrange(*VOCAB) for _ in range(block_tokens)]
+    n = min(len(out), max(1, round(row["input_length"] * block_tokens / 512)))
+    return out[:n]
+
+
+def engine_counters(url: str) -> dict[str, float]:
+    names = {"vllm:prompt_tokens_total": "prompt", "vllm:prefix_cache_hits_total": "local",
+             "vllm:external_prefix_cache_hits_total": "store"}  # fmt: skip
+    text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+    out = dict.fromkeys(names.values(), 0.0)
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name in names:
+                out[names[s.name]] += s.value
+    return out
+
+
+async def one(session, router, policy, tokens, max_tokens, record) -> None:
+    body = {"prompt": tokens, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    sent = time.monotonic()
+    ttft = None
+    async with session.post(router + "/v1/completions", json=body, headers={"X-KVStore-Policy": policy}) as r:
+        r.raise_for_status()
+        engine = r.headers["X-KVStore-Engine"]
+        async for chunk in r.content.iter_any():
+            if ttft is None and b"data:" in chunk:
+                ttft = time.monotonic() - sent
+    record.append((engine, ttft if ttft is not None else time.monotonic() - sent))
+
+
+async def run_round(router: str, policy: str, convs: list[list[dict]], args) -> tuple[list, float]:
+    rows = [r for c in convs for r in c]
+    t0 = min(r["timestamp"] for r in rows)
+    span_ms = max(r["timestamp"] for r in rows) - t0
+    scale = (len(rows) / args.rps) / max(span_ms / 1000, 1e-9)  # trace seconds -> run seconds
+    record: list = []
+    start = time.monotonic()
+
+    async def conversation(conv, session) -> None:
+        for r in conv:
+            due = start + (r["timestamp"] - t0) / 1000 * scale
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+            tokens = prompt(r, policy, args.block_tokens, args.max_blocks)
+            max_tokens = max(1, min(8, round(r["output_length"] / 64)))
+            await one(session, router, policy, tokens, max_tokens, record)
+
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        await asyncio.gather(*(conversation(c, session) for c in convs))
+    return record, time.monotonic() - start
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--window", type=int, default=1500, help="trace requests the conversations come from")
+    p.add_argument("--conversations", type=int, default=12, help="conversations per round")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rps", type=float, default=1.5, help="mean arrival rate of a round (requests/s)")
+    p.add_argument("--block-tokens", type=int, default=32, help="tokens per scaled 512-token trace block")
+    p.add_argument("--max-blocks", type=int, default=24)
+    p.add_argument("--kv-cache-memory", default="64MiB", help="each engine's KV cache")
+    p.add_argument("--policies", default=",".join(POLICIES))
+    args = p.parse_args()
+    policies = args.policies.split(",")
+    convs = conversations(TRACE, args.window)
+    need = args.conversations * args.rounds
+    if len(convs) < need:
+        raise SystemExit(f"the window has {len(convs)} conversations, {need} needed")
+    tmp = Path(tempfile.mkdtemp(prefix="bench-router-"))
+    ktc = json.dumps(
+        {"kv_connector": "KVStoreConnector", "kv_connector_extra_config": {"chunk_size": args.block_tokens}}
+    )
+    store, store_cfg = start_store(tmp, "--cpu-capacity", "2GiB")
+    procs = []
+    try:
+        engine_args = (
+            "--max-model-len",
+            "1024",
+            "--kv-cache-memory",
+            args.kv_cache_memory,
+            "--kv-transfer-config",
+            ktc,
+        )
+        engines = [start_engine(tmp, f"e{i}", store.url, *engine_args) for i in range(3)]
+        procs += [e[0] for e in engines]
+        for proc, url, _ in engines:
+            wait_healthy(url, proc)
+        urls = [url for _, url, _ in engines]
+        router_proc, router = start_router(
+            [(u, c) for _, u, c in engines], store_cfg, "--chunk-size", str(args.block_tokens)
+        )
+        procs.append(router_proc)
+        results = {
+            pol: {"records": [], "wall": 0.0, "prompt": 0.0, "local": 0.0, "store": 0.0} for pol in policies
+        }
+        for rnd in range(args.rounds):
+            chunk = convs[rnd * args.conversations : (rnd + 1) * args.conversations]
+            order = policies[rnd % len(policies) :] + policies[: rnd % len(policies)]
+            for pol in order:
+                before = [engine_counters(u) for u in urls]
+                record, wall = asyncio.run(run_round(router, pol, chunk, args))
+                time.sleep(1.0)  # the last saves reach the store, the last counters the scrape
+                after = [engine_counters(u) for u in urls]
+                res = results[pol]
+                res["records"] += record
+                res["wall"] += wall
+                for k in ("prompt", "local", "store"):
+                    res[k] += sum(a[k] - b[k] for a, b in zip(after, before, strict=True))
+                print(f"round {rnd + 1} {pol:>12}: {len(record)} requests in {wall:.1f} s", file=sys.stderr)
+        print(f"\nMooncake conversation trace, {args.rounds} rounds x {args.conversations} conversations "
+              f"({sum(len(c) for c in convs[:need])} requests per policy), {args.block_tokens} tokens per "
+              f"512-token block, {args.rps} req/s, 3 engines (KV cache {args.kv_cache_memory} each) + 1 kvstore-server\n")  # fmt: skip
+        print(f"{'policy':>12} {'local hit':>9} {'store hit':>9} {'recompute':>9} {'TTFT p50':>9} {'TTFT p90':>9} "
+              f"{'req/s':>6} {'imbalance':>9}")  # fmt: skip
+        for pol in policies:
+            res = results[pol]
+            ttfts = [t for _, t in res["records"]]
+            per_engine = collections.Counter(e for e, _ in res["records"])
+            counts = [per_engine.get(u, 0) for u in urls]
+            local, stored = res["local"] / res["prompt"], res["store"] / res["prompt"]
+            print(f"{pol:>12} {local:>9.1%} {stored:>9.1%} {1 - local - stored:>9.1%} {statistics.median(ttfts):>8.3f}s "
+                  f"{pct(ttfts, 0.9):>8.3f}s {len(ttfts) / res['wall']:>6.2f} {max(counts) / statistics.mean(counts):>9.2f}")  # fmt: skip
+        return 0
+    finally:
+        for proc in procs:
+            proc.stop()
+        store.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
