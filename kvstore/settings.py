@@ -50,16 +50,36 @@ Size = Annotated[int, BeforeValidator(parse_size)]  # a byte count; accepts '8Gi
 
 
 def read_token(token: str | None, token_file: str | Path | None) -> str | None:
-    """A bearer token given inline or in a file (surrounding whitespace dropped); None for no auth."""
+    """A bearer token given inline or in a file (surrounding whitespace dropped); None for no auth.
+    Either is checked by `check_token`: a token no HTTP client could send is refused here."""
     if token_file is not None:
         try:
             text = Path(token_file).expanduser().read_text().strip()
-        except OSError as e:
-            raise ConfigError(f"cannot read token file {token_file}: {e}") from None
+        except (OSError, UnicodeDecodeError) as e:
+            why = e.strerror or e if isinstance(e, OSError) else "it is not UTF-8 text"
+            raise ConfigError(f"cannot read token file {token_file}: {why}") from None
         if not text:
             raise ConfigError(f"token file {token_file} is empty")
-        return text
-    return token or None
+        return check_token(text, f"token file {token_file}")
+    return check_token(token, "the auth token") if token else None
+
+
+def check_token(token: str, source: str) -> str:
+    """`token`, if it is one line of printable ASCII without spaces (what an `Authorization: Bearer`
+    header can carry); else a ConfigError that names `source` and what is wrong, never the token or
+    any part of it (the message reaches logs)."""
+    lines = len(token.replace("\r\n", "\n").replace("\r", "\n").split("\n"))
+    bad = next((ch for ch in token if not "!" <= ch <= "~"), None)
+    if bad is not None:
+        kind = (
+            f"{lines} lines" if lines > 1 else "a space or tab" if bad in " \t"
+            else "a control character" if bad.isascii() else "a non-ASCII character"
+        )  # fmt: skip
+        raise ConfigError(
+            f"{source} holds {kind}: a bearer token is one line of printable ASCII without spaces, "
+            "e.g. made by `openssl rand -hex 32` (the token is not shown)"
+        )
+    return token
 
 
 def human_error(e: ValidationError, what: str) -> ConfigError:

@@ -28,6 +28,7 @@ from kvstore import dataplane as dp
 from kvstore import shm, wire
 from kvstore.errors import InvalidArgument, KVStoreError, TooLarge, Unavailable
 from kvstore.keys import validate_key
+from kvstore.settings import check_token
 from kvstore.tiers.arena_index import IndexReader, usable_here
 from kvstore.tiers.base import Blob
 from sdk import transfers as tr
@@ -108,7 +109,7 @@ class RemoteBackend(Backend):
             timeout=timeout, connect_timeout=connect_timeout, retries=retries, backoff=backoff,
             pool_size=pool_size, retry_timeouts=retry_timeouts,
         )  # fmt: skip
-        self._tls, self._token = tls, token
+        self._tls, self._token = tls, token and check_token(token, "the token given to the SDK")
         self.http = HttpClient(self.host, self.port, tls, token, **self._conn_args)
         self.wanted = transport
         self.shm_size = shm_size

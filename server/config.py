@@ -28,7 +28,7 @@ class ServerConfig(BaseModel):
 
     host: str = "127.0.0.1"
     port: int = Field(DEFAULT_PORT, ge=0, le=65535)  # 0 picks a free port; the bound one is printed
-    auth_token: str | None = None
+    auth_token: str | None = Field(None, repr=False)  # never in a repr, a log line or an error
     auth_token_file: Path | None = None
     tls_cert: Path | None = None
     tls_key: Path | None = None

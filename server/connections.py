@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 
 from server.metrics import ServerMetrics
@@ -121,10 +122,22 @@ class GuardedHandler(RequestHandler):
         super().connection_lost(exc)
 
     def handle_error(self, request, status=500, exc=None, message=None):  # type: ignore[no-untyped-def]
-        super().handle_error(request, status, exc, message)  # logs; raises if a response already started
+        if isinstance(exc, HttpProcessingError) and 400 <= status < 500:
+            # A request the parser refused. Its message quotes the offending bytes, which may be a
+            # header holding a token (a multi-line one, a control character): neither the log nor the
+            # answer repeats them, only what was wrong.
+            text = f"bad HTTP request: {_first_line(exc.message) or f'HTTP {status}'}"
+            log.info("%s (from %s)", text, request.remote)
+        else:
+            super().handle_error(request, status, exc, message)  # logs; raises if a response started
+            text = message or (f"bad HTTP request: {exc}" if exc else f"HTTP {status}")
+            text = text if len(text) <= 300 else text[:300] + "..."
         type_name = "InvalidArgument" if 400 <= status < 500 else "KVStoreError"
-        text = message or (f"bad HTTP request: {exc}" if exc else f"HTTP {status}")
-        text = text if len(text) <= 300 else text[:300] + "..."  # parser messages quote the bad bytes
         resp = json_error(status, text, type_name)
         resp.force_close()
         return resp
+
+
+def _first_line(message: object) -> str:
+    """What a parser error says was wrong, without the request bytes it quotes after the first line."""
+    return str(message or "").strip().split("\n", 1)[0].rstrip(":").strip()[:200]
