@@ -7,6 +7,7 @@ from kvstore.codecs.fp8 import Fp8Codec
 from kvstore.codecs.int4 import Int4Codec
 from kvstore.codecs.kivi import KiviCodec
 from kvstore.codecs.raw import RawCodec
+from kvstore.codecs.with_ans import codecs as ans_codecs
 from kvstore.errors import CodecError
 
 _BY_NAME: dict[str, Codec] = {}
@@ -37,5 +38,7 @@ register(Fp8Codec())
 register(Int4Codec())
 register(KiviCodec(4, codec_id=3))
 register(KiviCodec(2, codec_id=4))
+for _c in ans_codecs():  # kivi4+ans, kivi2+ans, int4+ans, fp8+ans
+    register(_c)
 
 __all__ = ["Codec", "register", "get_codec", "codec_names"]

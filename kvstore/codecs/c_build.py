@@ -1,0 +1,47 @@
+"""Compile a C source of this package into a shared library on first use, cached under
+`$KVSTORE_CACHE_DIR/kernels` (default `~/.cache/kvstore/kernels`), keyed by the source, the flags,
+the compiler's version and `extra_key`; written to a temp name, then renamed (concurrent builders are
+safe). Raises OSError without a C compiler (`$CC`, `cc` or `gcc`) or when it fails."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+def build_library(src: Path, flags: tuple[str, ...], extra_key: str = "") -> Path:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise OSError("no C compiler (set CC, or install gcc)")
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except subprocess.SubprocessError as e:
+        raise OSError(f"{cc} --version: {e}") from None
+    key = hashlib.sha256(
+        b"\0".join(s.encode() for s in (src.read_text(), " ".join(flags), version, extra_key))
+    ).hexdigest()[:16]
+    root = os.environ.get("KVSTORE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kvstore")
+    out = Path(root) / "kernels" / f"{src.stem}-{key}.so"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        so = Path(tmp) / out.name
+        try:
+            r = subprocess.run(
+                [cc, *flags, str(src), "-o", str(so)], capture_output=True, text=True, timeout=300
+            )
+        except subprocess.SubprocessError as e:
+            raise OSError(f"{cc}: {e}") from None
+        if r.returncode != 0:
+            raise OSError(f"{cc} failed: {r.stderr[-2000:]}")
+        os.replace(so, out)
+    logger.info("compiled %s", out)
+    return out
