@@ -12,28 +12,30 @@ import argparse
 import asyncio
 import logging
 import sys
+from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel
 
 from kvstore import __version__
 from kvstore.config import StoreConfig
 from kvstore.errors import KVStoreError
-from kvstore.settings import check_port_free
+from kvstore.settings import check_port_free, parse_size
 from server.config import ServerConfig, load_configs
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 # the flags users reach for, with their help; every other setting gets a flag from its field name below
 STORE_FLAGS = {
     "tiers": "ordered tiers, any of gpu,cpu,disk,redis (default cpu,disk)",
-    "cpu_capacity": "e.g. 8GiB (default 4GiB)",
-    "disk_capacity": "e.g. 64GiB (default)",
-    "gpu_capacity": "e.g. 4GiB (default)",
+    "cpu_capacity": "bytes the cpu tier may hold, e.g. 16GiB (default {default})",
+    "disk_capacity": "bytes the disk tier may hold, e.g. 1TiB (default {default})",
+    "gpu_capacity": "bytes the gpu tier may hold, e.g. 8GiB (default {default})",
     "disk_path": "directory of the disk tier (default ~/.cache/kvstore/data/disk)",
     "redis_url": "redis://host:port/db (Valkey works too); for a Cluster, any node plus --redis-cluster",
-    "write_policy": "through (default): lower tiers before the ack; back: a background queue",
+    "write_policy": "through: lower tiers before the ack; back: a background queue (default {default})",
     "ttl": "seconds a blob lives (default: until evicted)",
-    "codec": "default codec of tensors put through the local SDK (raw, fp8, int4)",
-    "max_blob_size": "largest single blob accepted, e.g. 256MiB (default)",
+    "codec": "codec of tensors put through the local SDK: raw, fp8, int4 (default {default})",
+    "max_blob_size": "largest single blob accepted, e.g. 512MiB (default {default})",
     "redis_prefix": "prefix of every Redis key (default kvstore:)",
     "redis_cluster": "the Redis URL names Cluster nodes",
     "state_dir": "directory for what must survive a restart: deletes/replaces a Redis outage left to replay "
@@ -42,6 +44,10 @@ STORE_FLAGS = {
     "admission_hits": "a blob reaches lower tiers only after this many hits (default 0: always)",
     "lz4": "lz4 after the codec, for tensors put through the local SDK (rarely pays on KV)",
     "miss_log_keys": "recently written keys remembered to tell evicted/expired misses apart (default 65536)",
+    "cpu_shared": "the cpu tier's blobs in a shared-memory arena that same-host clients map read-only "
+    "(kvstore-server turns it on whenever shared memory is on: --shm-budget)",
+    "redis_max_invalidated": "deletes and replaces a Redis outage may leave to replay when it answers again; "
+    "past that they are a 503 (default {default})",
 }
 SERVER_FLAGS = {
     "host": "address to bind (default 127.0.0.1)",
@@ -54,24 +60,50 @@ SERVER_FLAGS = {
     "engine_metrics": "an engine's URL whose /metrics the dashboard reads (repeatable or comma list)",
     "sample_interval": "seconds between dashboard samples (default 5)",
     "shutdown_timeout": "seconds in-flight requests get on SIGTERM (default 30)",
-    "max_request_size": "largest batch body accepted, e.g. 1GiB (default)",
-    "max_body_bytes_in_flight": "request body bytes being received at once, e.g. 1GiB (then 503)",
+    "max_request_size": "largest batch body accepted, e.g. 4GiB (default {default})",
+    "max_body_bytes_in_flight": "request body bytes being received at once, e.g. 1GiB (then 503; default {default})",
     "max_connections": "open connections (then a fast 503; default 1024)",
     "header_timeout": "seconds for a request's headers (default 10)",
     "keepalive_timeout": "seconds an idle connection stays (default 30)",
     "body_timeout": "seconds to receive a whole body (default 30)",
     "history_size": "dashboard samples kept (default 720: an hour at 5 s)",
     "store_threads": "threads for store calls that may touch disk or Redis (default 4)",
-    "metrics_auth": "/metrics needs the token too (default; --no-metrics-auth opens it)",
+    "metrics_auth": "/metrics needs the token too (default {default}; --no-metrics-auth opens it)",
     "access_log": "log every request",
-    "dataplane": "the binary data plane on the port, for the SDK (default; --no-dataplane: HTTP only)",
-    "shm_budget": "shared memory for clients on this host, all segments together, e.g. 1GiB (0: off)",
-    "shm_max_segment": "largest shared-memory segment one client gets (default 512MiB)",
+    "dataplane": "the binary data plane on the port, for the SDK (default {default}; --no-dataplane: HTTP only)",
+    "shm_budget": "shared memory for clients on this host, all segments together, e.g. 4GiB (0: off; default {default})",
+    "shm_max_segment": "largest shared-memory segment one client gets (default {default})",
     "kv_events_config": "publish every tier's stored/evicted chunks as vLLM KV events (off by default), vLLM's "
     'KVEventsConfig JSON: \'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", '
     '"replay_endpoint": "tcp://*:5558"}\'',
     "poll_us": "µs the loop polls for a same-host client's next request before sleeping (default 200; 0: off)",
 }
+
+
+def show_default(value: Any, size: bool = False) -> str:
+    """A default as a person writes it: sizes in binary units (4GiB), ~ for the home directory, on/off;
+    "" when there is none to show (None, an empty list)."""
+    if value is None or value == []:
+        return ""
+    if size:
+        return _show_size(int(value))
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, Path):
+        home = str(Path.home())
+        return "~" + str(value)[len(home) :] if str(value).startswith(home + "/") else str(value)
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    if isinstance(value, list):
+        return ",".join(map(str, value))
+    return str(value)
+
+
+def _show_size(n: int) -> str:
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n and n % (1 << shift) == 0:
+            return f"{n >> shift}{unit}"
+    return str(n)
 
 
 def _flag(name: str) -> str:
@@ -84,7 +116,14 @@ def _add_model_flags(group: argparse._ArgumentGroup, model: type[BaseModel], hel
     for name in [*helps, *(n for n in model.model_fields if n not in helps)]:
         field = model.model_fields[name]
         default = field.default if field.default_factory is None else field.default_factory()
-        help_text = helps.get(name) or f"{name} (default {default!r})"
+        shown = show_default(
+            default, size=any(getattr(m, "func", None) is parse_size for m in field.metadata)
+        )
+        help_text = helps.get(name, name.replace("_", " "))  # tests/server/test_cli.py: none is missing
+        if "{default}" in help_text:
+            help_text = help_text.replace("{default}", shown)
+        elif "default" not in help_text and shown:
+            help_text += f" (default {shown})"
         if field.annotation in (bool, "bool"):
             group.add_argument(
                 _flag(name), action=argparse.BooleanOptionalAction, default=None, help=help_text

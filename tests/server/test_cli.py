@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -164,3 +165,35 @@ def test_cli_reads_config_file_and_env(tmp_path, cli_servers):
     ] == 3 * 2**20
     be.close()
     assert srv.stop() == 0
+
+
+def test_every_option_of_help_says_what_it_does_and_its_default():
+    """Issue 30 #17: `--cpu-shared` and `--redis-max-invalidated` had no description, four size flags
+    said "(default)" with no value, `--max-body-bytes-in-flight` and `--shm-budget` no default."""
+    from kvstore.config import StoreConfig  # noqa: PLC0415
+    from server.config import ServerConfig  # noqa: PLC0415
+
+    actions = {a.dest: a for a in build_parser()._actions}
+    for model in (StoreConfig, ServerConfig):
+        for name, field in model.model_fields.items():
+            text = actions[name].help or ""
+            assert len(text) > len(name) + 8 and text != name.replace("_", " "), f"--{name}: {text!r}"
+            assert not re.search(r"\(default[);]", text), f"--{name} names no default value: {text!r}"
+            default = field.default if field.default_factory is None else field.default_factory()
+            if default is None or default == []:
+                continue
+            if isinstance(default, bool):
+                shown = "on" if default else "off"
+            elif isinstance(default, int) and "size" in str(field.metadata):  # Size fields parse '8GiB'
+                shown = next(
+                    f"{default >> s}{u}" for s, u in ((30, "GiB"), (20, "MiB")) if default % (1 << s) == 0
+                )
+            elif isinstance(default, Path):
+                shown = str(default).replace(str(Path.home()), "~")
+            elif isinstance(default, float):
+                shown = f"{default:g}"
+            elif isinstance(default, list):
+                shown = ",".join(default)
+            else:
+                shown = str(default)
+            assert shown in text, f"--{name} does not show its default {shown}: {text!r}"
