@@ -1,0 +1,225 @@
+"""Measure the `smollm2-cpu` cost profile on this machine by running the real kvstore-engine.
+
+    flock /tmp/kvstore-heavy.lock .venv/bin/python -m benchmarks.fleet_sim.calibrate [--out FILE]
+
+What it times (SmolLM2-135M-Instruct, kvstore-engine's defaults otherwise; prefix caching off so every
+prompt token is computed):
+- prefill: one request of n random tokens and max_tokens=1, for n in PREFILL_LENGTHS; the per-token
+  cost is the least-squares slope, the intercept the fixed cost of a step;
+- decode: B requests of a short prompt, max_tokens=1 and then max_tokens=1+DECODE_STEPS (ignore_eos);
+  the difference over DECODE_STEPS is the step time at batch B;
+- the store: a real kvstore-server (cpu tier) on 127.0.0.1; a prompt run twice (prefix caching off) is
+  loaded back the second time; load seconds over loaded tokens from the engine's own metrics (the
+  counters `kvstore-engine router` calibrates from).
+
+The minimum of REPEATS runs is kept. Writes the profile JSON (date, machine, every measured point).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from engine.router.calibrate import parse_totals
+
+PROFILES = Path(__file__).parent / "profiles"
+PREFILL_LENGTHS = (256, 512, 1024, 2048)
+DECODE_BATCHES = (1, 2, 4, 8, 16, 32)
+DECODE_STEPS = 16
+REPEATS = 2
+PROMPT = 64  # tokens of each decode request's prompt
+
+
+def _tokens(n: int, rng: random.Random) -> list[int]:
+    return [rng.randrange(100, 40000) for _ in range(n)]
+
+
+def _timed(llm, prompts: list[list[int]], max_tokens: int) -> float:
+    from engine.sampling_params import SamplingParams
+
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+    t = time.perf_counter()
+    llm.generate(prompts, sp)
+    return time.perf_counter() - t
+
+
+def _fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares (slope, intercept)."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+    return slope, my - slope * mx
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_up(port: int, proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"kvstore-server exited with {proc.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.2)
+    raise RuntimeError("kvstore-server did not start listening")
+
+
+def measure_compute(rng: random.Random) -> dict:
+    from engine.llm import LLM
+
+    llm = LLM("smollm2", enable_prefix_caching=False)
+    try:
+        _timed(llm, [_tokens(128, rng)], 2)  # warm-up
+        prefill = {}
+        for n in PREFILL_LENGTHS:
+            prefill[n] = min(_timed(llm, [_tokens(n, rng)], 1) for _ in range(REPEATS))
+        decode = {}
+        for b in DECODE_BATCHES:
+            prompts = [_tokens(PROMPT, rng) for _ in range(b)]
+            one = min(_timed(llm, prompts, 1) for _ in range(REPEATS))
+            many = min(_timed(llm, prompts, 1 + DECODE_STEPS) for _ in range(REPEATS))
+            decode[b] = max(many - one, 0.0) / DECODE_STEPS
+        from engine.config import ModelConfig
+
+        args = llm.engine.args
+        cfg = ModelConfig.from_pretrained(llm.engine.model_dir)
+        return {
+            "prefill": prefill,
+            "decode": decode,
+            "max_batched_tokens": args.max_num_batched_tokens,
+            "max_num_seqs": args.max_num_seqs,
+            "dtype": str(llm.engine.kv_cache_dtype),
+            "kv": {
+                "dtype_bytes": llm.engine.kv_cache_dtype.itemsize,
+                "layers": cfg.num_layers,
+                "kv_heads": cfg.num_kv_heads,
+                "head_dim": cfg.head_dim,
+            },
+        }
+    finally:
+        llm.engine.shutdown()
+
+
+def measure_store(rng: random.Random, prompt_tokens: int = 2048) -> dict:
+    from engine.llm import LLM
+
+    port = _free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        server = subprocess.Popen(
+            [str(Path(sys.executable).parent / "kvstore-server"), "--host", "127.0.0.1", "--port", str(port),
+             "--tiers", "cpu", "--cpu-capacity", "1GiB", "--state-dir", tmp, "--log-level", "WARNING"],
+        )  # fmt: skip
+        try:
+            _wait_up(port, server)
+            llm = LLM("smollm2", enable_prefix_caching=False, kv_store_url=f"http://127.0.0.1:{port}")
+            try:
+                per_token = []
+                for _ in range(REPEATS):
+                    prompt = _tokens(prompt_tokens, rng)
+                    _timed(llm, [prompt], 1)  # computes and saves
+                    before = parse_totals(llm.engine.render_metrics().decode())
+                    _timed(llm, [prompt], 1)  # loads
+                    after = parse_totals(llm.engine.render_metrics().decode())
+                    loaded = after["loaded"] - before["loaded"]
+                    if loaded <= 0:
+                        raise RuntimeError("the second run loaded nothing from the kvstore-server")
+                    per_token.append((after["load_s"] - before["load_s"]) / loaded)
+                return {"load_s_per_token": min(per_token), "prompt_tokens": prompt_tokens}
+            finally:
+                llm.engine.shutdown()
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
+
+
+def build_profile(compute: dict, store: dict) -> dict:
+    lengths = sorted(compute["prefill"])
+    slope, intercept = _fit([float(n) for n in lengths], [compute["prefill"][n] for n in lengths])
+    kv = compute["kv"]
+    kv_bytes_per_token = 2 * kv["layers"] * kv["kv_heads"] * kv["head_dim"] * kv["dtype_bytes"]  # K and V
+    load_s_per_token = store["load_s_per_token"]
+    load_gbps = kv_bytes_per_token / load_s_per_token / 1e9
+    here = f"measured by benchmarks/fleet_sim/calibrate.py on {platform.node() or 'this machine'}"
+    return {
+        "name": "smollm2-cpu",
+        "model": "SmolLM2-135M-Instruct (kvstore-engine, bfloat16, 1 torch thread)",
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+        f"Linux {platform.release()}",
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
+        "kv_bytes_per_token": {
+            "value": kv_bytes_per_token,
+            "source": f"K and V x {kv} ({compute['dtype']}, the model's config.json)",
+        },
+        "prefill_s_per_token": {"value": slope, "source": f"{here}: slope over {lengths} tokens"},
+        "prefill_step_s": {"value": max(intercept, 0.0), "source": f"{here}: intercept of the same fit"},
+        "decode_step_s": {
+            "value": {str(b): s for b, s in sorted(compute["decode"].items())},
+            "source": f"{here}: ({PROMPT}-token prompts, {DECODE_STEPS} steps, batch -> seconds)",
+        },
+        "max_batched_tokens": {"value": compute["max_batched_tokens"], "source": "kvstore-engine's default"},
+        "max_num_seqs": {"value": compute["max_num_seqs"], "source": "kvstore-engine's default"},
+        "engine_kv_gib": {"value": 0.5, "source": "kvstore-engine's default kv_cache_memory (512MiB)"},
+        "engines_per_server": {"value": 64, "source": "one box: every engine talks to one kvstore-server"},
+        "server_gib": {"value": 4, "source": "kvstore-server's default --cpu-capacity (4GiB)"},
+        "tiers": {
+            "server": {
+                "load_gbps": {
+                    "value": load_gbps,
+                    "source": f"{here}: a real kvstore-server (cpu tier) on 127.0.0.1, a "
+                    f"{store['prompt_tokens']}-token prompt loaded back: kv bytes/token / "
+                    f"{load_s_per_token:.3g} s/token (the engine's connector metrics)",
+                },
+                "aggregate_gbps": {"value": load_gbps, "source": "one server process: the same"},
+            },
+            "valkey": {
+                "load_gbps": {"value": load_gbps, "source": "not measured here: taken equal to the server's"},
+                "aggregate_gbps": {
+                    "value": load_gbps,
+                    "source": "not measured here: taken equal to the server's",
+                },
+            },
+        },
+        "network": {
+            "hop_latency_s": {"value": 0.0, "source": "loopback: inside the measured load time"},
+            "nic_gbps": {"value": 0, "source": "0 = unlimited: loopback is inside the measured load time"},
+        },
+        "measured": {
+            "prefill_s": {str(n): s for n, s in compute["prefill"].items()},
+            "load_s_per_token": load_s_per_token,
+        },
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=PROFILES / "smollm2-cpu.json")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    rng = random.Random(args.seed)
+    started = time.perf_counter()
+    compute = measure_compute(rng)
+    store = measure_store(rng)
+    profile = build_profile(compute, store)
+    args.out.write_text(json.dumps(profile, indent=2) + "\n")
+    print(f"wrote {args.out} in {time.perf_counter() - started:.0f} s")
+    print(json.dumps({k: profile[k] for k in ("prefill_s_per_token", "decode_step_s")}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

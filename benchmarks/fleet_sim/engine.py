@@ -1,0 +1,229 @@
+"""A simulated engine: a local prefix cache in 256-token chunks and vLLM-style continuous batching.
+
+- Admission (FIFO, at most `max_num_seqs` requests): the request's leading chunks already in the engine
+  are reused; memory for the rest of its prompt and all its output is reserved, evicting cached chunks
+  LRU (the free-block queue of vLLM and kvstore-engine); the head of the queue waits while it does not
+  fit (alone on an empty engine it is admitted anyway, and counted as oversize).
+- Then the store's leading chunks are loaded (the fleet decides from where and how long it takes), and
+  the request queues for prefill.
+- A step prefills up to `max_batched_tokens` (minus one per decoding request) from the queue head and
+  decodes one token for every running request; it takes prefill_step_s + tokens x prefill_s_per_token
+  + decode_step_s(batch). The first token comes with the end of a request's last prefill step; then its
+  prompt chunks join the prefix cache (a twin computed concurrently stays anonymous, as in vLLM).
+- Steps with nothing to prefill are simulated k at a time (k = the fewest tokens any running request
+  still needs), cut short at the next step boundary when new work arrives.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from benchmarks.fleet_sim.network import Link
+from benchmarks.fleet_sim.store import UNBOUNDED
+from benchmarks.fleet_sim.trace import CHUNK, TraceRequest
+from kvstore.lru import Entry, LRUIndex
+
+if TYPE_CHECKING:
+    from benchmarks.fleet_sim.sim import Fleet
+
+
+@dataclass(eq=False)
+class Job:
+    """A request's life in the fleet."""
+
+    req: TraceRequest
+    keys: list[bytes]
+    engine: int = -1
+    router_pending: int = 0  # tokens the router counts as waiting on its engine
+    local: int = 0  # chunks reused from the engine's cache
+    loaded: int = 0  # chunks loaded from the store
+    prefill_left: int = 0
+    decode_left: int = 0
+    reserved: int = 0  # chunks of engine memory reserved and not (yet) shared in the cache
+    held: list[bytes] = field(default_factory=list)  # cache chunks it holds a reference on
+    first_token_s: float = math.nan
+    finish_s: float = math.nan
+    served: int = 0  # how many times it finished (1, or the simulator is wrong)
+
+
+class SimEngine:
+    def __init__(self, index: int, fleet: Fleet, capacity_chunks: float) -> None:
+        self.index = index
+        self.fleet = fleet
+        self.capacity = capacity_chunks
+        self.nic = Link(f"engine{index}", fleet.profile.nic_bps)
+        self.cache: LRUIndex[None] = LRUIndex(UNBOUNDED)  # cached chunks nobody holds, LRU first
+        self.holders: dict[bytes, int] = {}  # chunk -> running requests holding it
+        self.reserved = 0
+        self.waiting: deque[Job] = deque()
+        self.ready: deque[Job] = deque()  # loaded, waiting for prefill
+        self.running: list[Job] = []  # decoding
+        self.loading = 0
+        self.busy = False
+        self.version = 0
+        self.macro: tuple[float, float, int] | None = None  # (start, step s, steps) of a decode run
+        self.oversize = 0
+        self.steps = 0
+
+    # ---- memory -------------------------------------------------------------------------------
+    def has(self, key: bytes) -> bool:
+        return key in self.holders or key in self.cache
+
+    def _used(self) -> int:
+        return len(self.holders) + self.reserved + self.cache.used
+
+    def _evict_to_fit(self) -> None:
+        while self._used() > self.capacity and len(self.cache):
+            key, _ = self.cache.pop_oldest()
+            self.fleet.forget(self.index, key)
+
+    def _hold(self, job: Job, key: bytes) -> None:
+        if key in self.holders:
+            self.holders[key] += 1
+        else:
+            self.cache.pop(key)
+            self.holders[key] = 1
+        job.held.append(key)
+
+    def publish(self, job: Job) -> None:
+        """The prompt chunks `job` computed or loaded join the prefix cache."""
+        for key in job.keys[job.local :]:
+            if self.has(key):
+                continue  # a twin: this copy stays anonymous in job.reserved
+            self.holders[key] = 1
+            job.held.append(key)
+            job.reserved -= 1
+            self.reserved -= 1
+            self.fleet.learn(self.index, key)
+
+    def _release(self, job: Job) -> None:
+        for key in job.held:
+            n = self.holders[key] - 1
+            if n:
+                self.holders[key] = n
+            else:
+                del self.holders[key]
+                self.cache.insert(key, Entry(1, None))
+        job.held.clear()
+        self.reserved -= job.reserved
+        job.reserved = 0
+
+    # ---- scheduling ---------------------------------------------------------------------------
+    def submit(self, job: Job) -> None:
+        self.waiting.append(job)
+        self.kick()
+
+    def kick(self) -> None:
+        """New work: start a step, or cut a decode run short at its next step boundary."""
+        if not self.busy:
+            self._step()
+        elif self.macro is not None:
+            start, step_s, k = self.macro
+            self.macro = None
+            now = self.fleet.loop.now
+            n = min(k, math.floor((now - start) / step_s) + 1) if step_s > 0 else k
+            if n < k:
+                self.version += 1
+                self.fleet.loop.at(start + n * step_s, self._end_decode, self.version, n)
+
+    def _admit(self) -> None:
+        limit = self.fleet.profile.max_num_seqs
+        while self.waiting and len(self.running) + len(self.ready) + self.loading < limit:
+            job = self.waiting[0]
+            req = job.req
+            local = 0
+            while local < len(job.keys) and self.has(job.keys[local]):
+                local += 1
+            total = math.ceil((req.input_tokens + req.output_tokens) / CHUNK)
+            need = total - local
+            cached_local = sum(1 for k in job.keys[:local] if k not in self.holders)
+            after = len(self.holders) + cached_local + self.reserved + need
+            idle = not (self.running or self.ready or self.loading or self.reserved)
+            if after > self.capacity and not idle:
+                return  # head-of-line: waits for memory
+            if after > self.capacity:
+                self.oversize += 1
+            self.waiting.popleft()
+            for key in job.keys[:local]:
+                self._hold(job, key)
+            job.local = local
+            job.reserved = need
+            self.reserved += need
+            self._evict_to_fit()
+            self.fleet.admitted(job, self)
+
+    def loaded(self, job: Job) -> None:
+        self.loading -= 1
+        self.ready.append(job)
+        self.kick()
+
+    def _step(self) -> None:
+        self._admit()
+        loop, profile = self.fleet.loop, self.fleet.profile
+        if self.ready:
+            budget = max(profile.max_batched_tokens - len(self.running), 1)
+            parts: list[tuple[Job, int]] = []
+            tokens = 0
+            for job in self.ready:
+                if tokens >= budget:
+                    break
+                n = min(job.prefill_left, budget - tokens)
+                parts.append((job, n))
+                tokens += n
+            dt = (
+                profile.prefill_step_s
+                + tokens * profile.prefill_s_per_token
+                + profile.decode_step_s(len(self.running))
+            )
+            self.busy = True
+            self.steps += 1
+            loop.at(loop.now + dt, self._end_prefill, parts, list(self.running))
+        elif self.running:
+            step_s = profile.decode_step_s(len(self.running))
+            k = min(j.decode_left for j in self.running)
+            self.busy = True
+            self.version += 1
+            self.macro = (loop.now, step_s, k)
+            loop.at(loop.now + k * step_s, self._end_decode, self.version, k)
+        else:
+            self.busy = False
+
+    def _end_prefill(self, parts: list[tuple[Job, int]], decoders: list[Job]) -> None:
+        self._advance(decoders, 1)
+        for job, n in parts:
+            job.prefill_left -= n
+            if job.prefill_left == 0:
+                self.ready.remove(job)
+                self.fleet.first_token(job, self)
+                if job.decode_left > 0:
+                    self.running.append(job)
+                else:
+                    self._finish(job)
+        self.busy = False
+        self._step()
+
+    def _end_decode(self, version: int, n: int) -> None:
+        if version != self.version:
+            return  # superseded: the run was cut short
+        self.macro = None
+        self.steps += n
+        self._advance(list(self.running), n)
+        self.busy = False
+        self._step()
+
+    def _advance(self, decoders: list[Job], n: int) -> None:
+        done = []
+        for job in decoders:
+            job.decode_left -= n
+            if job.decode_left <= 0:
+                done.append(job)
+        for job in done:
+            self.running.remove(job)
+            self._finish(job)
+
+    def _finish(self, job: Job) -> None:
+        self._release(job)
+        self.fleet.finished(job, self)

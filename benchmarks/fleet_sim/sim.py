@@ -1,0 +1,328 @@
+"""One simulated fleet on one trace: arrivals, the router (engine.router.scoring, imported: the very
+function `kvstore-engine router` runs), engines, kvstore-servers and the shared Valkey tier.
+
+    result = simulate(trace, SimConfig(engines=64, policy="ttft", store_gib=math.inf), profile)
+
+The router sees what the real one sees through KV events: which chunks each engine's prefix cache holds,
+which chunks some tier of some store holds, and its own count of requests in flight and prompt tokens
+waiting per engine (app.py's bookkeeping: added when it routes, the tokens removed at the first token,
+the request at the end). Its costs are the profile's prefill and load costs per token (what its
+calibrator converges to), the rest the scoring module's defaults.
+
+Hit accounting is per trace block (512 tokens = two chunks): a block is a hit when all its chunks were
+reused, from the engine (local) or the store. A missed block a trace would call reused is classified by
+why: `computing` (an earlier request has it but had not finished its prefill), `elsewhere` (another
+engine's cache or the store holds it, out of this engine's reach: no store, a save still in flight, or
+past a gap in the store's run), `evicted` (nobody holds it any more); `cold` is its first appearance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections import Counter, deque
+from dataclasses import dataclass
+from typing import Any
+
+from benchmarks.fleet_sim.engine import Job, SimEngine
+from benchmarks.fleet_sim.events import EventLoop
+from benchmarks.fleet_sim.network import transfer
+from benchmarks.fleet_sim.profile import Profile
+from benchmarks.fleet_sim.store import FleetStore, Tier
+from benchmarks.fleet_sim.trace import CHUNK, CHUNKS_PER_BLOCK, ChunkKeys, TraceRequest
+from engine.router.scoring import Costs, EngineState, Request, choose
+
+
+class SimulationError(RuntimeError):
+    """The simulator broke one of its own invariants (a request lost or served twice)."""
+
+
+def _router_defaults() -> tuple[float, int]:
+    """max_share and share_window as `kvstore-engine router` has them."""
+    from engine.router.app import RouterConfig
+
+    d = {f.name: f.default for f in dataclasses.fields(RouterConfig)}
+    return float(d["max_share"]), int(d["share_window"])
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    engines: int
+    policy: str = "ttft"
+    store_gib: float = math.inf  # the shared Valkey Cluster tier; 0 = no store
+    engine_kv_gib: float | None = None  # None: the profile's
+    server_gib: float | None = None  # each kvstore-server's memory tier; None: the profile's
+    engines_per_server: int | None = None  # None: the profile's
+
+
+@dataclass
+class Result:
+    config: SimConfig
+    profile: str
+    jobs: list[Job]
+    stats: dict[str, Any]
+
+    def row(self) -> dict[str, Any]:
+        c = self.config
+        return {
+            "engines": c.engines,
+            "policy": c.policy,
+            "store_gib": c.store_gib,
+            "engine_kv_gib": c.engine_kv_gib,
+            "server_gib": c.server_gib,
+            "profile": self.profile,
+            **self.stats,
+        }
+
+
+def _quantile(sorted_xs: list[float], q: float) -> float:
+    if not sorted_xs:
+        return math.nan
+    pos = q * (len(sorted_xs) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(sorted_xs) - 1)
+    return sorted_xs[lo] + (sorted_xs[hi] - sorted_xs[lo]) * (pos - lo)
+
+
+def blocks_covered(chunks: int, req: TraceRequest) -> int:
+    """Trace blocks of `req` fully inside its first `chunks` chunks."""
+    return len(req.hash_ids) if chunks >= req.num_chunks else chunks // CHUNKS_PER_BLOCK
+
+
+class Fleet:
+    def __init__(self, profile: Profile, config: SimConfig) -> None:
+        if config.engines < 1:
+            raise ValueError("engines must be >= 1")
+        self.profile = profile
+        self.config = config
+        self.loop = EventLoop()
+        kv_gib = profile.engine_kv_gib if config.engine_kv_gib is None else config.engine_kv_gib
+        server_gib = profile.server_gib if config.server_gib is None else config.server_gib
+        per_server = config.engines_per_server or profile.engines_per_server
+        self.chunk_bytes = profile.chunk_bytes(CHUNK)
+        capacity = math.inf if math.isinf(kv_gib) else math.floor(kv_gib * 2**30 / self.chunk_bytes)
+        self.engines = [SimEngine(i, self, capacity) for i in range(config.engines)]
+        self.server_of = [i // per_server for i in range(config.engines)]
+        self.store = FleetStore(
+            self.server_of[-1] + 1,
+            server_gib if config.store_gib > 0 else 0,
+            config.store_gib,
+            profile.server_load_bps,
+            profile.server_aggregate_bps,
+            profile.valkey_load_bps,
+            profile.valkey_aggregate_bps,
+        )
+        load_bps = profile.valkey_load_bps if self.store.valkey is not None else profile.server_load_bps
+        self.costs = dataclasses.replace(
+            Costs(),
+            prefill_s_per_token=profile.prefill_s_per_token,
+            load_s_per_token=0.0 if math.isinf(load_bps) else profile.kv_bytes_per_token / load_bps,
+        )
+        self.max_share, window = _router_defaults()
+        self.names = [str(i) for i in range(config.engines)]
+        self.in_flight = [0] * config.engines
+        self.waiting_tokens = [0] * config.engines
+        self.recent: deque[int] = deque()
+        self.recent_max = window * config.engines
+        self.recent_counts = [0] * config.engines
+        self.turn = 0
+        self.where: dict[bytes, set[int]] = {}  # chunk -> engines whose cache holds it
+        self.first_seen: dict[bytes, int] = {}  # chunk -> the first request whose prompt had it
+        self.computed: set[bytes] = set()  # chunks some engine has published
+        self.c = Counter()  # block and byte counters
+
+    # ---- the router's view (KV events) --------------------------------------------------------
+    def learn(self, engine: int, key: bytes) -> None:
+        self.where.setdefault(key, set()).add(engine)
+        self.computed.add(key)
+
+    def forget(self, engine: int, key: bytes) -> None:
+        s = self.where.get(key)
+        if s is not None:
+            s.discard(engine)
+            if not s:
+                del self.where[key]
+
+    def _local_chunks(self, keys: list[bytes]) -> dict[int, int]:
+        """engine -> leading chunks of `keys` its cache holds (engines with none left out)."""
+        out: dict[int, int] = {}
+        cand = self.where.get(keys[0]) if keys else None
+        if not cand:
+            return out
+        cand = set(cand)
+        for i in range(1, len(keys)):
+            nxt = cand & self.where.get(keys[i], set())
+            for e in cand - nxt:
+                out[e] = i
+            cand = nxt
+            if not cand:
+                return out
+        for e in cand:
+            out[e] = len(keys)
+        return out
+
+    def route(self, job: Job) -> None:
+        req, n = job.req, job.req.input_tokens
+        local = self._local_chunks(job.keys)
+        store = min(self.store.leading(job.keys) * CHUNK, n) if self.store.enabled else 0
+        states = [
+            EngineState(
+                self.names[i],
+                min(local.get(i, 0) * CHUNK, n),
+                self.in_flight[i],
+                self.waiting_tokens[i],
+                self.recent_counts[i],
+            )
+            for i in range(len(self.engines))
+        ]
+        choice = choose(self.config.policy, states, Request(n, store), self.costs, self.max_share, self.turn)
+        self.turn += 1
+        e = int(choice.engine)
+        self.recent.append(e)
+        self.recent_counts[e] += 1
+        if len(self.recent) > self.recent_max:
+            self.recent_counts[self.recent.popleft()] -= 1
+        job.engine = e
+        job.router_pending = choice.compute_tokens + choice.store_tokens
+        self.in_flight[e] += 1
+        self.waiting_tokens[e] += job.router_pending
+        for key in job.keys:
+            self.first_seen.setdefault(key, req.index)
+        self.engines[e].submit(job)
+
+    # ---- callbacks from the engines -----------------------------------------------------------
+    def admitted(self, job: Job, engine: SimEngine) -> None:
+        req, c = job.req, self.c
+        server = self.server_of[engine.index]
+        sizes = [req.chunk_tokens(i) * self.profile.kv_bytes_per_token for i in range(req.num_chunks)]
+        tiers: list[Tier] = (
+            self.store.lookup(server, job.keys, job.local, sizes) if self.store.enabled else []
+        )
+        job.loaded = len(tiers)
+        reused = job.local + job.loaded
+        reused_tokens = _tokens(req, reused)
+        job.prefill_left = max(req.input_tokens - reused_tokens, 1)
+        job.decode_left = req.output_tokens - 1
+        hit = blocks_covered(reused, req)
+        local_blocks = blocks_covered(job.local, req)
+        c["blocks"] += len(req.hash_ids)
+        c["local_blocks"] += local_blocks
+        c["store_blocks"] += hit - local_blocks
+        c["local_tokens"] += _tokens(req, job.local)
+        c["store_tokens"] += reused_tokens - _tokens(req, job.local)
+        c["computed_tokens"] += job.prefill_left
+        for j in range(hit, len(req.hash_ids)):
+            key = job.keys[max(j * CHUNKS_PER_BLOCK, reused)]  # the block's first chunk not reused
+            if self.first_seen[key] == req.index:
+                c["cold_blocks"] += 1
+            elif key not in self.computed:
+                c["computing_blocks"] += 1
+            elif key in self.where or self.store.holds(key):
+                c["elsewhere_blocks"] += 1
+            else:
+                c["evicted_blocks"] += 1
+        if not tiers:
+            engine.ready.append(job)
+            return
+        nbytes = sum(sizes[job.local : reused])
+        hops = max(t.hops for t in tiers)
+        links = [engine.nic, *{id(t.link): t.link for t in tiers}.values()]
+        if any(t.hops == 2 for t in tiers):
+            links.append(self.store.server_links[server])
+        c["load_bytes"] += sum(sizes[job.local + k] * t.hops for k, t in enumerate(tiers))
+        per_stream = min(t.load_bps for t in tiers)
+        done = transfer(self.loop.now, nbytes, links, per_stream, hops * self.profile.hop_latency_s)
+        engine.loading += 1
+        self.loop.at(done, engine.loaded, job)
+
+    def first_token(self, job: Job, engine: SimEngine) -> None:
+        now = self.loop.now
+        job.first_token_s = now
+        self.waiting_tokens[job.engine] -= job.router_pending
+        job.router_pending = 0
+        engine.publish(job)
+        if not self.store.enabled:
+            return
+        req = job.req
+        start = job.local + job.loaded
+        keys = [k for k in job.keys[start:] if not self.store.holds(k)]
+        if not keys:
+            return
+        index = {k: i for i, k in enumerate(job.keys)}
+        sizes = [req.chunk_tokens(index[k]) * self.profile.kv_bytes_per_token for k in keys]
+        server = self.server_of[engine.index]
+        links = [engine.nic, self.store.server_links[server]]
+        if self.store.valkey is not None:
+            links.append(self.store.valkey.link)
+        hops = 1 + (self.store.valkey is not None)
+        self.c["save_bytes"] += sum(sizes) * hops
+        done = transfer(now, sum(sizes), links, math.inf, hops * self.profile.hop_latency_s)
+        self.loop.at(done, self.store.save, server, keys, sizes)
+
+    def finished(self, job: Job, engine: SimEngine) -> None:
+        job.finish_s = self.loop.now
+        job.served += 1
+        self.in_flight[job.engine] -= 1
+
+
+def _tokens(req: TraceRequest, chunks: int) -> int:
+    """Prompt tokens in the first `chunks` chunks of `req`."""
+    return min(chunks * CHUNK, req.input_tokens)
+
+
+def simulate(
+    trace: list[TraceRequest], config: SimConfig, profile: Profile, keys: ChunkKeys | None = None
+) -> Result:
+    """Run `trace` through a fleet; raises SimulationError if a request is lost or served twice."""
+    started = time.perf_counter()
+    keys = keys or ChunkKeys()
+    fleet = Fleet(profile, config)
+    jobs = [Job(r, keys.of(r)) for r in trace]
+    loop = fleet.loop
+
+    def arrive(i: int) -> None:
+        fleet.route(jobs[i])
+        if i + 1 < len(jobs):  # the next arrival is scheduled after this one's consequences
+            loop.at(jobs[i + 1].req.arrival_s, arrive, i + 1)
+
+    if jobs:
+        loop.at(jobs[0].req.arrival_s, arrive, 0)
+    loop.run()
+    bad = [j.req.index for j in jobs if j.served != 1]
+    if bad:
+        raise SimulationError(f"{len(bad)} requests not served exactly once, first: {bad[:5]}")
+    return Result(config, profile.name, jobs, _stats(fleet, jobs, time.perf_counter() - started))
+
+
+def _stats(fleet: Fleet, jobs: list[Job], wall_s: float) -> dict[str, Any]:
+    c = fleet.c
+    blocks = c["blocks"] or 1
+    ttft = sorted(j.first_token_s - j.req.arrival_s for j in jobs)
+    span = max(j.finish_s for j in jobs) - min(j.req.arrival_s for j in jobs)
+    out_tokens = sum(j.req.output_tokens for j in jobs)
+    moved = c["load_bytes"] + c["save_bytes"]
+    return {
+        "requests": len(jobs),
+        "blocks": c["blocks"],
+        "hit_rate": (c["local_blocks"] + c["store_blocks"]) / blocks,
+        "local_hit_rate": c["local_blocks"] / blocks,
+        "store_hit_rate": c["store_blocks"] / blocks,
+        "miss_computing": c["computing_blocks"] / blocks,
+        "miss_elsewhere": c["elsewhere_blocks"] / blocks,
+        "miss_evicted": c["evicted_blocks"] / blocks,
+        "cold": c["cold_blocks"] / blocks,
+        "ttft_p50_s": _quantile(ttft, 0.5),
+        "ttft_p90_s": _quantile(ttft, 0.9),
+        "ttft_p99_s": _quantile(ttft, 0.99),
+        "throughput_tok_s": out_tokens / span if span > 0 else math.inf,
+        "requests_per_s": len(jobs) / span if span > 0 else math.inf,
+        "bytes_moved_per_request": moved / len(jobs),
+        "load_bytes_per_request": c["load_bytes"] / len(jobs),
+        "save_bytes_per_request": c["save_bytes"] / len(jobs),
+        "computed_tokens_per_request": c["computed_tokens"] / len(jobs),
+        "store_evictions": fleet.store.evictions(),
+        "oversize": sum(e.oversize for e in fleet.engines),
+        "events": fleet.loop.processed,
+        "wall_s": wall_s,
+    }
