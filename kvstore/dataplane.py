@@ -29,8 +29,9 @@ HELLO may also answer `index` = [path, size, nonce, slots, seed]: a table of whe
 lies (kvstore.tiers.arena_index), offered when the arena's tier is the store's top tier. A client that
 mapped it reads such blobs without a request and later sends TOUCH `k` (the keys it read) and `g`
 ([number of keys, seconds] of each get, in the order of `k`), which is never answered: the server
-counts those reads as gets (tier hits; the request metrics, with the client's seconds) and refreshes
-the blobs' recency. The first
+counts the gets whose keys its index publishes, on a connection whose HELLO lent the index, as hits
+of the top tier (their recency refreshed) and as reported gets (kvstore_reported_gets, seconds at most
+the time since that HELLO), apart from the requests it measured; other keys are ignored. The first
 message must be HELLO (token, wire version); anything else, or a wrong token, is answered with 401
 and the connection closes. The server's limits are the HTTP side's: sizes, the body budget, the
 connection limit, and the idle / header / body deadlines.

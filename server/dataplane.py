@@ -21,6 +21,7 @@ import numpy as np
 
 from kvstore import dataplane as dp
 from kvstore.errors import InvalidArgument, KVStoreError, TooLarge, Unauthorized
+from kvstore.tiers.arena_index import IndexReader
 from server.dataplane_ops import Reply, Request, error_reply, handle, inline_ops
 from server.idle_poll import IdlePoll
 from server.shm_pool import ShmPool
@@ -46,6 +47,10 @@ class DataPlane:
         top = tiers[0] if tiers else None
         on_top = top is not None and self.arena is not None and getattr(top, "arena", None) is self.arena
         self.arena_index = getattr(top, "arena_index", None) if on_top else None
+        # the server's own read of that table, as a client reads it: what a TOUCH may report (dataplane_ops)
+        self.index_reader = None if self.arena_index is None else IndexReader(
+            self.arena_index.segment.map, self.arena_index.slots, self.arena_index.seed, self.arena.size
+        )  # fmt: skip
         self.connections: set[DataPlaneProtocol] = set()
         self.unix_path: str | None = None  # the same-host Unix socket (server.runner), HELLO's `unix`
         self.idle_poll = IdlePoll(c.poll_us / 1e6)
@@ -56,6 +61,7 @@ class DataPlane:
     def close(self) -> None:
         for conn in list(self.connections):
             conn.close()
+        self.index_reader = None  # its views of the table go, so that the tier can close it
         self.shm.close()
         self.idle_poll.close()
 
@@ -66,6 +72,7 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         self.st = plane.state
         self.transport: Any = None
         self.authed = plane.token is None
+        self.index_since: float | None = None  # when this connection's HELLO lent it the arena index
         self.segments: dict[int, Any] = {}  # kvstore.shm.Segment this connection may name
         self._polled = False  # a same-host client: its socket is in plane.idle_poll
         self._head = bytearray(_HEAD_BUF)

@@ -4,6 +4,7 @@ metric names as the HTTP routes, so the two transports cannot drift apart in wha
 from __future__ import annotations
 
 import hmac
+import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -24,6 +25,7 @@ class Connection(Protocol):
     plane: Any  # server.dataplane.DataPlane: token, shm pool
     segments: dict[int, shm.Segment]
     authed: bool
+    index_since: float | None
 
 
 @dataclass
@@ -106,6 +108,7 @@ def _hello(conn: Connection, req: Request) -> Reply:
         meta["arena"] = [arena.segment.path, arena.size, arena.segment.nonce]
         if conn.plane.arena_index is not None:
             meta["index"] = conn.plane.arena_index.describe()
+            conn.index_since = time.monotonic()
     return Reply(meta=meta, op_name="hello")
 
 
@@ -202,8 +205,15 @@ def _put(conn: Connection, req: Request, keys: list[str]) -> Reply:
 
 def _touch(conn: Connection, req: Request, keys: list[str]) -> Reply:
     """Gets a client served itself through the arena index (`g`: [number of keys, seconds] of each, in
-    the order of `k`): counted as gets (tier hits; the request metrics with the client's seconds), their
-    blobs' recency refreshed."""
+    the order of `k`). The server cannot see those reads, so what a report may claim is bounded, and
+    it is counted apart from what the server measured:
+
+    - only keys the index publishes now count, and only on a connection whose HELLO lent the index:
+      those count as hits of the top tier (their recency refreshed); any other key is ignored (no
+      read of a lower tier, no miss, no promotion);
+    - a get's seconds are at most the time since that HELLO;
+    - the gets and their seconds go to kvstore_reported_gets / kvstore_reported_get_seconds, never to
+      the measured request metrics (kvstore_http_requests, kvstore_request_seconds)."""
     gets = req.meta.get("g")
     if (
         not isinstance(gets, list)
@@ -219,12 +229,19 @@ def _touch(conn: Connection, req: Request, keys: list[str]) -> Reply:
         or sum(g[0] for g in gets) != len(keys)
     ):
         raise InvalidArgument("TOUCH needs 'g', [number of keys, seconds] of each get of 'k'")
-    found = conn.st.store.batch_get(keys)
+    reader = conn.plane.index_reader
+    if reader is None or conn.index_since is None:
+        return Reply(op_name="touch")
+    longest = time.monotonic() - conn.index_since
+    counted: list[str] = []
     pos = 0
     for n, seconds in gets:
-        nbytes = sum(memoryview(b).nbytes for b in found[pos : pos + n] if b is not None)
-        conn.st.metrics.observe("get" if n == 1 else "batch_get", 200, float(seconds), 0, nbytes)
+        if all(reader.find(k) is not None for k in keys[pos : pos + n]):  # the index could serve it whole
+            counted += keys[pos : pos + n]
+            conn.st.metrics.observe_reported("get" if n == 1 else "batch_get", min(float(seconds), longest))
         pos += n
+    if counted:
+        conn.st.store.batch_get(counted)  # hits of the top tier, their recency refreshed
     return Reply(op_name="touch")
 
 

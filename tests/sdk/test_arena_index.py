@@ -6,6 +6,7 @@ sees every read (TOUCH): hits counted, LRU recency refreshed."""
 from __future__ import annotations
 
 import random
+import re
 import socket
 import threading
 import time
@@ -49,8 +50,10 @@ def test_gets_and_leases_of_arena_blobs_need_no_request(server):
     assert be.counts["index"] == 3 and not seg.lent  # nothing was lent: nothing to give back
     wait_for(lambda: cpu_hits(be) == 5, timeout=5)  # the server counted every read (TOUCH), as gets
     text = urllib.request.urlopen(server.url + "/metrics").read().decode()
-    assert 'kvstore_http_requests_total{op="get",status="200"} 1.0' in text
-    assert 'kvstore_http_requests_total{op="batch_get",status="200"} 2.0' in text
+    # counted as what clients reported, apart from the requests the server served and measured
+    assert 'kvstore_reported_gets_total{op="get"} 1.0' in text
+    assert 'kvstore_reported_gets_total{op="batch_get"} 2.0' in text
+    assert 'kvstore_http_requests_total{op="get",status="200"}' not in text
     # a miss anywhere in the batch: the whole batch asks the server, which answers as before
     assert be.batch_get([key(1), key(9)])[1] is None and be.counts["index"] == 3
     be.close()
@@ -294,3 +297,37 @@ def test_a_table_for_a_plain_lru_is_not_made():
     shared = CpuTier(MiB, shared=True)
     assert isinstance(shared._index, PublishedLRU) and isinstance(shared.arena_index, ArenaIndex)
     shared.close()
+
+
+def test_a_touch_cannot_forge_hits_or_latency(server_factory):
+    """Issue 30 #10: a client reported 81,920 gets of 3,599 s each and the server counted them as
+    measured gets and hits. Now only keys the index publishes count (as top-tier hits), on a
+    connection whose HELLO lent the index; seconds are at most the time since that HELLO; and the
+    reports go to their own series, never to the measured request metrics."""
+    server = server_factory()
+    be = RemoteBackend(server.url, transport="tcp")
+    be.put_blob(key(1), make_blob(1))
+    sock = raw_plane(server.port)
+    send(sock, dp.HELLO, {"v": dp.VERSION})
+    assert answer(sock)[0].status == 200  # its HELLO lent the index
+    hello_at = time.monotonic()
+    absent = [key(100 + i) for i in range(4000)]
+    for _ in range(20):  # 20 messages of forged reports: 80,000 absent keys, a few present ones
+        send(
+            sock,
+            dp.TOUCH,
+            {"k": [*absent, key(1), key(1)], "g": [[len(absent), 3599.0], [1, 3599.0], [1, 0.5]]},
+        )
+    send(sock, dp.EXISTS, {"k": [key(1)]})
+    assert answer(sock)[1]["e"] == [True]  # every TOUCH before it was handled
+    elapsed = time.monotonic() - hello_at + 0.05
+    stats = be.stats()
+    assert stats["misses"] == 0 and cpu_hits(be) == 40  # the present key, twice a message; no miss
+    text = urllib.request.urlopen(server.url + "/metrics").read().decode()
+    assert 'kvstore_reported_gets_total{op="get"} 40.0' in text  # the 4,000-key gets named absent keys
+    assert 'kvstore_reported_gets_total{op="batch_get"}' not in text
+    total = float(re.search(r'kvstore_reported_get_seconds_sum\{op="get"\} ([\d.e+-]+)', text).group(1))
+    assert total <= 20 * (0.5 + elapsed), total  # not 20 x 3599 s: at most the time since the HELLO
+    assert 'kvstore_request_seconds_count{op="get"}' not in text and 'op="get",status="200"' not in text
+    sock.close()
+    be.close()
