@@ -4,6 +4,11 @@ medium; an eviction from the cpu tier and a delete seen as BlockRemoved; a warm 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
@@ -185,3 +190,13 @@ def _until(cond, timeout_s: float = 10.0) -> None:
     while not cond():
         assert time.monotonic() < deadline, "the router's index did not follow the events"
         time.sleep(0.02)
+
+
+@pytest.mark.parametrize("command", [["engine", "serve", "--port", "0"], ["server", "--port", "0"]])
+def test_a_bad_kv_events_config_stops_either_command_at_once(command, tmp_path) -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", *command, "--kv-events-config", '{"enable_kv_cache_events": true, "hwm": -1}'],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])},
+    )  # fmt: skip
+    assert r.returncode == 2 and "hwm must be a positive integer" in r.stderr, r.stderr[-2000:]
