@@ -127,13 +127,26 @@ def encode_blob(
         packed = compress(payload)
         if len(packed) < len(payload):
             payload, compression = packed, COMPRESSION_LZ4
+    return _pack(c.codec_id, compression, kv.dtype, tuple(kv.shape), params, payload, tag)
+
+
+def _pack(
+    codec_id: int, compression: int, dtype: torch.dtype, shape: tuple, params: dict, payload: Any, tag: int
+) -> bytes:
     pbytes = _CHECK.pack(tag) + msgpack.packb(params)  # the key tag, then the params
     head = _HEAD.pack(
-        MAGIC, FORMAT_VERSION, c.codec_id, compression, DTYPE_IDS[kv.dtype], 5, 0,
-        *kv.shape, len(pbytes) - _CHECK.size, len(payload),
+        MAGIC, FORMAT_VERSION, codec_id, compression, DTYPE_IDS[dtype], 5, 0,
+        *shape, len(pbytes) - _CHECK.size, len(payload),
     )  # fmt: skip
     check = _CHECK.pack(_checksum(head, pbytes, payload))
     return b"".join((head, check, pbytes, payload))
+
+
+def wrap_payload(header: BlobHeader, codec_id: int, payload: Any, params: dict, key: str | None) -> bytes:
+    """A blob of the same KV as `header`'s, another codec's uncompressed payload (kvstore.codecs.
+    transcode), bound to `key`."""
+    tag = 0 if key is None else key_tag(key)
+    return _pack(codec_id, COMPRESSION_NONE, header.dtype, header.shape, params, payload, tag)
 
 
 def verify_blob(

@@ -46,6 +46,9 @@ class StoreConfig(BaseModel):
     admission_hits: int = 0  # a blob reaches lower tiers only after this many hits (0: always)
     ttl: float | None = None  # seconds; None keeps blobs until evicted
     codec: str = "raw"  # default codec when a tensor (not a blob) is put
+    # a codec per tier, "cpu=raw,disk=kivi4,redis=kivi4+ans": a blob is re-encoded once where it
+    # enters such a tier (kvstore.codecs.transcode); tiers not named keep blobs as they come
+    tier_codec: dict[str, str] = Field(default_factory=dict)
     lz4: bool = False
     max_blob_size: Size = 256 * 2**20
     miss_log_keys: int = Field(1 << 16, ge=0)  # recently written keys remembered to explain misses
@@ -63,6 +66,16 @@ class StoreConfig(BaseModel):
             v = [t.strip() for t in v.split(",") if t.strip()]
         if not v or len(set(v)) != len(v):
             raise ConfigError(f"tiers must be a non-empty list without repeats, got {v!r}")
+        return v
+
+    @field_validator("tier_codec", mode="before")
+    @classmethod
+    def _tier_codec(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            pairs = [p.partition("=") for p in v.split(",") if p.strip()]
+            if any(not sep or not t.strip() or not c.strip() for t, sep, c in pairs):
+                raise ConfigError(f"tier_codec is tier=codec[,tier=codec...], got {v!r}")
+            return {t.strip(): c.strip() for t, _, c in pairs}
         return v
 
     @classmethod

@@ -37,6 +37,7 @@ from typing import Any
 from kvstore import tier_calls
 from kvstore.acks import put_error, stale_error
 from kvstore.blob import BlobHeader, verify_blob
+from kvstore.codecs.transcode import check_tier_codecs, transcode
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError, CorruptBlob, InvalidArgument, TooLarge, Unavailable
 from kvstore.keys import validate_key
@@ -75,6 +76,8 @@ class TieredStore:
             raise ConfigError("a store needs at least one tier")
         if len({t.name for t in self.tiers}) != len(self.tiers):
             raise ConfigError(f"tier names must be unique, got {[t.name for t in self.tiers]}")
+        check_tier_codecs(self.config.tier_codec, [t.name for t in self.tiers])
+        self._tier_codec = dict(self.config.tier_codec)  # tier name -> codec blobs are kept in there
         self.metrics = StoreMetrics(self.tiers)
         self.registry = self.metrics.registry
         self._ttl = self.config.ttl
@@ -102,6 +105,9 @@ class TieredStore:
         return reason
 
     def _put_tier(self, tier: Tier, items: Sequence[tuple[str, bytes]]) -> TierWriteError | None:
+        codec = self._tier_codec.get(tier.name)
+        if codec is not None:  # re-encoded once, where it enters the tier (kvstore.codecs.transcode)
+            items = [(k, transcode(b, k, codec)) for k, b in items]
         evicted, error = tier_calls.put(self.metrics, tier, items, self._ttl)
         if evicted and self._admission and tier is self.tiers[0]:
             with self._lock:

@@ -64,8 +64,18 @@ class AnsCodec:
 
     def encode(self, kv: torch.Tensor, **options: Any) -> tuple[bytes, dict]:
         payload, params = self.base.encode(kv, **options)
+        return self.wrap(payload, params, tuple(kv.shape), kv.dtype)
+
+    def wrap(
+        self,
+        payload: bytes | bytearray | memoryview,
+        params: dict,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+    ) -> tuple[bytes, dict]:
+        """A base codec's payload and params with its codes through the rANS stage."""
         data = np.frombuffer(memoryview(payload).cast("B"), np.uint8)
-        bits, sections = self.code_sections(params, tuple(kv.shape), kv.dtype)
+        bits, sections = self.code_sections(params, shape, dtype)
         segments, ns, rest, pos = [], [], [], 0
         for off, size, nseg in sections:
             rest.append(data[pos:off])
@@ -92,6 +102,17 @@ class AnsCodec:
         shape: tuple[int, ...],
         dtype: torch.dtype,
     ) -> torch.Tensor:
+        base, base_params = self.unwrap(payload, params, shape, dtype)
+        return self.base.decode(base, base_params, common.check_shape(shape, dtype, self.name), dtype)
+
+    def unwrap(
+        self,
+        payload: bytes | bytearray | memoryview,
+        params: dict,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+    ) -> tuple[memoryview, dict]:
+        """The base codec's payload and params (CodecError for a payload that does not decode)."""
         shape = common.check_shape(shape, dtype, self.name)
         view = memoryview(payload).cast("B")
         if len(view) != self.payload_nbytes(params, shape, dtype):
@@ -108,7 +129,7 @@ class AnsCodec:
                 out[off + k * size // nseg : off + (k + 1) * size // nseg] = next(decoded)
             pos = off + size
         out[pos:] = view[src:]
-        return self.base.decode(out, base_params, shape, dtype)
+        return out, base_params
 
 
 def codecs() -> list[AnsCodec]:
