@@ -30,7 +30,7 @@ from kvstore.settings import Size, human_error, load_settings, read_token
 
 logger = logging.getLogger(__name__)
 KVRole = Literal["kv_both", "kv_producer", "kv_consumer"]  # vLLM's names (connectors.base.KV_ROLES)
-KVCodec = Literal["raw", "fp8", "int4", "kivi4", "kivi2"]
+KVCodec = Literal["raw", "fp8", "int4", "kivi4", "kivi2", "kivi4+ans", "kivi2+ans", "int4+ans", "fp8+ans"]
 # the short names `kv_connector_extra_config` users write
 SHORT_NAMES = {"url": "store_url", "token": "auth_token", "token_file": "auth_token_file"}
 
@@ -53,6 +53,8 @@ class KVTransferConfig(BaseModel):
     local_cpu_capacity: Size = 4 * 2**30
     local_disk_capacity: Size = 64 * 2**30
     local_disk_path: Path = Field(default_factory=lambda: default_data_dir() / "engine")
+    # the local store's codec per tier, as kvstore-server's --tier-codec: "cpu=raw,disk=kivi4"
+    local_tier_codec: dict[str, str] | str = Field(default_factory=dict)
     # background work
     save_threads: int = 1
     load_threads: int = 2
@@ -139,6 +141,7 @@ class KVTransferConfig(BaseModel):
             cpu_capacity=self.local_cpu_capacity,
             disk_capacity=self.local_disk_capacity,
             disk_path=self.local_disk_path,
+            tier_codec=self.local_tier_codec,
         )
 
     def for_engine(

@@ -26,7 +26,7 @@ from kvstore.errors import KVStoreError
 from kvstore.settings import load_settings
 from kvstore.settings import parse_size as _parse_size
 
-KV_CODECS = ("raw", "fp8", "int4", "kivi4", "kivi2")
+KV_CODECS = ("raw", "fp8", "int4", "kivi4", "kivi2", "kivi4+ans", "kivi2+ans", "int4+ans", "fp8+ans")
 KV_ROLES = ("both", "prefill", "decode", "kv_both", "kv_producer", "kv_consumer")
 KV_TRANSFER_KEYS = ("kv_connector", "kv_role", "kv_connector_extra_config")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -235,7 +235,9 @@ class EngineArgs:
             "--kv-store-token-file", metavar="FILE", help="file holding the kvstore-server's token"
         )
         k.add_argument(
-            "--kv-codec", choices=KV_CODECS, help="encoding of saved KV: raw, fp8, int4, kivi4, kivi2"
+            "--kv-codec",
+            choices=KV_CODECS,
+            help="encoding of saved KV: raw, fp8, int4, kivi4, kivi2 (each lossy one also +ans)",
         )
         k.add_argument(
             "--kv-role", choices=KV_ROLES,

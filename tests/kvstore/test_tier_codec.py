@@ -90,3 +90,13 @@ def test_bad_tier_codecs_are_config_errors(tmp_path: Path, value: str, tiers: li
 def test_the_server_flag() -> None:
     args = build_parser().parse_args(["--tier-codec", "cpu=raw,disk=int4+ans"])
     assert StoreConfig(tier_codec=args.tier_codec).tier_codec == {"cpu": "raw", "disk": "int4+ans"}
+
+
+def test_the_connector_setting(tmp_path: Path) -> None:
+    from connectors.config import KVTransferConfig  # noqa: PLC0415
+
+    c = KVTransferConfig(
+        local_tiers=["cpu", "disk"], local_disk_path=tmp_path, local_tier_codec="disk=kivi4+ans"
+    )
+    assert c.local_store_config().tier_codec == {"disk": "kivi4+ans"}
+    assert KVTransferConfig(codec="kivi2+ans").codec == "kivi2+ans"
