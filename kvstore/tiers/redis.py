@@ -116,10 +116,12 @@ class RedisTier:
         self._index = KeyIndex(self.stats)
         self._reconciling = False
         self._reconciler: threading.Thread | None = None
+        journal = (
+            Journal(handoff_dir) if handoff_dir is not None else None
+        )  # (ConfigError: nothing opened yet)
         self._servers = RedisServers(
             url, cluster, self.stats, self._reconcile_in_background, connect_timeout_s, socket_timeout_s
         )
-        journal = Journal(handoff_dir) if handoff_dir is not None else None
         self._invalid = Handoff(
             max_invalidated, self._delete_on_servers, f"redis tier {prefix!r}", self.stats, journal
         )

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from kvstore.errors import ConfigError
 from kvstore.tiers import handoff_journal
 from kvstore.tiers.handoff_journal import Journal
 from kvstore.tiers.invalidations import Invalidations
@@ -64,3 +65,8 @@ def test_invalidations_compact_and_clean_up(tmp_path: Path, monkeypatch: pytest.
     assert again._journal is not None and again._journal.path.stat().st_size == 0  # emptied
     again.close_journal()
     assert not tmp_path.exists() or not any(tmp_path.iterdir())  # removed: nothing waits
+
+
+def test_a_state_directory_that_cannot_be_used_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="state_dir"):
+        Journal("/proc/kvstore-handoff")  # (procfs: no directory can be made there)
