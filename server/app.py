@@ -68,9 +68,19 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
+_FIGURES = b'<script src="dashboard_figures.js"></script>'
+
+
 @control.get("/dashboard", name="dashboard")
 async def dashboard(request: web.Request) -> web.Response:
-    html = resources.files("server").joinpath("static/dashboard.html").read_bytes()
+    """The page, with its figures' script (static/dashboard_figures.js, which tests also run) inline."""
+    static = resources.files("server").joinpath("static")
+    figures = static.joinpath("dashboard_figures.js").read_bytes()
+    html = (
+        static.joinpath("dashboard.html")
+        .read_bytes()
+        .replace(_FIGURES, b"<script>\n" + figures + b"</script>")
+    )
     return web.Response(body=html, content_type="text/html", charset="utf-8")
 
 
@@ -87,9 +97,7 @@ async def _start_sampler(app: web.Application) -> None:
         return await st.call(st.store.stats)
 
     app[SAMPLER] = asyncio.create_task(
-        st.history.run(
-            st.config.sample_interval, sample, lambda: dict(st.metrics.totals), st.metrics.registry
-        )
+        st.history.run(st.config.sample_interval, sample, st.metrics.totals_now, st.metrics.registry)
     )
 
 

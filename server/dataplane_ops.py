@@ -82,6 +82,7 @@ def handle(conn: Connection, req: Request) -> Reply:
         return _touch(conn, req, keys)
     if req.op == dp.LOOKUP:
         n, reason = store.lookup(keys)
+        conn.st.metrics.count_lookup(n, len(keys))
         return Reply(200, {"n": int(n), "miss": reason}, op_name="lookup")
     raise InvalidArgument(f"unknown data-plane op {req.op}")
 

@@ -7,6 +7,7 @@ whatever window it shows, treating a drop as a counter reset):
      "tiers": {name: {hits, misses, bytes, capacity, keys, evictions, expired, corrupt, errors}},
      "misses": reads no tier served, "miss_reasons": {not_stored, evicted, expired, corrupt, unreachable},
      "requests": n, "errors": n,
+     "lookups": prefix lookups, "lookups_cut_short": those a missing key cut short (not in "misses"),
      "latency": {"get" | "put" | "lookup": [cumulative count per bucket of LATENCY_BUCKETS, ..., +Inf]},
      "engines": {prompt_tokens, engine_hit_tokens, store_hit_tokens, prefill_seconds, ...} or absent}
 """
@@ -73,7 +74,7 @@ class StatsHistory:
     def add(
         self,
         stats: dict[str, Any],
-        totals: dict[str, int],
+        totals: dict[str, float],
         registry: CollectorRegistry | None = None,
         engines: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
@@ -84,6 +85,8 @@ class StatsHistory:
             "miss_reasons": {k: float(v) for k, v in (stats.get("miss_reasons") or {}).items()},
             "requests": totals.get("requests", 0),
             "errors": totals.get("errors", 0),
+            "lookups": totals.get("lookups", 0),
+            "lookups_cut_short": totals.get("lookups_cut_short", 0),
             "latency": latency_buckets(registry),
         }
         if engines is not None:
@@ -98,7 +101,7 @@ class StatsHistory:
         self,
         interval: float,
         sample: Callable[[], Awaitable[dict[str, Any]]],
-        totals: Callable[[], dict[str, int]],
+        totals: Callable[[], dict[str, float]],
         registry: CollectorRegistry | None = None,
     ) -> None:
         """Sample until cancelled. `sample` is an async callable returning `store.stats()`."""

@@ -73,11 +73,31 @@ class ServerMetrics:
             buckets=BUCKETS,
             registry=self.registry,
         )
+        lookups = Counter(
+            "kvstore_prefix_lookups",
+            "Prefix lookups (POST /v1/lookup, data-plane LOOKUP), by whether a missing key cut them short",
+            ["result"],
+            registry=self.registry,
+        )
+        self._lookups = {cut: lookups.labels("cut_short" if cut else "whole") for cut in (False, True)}
         self.header_timeouts = Counter(
             "kvstore_http_header_timeouts",
             "Connections closed: headers slower than header_timeout",
             registry=self.registry,
         )
+
+    def count_lookup(self, found: int, asked: int) -> None:
+        """A prefix lookup that found `found` of its `asked` leading keys (thread-safe)."""
+        self._lookups[found < asked].inc()
+
+    def totals_now(self) -> dict[str, float]:
+        """The history sampler's totals: requests, errors, and prefix lookups (all, cut short)."""
+
+        def count(result: str) -> float:
+            return self.registry.get_sample_value("kvstore_prefix_lookups_total", {"result": result}) or 0.0
+
+        cut = count("cut_short")
+        return {**self.totals, "lookups": count("whole") + cut, "lookups_cut_short": cut}
 
     def observe_reported(self, op: str, seconds: float) -> None:
         """A get a same-host client says it served itself from the arena index (TOUCH): a claim the

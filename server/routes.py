@@ -158,4 +158,5 @@ async def lookup(request: web.Request) -> web.Response:
     st = _state(request)
     keys = await _json_keys(request)
     n, reason = await st.call(st.store.lookup, keys)
+    st.metrics.count_lookup(n, len(keys))
     return web.json_response({"prefix": int(n), "keys": len(keys), "miss": reason})

@@ -99,6 +99,7 @@ def test_dashboard_tells_the_cache_story_with_real_engines(server_factory, chrom
         body = {"prompt": doc(600, 77), "max_tokens": 2, "temperature": 0, "ignore_eos": True}
         first, second = (f"http://127.0.0.1:{p}" for p in ports)
         http_json(first + "/v1/completions", body)  # cold: computed, its chunks saved
+        cold_s = metric(first, "vllm:request_prefill_time_seconds_sum")  # the whole cold prefill
         http_json(first + "/v1/completions", body)  # the engine's own prefix cache
         wait_saves_landed(first)
         n = http_json(second + "/v1/completions", body)["usage"]["prompt_tokens"]  # another engine: the store
@@ -119,7 +120,13 @@ def test_dashboard_tells_the_cache_story_with_real_engines(server_factory, chrom
         hit_rate = float(re.search(r'id="kpi-hit-rate" data-value="([\d.]+)"', dom).group(1))
         prompt_tokens = sum(funnel.values())
         assert hit_rate == pytest.approx((funnel["engine prefix cache"] + stored) / prompt_tokens, rel=1e-6)
-        assert re.search(r'id="kpi-seconds-saved">[\d.]+ (ms|s)<', dom), "prefill time saved, with a unit"
+        assert re.search(r'id="kpi-seconds-saved"[^>]*>[\d.]+ (ms|s)<', dom), (
+            "prefill time saved, with a unit"
+        )
+        # issue 30 #15: the estimate counted KV loading as compute (18.3 s of a 2.1 s cold prefill)
+        saved = float(re.search(r'id="kpi-seconds-saved" data-value="([\d.e+-]+)"', dom).group(1))
+        assert 0 < saved < cold_s, (saved, cold_s)
+        assert "per computed token, from" in dom
         assert _stages(dom, "reasons")["not stored"] >= 1
         charts = {_attrs(t)["id"]: _attrs(t) for t in re.findall(r"<svg [^>]*>", dom)}
         assert set(charts) == {f"chart-{n}" for n in ("hitrate", "latency", "bytes", "evictions", "requests")}
@@ -162,3 +169,23 @@ def test_token_lives_for_the_session_only(server_factory, chromium, tmp_path):
     again = _run_chromium(chromium, profile, f"{srv.url}/dashboard", "--dump-dom")
     assert "401: open /dashboard#token=YOUR_TOKEN" in again.stdout
     assert 'data-points="' not in again.stdout  # nothing drawn without data
+
+
+@pytest.mark.slow
+def test_the_headline_counts_lookups_cut_short(server_factory, chromium, tmp_path):
+    """Issue 30 #15: with two gets that hit and every lookup missing, the page said 100%."""
+    srv = server_factory(sample_interval=0.2)
+    be = RemoteBackend(srv.url)
+    be.put_blob(key(1), make_blob(1))
+    be.get_blob(key(1))
+    be.get_blob(key(1))
+    for i in range(6):
+        assert be.lookup([key(100 + i)])[0] == 0
+    be.close()
+    time.sleep(0.6)
+    run = _run_chromium(chromium, tmp_path / "profile", f"{srv.url}/dashboard", "--dump-dom")
+    assert run.returncode == 0 and re.search(r'<span id="status" class="">\d+ samples', run.stdout)
+    rate = float(re.search(r'id="kpi-hit-rate" data-value="([\d.]+)"', run.stdout).group(1))
+    assert rate == pytest.approx(2 / 8)
+    assert _stages(run.stdout, "funnel")["lookups cut short"] == 6
+    assert re.search(r'id="kpi-store-hit-rate">25%<', run.stdout)
