@@ -12,6 +12,11 @@ latency.
 
     .venv/bin/python benchmarks/load_server.py --duration 60 --clients 8 --capacity 256MiB
     .venv/bin/python benchmarks/load_server.py --no-hostile      # the same without the attackers
+
+Then the consistency scenarios of benchmarks/consistency.py (a server restart during a Valkey outage,
+`--write-policy back` with a small queue, SIGTERM mid-stream, admission, misplaced blobs), each
+printing "wrong or older bytes served" and "acknowledged writes lost" (`--scenarios none` skips them,
+`--scenarios-only` runs nothing else).
 """
 
 from __future__ import annotations
@@ -21,7 +26,6 @@ import bisect
 import itertools
 import json
 import multiprocessing as mp
-import os
 import random
 import subprocess
 import sys
@@ -32,6 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.consistency import launch  # noqa: E402
 from benchmarks.hostile_clients import HostileConfig, HostileReport, run_hostile  # noqa: E402
 from kvstore.config import parse_size  # noqa: E402
 from kvstore.tiers.arena import arena_size  # noqa: E402  (the cpu tier's memory: capacity + slack)
@@ -213,18 +218,9 @@ def start_valkey() -> object:
 
 
 def start_server(capacity: int, budget: int, redis_url: str | None) -> tuple[subprocess.Popen, str]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
     tiers = ["--tiers", "cpu,redis", "--redis-url", redis_url] if redis_url else ["--tiers", "cpu"]
-    cmd = [sys.executable, "-m", "server", *tiers, "--cpu-capacity", str(capacity), "--port", "0",
-           "--max-blob-size", "160MiB", "--max-body-bytes-in-flight", str(budget), "--shm-budget", str(SHM_BUDGET),
-           "--log-level", "ERROR"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if "listening on" not in line:
-        proc.kill()
-        raise RuntimeError(f"server did not start: {line!r}")
-    return proc, line.split()[-1]
+    return launch([*tiers, "--cpu-capacity", str(capacity), "--max-blob-size", "160MiB",
+                   "--max-body-bytes-in-flight", str(budget), "--shm-budget", str(SHM_BUDGET)])  # fmt: skip
 
 
 def oversized_blob(nbytes: int) -> bytes:
@@ -353,7 +349,23 @@ def main() -> None:
     ap.add_argument("--capacity", default="256MiB", help="the server's cpu tier capacity")
     ap.add_argument("--budget", default="512MiB", help="the server's --max-body-bytes-in-flight")
     ap.add_argument("--no-hostile", dest="hostile", action="store_false", help="honest clients only")
+    ap.add_argument("--scenarios", default="all", help="consistency scenarios after the load: all, none, "
+                    "or a comma list of restart,back,sigterm,admission,misplaced")  # fmt: skip
+    ap.add_argument("--scenarios-only", action="store_true", help="run the scenarios, not the load")
     args = ap.parse_args()
+    from benchmarks.consistency import SCENARIOS, report, run_scenarios  # noqa: PLC0415
+
+    names = (
+        []
+        if args.scenarios == "none"
+        else list(SCENARIOS)
+        if args.scenarios == "all"
+        else args.scenarios.split(",")
+    )
+    if set(names) - set(SCENARIOS):
+        ap.error(f"unknown scenarios {sorted(set(names) - set(SCENARIOS))}")
+    if args.scenarios_only:
+        sys.exit(0 if report(run_scenarios(names)) else 1)
     r = run_load(
         args.duration, args.clients, parse_size(args.capacity), parse_size(args.budget), args.hostile
     )
@@ -383,7 +395,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"load_server{'_hostile' if r['hostile'] else ''}.json").write_text(json.dumps(r, indent=1))
     ok = not r["errors"] and not r["wrong_blobs"] and not r["stale_blobs"] and not r["lost_writes"]
-    sys.exit(0 if ok and r["rss_within_bound"] else 1)
+    consistent = report(run_scenarios(names)) if names else True
+    sys.exit(0 if ok and consistent and r["rss_within_bound"] else 1)
 
 
 if __name__ == "__main__":
