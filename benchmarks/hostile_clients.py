@@ -3,7 +3,11 @@
 - slow headers: connections that send a header byte now and then and never finish (slow loris);
 - idle sockets: connections that connect and never send anything;
 - oversized concurrent puts: threads putting blobs far larger than the honest ones, at once;
-- a hung Redis: SIGSTOP the server's valkey for a while, SIGCONT, again.
+- a hung Redis: SIGSTOP the server's valkey for a while, SIGCONT, again;
+- forged TOUCH reports (issue 30 #10): a data-plane client claiming thousands of arena-index gets of
+  keys never stored, 3,599 s each: the server must count none of them (no miss, no measured latency),
+  and what it counts as reported is at most the time since that client's HELLO;
+- odd transfer codings (issue 30 #12): puts with `Transfer-Encoding: identity, chunked`: each a 501.
 
 Each counts what the server did to it; oversized puts the server acknowledged are logged like the
 honest clients' puts, because they evict honest blobs (the lost-write check counts their bytes).
@@ -12,13 +16,16 @@ honest clients' puts, because they evict honest blobs (the lost-write check coun
 from __future__ import annotations
 
 import os
+import re
 import selectors
 import signal
 import socket
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass, field
 
+from kvstore import dataplane as dp
 from kvstore import wire
 
 PUT = 0  # the event kinds of load_server.py
@@ -33,6 +40,8 @@ class HostileConfig:
     redis_pid: int | None = None
     redis_hang_s: float = 8.0
     redis_run_s: float = 12.0
+    forged_touches: int = 2  # TOUCH messages per second, each of 4,000 absent keys
+    odd_codings: int = 5  # puts per second with Transfer-Encoding: identity, chunked
 
 
 @dataclass
@@ -43,6 +52,10 @@ class HostileReport:
     refused_503: int = 0  # connections refused over max_connections
     oversized: dict[str, int] = field(default_factory=dict)  # status -> count
     redis_hangs: int = 0
+    touches_sent: int = 0
+    reported_gets: float = 0.0  # what the server counted as reported gets, over every client
+    reported_seconds_mean: float = 0.0  # their mean claimed seconds, as the server bounded them
+    odd_codings: dict[str, int] = field(default_factory=dict)  # status -> count
     log: list[tuple[float, str, int, int]] = field(default_factory=list)
 
 
@@ -143,6 +156,48 @@ def _oversized(port: int, blob: bytes, tid: int, rep: HostileReport, stop: threa
             stop.wait(0.2)
 
 
+def _forge_touches(port: int, cfg: HostileConfig, rep: HostileReport, stop: threading.Event) -> None:
+    absent = [f"dddd{i:028x}" for i in range(4000)]  # never put by anyone
+    meta = dp.pack_meta({"k": absent, "g": [[len(absent), 3599.0]]})
+    while not stop.is_set():
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+                s.sendall(dp.PREFACE + dp.pack_head(dp.HELLO, dp.pack_meta({"v": dp.VERSION})))
+                s.recv(65536)  # its answer (the index, when the server has one)
+                while not stop.wait(1 / cfg.forged_touches):
+                    s.sendall(dp.pack_head(dp.TOUCH, meta))
+                    rep.touches_sent += 1
+        except OSError:
+            stop.wait(0.5)  # closed by the server (it never should be for a well-formed TOUCH): again
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    except OSError:
+        return
+    count = sum(
+        float(v) for v in re.findall(r'^kvstore_reported_get_seconds_count\{op="\w+"\} (\S+)$', text, re.M)
+    )
+    total = sum(
+        float(v) for v in re.findall(r'^kvstore_reported_get_seconds_sum\{op="\w+"\} (\S+)$', text, re.M)
+    )
+    rep.reported_gets, rep.reported_seconds_mean = count, total / count if count else 0.0
+
+
+def _odd_codings(port: int, cfg: HostileConfig, rep: HostileReport, stop: threading.Event) -> None:
+    head = (
+        f"PUT {wire.chunk_path('eeee' + '0' * 28)} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        f"Content-Type: {wire.BLOB_CONTENT_TYPE}\r\nTransfer-Encoding: identity, chunked\r\nConnection: close\r\n\r\n"
+        "4\r\nabcd\r\n0\r\n\r\n"
+    ).encode()
+    while not stop.wait(1 / cfg.odd_codings):
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+                s.sendall(head)
+                status = s.recv(4096).split(b" ", 2)[1].decode()
+        except (OSError, IndexError) as e:
+            status = type(e).__name__
+        rep.odd_codings[status] = rep.odd_codings.get(status, 0) + 1
+
+
 def _hang_redis(cfg: HostileConfig, rep: HostileReport, stop: threading.Event) -> None:
     assert cfg.redis_pid is not None
     while not stop.wait(cfg.redis_run_s):
@@ -162,6 +217,8 @@ def run_hostile(port: int, duration: float, cfg: HostileConfig, oversized_blob: 
         threading.Thread(target=_oversized, args=(port, oversized_blob, t, rep, stop), daemon=True)
         for t in range(cfg.oversized_threads)
     ]
+    threads.append(threading.Thread(target=_forge_touches, args=(port, cfg, rep, stop), daemon=True))
+    threads.append(threading.Thread(target=_odd_codings, args=(port, cfg, rep, stop), daemon=True))
     if cfg.redis_pid is not None:
         threads.append(threading.Thread(target=_hang_redis, args=(cfg, rep, stop), daemon=True))
     for t in threads:
