@@ -103,3 +103,18 @@ def test_prometheus_scrapes_the_server_and_the_engine() -> None:
     assert jobs["kvstore-engine"]["static_configs"][0]["targets"] == ["engine:8000"]
     for sub in ("datasources/prometheus.yml", "dashboards/kvstore.yml"):
         assert yaml.safe_load((DEPLOY / "grafana" / "provisioning" / sub).read_text())["apiVersion"] == 1
+
+
+def test_read_rates_count_lookups_cut_short_and_saved_time_counts_compute_only() -> None:
+    """Issue 30 #15, as on /dashboard: a read rate's misses include the prefix lookups a missing key
+    cut short, and the saved prefill time takes its cost per token from minutes the store served nothing
+    to (not from prefills that also loaded KV, which counted the load as compute)."""
+    dash = json.loads((DEPLOY / "grafana" / "kvstore-dashboard.json").read_text())
+    exprs = {p["title"]: [t["expr"] for t in p["targets"]] for p in panels(dash)}
+    reads = next(e for e in exprs["Hit rate over time"] if "kvstore_misses_total" in e)
+    assert "kvstore_prefix_lookups_total" in selectors(reads) and 'result="cut_short"' in reads
+    (saved,) = exprs["Prefill time saved by the store (est.)"]
+    assert "== 0)" in saved and ":1m])" in saved  # per-minute steps in which the store provided no token
+    rules = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())
+    low = next(r for g in rules["groups"] for r in g["rules"] if r.get("alert") == "KVStoreLowHitRate")
+    assert "kvstore_prefix_lookups_total" in selectors(low["expr"])
