@@ -74,6 +74,17 @@ static inline uint32_t rd32(const uint8_t *p) {
     return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
 }
 
+/* The 8 symbols of one step (i % 8 == 0) into their packed bytes. */
+static inline __attribute__((always_inline)) void pack8(const uint32_t *sym, uint8_t *codes, int64_t i, const int bits) {
+    if (bits == 8)
+        for (int l = 0; l < LANES; l++) codes[i + l] = (uint8_t)sym[l];
+    else if (bits == 4)
+        for (int l = 0; l < LANES; l += 2) codes[i / 2 + l / 2] = (uint8_t)(sym[l] | sym[l + 1] << 4);
+    else
+        for (int l = 0; l < LANES; l += 4)
+            codes[i / 4 + l / 4] = (uint8_t)(sym[l] | sym[l + 1] << 2 | sym[l + 2] << 4 | sym[l + 3] << 6);
+}
+
 /* One decoding step of one lane: the symbol, the state renormalised from its own stream. */
 #define STEP(l, checked)                                                                  \
     do {                                                                                  \
@@ -131,27 +142,13 @@ static inline __attribute__((always_inline)) int decode(const uint8_t *in, int64
             for (int64_t j = 0; j < safe; j++) {
                 for (int l = 0; l < LANES; l++) STEP(l, 0);
                 if (j + 1 < safe) { /* pack these 8 symbols, go on */
-                    int64_t i = 8 * (k + j);
-                    if (bits == 8)
-                        for (int l = 0; l < LANES; l++) codes[i + l] = (uint8_t)sym[l];
-                    else if (bits == 4)
-                        for (int l = 0; l < LANES; l += 2) codes[i / 2 + l / 2] = (uint8_t)(sym[l] | sym[l + 1] << 4);
-                    else
-                        for (int l = 0; l < LANES; l += 4)
-                            codes[i / 4 + l / 4] =
-                                (uint8_t)(sym[l] | sym[l + 1] << 2 | sym[l + 2] << 4 | sym[l + 3] << 6);
+                    pack8(sym, codes, 8 * (k + j), bits);
                 }
             }
             k += safe - 1; /* the last step of the run is packed below */
         }
         int64_t i = 8 * k;
-        if (bits == 8)
-            for (int l = 0; l < LANES; l++) codes[i + l] = (uint8_t)sym[l];
-        else if (bits == 4)
-            for (int l = 0; l < LANES; l += 2) codes[i / 2 + l / 2] = (uint8_t)(sym[l] | sym[l + 1] << 4);
-        else
-            for (int l = 0; l < LANES; l += 4)
-                codes[i / 4 + l / 4] = (uint8_t)(sym[l] | sym[l + 1] << 2 | sym[l + 2] << 4 | sym[l + 3] << 6);
+        pack8(sym, codes, i, bits);
         k++;
     }
     int64_t i = steps * LANES;

@@ -96,6 +96,21 @@ class Cursor:
             raise CodecError(f"payload is {self.buf.size} bytes, its shape needs {self.pos}")
 
 
+Sections = list[tuple[str, type, tuple[int, ...]]]  # a payload layout: (name, dtype, shape) in order
+
+
+def sections_nbytes(sections: Sections) -> int:
+    return sum(math.prod(s) * np.dtype(t).itemsize for _, t, s in sections)
+
+
+def carve(sections: Sections, buf: np.ndarray) -> dict[str, np.ndarray]:
+    """Every section of a payload layout cut out of `buf`, which it must fill exactly."""
+    cur = Cursor(buf)
+    parts = {name: cur.take(t, s) for name, t, s in sections}
+    cur.finish()
+    return parts
+
+
 def payload_array(payload: bytes | bytearray | memoryview) -> np.ndarray:
     """A read-only uint8 view of a payload (always read-only: one numba specialisation for decode)."""
     arr = np.frombuffer(memoryview(payload).cast("B"), dtype=np.uint8)

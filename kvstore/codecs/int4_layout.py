@@ -5,7 +5,6 @@ token (row jobs). Shared by the CPU path (int4.py + cpu_int4.py) and the Triton 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,13 +93,10 @@ class Int4Layout:
         return out
 
     def nbytes(self) -> int:
-        return sum(math.prod(s) * np.dtype(t).itemsize for _, t, s in self.sections())
+        return common.sections_nbytes(self.sections())
 
     def carve(self, buf: np.ndarray) -> dict[str, np.ndarray]:
-        cur = common.Cursor(buf)
-        parts = {name: cur.take(t, s) for name, t, s in self.sections()}
-        cur.finish()
-        return parts
+        return common.carve(self.sections(), buf)
 
 
 def layout_for(shape: tuple[int, ...], dtype: torch.dtype = torch.float16, **options: Any) -> Int4Layout:

@@ -27,7 +27,6 @@ values past the fp16 range of the scales, raise CodecError. The CPU path is torc
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,13 +92,10 @@ class KiviLayout:
         ]
 
     def nbytes(self) -> int:
-        return sum(math.prod(s) * np.dtype(t).itemsize for _, t, s in self.sections())
+        return common.sections_nbytes(self.sections())
 
     def carve(self, buf: np.ndarray) -> dict[str, np.ndarray]:
-        cur = common.Cursor(buf)
-        parts = {name: cur.take(t, s) for name, t, s in self.sections()}
-        cur.finish()
-        return parts
+        return common.carve(self.sections(), buf)
 
 
 def layout_for(shape: tuple[int, ...], dtype: torch.dtype, bits: int, **options: Any) -> KiviLayout:

@@ -27,10 +27,10 @@ from kvstore.errors import CodecError
 Section = tuple[int, int, int]  # offset, bytes, segments (each section splits into equal segments)
 
 
-def _offsets(sections: list[tuple[str, type, tuple[int, ...]]]) -> dict[str, tuple[int, int]]:
+def _offsets(sections: common.Sections) -> dict[str, tuple[int, int]]:
     out, pos = {}, 0
     for name, t, s in sections:
-        n = math.prod(s) * np.dtype(t).itemsize
+        n = common.sections_nbytes([(name, t, s)])
         out[name] = (pos, n)
         pos += n
     return out
