@@ -180,18 +180,19 @@ class ValkeyProcess:
 
 
 class ValkeyCluster:
-    """A Valkey Cluster of `n` primaries on loopback, no replicas.
+    """A Valkey Cluster of `n` primaries on loopback, each with `replicas` replicas (default none).
 
     `cluster-require-full-coverage no` keeps the surviving nodes answering while one is down (the
     setting a cache wants); nodes.conf lives in each node's dir, so a killed node restarted on its
     port rejoins with the same id and slots (empty, as it persists nothing).
     """
 
-    def __init__(self, n: int = 3, node_timeout_ms: int = 2000) -> None:
+    def __init__(self, n: int = 3, node_timeout_ms: int = 2000, replicas: int = 0) -> None:
         assert n >= 3, "valkey-cli --cluster create needs at least 3 primaries"
+        self.replicas = replicas
         self.nodes: list[ValkeyProcess] = []
         taken: set[int] = set()  # a node's port must not be another node's bus port
-        for _ in range(n):
+        for _ in range(n * (1 + replicas)):
             args = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                     "--cluster-node-timeout", str(node_timeout_ms), "--cluster-require-full-coverage", "no"]  # fmt: skip
             port = free_port(bus_offset=10000, exclude=taken)
@@ -218,7 +219,7 @@ class ValkeyCluster:
                 "create",
                 *addrs,
                 "--cluster-replicas",
-                "0",
+                str(self.replicas),
                 "--cluster-yes",
             ]
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -248,6 +249,84 @@ class ValkeyCluster:
         except (redis.RedisError, OSError):
             return False
         return info.get("cluster_state") == "ok" and int(info.get("cluster_slots_assigned", 0)) == 16384
+
+    def wait_replicas(self, timeout: float = 30.0) -> None:
+        """Until every live primary has its replicas attached and in sync (`connected_slaves`)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all(self._synced(p) for p in self.primaries()):
+                return
+            time.sleep(0.05)
+        raise RuntimeError("replicas did not attach")
+
+    def _synced(self, primary: ValkeyProcess) -> bool:
+        try:
+            with primary.client() as c:
+                info = c.info("replication")
+        except (redis.RedisError, OSError):
+            return False
+        links = [v for k, v in info.items() if k.startswith("slave") and isinstance(v, dict)]
+        return len(links) >= self.replicas and all(link.get("state") == "online" for link in links)
+
+    def slot_owners(self) -> dict[int, ValkeyProcess]:
+        """Hash slot -> its primary, as a live node sees it now."""
+        owners: dict[int, ValkeyProcess] = {}
+        by_port = {n.port: n for n in self.nodes}
+        for node in self.nodes:
+            if not node.alive:
+                continue
+            try:
+                with node.client(socket_timeout=1) as c:
+                    slots = c.execute_command("CLUSTER SLOTS")
+            except (redis.RedisError, OSError):
+                continue
+            for start, end, primary, *_ in slots:
+                for slot in range(start, end + 1):
+                    owners[slot] = by_port[int(primary[1])]
+            return owners
+        raise RuntimeError("no live node answers CLUSTER SLOTS")
+
+    def primaries(self) -> list[ValkeyProcess]:
+        """The live nodes that own slots now."""
+        return sorted({id(n): n for n in self.slot_owners().values()}.values(), key=lambda n: n.port)
+
+    def replica_of(self, primary: ValkeyProcess) -> ValkeyProcess:
+        """A live replica of `primary` (the one a failover promotes), from its INFO replication."""
+        with primary.client() as c:
+            info = c.info("replication")
+        for name, link in info.items():
+            if name.startswith("slave") and isinstance(link, dict):
+                node = next(n for n in self.nodes if n.port == int(link["port"]))
+                if node.alive:
+                    return node
+        raise LookupError(f"no live replica of {primary.port}")
+
+    def migrate_slots(
+        self,
+        slots: Sequence[int],
+        src: ValkeyProcess,
+        dst: ValkeyProcess,
+        between: Callable[[int], None] | None = None,
+    ) -> int:
+        """Move `slots` from src to dst the way `valkey-cli --cluster reshard` does: SETSLOT IMPORTING on
+        dst, MIGRATING on src, MIGRATE its keys in batches, SETSLOT NODE on both. `between(slot)` runs
+        while a slot is half moved (MIGRATING, some keys already on dst). Returns the keys moved."""
+        moved = 0
+        with src.client() as s, dst.client() as d:
+            src_id, dst_id = s.execute_command("CLUSTER MYID"), d.execute_command("CLUSTER MYID")
+            for slot in slots:
+                d.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", src_id)
+                s.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", dst_id)
+                first = True
+                while keys := s.execute_command("CLUSTER GETKEYSINSLOT", slot, 1 if first else 100):
+                    s.execute_command("MIGRATE", "127.0.0.1", dst.port, "", 0, 5000, "KEYS", *keys)
+                    moved += len(keys)
+                    if first and between is not None:
+                        between(slot)
+                    first = False
+                for c, node_id in ((d, dst_id), (s, dst_id)):
+                    c.execute_command("CLUSTER SETSLOT", slot, "NODE", node_id)
+        return moved
 
     def node_of(self, key: str | bytes) -> ValkeyProcess:
         """The node that owns `key`'s slot."""

@@ -67,7 +67,6 @@ from kvstore.tiers.redis_conn import (
     Endpoint,
     RedisServers,
     as_value,
-    pipelined,
     px_of,
     server_info,
 )
@@ -226,7 +225,7 @@ class RedisTier:
         def fetch(ep: Endpoint | None, idx: list[int]) -> None:
             rkeys = [self._rk(keys[i]) for i in idx]
             if self.cluster:
-                values = self._servers.call(ep, lambda c: pipelined(c, [("get", rk) for rk in rkeys]))
+                values = self._servers.pipeline(ep, [("get", rk) for rk in rkeys])
             else:
                 values = self._servers.call(ep, lambda c: c.mget(rkeys))
             for j, i in enumerate(idx):
@@ -242,7 +241,7 @@ class RedisTier:
         if isinstance(reply, Exception):
             self._servers.count_error(type(reply).__name__, f"redis {op} %s: %s", key, reply)
             if isinstance(reply, AskError):
-                self._servers.refresh_topology()
+                self._servers.refresh_soon()
             return True
         return False
 
@@ -287,7 +286,7 @@ class RedisTier:
             if len(cmds) == 1:
                 res = self._servers.call(ep, lambda c: [c.set(cmds[0][1], cmds[0][2], px=px)])
             else:
-                res = self._servers.call(ep, lambda c: pipelined(c, cmds))
+                res = self._servers.pipeline(ep, cmds)
             for j, i in enumerate(fits):
                 why = self._stored(keys[i], values[i][1], FAIL if res is FAIL else res[j], ttl_s, ep)
                 if why is not None:
@@ -323,9 +322,7 @@ class RedisTier:
         done: set[str] = set()
 
         def work(ep: Endpoint | None, idx: list[int]) -> None:
-            replies = self._servers.call(
-                ep, lambda c: pipelined(c, [("delete", self._rk(keys[i])) for i in idx])
-            )
+            replies = self._servers.pipeline(ep, [("delete", self._rk(keys[i])) for i in idx])
             if replies is not FAIL:
                 done.update(
                     keys[i] for i, r in zip(idx, replies, strict=True) if not isinstance(r, Exception)
@@ -362,7 +359,7 @@ class RedisTier:
 
         def check(ep: Endpoint | None, idx: list[int]) -> None:
             cmds = [("exists", self._rk(keys[i])) for i in idx]
-            replies = self._servers.call(ep, lambda c: pipelined(c, cmds))
+            replies = self._servers.pipeline(ep, cmds)
             for j, i in enumerate(idx):
                 out[i] = self._exists(keys[i], FAIL if replies is FAIL else replies[j])
 

@@ -6,6 +6,13 @@
 - `RedisServers` owns the clients (one pool standalone; one client per primary in a Cluster), maps a
   key to the server that owns it (hash slot -> primary, cached until the topology changes) and runs
   calls that never raise: `call` returns `FAIL` when the server is down, in backoff or refuses.
+- It follows the Cluster as a real client does (`call` and `pipeline`, once per command): `-ASK`
+  (the slot is migrating and the key is already on the target) -> `ASKING` + the command on the
+  target, the slot map unchanged; `-MOVED` (the slot has a new owner: a finished migration, a
+  failover) -> that slot pointed at the new owner, the command sent there, the whole map refreshed
+  in the background. A second redirect for the same command is an error (a miss, a failed write).
+  While a primary is out of reach the map is refreshed in the background at most every 0.5 s, so a
+  promoted replica is found without waiting for the breaker's backoff. Reads go to primaries only.
 - Each server has a `Breaker`: after a failure it is skipped without touching the network for a
   backoff that doubles from 0.1 s to 5 s (counted in `stats.extra["fast_fails"]`), then one caller
   probes it. redis-py's own retries are off: the breaker does the retrying and callers never wait.
@@ -27,7 +34,7 @@ from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.connection import Encoder, PythonRespSerializer, parse_url
 from redis.crc import key_slot
-from redis.exceptions import AskError, AuthenticationError, RedisClusterException
+from redis.exceptions import AskError, AuthenticationError, MovedError, RedisClusterException
 from redis.retry import Retry
 
 from kvstore.errors import ConfigError
@@ -42,6 +49,7 @@ BACKOFF_MIN_S, BACKOFF_MAX_S = 0.1, 5.0
 BACKEND_ERRORS = (redis.RedisError, RedisClusterException, OSError)
 NETWORK_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
 FAIL = object()  # a call that did not reach the server (or that the server refused)
+REFRESH_EVERY_S = 0.5  # background slot-map refreshes while a primary is out of reach, at most this often
 PACK_CUTOFF = 6000  # values longer than this are sent as they are (redis-py's own cutoff)
 
 
@@ -155,6 +163,8 @@ class RedisServers:
         self._endpoints: dict[str, Endpoint] = {}
         self._rc: RedisCluster | None = None
         self._slot_eps: dict[int, Endpoint] = {}  # hash slot -> its primary, until the topology changes
+        self._refresher: threading.Thread | None = None
+        self._refreshed_at = -math.inf
         if cluster:
             if options.get("db", 0) != 0:
                 raise ConfigError("Redis Cluster has only db 0; drop the /db from redis_url")
@@ -241,28 +251,108 @@ class RedisServers:
         return groups
 
     def refresh_topology(self) -> None:
-        self._slot_eps = {}
+        """Ask the Cluster for its slot map now; the cached slot -> primary entries are dropped after
+        it answered (dropped before, calls made meanwhile would cache the old map again)."""
+        self._refreshed_at = time.monotonic()
         if self._rc is not None:
             try:
-                self._rc.nodes_manager.initialize()
+                self._rc.nodes_manager.initialize(disconnect_startup_nodes_pools=False)
             except BACKEND_ERRORS as e:
                 log.debug("cluster topology refresh failed: %s", e)
+        self._slot_eps = {}
+
+    def refresh_soon(self, min_interval_s: float = 0.0) -> None:
+        """`refresh_topology` in a background thread (one at a time; none when the last one began less
+        than `min_interval_s` ago): a node that hangs must not hold a caller for its socket timeout."""
+        if not self.cluster or self.closed or time.monotonic() - self._refreshed_at < min_interval_s:
+            return
+        with self._lock:
+            if self._refresher is not None and self._refresher.is_alive():
+                return
+            self._refreshed_at = time.monotonic()
+            self._refresher = threading.Thread(
+                target=self.refresh_topology, name="redis-tier-topology", daemon=True
+            )
+            self._refresher.start()
+
+    def _node(self, host: str, port: int) -> Endpoint | None:
+        """The endpoint of a node a redirect named (known or not yet)."""
+        ep = self._endpoints.get(f"{host}:{port}")
+        if ep is not None:
+            return ep
+        rc = self._cluster_client()
+        if rc is None:
+            return None
+        try:
+            client = rc.get_redis_connection(rc.get_node(host, port) or ClusterNode(host, port))
+        except BACKEND_ERRORS:
+            return None
+        return self._endpoint_named(host, port, client)
+
+    def _follow(self, e: AskError) -> Endpoint | None:
+        """Where a redirect sends its command. MOVED: the slot is the target's from now on (the rest
+        of the map is refreshed in the background); ASK: for this command only."""
+        target = self._node(e.host, e.port)
+        kind = "moved" if isinstance(e, MovedError) else "ask"
+        self.stats.extra[kind] = self.stats.extra.get(kind, 0) + 1
+        if kind == "moved":
+            if target is not None:
+                self._slot_eps[e.slot_id] = target
+            self.refresh_soon()
+        return target
 
     # ---- calls ----------------------------------------------------------------------------------
 
     def call(self, ep: Endpoint | None, fn: Callable[[redis.Redis], Any]) -> Any:
-        """fn(client), or FAIL (counted, logged) when the server is down, in backoff or refuses."""
+        """fn(client), or FAIL (counted, logged) when the server is down, in backoff or refuses. A
+        MOVED/ASK raised by fn (one command) is followed once."""
+        result = self._attempt(ep, fn)
+        if isinstance(result, AskError):
+            ask = not isinstance(result, MovedError)
+            result = self._attempt(self._follow(result), (lambda c: asking(c, fn)) if ask else fn)
+            if isinstance(result, AskError):
+                self.count_error("moved", "redis: redirected twice (%s); refreshing the slot map", result)
+                self.refresh_soon()
+                return FAIL
+        return result
+
+    def pipeline(self, ep: Endpoint | None, cmds: Sequence[tuple[Any, ...]]) -> Any:
+        """`pipelined(cmds)` on ep (FAIL when it is out of reach); each command answered by MOVED/ASK is
+        sent once more where it was sent (ASKING before each ASK'd one), grouped by target. A command
+        whose second server is out of reach answers a ConnectionError."""
+        replies = self.call(ep, lambda c: pipelined(c, cmds))
+        if replies is FAIL:
+            return FAIL
+        redirects: dict[tuple[bool, Endpoint | None], list[int]] = {}
+        for i, reply in enumerate(replies):
+            if isinstance(reply, AskError):
+                moved = isinstance(reply, MovedError)
+                redirects.setdefault((moved, self._follow(reply)), []).append(i)
+        for (moved, target), idx in redirects.items():
+            again = [cmds[i] for i in idx] if moved else [c for i in idx for c in (("asking",), cmds[i])]
+            res = self.call(target, lambda c, again=again: pipelined(c, again))
+            if res is not FAIL and not moved:
+                res = res[1::2]
+            for j, i in enumerate(idx):
+                replies[i] = (
+                    redis.ConnectionError(f"{target.name if target else '?'} unreachable")
+                    if res is FAIL
+                    else res[j]
+                )
+        return replies
+
+    def _attempt(self, ep: Endpoint | None, fn: Callable[[redis.Redis], Any]) -> Any:
+        """fn(ep.client) behind ep's breaker; FAIL, or the AskError/MovedError fn raised (to follow)."""
         if ep is None or self.closed:
             return FAIL
         if not ep.breaker.allow(time.monotonic()):
             self.stats.extra["fast_fails"] = self.stats.extra.get("fast_fails", 0) + 1
+            self.refresh_soon(REFRESH_EVERY_S)  # a failover may have promoted a replica meanwhile
             return FAIL
         try:
             result = fn(ep.client)
-        except AskError as e:  # MOVED/ASK: the cluster was resharded under us
-            self.count_error("moved", "redis %s: %s; refreshing the slot map", ep.name, e)
-            self.refresh_topology()
-            return FAIL
+        except AskError as e:  # MOVED/ASK: the caller follows it
+            return e
         except NETWORK_ERRORS as e:
             if isinstance(e, AuthenticationError):
                 self.auth_error = e
@@ -275,7 +365,7 @@ class RedisServers:
                     e,
                 )
             ep.client.connection_pool.disconnect(inuse_connections=False)
-            self.refresh_topology()
+            self.refresh_soon()
             return FAIL
         except BACKEND_ERRORS as e:
             self.count_error(type(e).__name__, "redis %s: %s: %s", ep.name, type(e).__name__, e)
@@ -314,6 +404,8 @@ class RedisServers:
     def close(self) -> None:
         """Disconnect everything. Set `closed` (calls fail fast) earlier to stop users first."""
         self.closed = True
+        if self._refresher is not None:
+            self._refresher.join(timeout=self.socket_timeout_s * 2 + 1)
         for ep in list(self._endpoints.values()):
             ep.client.connection_pool.disconnect()
         if self._pool is not None:
@@ -322,11 +414,20 @@ class RedisServers:
             self._rc.close()
 
 
+def asking(client: redis.Redis, fn: Callable[[redis.Redis], Any]) -> Any:
+    """fn (one command) right after ASKING on the same connection (ASKING lasts one command)."""
+    with redis.Redis(connection_pool=client.connection_pool, single_connection_client=True) as one:
+        one.execute_command("ASKING")
+        return fn(one)
+
+
 def pipelined(client: redis.Redis, cmds: Sequence[tuple[Any, ...]]) -> list[Any]:
-    """One round trip; per-command errors come back as exception objects."""
+    """One round trip; per-command errors come back as exception objects. ("asking",) sends ASKING."""
     pipe = client.pipeline(transaction=False)
     for cmd in cmds:
-        if cmd[0] == "get":
+        if cmd[0] == "asking":
+            pipe.execute_command("ASKING")
+        elif cmd[0] == "get":
             pipe.get(cmd[1])
         elif cmd[0] == "exists":
             pipe.exists(cmd[1])
