@@ -1,0 +1,89 @@
+"""Two kvstore-servers sharing one 3+3 Valkey Cluster (their redis tier, one prefix): a blob put
+through server 1 is a hit through server 2, bit for bit; SmolLM2 on server 1 computes a 1,030-token
+prompt and a new engine on server 2 loads its chunks through the Cluster, token-identical to a cold
+run; and the cross-server rule for deletes and replaces (README, "The fleet")."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvstore.blob import encode_blob
+from sdk.remote import RemoteBackend
+from tests.connectors.conftest import ServerProcess
+from tests.valkey import ValkeyCluster
+
+
+@pytest.fixture(scope="module")
+def servers(
+    cluster33: ValkeyCluster, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[list[ServerProcess]]:
+    """Two servers, tiers cpu + redis, the same Cluster and prefix (one shared namespace)."""
+    prefix = f"fleet{uuid.uuid4().hex[:6]}:"
+    started: list[ServerProcess] = []
+    try:
+        for i in range(2):
+            state = tmp_path_factory.mktemp(f"state{i}")
+            started.append(
+                ServerProcess(
+                    "--tiers", "cpu,redis", "--cpu-capacity", "256MiB", "--redis-url", cluster33.urls,
+                    "--redis-cluster", "--redis-prefix", prefix, "--state-dir", str(state),
+                ).start()
+            )  # fmt: skip
+        yield started
+    finally:
+        for server in started:
+            server.stop()
+
+
+@pytest.fixture
+def clients(servers: list[ServerProcess]) -> Iterator[list[RemoteBackend]]:
+    made = [RemoteBackend(s.url, read_index=False) for s in servers]
+    yield made
+    for c in made:
+        c.close()
+
+
+def blob(seed: int, tokens: int = 256) -> bytes:
+    """A real KV blob (64 KiB at 256 tokens), different for each seed."""
+    g = torch.Generator().manual_seed(seed)
+    return encode_blob(torch.randn(2, 4, tokens, 2, 16, generator=g).half())
+
+
+def tier_hits(client: RemoteBackend, tier: str) -> int:
+    return next(int(t["hits"]) for t in client.stats()["tiers"] if t["name"] == tier)
+
+
+def test_a_blob_put_through_one_server_hits_through_the_other(clients: list[RemoteBackend]) -> None:
+    one, two = clients
+    blobs = {uuid.uuid4().hex: blob(i, 200 + i) for i in range(20)}
+    for k, b in blobs.items():
+        assert "redis" in one.put_blob(k, b)  # write-through: the 201 names the shared tier
+    before = tier_hits(two, "redis")
+    assert [bytes(x) for x in two.batch_get(list(blobs))] == list(blobs.values())  # bit-exact
+    assert tier_hits(two, "redis") - before == len(blobs)  # from the Cluster, not a local tier
+    assert all(bytes(two.get_blob(k)) == b for k, b in blobs.items())  # now from server 2's cpu
+
+
+def test_delete_and_replace_across_servers(clients: list[RemoteBackend]) -> None:
+    """The rule: each server's own tiers (cpu, disk) are caches of the Cluster that nobody else
+    invalidates. A replace or delete through server 1 reaches the Cluster and server 1's tiers;
+    server 2 serves what it holds locally (a complete blob once written for that key) until it evicts
+    it or is told too. A key server 2 does not hold locally is read from the Cluster: the latest."""
+    one, two = clients
+    held, not_held = uuid.uuid4().hex, uuid.uuid4().hex
+    v1, v2 = blob(100), blob(101)
+    one.put_blob(held, v1)
+    one.put_blob(not_held, v1)
+    assert bytes(two.get_blob(held)) == v1  # server 2 now holds `held` in its cpu tier
+    one.put_blob(held, v2)
+    one.put_blob(not_held, v2)
+    assert bytes(one.get_blob(held)) == v2 and bytes(two.get_blob(not_held)) == v2
+    assert bytes(two.get_blob(held)) == v1  # its own copy: not the latest, never torn or foreign
+    assert one.delete(held) and one.get_blob(held) is None
+    assert bytes(two.get_blob(held)) == v1  # still local on server 2
+    assert two.delete(held)  # a fleet-wide delete is a delete on every server that may hold it
+    assert two.get_blob(held) is None and one.get_blob(held) is None
