@@ -39,6 +39,11 @@ CONFIGS: list[tuple[str, str, dict]] = [
     ("int4 g32", "int4", {"group_size": 32}),
     ("int4 K chan g128", "int4", {"key_group_size": 128}),
     ("int4 K token, Hadamard", "int4", {"keys": "token", "rotate": True}),
+    ("kivi4 default", "kivi4", {}),
+    ("kivi2 default", "kivi2", {}),
+    ("kivi4+ans", "kivi4+ans", {}),
+    ("kivi2+ans", "kivi2+ans", {}),
+    ("fp8+ans", "fp8+ans", {}),
 ]
 
 
