@@ -1,4 +1,4 @@
-"""A simulated engine: a local prefix cache in 256-token chunks and vLLM-style continuous batching.
+"""A simulated engine: a local prefix cache in store chunks (256 tokens) and vLLM-style continuous batching.
 
 - Admission (FIFO, at most `max_num_seqs` requests): the request's leading chunks already in the engine
   are reused; memory for the rest of its prompt and all its output is reserved, evicting cached chunks
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from benchmarks.fleet_sim.network import Link
 from benchmarks.fleet_sim.store import UNBOUNDED
-from benchmarks.fleet_sim.trace import CHUNK, TraceRequest
+from benchmarks.fleet_sim.trace import TraceRequest
 from kvstore.lru import Entry, LRUIndex
 
 if TYPE_CHECKING:
@@ -37,6 +37,11 @@ class Job:
     req: TraceRequest
     keys: list[bytes]
     engine: int = -1
+    policy: str | None = None  # the request's own policy (X-KVStore-Policy); None: the fleet's
+    after: Job | None = None  # sent only once this one finished (the previous turn of a conversation)
+    sent_s: float = math.nan
+    local_tokens: int = 0
+    store_tokens: int = 0
     router_pending: int = 0  # tokens the router counts as waiting on its engine
     local: int = 0  # chunks reused from the engine's cache
     loaded: int = 0  # chunks loaded from the store
@@ -137,7 +142,7 @@ class SimEngine:
             local = 0
             while local < len(job.keys) and self.has(job.keys[local]):
                 local += 1
-            total = math.ceil((req.input_tokens + req.output_tokens) / CHUNK)
+            total = math.ceil((req.input_tokens + req.output_tokens) / req.chunk_size)
             need = total - local
             cached_local = sum(1 for k in job.keys[:local] if k not in self.holders)
             after = len(self.holders) + cached_local + self.reserved + need
@@ -170,7 +175,7 @@ class SimEngine:
             for job in self.ready:
                 if tokens >= budget:
                     break
-                n = min(job.prefill_left, budget - tokens)
+                n = max(min(job.prefill_left, budget - tokens), 0)
                 parts.append((job, n))
                 tokens += n
             dt = (
@@ -183,7 +188,7 @@ class SimEngine:
             loop.at(loop.now + dt, self._end_prefill, parts, list(self.running))
         elif self.running:
             step_s = profile.decode_step_s(len(self.running))
-            k = min(j.decode_left for j in self.running)
+            k = max(min(j.decode_left for j in self.running), 1)
             self.busy = True
             self.version += 1
             self.macro = (loop.now, step_s, k)
@@ -195,7 +200,7 @@ class SimEngine:
         self._advance(decoders, 1)
         for job, n in parts:
             job.prefill_left -= n
-            if job.prefill_left == 0:
+            if job.prefill_left <= 0:
                 self.ready.remove(job)
                 self.fleet.first_token(job, self)
                 if job.decode_left > 0:

@@ -30,7 +30,7 @@ from benchmarks.fleet_sim.events import EventLoop
 from benchmarks.fleet_sim.network import transfer
 from benchmarks.fleet_sim.profile import Profile
 from benchmarks.fleet_sim.store import FleetStore, Tier
-from benchmarks.fleet_sim.trace import CHUNK, CHUNKS_PER_BLOCK, ChunkKeys, TraceRequest
+from benchmarks.fleet_sim.trace import CHUNK, ChunkKeys, TraceRequest
 from engine.router.scoring import Costs, EngineState, Request, choose
 
 
@@ -87,11 +87,11 @@ def _quantile(sorted_xs: list[float], q: float) -> float:
 
 def blocks_covered(chunks: int, req: TraceRequest) -> int:
     """Trace blocks of `req` fully inside its first `chunks` chunks."""
-    return len(req.hash_ids) if chunks >= req.num_chunks else chunks // CHUNKS_PER_BLOCK
+    return len(req.hash_ids) if chunks >= req.num_chunks else chunks // req.chunks_per_block
 
 
 class Fleet:
-    def __init__(self, profile: Profile, config: SimConfig) -> None:
+    def __init__(self, profile: Profile, config: SimConfig, chunk_size: int = CHUNK) -> None:
         if config.engines < 1:
             raise ValueError("engines must be >= 1")
         self.profile = profile
@@ -100,7 +100,7 @@ class Fleet:
         kv_gib = profile.engine_kv_gib if config.engine_kv_gib is None else config.engine_kv_gib
         server_gib = profile.server_gib if config.server_gib is None else config.server_gib
         per_server = config.engines_per_server or profile.engines_per_server
-        self.chunk_bytes = profile.chunk_bytes(CHUNK)
+        self.chunk_bytes = profile.chunk_bytes(chunk_size)
         capacity = math.inf if math.isinf(kv_gib) else math.floor(kv_gib * 2**30 / self.chunk_bytes)
         self.engines = [SimEngine(i, self, capacity) for i in range(config.engines)]
         self.server_of = [i // per_server for i in range(config.engines)]
@@ -123,14 +123,14 @@ class Fleet:
         self.names = [str(i) for i in range(config.engines)]
         self.in_flight = [0] * config.engines
         self.waiting_tokens = [0] * config.engines
-        self.recent: deque[int] = deque()
-        self.recent_max = window * config.engines
-        self.recent_counts = [0] * config.engines
+        self.recent_max = window * config.engines  # per policy, as the router keeps them
+        self.recent: dict[str, tuple[deque[int], list[int]]] = {}
         self.turn = 0
         self.where: dict[bytes, set[int]] = {}  # chunk -> engines whose cache holds it
         self.first_seen: dict[bytes, int] = {}  # chunk -> the first request whose prompt had it
         self.computed: set[bytes] = set()  # chunks some engine has published
         self.c = Counter()  # block and byte counters
+        self.deferred: dict[int, list[Job]] = {}  # id(job) -> jobs waiting for it to finish
 
     # ---- the router's view (KV events) --------------------------------------------------------
     def learn(self, engine: int, key: bytes) -> None:
@@ -162,27 +162,37 @@ class Fleet:
             out[e] = len(keys)
         return out
 
+    def arrive(self, job: Job) -> None:
+        """A request is due: routed now, or when the request it must follow has finished."""
+        if job.after is not None and not job.after.served:
+            self.deferred.setdefault(id(job.after), []).append(job)
+        else:
+            self.route(job)
+
     def route(self, job: Job) -> None:
         req, n = job.req, job.req.input_tokens
+        job.sent_s = self.loop.now
+        policy = job.policy or self.config.policy
+        recent, counts = self.recent.setdefault(policy, (deque(), [0] * len(self.engines)))
         local = self._local_chunks(job.keys)
-        store = min(self.store.leading(job.keys) * CHUNK, n) if self.store.enabled else 0
+        store = min(self.store.leading(job.keys) * req.chunk_size, n) if self.store.enabled else 0
         states = [
             EngineState(
                 self.names[i],
-                min(local.get(i, 0) * CHUNK, n),
+                min(local.get(i, 0) * req.chunk_size, n),
                 self.in_flight[i],
                 self.waiting_tokens[i],
-                self.recent_counts[i],
+                counts[i],
             )
             for i in range(len(self.engines))
         ]
-        choice = choose(self.config.policy, states, Request(n, store), self.costs, self.max_share, self.turn)
+        choice = choose(policy, states, Request(n, store), self.costs, self.max_share, self.turn)
         self.turn += 1
         e = int(choice.engine)
-        self.recent.append(e)
-        self.recent_counts[e] += 1
-        if len(self.recent) > self.recent_max:
-            self.recent_counts[self.recent.popleft()] -= 1
+        recent.append(e)
+        counts[e] += 1
+        if len(recent) > self.recent_max:
+            counts[recent.popleft()] -= 1
         job.engine = e
         job.router_pending = choice.compute_tokens + choice.store_tokens
         self.in_flight[e] += 1
@@ -209,11 +219,11 @@ class Fleet:
         c["blocks"] += len(req.hash_ids)
         c["local_blocks"] += local_blocks
         c["store_blocks"] += hit - local_blocks
-        c["local_tokens"] += _tokens(req, job.local)
-        c["store_tokens"] += reused_tokens - _tokens(req, job.local)
+        job.local_tokens = min(_tokens(req, job.local), req.input_tokens - 1)
+        job.store_tokens = min(reused_tokens, req.input_tokens - 1) - job.local_tokens
         c["computed_tokens"] += job.prefill_left
         for j in range(hit, len(req.hash_ids)):
-            key = job.keys[max(j * CHUNKS_PER_BLOCK, reused)]  # the block's first chunk not reused
+            key = job.keys[max(j * req.chunks_per_block, reused)]  # the block's first chunk not reused
             if self.first_seen[key] == req.index:
                 c["cold_blocks"] += 1
             elif key not in self.computed:
@@ -258,31 +268,40 @@ class Fleet:
         hops = 1 + (self.store.valkey is not None)
         self.c["save_bytes"] += sum(sizes) * hops
         done = transfer(now, sum(sizes), links, math.inf, hops * self.profile.hop_latency_s)
-        self.loop.at(done, self.store.save, server, keys, sizes)
+        if done <= now:  # no time: stored before anything else happens
+            self.store.save(server, keys, sizes)
+        else:
+            self.loop.at(done, self.store.save, server, keys, sizes)
 
     def finished(self, job: Job, engine: SimEngine) -> None:
         job.finish_s = self.loop.now
         job.served += 1
         self.in_flight[job.engine] -= 1
+        for later in self.deferred.pop(id(job), ()):
+            self.route(later)
 
 
 def _tokens(req: TraceRequest, chunks: int) -> int:
     """Prompt tokens in the first `chunks` chunks of `req`."""
-    return min(chunks * CHUNK, req.input_tokens)
+    return min(chunks * req.chunk_size, req.input_tokens)
 
 
 def simulate(
     trace: list[TraceRequest], config: SimConfig, profile: Profile, keys: ChunkKeys | None = None
 ) -> Result:
     """Run `trace` through a fleet; raises SimulationError if a request is lost or served twice."""
-    started = time.perf_counter()
     keys = keys or ChunkKeys()
-    fleet = Fleet(profile, config)
-    jobs = [Job(r, keys.of(r)) for r in trace]
+    return run_jobs([Job(r, keys.of(r)) for r in trace], config, profile)
+
+
+def run_jobs(jobs: list[Job], config: SimConfig, profile: Profile) -> Result:
+    """Run `jobs` (in arrival order) through a fleet."""
+    started = time.perf_counter()
+    fleet = Fleet(profile, config, jobs[0].req.chunk_size if jobs else CHUNK)
     loop = fleet.loop
 
     def arrive(i: int) -> None:
-        fleet.route(jobs[i])
+        fleet.arrive(jobs[i])
         if i + 1 < len(jobs):  # the next arrival is scheduled after this one's consequences
             loop.at(jobs[i + 1].req.arrival_s, arrive, i + 1)
 
@@ -298,8 +317,8 @@ def simulate(
 def _stats(fleet: Fleet, jobs: list[Job], wall_s: float) -> dict[str, Any]:
     c = fleet.c
     blocks = c["blocks"] or 1
-    ttft = sorted(j.first_token_s - j.req.arrival_s for j in jobs)
-    span = max(j.finish_s for j in jobs) - min(j.req.arrival_s for j in jobs)
+    ttft = sorted(j.first_token_s - j.sent_s for j in jobs)
+    span = max(j.finish_s for j in jobs) - min(j.sent_s for j in jobs)
     out_tokens = sum(j.req.output_tokens for j in jobs)
     moved = c["load_bytes"] + c["save_bytes"]
     return {

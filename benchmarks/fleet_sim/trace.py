@@ -5,10 +5,11 @@ One JSON object a line: `timestamp` (ms from the trace start, sorted), `input_le
 / 512)`. Equal ids at the same positions are the same prefix.
 
 A trace block covers TRACE_BLOCK tokens; kvstore cuts prompts into CHUNK-token chunks (DESIGN.md Spec 1),
-so block j is chunks 2j and 2j+1 (only those the prompt reaches). A chunk's key is chained like
-kvstore's, `key_i = kvstore.keys.hash_block(key_{i-1}, chunk i's tokens)`, where the tokens stand in as
-(block id, which half): equal block prefixes give equal chunk keys, as equal token prefixes do.
-A trailing partial chunk keeps the full chunk's key: the trace says nothing finer than a block.
+so block j is chunks 2j and 2j+1 (only those the prompt reaches; a scaled replay such as
+benchmarks/bench_router.py's may give a request other block and chunk sizes). A chunk's key is chained
+like kvstore's, `key_i = kvstore.keys.hash_block(key_{i-1}, chunk i's tokens)`, where the tokens stand in
+as (block id, which part of the block): equal block prefixes give equal chunk keys, as equal token
+prefixes do. A trailing partial chunk keeps the full chunk's key: the trace says nothing finer.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from kvstore.keys import DIGEST_SIZE
 
 TRACE_BLOCK = 512
 CHUNK = 256
-CHUNKS_PER_BLOCK = TRACE_BLOCK // CHUNK
 ROOT = b"fleet-sim/trace\0"  # any 16 bytes: a simulated fleet has one model and layout
 
 
@@ -41,14 +41,20 @@ class TraceRequest:
     input_tokens: int
     output_tokens: int
     hash_ids: tuple[int, ...]
+    block_tokens: int = TRACE_BLOCK  # tokens of one hash id
+    chunk_size: int = CHUNK  # tokens of one store chunk (divides block_tokens)
+
+    @property
+    def chunks_per_block(self) -> int:
+        return self.block_tokens // self.chunk_size
 
     @property
     def num_chunks(self) -> int:
-        return math.ceil(self.input_tokens / CHUNK)
+        return math.ceil(self.input_tokens / self.chunk_size)
 
     def chunk_tokens(self, i: int) -> int:
-        """Prompt tokens in chunk `i` (CHUNK except for a trailing partial chunk)."""
-        return min(CHUNK, self.input_tokens - i * CHUNK)
+        """Prompt tokens in chunk `i` (chunk_size except for a trailing partial chunk)."""
+        return min(self.chunk_size, self.input_tokens - i * self.chunk_size)
 
 
 def _check(obj: object, where: str, previous_ms: float) -> TraceRequest:
@@ -111,28 +117,34 @@ def read_trace(path: Path | str, limit: int | None = None) -> list[TraceRequest]
     return out
 
 
-def chunk_key(parent: bytes, block_id: int, half: int) -> bytes:
-    """kvstore.keys.hash_block(parent, [block_id >> 31, block_id & 0x7FFFFFFF, half]), without numpy."""
-    tokens = struct.pack("<3i", block_id >> 31, block_id & 0x7FFFFFFF, half)
+def chunk_key(parent: bytes, block_id: int, part: int) -> bytes:
+    """kvstore.keys.hash_block(parent, [block_id >> 31, block_id & 0x7FFFFFFF, part]), without numpy."""
+    tokens = struct.pack("<3i", block_id >> 31, block_id & 0x7FFFFFFF, part)
     return hashlib.blake2b(parent + tokens, digest_size=DIGEST_SIZE).digest()
 
 
 class ChunkKeys:
-    """Chunk keys of trace requests, memoised by block prefix (a trace repeats prefixes a lot)."""
+    """Chunk keys of trace requests, memoised by block prefix (a trace repeats prefixes a lot).
+    Requests with different `salt`s never share keys (a replay that keeps policies apart)."""
 
     def __init__(self) -> None:
-        self._memo: dict[tuple[bytes, int], tuple[bytes, ...]] = {}
+        self._memo: dict[tuple[bytes, int, int], tuple[bytes, ...]] = {}
 
-    def of(self, request: TraceRequest) -> list[bytes]:
+    def of(self, request: TraceRequest, salt: str = "") -> list[bytes]:
         keys: list[bytes] = []
-        parent = ROOT
+        per_block = request.chunks_per_block
+        parent = hashlib.blake2b(ROOT + salt.encode(), digest_size=DIGEST_SIZE).digest() if salt else ROOT
         for j, block_id in enumerate(request.hash_ids):
-            pair = self._memo.get((parent, block_id))
-            if pair is None:
-                first = chunk_key(parent, block_id, 0)
-                pair = (first, chunk_key(first, block_id, 1))
-                self._memo[(parent, block_id)] = pair
-            n = min(CHUNKS_PER_BLOCK, request.num_chunks - j * CHUNKS_PER_BLOCK)
-            keys.extend(pair[:n])
-            parent = pair[-1]
+            parts = self._memo.get((parent, block_id, per_block))
+            if parts is None:
+                chain = [parent]
+                for part in range(per_block):
+                    chain.append(chunk_key(chain[-1], block_id, part))
+                parts = tuple(chain[1:])
+                self._memo[(parent, block_id, per_block)] = parts
+            n = min(per_block, request.num_chunks - j * per_block)
+            if n <= 0:
+                break
+            keys.extend(parts[:n])
+            parent = parts[-1]
         return keys

@@ -1,0 +1,130 @@
+"""The cost model: a step's time follows the profile (a decode step grows with the batch as measured,
+a prefill costs its tokens), continuous batching lets a request in at the next step boundary, and
+every profile gives a source for every number."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from benchmarks.fleet_sim.engine import Job
+from benchmarks.fleet_sim.profile import PROFILES, Profile, load_profile
+from benchmarks.fleet_sim.sim import SimConfig, run_jobs
+from benchmarks.fleet_sim.trace import ChunkKeys, TraceRequest
+
+from .conftest import profile_doc
+
+NAMES = sorted(p.stem for p in PROFILES.glob("*.json"))
+
+
+def test_the_shipped_profiles() -> None:
+    assert {"smollm2-cpu", "llama3-8b-h100"} <= set(NAMES)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_number_has_a_source(name: str) -> None:
+    doc = json.loads((PROFILES / f"{name}.json").read_text())
+    assert doc["date"] and doc["machine"]
+
+    def walk(node, path):
+        if isinstance(node, dict) and "value" in node:
+            assert isinstance(node.get("source"), str) and len(node["source"]) > 10, path
+            return
+        assert isinstance(node, dict), f"{path}: a bare number, no source"
+        for k, v in node.items():
+            if k not in ("name", "model", "machine", "date", "derivation", "measured"):
+                walk(v, f"{path}.{k}")
+
+    walk({k: v for k, v in doc.items()}, name)
+    load_profile(name)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_decode_step_grows_with_the_batch_as_measured(name: str) -> None:
+    p = load_profile(name)
+    measured = json.loads((PROFILES / f"{name}.json").read_text())["decode_step_s"]["value"]
+    points = sorted((int(b), s) for b, s in measured.items())
+    for b, s in points:
+        assert p.decode_step_s(b) == pytest.approx(s)
+    assert all(s1 < s2 for (_, s1), (_, s2) in zip(points, points[1:], strict=False)), points
+    # between two measured batches: on the line; beyond the last: along its slope, still growing
+    (b0, s0), (b1, s1) = points[-2], points[-1]
+    mid = (b0 + b1) // 2
+    assert p.decode_step_s(mid) == pytest.approx(s0 + (s1 - s0) * (mid - b0) / (b1 - b0))
+    assert p.decode_step_s(2 * b1) > s1
+    assert p.decode_step_s(0) == 0
+
+
+def _jobs(specs, keys=None) -> list[Job]:
+    """(arrival s, prompt tokens, output tokens) -> jobs with prompts that share nothing."""
+    keys = keys or ChunkKeys()
+    out = []
+    for i, (t, n, out_tokens) in enumerate(specs):
+        ids = tuple(1000 * (i + 1) + j for j in range(math.ceil(n / 512)))
+        r = TraceRequest(i, t, n, out_tokens, ids)
+        out.append(Job(r, keys.of(r)))
+    return out
+
+
+STEPS = {"1": 0.010, "4": 0.016, "16": 0.040}
+TIMED = dict(prefill_s_per_token=1e-4, prefill_step_s=0.002, decode_step_s=STEPS)
+
+
+@pytest.mark.parametrize("batch", [1, 4, 16])
+def test_a_batch_decodes_at_the_profile_step_time(batch: int) -> None:
+    p = Profile.from_dict(profile_doc(**TIMED))
+    out = 51
+    r = run_jobs(_jobs([(0.0, 60, out)] * batch), SimConfig(1, "round_robin", store_gib=0), p)
+    first, *rest = r.jobs
+    # the first arrival starts a step alone; the others, arrived during it, are prefilled in the next
+    # one, which also decodes the first; then the whole batch decodes at the profile's step time
+    t1 = 0.002 + 60 * 1e-4
+    assert first.first_token_s == pytest.approx(t1)
+    if not rest:
+        assert first.finish_s == pytest.approx(t1 + (out - 1) * STEPS["1"])
+        return
+    t2 = t1 + 0.002 + 60 * (batch - 1) * 1e-4 + STEPS["1"]
+    assert first.finish_s == pytest.approx(t2 + (out - 2) * STEPS[str(batch)])
+    for j in rest:
+        assert j.first_token_s == pytest.approx(t2)
+        assert j.finish_s == pytest.approx(first.finish_s + p.decode_step_s(batch - 1))
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_of_the_step_budget() -> None:
+    p = Profile.from_dict(profile_doc(**TIMED))
+    r = run_jobs(_jobs([(0.0, 2500, 1)]), SimConfig(1, store_gib=0), p)
+    # 1024 + 1024 + 452 tokens: three steps, each with its fixed cost
+    assert r.jobs[0].first_token_s == pytest.approx(3 * 0.002 + 2500 * 1e-4)
+
+
+def test_a_request_joins_a_running_batch_at_the_next_step_boundary() -> None:
+    p = Profile.from_dict(profile_doc(**TIMED))
+    a_ttft = 0.002 + 100 * 1e-4
+    joins = a_ttft + 2.5 * 0.010  # half-way through A's third decode step
+    r = run_jobs(_jobs([(0.0, 100, 200), (joins, 100, 3)]), SimConfig(1, store_gib=0), p)
+    a, b = r.jobs
+    boundary = a_ttft + 3 * 0.010
+    # B's prefill step also decodes A (a batch of 1): prefill cost + a decode step of 1
+    assert b.first_token_s == pytest.approx(boundary + 0.002 + 100 * 1e-4 + 0.010)
+    # then both decode: B's two remaining tokens at batch 2 (between the 1 and 4 points)
+    assert b.finish_s == pytest.approx(b.first_token_s + 2 * p.decode_step_s(2))
+    assert p.decode_step_s(2) == pytest.approx(0.012)
+
+
+def test_a_load_from_the_store_costs_its_bytes_over_the_slowest_link() -> None:
+    doc = profile_doc(**TIMED)
+    doc["tiers"]["valkey"] = {"load_gbps": 1e-3, "aggregate_gbps": 0}  # 1 MB/s
+    doc["network"] = {"hop_latency_s": 0.001, "nic_gbps": 0}
+    p = Profile.from_dict(doc)
+    keys = ChunkKeys()
+    first = _jobs([(0.0, 1024, 1)], keys)[0]
+    again = Job(TraceRequest(1, 10.0, 1024, 1, first.req.hash_ids), list(first.keys))
+    r = run_jobs([first, again], SimConfig(2, "round_robin", store_gib=math.inf), p)
+    b = r.jobs[1]
+    assert b.engine != r.jobs[0].engine and b.loaded == 4 and b.local == 0
+    # 4 chunks x 256 tokens x 1024 bytes at 1 MB/s, 2 hops (engine - server - Valkey), then 1 token
+    load = 4 * 256 * 1024 / 1e6 + 2 * 0.001
+    assert b.first_token_s - b.sent_s == pytest.approx(load + 0.002 + 1e-4)
+    assert r.stats["load_bytes_per_request"] == pytest.approx(4 * 256 * 1024 * 2 / 2)
