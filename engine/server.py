@@ -158,12 +158,16 @@ def _tokenize_chat(engine: LLMEngine, req: ChatCompletionRequest) -> list[int]:
 
 
 async def _compile_constraint(engine: LLMEngine, params: SamplingParams) -> None:
-    """Compile a structured-output constraint in a worker thread before the request is queued: a bad
-    one is a 400 before any work, and a slow first compile (~0.3 s for a typical schema) blocks
-    neither the event loop nor the running batch; add_request then finds it in the cache."""
+    """Compile a structured-output constraint before the request is queued: a bad one is a 400
+    before any work, and a slow first compile (~0.3 s for a typical schema) blocks neither the event
+    loop nor the running batch; add_request then finds it in the cache. The compile runs on its own
+    (a child process); waiting for it holds no executor thread, so slow ones queue nothing."""
     if params.structured_outputs is not None:
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, engine.structured_output.compile, params.structured_outputs)
+        loop = asyncio.get_running_loop()  # the executor only for the lookup (and the first use's setup)
+        future = await loop.run_in_executor(
+            None, engine.structured_output.compile_future, params.structured_outputs
+        )
+        await asyncio.wrap_future(future)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -91,6 +92,10 @@ class StructuredOutputManager:
         """Compile (or find in the cache) `params`' grammar; InvalidRequest when it cannot be.
         The server calls this in a worker thread before queueing, so add_request finds it cached."""
         self.cache.get(params)
+
+    def compile_future(self, params: StructuredOutputsParams) -> Future[None]:
+        """`compile` as a future, for a caller that awaits it without holding a thread."""
+        return self.cache.future(params)
 
     def new_request(
         self, params: StructuredOutputsParams, generated: Sequence[int] = ()

@@ -7,6 +7,10 @@ is the answer's `length` finish, not a constraint failure).
 
 from __future__ import annotations
 
+import threading
+
+import psutil
+
 NAME = {"type": "string", "minLength": 1, "maxLength": 24}
 
 SCHEMAS: list[tuple[str, str, dict]] = [
@@ -164,3 +168,29 @@ SCHEMAS: list[tuple[str, str, dict]] = [
 
 def chat(description: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": f"Reply in JSON only. Describe {description}."}]
+
+
+def slow_schema(salt: int, strings: int = 16) -> dict:
+    """A compile bomb of a few hundred bytes: xgrammar spends ~2 s per string of its own maxLength
+    (16 of them: 36 s of CPU). Each `salt` is a new constraint (no shared compile, no cache hit)."""
+    props = {f"s{i}": {"type": "string", "maxLength": 1000 + 100 * salt + i} for i in range(strings)}
+    return {"type": "object", "properties": props}
+
+
+def small_schema(salt: int) -> dict:
+    """A fresh small schema (compiles in milliseconds); each `salt` a new constraint."""
+    return {
+        "type": "object",
+        "properties": {"color": {"enum": ["red", "green", f"blue-{salt}"]}},
+        "required": ["color"],
+    }
+
+
+def grammar_compiles_alive() -> list[str]:
+    """Compiles still burning CPU: children of this process's compile helpers, and threads that
+    compile in this process (the in-process fallback, and the compiles before the helper)."""
+    helpers = [
+        p for p in psutil.Process().children() if "engine.structured_output.compile_worker" in p.cmdline()
+    ]
+    compiles = [f"compile pid {c.pid}" for h in helpers for c in h.children()]
+    return compiles + [t.name for t in threading.enumerate() if t.name == "grammar-compile"]

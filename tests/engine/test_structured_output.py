@@ -5,23 +5,29 @@ cache, bad constraints as typed errors, the batched bitmask and its CPU masking,
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from engine.errors import InvalidRequest
+from engine.errors import EngineError, InvalidRequest
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutputsParams as SO
-from engine.structured_output.params import MAX_JSON_NESTING, choice_as_grammar
+from engine.structured_output.params import MAX_CONSTRAINT_BYTES, MAX_JSON_NESTING, choice_as_grammar
 
 xgr = pytest.importorskip("xgrammar")
 
 from engine.structured_output.compiler import GrammarCache  # noqa: E402
 from engine.structured_output.manager import StructuredOutputManager, apply_bitmask_  # noqa: E402
 from engine.structured_output.tokenizer_info import build_tokenizer_info, detect_vocab_type  # noqa: E402
+from tests.engine.structured_schemas import grammar_compiles_alive, slow_schema, small_schema  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 
@@ -274,6 +280,103 @@ def test_a_compile_that_takes_too_long_is_an_invalid_request(hf_tokenizer) -> No
     cache = GrammarCache(info, fingerprint, timeout_s=0.001)
     with pytest.raises(InvalidRequest, match="did not compile within"):
         cache.get(SO(regex="([a-z]{1,100}){100}"))  # ~0.5 s of automaton building
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: SO(json={"enum": [f"value number {i}" for i in range(200_000)]}),  # issue 30's: 3.9 MB
+        lambda: SO(choice=[f"choice {i}" for i in range(20_000)]),
+        lambda: SO(regex="a" * (MAX_CONSTRAINT_BYTES + 1)),
+        lambda: SO(grammar="root ::= " + " | ".join(f'"v{i}"' for i in range(30_000))),
+    ],
+    ids=["enum", "choice", "regex", "grammar"],
+)
+def test_a_constraint_over_the_size_limit_is_invalid_before_any_compile(make) -> None:
+    start = time.perf_counter()
+    with pytest.raises(InvalidRequest, match=f"bytes; at most {MAX_CONSTRAINT_BYTES:,} are compiled"):
+        make()
+    assert time.perf_counter() - start < 2.0
+    assert len(SO(json={"enum": [f"value number {i}" for i in range(5_000)]}).key[1]) < MAX_CONSTRAINT_BYTES
+
+
+def test_a_compile_past_its_deadline_is_stopped(hf_tokenizer) -> None:
+    """The deadline stops the work: the compile's process is gone when the request gets its 400 (a
+    thread kept compiling for minutes), and the refused constraint is remembered, not recompiled."""
+    info, fingerprint = build_tokenizer_info(hf_tokenizer, 49152, [2])
+    cache = GrammarCache(info, fingerprint, timeout_s=1.0)
+    bomb = SO(json=slow_schema(0))
+    start = time.perf_counter()
+    with pytest.raises(InvalidRequest, match="did not compile within 1 s"):
+        cache.get(bomb)
+    assert time.perf_counter() - start < 10.0
+    deadline = time.monotonic() + 2.0
+    while grammar_compiles_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert grammar_compiles_alive() == []
+    with pytest.raises(InvalidRequest, match="did not compile within 1 s"):
+        cache.get(bomb)
+    assert grammar_compiles_alive() == []
+
+
+def test_a_small_schema_beside_two_bombs_compiles_in_its_usual_time(hf_tokenizer) -> None:
+    """No queue of compiles: two bombs compiling (each past the deadline) hold nothing a small,
+    fresh schema waits for. Before, two compile slots were theirs and the small one timed out."""
+    info, fingerprint = build_tokenizer_info(hf_tokenizer, 49152, [2])
+    cache = GrammarCache(info, fingerprint, timeout_s=6.0)
+    cache.get(SO(json=small_schema(0)))  # the first compile starts the compile processes' server
+    start = time.perf_counter()
+    cache.get(SO(json=small_schema(1)))
+    usual = time.perf_counter() - start
+    with ThreadPoolExecutor(2) as requests:  # two requests waiting for their bombs
+        bombs = [requests.submit(cache.get, SO(json=slow_schema(salt))) for salt in (1, 2)]
+        time.sleep(0.5)  # both are compiling
+        start = time.perf_counter()
+        cache.get(SO(json=small_schema(2)))
+        beside = time.perf_counter() - start
+        assert not any(b.done() for b in bombs)
+        print(f"small schema alone {usual * 1e3:.0f} ms, beside two bombs {beside * 1e3:.0f} ms")
+        assert beside < 3 * usual + 1.0, (beside, usual)
+        for b in bombs:
+            with pytest.raises(InvalidRequest, match="did not compile within"):
+                b.result(timeout=30)
+
+
+def test_a_dead_compile_helper_fails_its_compiles_and_the_next_one_starts_again(hf_tokenizer) -> None:
+    info, fingerprint = build_tokenizer_info(hf_tokenizer, 49152, [2])
+    cache = GrammarCache(info, fingerprint, timeout_s=60.0)
+    cache.get(SO(json=small_schema(10)))
+    with ThreadPoolExecutor(1) as requests:
+        bomb = requests.submit(cache.get, SO(json=slow_schema(10)))
+        time.sleep(0.5)
+        cache._service._proc.kill()  # noqa: SLF001 (the helper dies: OOM killer, a crash)
+        with pytest.raises(EngineError, match="grammar compiler process exited; retry"):
+            bomb.result(timeout=30)
+    cache.get(SO(json=small_schema(11)))  # a new helper
+    cache.close()
+    assert grammar_compiles_alive() == []
+
+
+def test_the_compile_helper_does_not_run_the_users_script_again(smollm2_dir: Path, tmp_path: Path) -> None:
+    """A script without a `__main__` guard (the README's examples) compiles a constraint: a
+    multiprocessing child would import the script again; the helper is a plain subprocess."""
+    script = tmp_path / "no_guard.py"
+    script.write_text(
+        "from tokenizers import Tokenizer\n"
+        "from engine.structured_output import StructuredOutputsParams\n"
+        "from engine.structured_output.compiler import GrammarCache\n"
+        "from engine.structured_output.tokenizer_info import build_tokenizer_info\n"
+        "print('script ran', flush=True)\n"
+        f"tok = Tokenizer.from_file({str(smollm2_dir / 'tokenizer.json')!r})\n"
+        "cache = GrammarCache(*build_tokenizer_info(tok, 49152, [2]))\n"
+        "cache.get(StructuredOutputsParams(choice=['yes', 'no']))\n"
+        "print('compiled', flush=True)\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(root)})  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == ["script ran", "compiled"]
 
 
 def test_choice_literals_are_escaped(manager) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 from pathlib import Path
 from typing import Literal
 
@@ -20,6 +21,7 @@ from pydantic import BaseModel, Field
 from engine.engine_args import EngineArgs
 from engine.llm_engine import LLMEngine
 from engine.server import build_app
+from tests.engine.structured_schemas import grammar_compiles_alive, slow_schema, small_schema
 
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
@@ -170,6 +172,10 @@ BAD = [
         "never completes",
     ),  # fmt: skip
     ({"structured_outputs": {"grammar": "root ::= root"}}, "rule 'root' never completes"),
+    (
+        {"structured_outputs": {"json": {"enum": [f"value number {i}" for i in range(200_000)]}}},
+        "bytes; at most 131,072 are compiled",
+    ),  # fmt: skip
 ]
 
 
@@ -212,3 +218,34 @@ async def test_an_unsatisfiable_constraint_is_a_400_and_its_batch_mates_are_serv
     text = [r["choices"][0]["message"]["content"] for _, r in (together[0], together[2])]
     assert text == [r["choices"][0]["message"]["content"] for _, r in alone]
     jsonschema.validate(json.loads(text[1]), CITY)
+
+
+async def test_a_small_schema_beside_two_compile_bombs_is_served_in_its_usual_time(
+    base_url: str, engine: LLMEngine, monkeypatch
+) -> None:
+    """Two schemas that take minutes to compile are refused at their deadline and their compiles
+    stopped; a small fresh schema sent while they compile is served as fast as it is alone (before,
+    the bombs held both compile slots and it got "did not compile within ... s" too)."""
+    monkeypatch.setattr(engine.structured_output.cache, "timeout_s", 6.0)
+
+    async with aiohttp.ClientSession() as http:
+
+        async def ask(schema: dict) -> tuple[int, dict, float]:
+            body = {"messages": user("A color."), "max_tokens": 1, "temperature": 0,
+                    "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}  # fmt: skip
+            start = time.perf_counter()
+            async with http.post(base_url + "/v1/chat/completions", json=body) as resp:
+                return resp.status, await resp.json(), time.perf_counter() - start
+
+        await ask(small_schema(100))  # compile processes started
+        status, _, usual = await ask(small_schema(101))
+        assert status == 200
+        bombs = [asyncio.create_task(ask(slow_schema(salt))) for salt in (101, 102)]
+        await asyncio.sleep(0.5)  # both are compiling
+        status, _, beside = await ask(small_schema(102))
+        assert status == 200 and not any(b.done() for b in bombs)
+        assert beside < 3 * usual + 1.0, (beside, usual)
+        for status, body, took in await asyncio.gather(*bombs):
+            assert status == 400 and "did not compile within 6 s" in body["error"]["message"]
+            assert took < 20
+    assert grammar_compiles_alive() == []
