@@ -31,7 +31,7 @@ from multiprocessing.connection import Connection
 
 import xgrammar as xgr
 
-from engine.errors import EngineError, InvalidRequest
+from engine.errors import EngineError, InvalidRequest, RequestFailed
 from engine.structured_output.params import (
     StructuredOutputOptions,
     StructuredOutputsParams,
@@ -45,6 +45,9 @@ _CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?"
 # models fall into whitespace loops: greedy SmolLM2 wrote 150 newlines between a key and its value on
 # one of the test schemas (vLLM has the same failure). 16 is pretty printing 7 levels deep at indent 2.
 JSON_MAX_WHITESPACE = 16
+# Compiles running at once (each a process with its own grammar in memory, up to ~100 MB); past it a
+# new one is a 503 to retry, not a wait behind the others.
+MAX_RUNNING_COMPILES = 32
 
 
 class CompileTimeout(Exception):
@@ -242,6 +245,10 @@ class CompileService:
         future: Future = Future()
         future.set_running_or_notify_cancel()
         with self._lock:
+            if len(self._pending) >= MAX_RUNNING_COMPILES:
+                raise RequestFailed(
+                    f"{MAX_RUNNING_COMPILES} constraints are compiling already; retry later", status=503
+                )
             self._start()
             cid = next(self._ids)
             self._pending[cid] = (params, future)

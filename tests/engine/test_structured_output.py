@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.errors import EngineError, InvalidRequest
+from engine.errors import EngineError, InvalidRequest, RequestFailed
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutputsParams as SO
 from engine.structured_output.params import MAX_CONSTRAINT_BYTES, MAX_JSON_NESTING, choice_as_grammar
@@ -355,6 +355,26 @@ def test_a_dead_compile_helper_fails_its_compiles_and_the_next_one_starts_again(
     cache.get(SO(json=small_schema(11)))  # a new helper
     cache.close()
     assert grammar_compiles_alive() == []
+
+
+def test_past_the_running_compiles_limit_a_new_one_is_a_503_not_a_wait(hf_tokenizer, monkeypatch) -> None:
+    from engine.structured_output import compile_worker
+
+    monkeypatch.setattr(compile_worker, "MAX_RUNNING_COMPILES", 2)
+    info, fingerprint = build_tokenizer_info(hf_tokenizer, 49152, [2])
+    cache = GrammarCache(info, fingerprint, timeout_s=3.0)
+    with ThreadPoolExecutor(2) as requests:
+        bombs = [requests.submit(cache.get, SO(json=slow_schema(salt))) for salt in (20, 21)]
+        time.sleep(0.5)
+        start = time.perf_counter()
+        with pytest.raises(RequestFailed, match="2 constraints are compiling already; retry later") as e:
+            cache.get(SO(json=small_schema(20)))
+        assert e.value.status == 503 and time.perf_counter() - start < 1.0
+        for b in bombs:
+            with pytest.raises(InvalidRequest, match="did not compile within 3 s"):
+                b.result(timeout=30)
+    cache.get(SO(json=small_schema(20)))  # the refusal was not remembered
+    cache.close()
 
 
 def test_the_compile_helper_does_not_run_the_users_script_again(smollm2_dir: Path, tmp_path: Path) -> None:
