@@ -33,7 +33,7 @@ from pathlib import Path
 from engine.router.calibrate import parse_totals
 
 PROFILES = Path(__file__).parent / "profiles"
-PREFILL_LENGTHS = (256, 512, 1024, 2048)
+PREFILL_LENGTHS = (128, 256, 512, 1024, 2048)
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32)
 DECODE_STEPS = 16
 REPEATS = 2

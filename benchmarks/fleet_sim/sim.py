@@ -162,6 +162,23 @@ class Fleet:
             out[e] = len(keys)
         return out
 
+    def run(self, jobs: list[Job]) -> None:
+        """Send `jobs` (in arrival order) and run until everything is done; the fleet keeps its state
+        for the next call. Raises SimulationError if a request is lost or served twice."""
+        loop = self.loop
+
+        def arrive(i: int) -> None:
+            self.arrive(jobs[i])
+            if i + 1 < len(jobs):  # the next arrival is scheduled after this one's consequences
+                loop.at(jobs[i + 1].req.arrival_s, arrive, i + 1)
+
+        if jobs:
+            loop.at(jobs[0].req.arrival_s, arrive, 0)
+        loop.run()
+        bad = [j.req.index for j in jobs if j.served != 1]
+        if bad:
+            raise SimulationError(f"{len(bad)} requests not served exactly once, first: {bad[:5]}")
+
     def arrive(self, job: Job) -> None:
         """A request is due: routed now, or when the request it must follow has finished."""
         if job.after is not None and not job.after.served:
@@ -298,19 +315,7 @@ def run_jobs(jobs: list[Job], config: SimConfig, profile: Profile) -> Result:
     """Run `jobs` (in arrival order) through a fleet."""
     started = time.perf_counter()
     fleet = Fleet(profile, config, jobs[0].req.chunk_size if jobs else CHUNK)
-    loop = fleet.loop
-
-    def arrive(i: int) -> None:
-        fleet.arrive(jobs[i])
-        if i + 1 < len(jobs):  # the next arrival is scheduled after this one's consequences
-            loop.at(jobs[i + 1].req.arrival_s, arrive, i + 1)
-
-    if jobs:
-        loop.at(jobs[0].req.arrival_s, arrive, 0)
-    loop.run()
-    bad = [j.req.index for j in jobs if j.served != 1]
-    if bad:
-        raise SimulationError(f"{len(bad)} requests not served exactly once, first: {bad[:5]}")
+    fleet.run(jobs)
     return Result(config, profile.name, jobs, _stats(fleet, jobs, time.perf_counter() - started))
 
 
