@@ -1,0 +1,47 @@
+"""validate.py: bench_router.py's table parsed, the replay simulated on the same slice, the residuals
+judged against the issue's tolerances (±2 points of hit rate, ±15% of TTFT p50, same orders)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from benchmarks.fleet_sim import validate
+
+REAL = """
+Mooncake conversation trace, 2 rounds x 12 conversations (...)
+
+      policy local hit store hit recompute  TTFT p50  TTFT p90  req/s imbalance
+ round_robin      5.0%     40.0%     55.0%    0.400s    0.900s   1.40      1.10
+        ttft     20.0%     30.0%     50.0%    0.300s    0.700s   1.45      1.30
+"""
+
+
+def test_parse_real() -> None:
+    real = validate.parse_real(REAL)
+    assert real["round_robin"] == {"local": 0.05, "store": 0.40, "p50": 0.4, "p90": 0.9, "rps": 1.4}
+    assert real["ttft"]["local"] == pytest.approx(0.2)
+    with pytest.raises(ValueError):
+        validate.parse_real("no table here")
+
+
+def test_compare_judges_the_residuals() -> None:
+    real = validate.parse_real(REAL)
+    close = {"round_robin": {"local": 0.06, "store": 0.40, "p50": 0.44, "p90": 1.0},
+             "ttft": {"local": 0.19, "store": 0.30, "p50": 0.29, "p90": 0.8}}  # fmt: skip
+    table, ok = validate.compare(real, close)
+    assert ok and "+1.0p" in table and "same" in table
+    far = {**close, "ttft": {**close["ttft"], "p50": 0.5}}  # +67%, and now slower than round_robin
+    table, ok = validate.compare(real, far)
+    assert not ok and "DIFFERENT" in table
+
+
+def test_the_replay_simulates_every_policy(tmp_path) -> None:
+    args = argparse.Namespace(profile="llama3-8b-h100", window=1500, conversations=3, rounds=2, rps=1.5,
+                              block_tokens=32, max_blocks=24, kv_cache_memory="64MiB",
+                              policies=["round_robin", "ttft"])  # fmt: skip
+    sim = validate.run_sim(args)
+    assert set(sim) == {"round_robin", "ttft"}
+    for r in sim.values():
+        assert 0 < r["local"] + r["store"] < 1 and 0 < r["p50"] <= r["p90"]
