@@ -37,7 +37,7 @@ from engine.structured_output.params import (
     StructuredOutputsParams,
     choice_as_grammar,
 )
-from engine.structured_output.satisfiable import unproductive_root
+from engine.structured_output.satisfiable import unproductive_rule
 
 logger = logging.getLogger(__name__)
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
@@ -74,7 +74,7 @@ def compile_constraint(compiler: xgr.GrammarCompiler, params: StructuredOutputsP
             )
     else:
         grammar = xgr.Grammar.from_ebnf(params.grammar)
-    if (rule := unproductive_root(grammar)) is not None:  # it would compile, then fail mid-answer
+    if (rule := unproductive_rule(grammar)) is not None:  # it would compile, then fail mid-answer
         raise ValueError(
             f"no finite text satisfies it: rule {rule!r} never completes (it only recurses, with no "
             "base case: a $ref to itself or a $ref cycle, a rule defined by itself)"

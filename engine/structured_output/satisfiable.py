@@ -4,12 +4,13 @@ A JSON schema `{"$ref": "#"}`, a `$ref` cycle `a -> b -> a` with no base case, o
 `root ::= root` compile fine in xgrammar, but nothing can ever satisfy them: the matcher allows no
 token (or only ever more tokens), and the request would fail mid-generation. The test is the
 textbook one: a rule is *productive* when some alternative of its body is made only of terminals
-and productive rules; the grammar's language is empty exactly when its root rule is not productive.
+and productive rules. The grammar's language is empty exactly when its root rule is not productive;
+a reachable rule that is not makes an answer that enters it unable to end, so it is refused too.
 
 The grammar is read from xgrammar's own serialisation (`Grammar.serialize_json`: its expression
 table, in the `GrammarExprType` order of xgrammar's grammar_impl.h). Anything this module does not
-recognise counts as productive, and a format it does not know skips the check, so it can only
-ever accept too much, never refuse a grammar xgrammar could satisfy.
+recognise counts as productive, and a format it does not know skips the check: it may let a bad
+grammar through, never refuse one whose every reachable rule can complete.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ KNOWN_FORMATS = ("v16",)  # xgrammar's serialisation versions whose expression t
 _RULE_REF, _SEQUENCE, _CHOICES, _REPEAT = 4, 5, 6, 8
 
 
-def unproductive_root(grammar: xgr.Grammar) -> str | None:
-    """The name of the root rule when no finite text derives from it, else None."""
+def unproductive_rule(grammar: xgr.Grammar) -> str | None:
+    """The name of a rule the grammar can reach that no finite text derives from (the root first),
+    else None. Past such a rule the matcher allows either nothing or never an end."""
     spec = json.loads(grammar.serialize_json())
     if spec.get("__VERSION__") not in KNOWN_FORMATS:
         logger.debug(
@@ -39,8 +41,10 @@ def unproductive_root(grammar: xgr.Grammar) -> str | None:
     num_exprs = len(indptr)  # expression i is data[indptr[i]:indptr[i + 1]], the last one to the end
     ends = [*indptr[1:], len(data)]
     # nodes: expressions 0..num_exprs-1, then rules num_exprs..num_exprs+len(rules)-1
-    parents: list[list[int]] = [[] for _ in range(num_exprs + len(rules))]
-    missing = [0] * (num_exprs + len(rules))  # children still unproductive before the node is
+    num_nodes = num_exprs + len(rules)
+    uses: list[list[int]] = [[] for _ in range(num_nodes)]  # what each node refers to
+    parents: list[list[int]] = [[] for _ in range(num_nodes)]  # who needs each node to be productive
+    missing = [0] * num_nodes  # children still unproductive before the node is
     ready: deque[int] = deque()
     for i in range(num_exprs):
         start, end = indptr[i], ends[i]
@@ -48,23 +52,25 @@ def unproductive_root(grammar: xgr.Grammar) -> str | None:
         if data[start + 1] != end - start - 2:
             logger.debug("xgrammar expression %d has an unexpected layout: grammar emptiness not checked", i)
             return None
+        needs: list[int] = []
         if kind == _RULE_REF:
-            children = [num_exprs + payload[0]]
+            uses[i] = needs = [num_exprs + payload[0]]
         elif kind in (_SEQUENCE, _CHOICES):
-            children = list(payload)
-        elif kind == _REPEAT and payload[1] > 0:  # [rule, min, max]: min 0 matches the empty text
-            children = [num_exprs + payload[0]]
-        else:  # bytes, character classes, the empty string, tokens, regexes, tag dispatch
-            children = []
-        for child in children:
+            uses[i] = needs = list(payload)
+        elif kind == _REPEAT:  # [rule, min, max]: min 0 matches the empty text
+            uses[i] = [num_exprs + payload[0]]
+            needs = uses[i] if payload[1] > 0 else []
+        # else bytes, character classes, the empty string, tokens, regexes, tag dispatch: terminals
+        for child in needs:
             parents[child].append(i)
-        missing[i] = 1 if kind == _CHOICES and children else len(children)
+        missing[i] = 1 if kind == _CHOICES and needs else len(needs)
         if missing[i] == 0:
             ready.append(i)
-    for r, rule in enumerate(rules):
-        parents[rule[1]].append(num_exprs + r)  # rule = [name, body_expr_id, ...]
+    for r, rule in enumerate(rules):  # rule = [name, body_expr_id, ...]
+        uses[num_exprs + r] = [rule[1]]
+        parents[rule[1]].append(num_exprs + r)
         missing[num_exprs + r] = 1
-    productive = [False] * len(missing)
+    productive = [False] * num_nodes
     while ready:
         node = ready.popleft()
         if productive[node]:
@@ -74,5 +80,14 @@ def unproductive_root(grammar: xgr.Grammar) -> str | None:
             missing[parent] -= 1
             if missing[parent] == 0:
                 ready.append(parent)
-    root = spec["root_rule_id"]
-    return None if productive[num_exprs + root] else rules[root][0]
+    root = num_exprs + spec["root_rule_id"]
+    seen, queue = {root}, deque([root])  # breadth first: the root, then the rules nearest to it
+    while queue:
+        node = queue.popleft()
+        if node >= num_exprs and not productive[node]:
+            return rules[node - num_exprs][0]
+        for used in uses[node]:
+            if used not in seen:
+                seen.add(used)
+                queue.append(used)
+    return None

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from pydantic import BaseModel
 
 from engine.errors import EngineError, InvalidRequest, RequestFailed
 from engine.sampling_params import SamplingParams
@@ -224,6 +225,16 @@ def test_uncompilable_constraints_are_invalid_requests_with_xgrammars_reason(man
         assert "/project/cpp" not in str(e.value), "the C++ source location is stripped"
 
 
+class Node(BaseModel):
+    value: int
+    children: list[Node] = []
+
+
+class Tree(BaseModel):
+    root: Node
+    left: Tree | None = None
+
+
 CYCLE = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
 SELF = {"type": "object", "properties": {"child": {"$ref": "#"}}}
 
@@ -258,6 +269,26 @@ def test_a_constraint_nothing_finite_satisfies_is_invalid(manager, so) -> None:
         manager.compile(so)
 
 
+LOOP = {"$defs": {"loop": {"$ref": "#/$defs/loop"}}}
+
+
+@pytest.mark.parametrize(
+    "so, rule",
+    [
+        (SO(grammar='root ::= "x" | "y" a\na ::= a'), "a"),  # after "y" no token is allowed
+        (SO(grammar='root ::= "q" a{0,3}\na ::= "x" a'), "a"),  # after "qx" no end
+        (SO(json={"type": "object", "properties": {"a": {"$ref": "#/$defs/loop"}}, **LOOP}), "root_prop_0"),
+        (SO(json={"anyOf": [{"type": "integer"}, {"$ref": "#/$defs/loop"}], **LOOP}), "root_case_1"),
+    ],
+    ids=["dead-end", "endless-optional", "optional-property", "any-of-case"],
+)
+def test_a_constraint_with_a_branch_that_cannot_end_is_invalid(manager, so, rule: str) -> None:
+    """The root can complete, but a rule it reaches cannot: an answer that enters it would fail
+    (or run to max_tokens), so the constraint is refused, naming the rule."""
+    with pytest.raises(InvalidRequest, match=f"no finite text satisfies it: rule '{rule}' never completes"):
+        manager.compile(so)
+
+
 @pytest.mark.parametrize(
     "so",
     [
@@ -266,7 +297,8 @@ def test_a_constraint_nothing_finite_satisfies_is_invalid(manager, so) -> None:
         SO(json={"anyOf": [{"type": "integer"}, {"type": "array", "items": {"$ref": "#"}, "minItems": 1}]}),
         SO(grammar='root ::= "x" | "(" root ")"'),
         SO(grammar='root ::= ("x" root)*'),
-        SO(grammar='root ::= "q" a{0,3}\na ::= "x" a'),  # a never ends, but zero of them is fine
+        SO(grammar='root ::= "q" a{0,3}\na ::= "x" | "x" a'),
+        SO(json=Tree.model_json_schema()),  # pydantic's recursive models
     ],
 )
 def test_recursive_constraints_with_a_base_case_compile(manager, so) -> None:

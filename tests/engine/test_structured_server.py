@@ -172,6 +172,7 @@ BAD = [
         "never completes",
     ),  # fmt: skip
     ({"structured_outputs": {"grammar": "root ::= root"}}, "rule 'root' never completes"),
+    ({"structured_outputs": {"grammar": 'root ::= "x" | "y" a\na ::= a'}}, "rule 'a' never completes"),
     (
         {"structured_outputs": {"json": {"enum": [f"value number {i}" for i in range(200_000)]}}},
         "bytes; at most 131,072 are compiled",
