@@ -3,8 +3,10 @@
 compiled once per tokenizer, and every step masks the logits of the constrained rows.
 
 Modules: `params` (what a request asks for; no xgrammar), `tokenizer_info` (the vocabulary as
-xgrammar needs it), `compiler` (the compile cache), `request` (one request's matcher), `manager`
-(the engine's entry points: compile before queueing, mask each step).
+xgrammar needs it), `compiler` (the compile cache), `compile_worker` (each compile in a process of
+its own, killed at its deadline), `satisfiable` (a grammar whose rules can all complete), `request`
+(one request's matcher), `manager` (the engine's entry points: compile before queueing, mask each
+step).
 """
 
 from engine.structured_output.params import StructuredOutputOptions, StructuredOutputsParams
