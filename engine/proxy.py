@@ -47,6 +47,10 @@ class BadGateway(EngineError):
     status = 502
 
 
+class EngineUnreachable(BadGateway):
+    """The engine could not be connected to: it never got the request (another one may serve it)."""
+
+
 class ProxyConfig:
     def __init__(
         self,
@@ -182,7 +186,8 @@ async def forward(
         else:
             message, status = describe(role, url, e, config.timeout.total), 502
         if out is None:
-            raise BadGateway(message) from None
+            unreachable = isinstance(e, aiohttp.ClientConnectorError)
+            raise (EngineUnreachable if unreachable else BadGateway)(message) from None
         logger.warning("%s %s: %s", request.method, request.path, message)
         if out.headers.get("Content-Type", "").startswith("text/event-stream"):
             error = json.dumps(error_body(status, message))

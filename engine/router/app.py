@@ -24,7 +24,7 @@ import aiohttp
 from aiohttp import web
 
 from engine.errors import InvalidRequest
-from engine.proxy import CONFIG_KEY, INFLIGHT_KEY, SESSION_KEY, forward
+from engine.proxy import CONFIG_KEY, INFLIGHT_KEY, SESSION_KEY, BadGateway, EngineUnreachable, forward
 from engine.router.calibrate import Calibrator
 from engine.router.index import PrefixIndex
 from engine.router.metrics import RouterMetrics
@@ -36,6 +36,7 @@ from engine.server_middleware import MAX_BODY_KEY, errors_middleware, parse_json
 logger = logging.getLogger(__name__)
 ROUTER_KEY = web.AppKey("router", object)
 ENGINE_HEADER = "X-KVStore-Engine"  # on every routed response: the engine that served it
+DOWN_S = 5.0  # an engine that refused a connection is passed over this long
 POLICY_HEADER = "X-KVStore-Policy"  # a request's own policy (A/B runs, benchmarks/bench_router.py)
 _MAX_BODY_BYTES = 64 * 2**20
 
@@ -45,6 +46,7 @@ class EngineLoad:
     url: str
     in_flight: int = 0
     waiting_tokens: int = 0
+    down_until: float = 0.0  # monotonic time; after a refused connection it is not chosen till then
 
 
 @dataclass
@@ -98,7 +100,7 @@ class Router:
         ]
         self.subscriber = EventSubscriber(sources)
 
-    def decide(self, token_ids: list[int] | None, policy: str | None = None) -> Choice:
+    def decide(self, token_ids: list[int] | None, policy: str | None = None, now: float = 0.0) -> Choice:
         policy = policy or self.config.policy
         recent = self.recent[policy]
         counts = collections.Counter(recent)
@@ -117,7 +119,8 @@ class Router:
                 counts[url],
             )
             for url, load in self.loads.items()
-        ]
+            if load.down_until <= now
+        ] or [EngineState(url, recent=counts[url]) for url in self.loads]  # all marked down: try them all
         choice = choose(policy, engines, request, self.calibrator.costs, self.config.max_share, self.turn)
         self.turn += 1
         recent.append(choice.engine)
@@ -151,30 +154,49 @@ async def _route(request: web.Request, path: str, chat: bool) -> web.StreamRespo
         policy = request.headers.get(POLICY_HEADER)
         if policy is not None and policy not in POLICIES:
             raise InvalidRequest(f"{POLICY_HEADER} must be one of {', '.join(POLICIES)}, got {policy!r}")
-        choice = router.decide(token_ids, policy)
-        load = router.loads[choice.engine]
-        pending = choice.compute_tokens + choice.store_tokens
-        load.in_flight += 1
-        load.waiting_tokens += pending
         streamed = bool(body.get("stream"))
-
-        def first(status: int) -> None:
-            nonlocal pending
-            load.waiting_tokens -= pending
-            pending = 0
-            if streamed and status == 200:
-                router.metrics.first_token(choice, time.monotonic() - started)
-
-        try:
-            return await unless_disconnected(
-                request,
-                forward(request, path, body, choice.engine, "engine", first, {ENGINE_HEADER: choice.engine}),
-            )
-        finally:
-            load.in_flight -= 1
-            load.waiting_tokens -= pending
+        problems = []
+        for _ in router.loads:  # an engine that refuses the connection never got it: the next one may
+            choice = router.decide(token_ids, policy, time.monotonic())
+            try:
+                return await _send(request, router, path, body, choice, started, streamed)
+            except EngineUnreachable as e:
+                router.loads[choice.engine].down_until = time.monotonic() + DOWN_S
+                problems.append(str(e))
+        raise BadGateway("; ".join(problems))
     finally:
         inflight.discard(task)
+
+
+async def _send(
+    request: web.Request,
+    router: Router,
+    path: str,
+    body: dict,
+    choice: Choice,
+    started: float,
+    streamed: bool,
+) -> web.StreamResponse:
+    load = router.loads[choice.engine]
+    pending = choice.compute_tokens + choice.store_tokens
+    load.in_flight += 1
+    load.waiting_tokens += pending
+
+    def first(status: int) -> None:
+        nonlocal pending
+        load.waiting_tokens -= pending
+        pending = 0
+        if streamed and status == 200:
+            router.metrics.first_token(choice, time.monotonic() - started)
+
+    try:
+        return await unless_disconnected(
+            request,
+            forward(request, path, body, choice.engine, "engine", first, {ENGINE_HEADER: choice.engine}),
+        )
+    finally:
+        load.in_flight -= 1
+        load.waiting_tokens -= pending
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

@@ -107,3 +107,22 @@ async def test_the_share_cap_spreads_a_popular_prefix(tiny) -> None:
         assert counts[-1] <= 1.2 * 13 / 3 + 1 and counts[0] > 0, counts
         prefix = [await _complete(client, popular + [j + 1], "prefix") for j in range(6)]
         assert len(set(prefix)) == 1, "prefix sends every request to the holder: the hot spot the cap avoids"
+
+
+async def test_an_engine_that_refuses_connections_is_passed_over(tiny, tmp_path) -> None:
+    from tests.connectors.engine_util import free_port
+
+    model, engines = tiny
+    async with AsyncExitStack() as stack:
+        up = await stack.enter_async_context(serving(engine_app(engines[0][0])))
+        dead = f"http://127.0.0.1:{free_port()}"
+        cfg = events_config(tmp_path, "dead")
+        config = RouterConfig([dead, up], [cfg["endpoint"], engines[0][1]["endpoint"]],
+                              [cfg["replay_endpoint"], engines[0][1]["replay_endpoint"]], policy="round_robin",
+                              calibrate_s=0)  # fmt: skip
+        client = await stack.enter_async_context(
+            TestClient(TestServer(build_router_app(config, PromptTokens(model))))
+        )
+        assert {await _complete(client, [7, 8, 9]) for _ in range(4)} == {up}
+        state = await (await client.get("/v1/router/state")).json()
+        assert state["engines"][dead]["down_until"] > 0 and state["engines"][dead]["in_flight"] == 0
