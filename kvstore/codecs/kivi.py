@@ -10,6 +10,10 @@ Options (`encode_blob(kv, codec="kivi4", key_tokens=256, value_group=None, sink_
                  so a 256-token chunk is one group per channel at the default.
     value_group: channels per value group along the token's row of kv_heads * head_dim channels
                  (must divide it); default: the whole row, every head of the token.
+    value_meta:  "fp16": a value group's scale and zero are fp16; "8bit": one uint16 per group, its
+                 zero point an integer code (0..2^b-1) and its scale 8 bits on a log grid of 2^(1/16)
+                 steps under an fp16 reference per layer and group index (`v_ref`): 2 bytes a group,
+                 not 4; the scale grows by up to 2^(1/16) x top/(top-1) (4-bit: 1.11x, 2-bit: 1.57x).
     sink_tokens: the first `sink_tokens` KEYS of a chunk of >= 16 tokens are stored exactly, in the KV
                  dtype, and left out of their channel's group: the first token of a sequence is an
                  attention sink whose huge keys would stretch every channel's range. Values of those
@@ -17,7 +21,8 @@ Options (`encode_blob(kv, codec="kivi4", key_tokens=256, value_group=None, sink_
 
 Payload, in order: key codes `[L, T - sink, C*b/8]`, value codes `[L, T, C*b/8]` (C = kv_heads *
 head_dim), key scale/zero fp16 pairs `[L, ceil((T - sink) / key_tokens), C, 2]`, value pairs
-`[L, T, C / value_group, 2]`, the sink keys' raw bits `[L, sink, C]`. At the defaults, a 256-token
+`[L, T, C / value_group, 2]` (8bit: uint16 `[L, T, C / value_group]`, then the fp16 references
+`[L, C / value_group]`), the sink keys' raw bits `[L, sink, C]`. At the defaults, a 256-token
 chunk with C = 192 (SmolLM2-135M): kivi4 3.83x smaller than bf16/fp16, kivi2 7.33x.
 
 Error bound: |x - x'| <= scale/2 per element (scale = fp16((max - min) / (2^b - 1)) of its group), plus
@@ -36,7 +41,10 @@ import torch
 from kvstore.codecs import common
 from kvstore.errors import CodecError
 
-DEFAULTS: dict[str, Any] = {"key_tokens": 256, "value_group": None, "sink_tokens": 1}
+DEFAULTS: dict[str, Any] = {"key_tokens": 256, "value_group": None, "sink_tokens": 1, "value_meta": "fp16"}
+VALUE_META = ("fp16", "8bit")
+_STEPS = 16  # 8bit value scales: r * 2^(-c / 16), c = 0..255 (steps of 4.4%)
+_POW = torch.tensor([2.0 ** (-c / _STEPS) for c in range(256)], dtype=torch.float32)
 SINK_MIN_TOKENS = 16  # shorter chunks keep no sink keys
 MAX_SINK_TOKENS = 64
 
@@ -49,6 +57,7 @@ class KiviLayout:
     value_group: int
     sink: int
     itemsize: int
+    value_meta: str = "fp16"
 
     @property
     def channels(self) -> int:
@@ -59,13 +68,18 @@ class KiviLayout:
         return -(-(self.shape[2] - self.sink) // self.key_tokens)
 
     def params(self) -> dict:
-        return {"kt": self.key_tokens, "vg": self.value_group, "sink": self.sink}
+        p = {"kt": self.key_tokens, "vg": self.value_group, "sink": self.sink}
+        return p if self.value_meta == "fp16" else {**p, "vm": VALUE_META.index(self.value_meta)}
 
     @classmethod
     def from_params(cls, shape: tuple[int, ...], params: dict, dtype: torch.dtype, bits: int) -> KiviLayout:
-        if set(params) != {"kt", "vg", "sink"} or not all(type(v) is int for v in params.values()):
+        keys = set(params) - {"vm"}
+        if keys != {"kt", "vg", "sink"} or not all(type(v) is int for v in params.values()):
             raise CodecError(f"kivi: bad params {params!r:.80}")
-        lay = cls(tuple(shape), bits, params["kt"], params["vg"], params["sink"], dtype.itemsize)  # type: ignore[arg-type]
+        if params.get("vm", 0) not in range(len(VALUE_META)):
+            raise CodecError(f"kivi: bad params {params!r:.80}")
+        meta = VALUE_META[params.get("vm", 0)]
+        lay = cls(tuple(shape), bits, params["kt"], params["vg"], params["sink"], dtype.itemsize, meta)  # type: ignore[arg-type]
         lay.validate()
         return lay
 
@@ -87,9 +101,16 @@ class KiviLayout:
             ("k_codes", np.uint8, (nl, nt - self.sink, row)),
             ("v_codes", np.uint8, (nl, nt, row)),
             ("k_sz", np.int16, (nl, self.key_groups, c, 2)),  # float16 bits
-            ("v_sz", np.int16, (nl, nt, c // self.value_group, 2)),
+            *self._value_meta_sections(),
             ("sink", np.uint16 if self.itemsize == 2 else np.uint32, (nl, self.sink, c)),
         ]
+
+    def _value_meta_sections(self) -> list[tuple[str, type, tuple[int, ...]]]:
+        _, nl, nt, _, _ = self.shape
+        g = self.channels // self.value_group
+        if self.value_meta == "fp16":
+            return [("v_sz", np.int16, (nl, nt, g, 2))]  # float16 bits
+        return [("v_meta", np.uint16, (nl, nt, g)), ("v_ref", np.int16, (nl, g))]
 
     def nbytes(self) -> int:
         return common.sections_nbytes(self.sections())
@@ -105,10 +126,14 @@ def layout_for(shape: tuple[int, ...], dtype: torch.dtype, bits: int, **options:
     for name, v in (("key_tokens", o["key_tokens"]), ("value_group", vg), ("sink_tokens", o["sink_tokens"])):
         if type(v) is not int:
             raise CodecError(f"kivi{bits}: {name} must be an int, got {v!r}")
+    if o["value_meta"] not in VALUE_META:
+        raise CodecError(f"kivi{bits}: value_meta must be one of {VALUE_META}, got {o['value_meta']!r}")
     if not 0 <= o["sink_tokens"] <= MAX_SINK_TOKENS:
         raise CodecError(f"kivi{bits}: sink_tokens must be in 0..{MAX_SINK_TOKENS}, got {o['sink_tokens']}")
     sink = o["sink_tokens"] if int(shape[2]) >= max(SINK_MIN_TOKENS, o["sink_tokens"] + 1) else 0
-    lay = KiviLayout(tuple(int(s) for s in shape), bits, o["key_tokens"], vg, sink, dtype.itemsize)  # type: ignore[arg-type]
+    lay = KiviLayout(
+        tuple(int(s) for s in shape), bits, o["key_tokens"], vg, sink, dtype.itemsize, o["value_meta"]
+    )  # type: ignore[arg-type]
     lay.validate()
     return lay
 
@@ -131,6 +156,52 @@ def quantize(x: torch.Tensor, dim: int, bits: int, what: str) -> tuple[torch.Ten
     inv = torch.where(s > 0, 1 / s, torch.zeros_like(s))
     q = (x - z).mul_(inv).add_(0.5).floor_().clamp_(0, top).to(torch.uint8)
     return q, torch.stack([s16, z16], -1)
+
+
+def quantize_8bit(x: torch.Tensor, bits: int, what: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Groups along the last dim of float32 `x` [L, T, G, n] with an integer zero point zp in
+    0..2^b-1 and a scale on a log grid under a per-(layer, group index) fp16 reference r:
+    x ~ (q - zp) * r * 2^(-c/16). Returns codes, meta (c | zp << 8, int32 [L, T, G], stored as uint16), r (fp16 [L, G])."""
+    top = (1 << bits) - 1
+    mn, mx = x.amin(-1), x.amax(-1)
+    s0 = (mx - mn) / top
+    flat = torch.where(mn < 0, float(top), 0.0)  # an all-equal group: its value at an end of the range
+    u = torch.where(s0 > 0, -mn / torch.where(s0 > 0, s0, 1), flat).clamp_(0, top)
+
+    def cover(zp: torch.Tensor) -> torch.Tensor:  # the scale with which zp's range holds [mn, mx]
+        inf = torch.full_like(mx, torch.inf)  # zp = top holds no positive value, zp = 0 no negative one
+        up = torch.where(zp < top, mx / (top - zp).clamp(min=1), torch.where(mx > 0, inf, 0))
+        down = torch.where(zp > 0, -mn / zp.clamp(min=1), torch.where(mn < 0, inf, 0))
+        return torch.maximum(up, down).clamp_(min=0)
+
+    lo, hi = u.floor(), u.ceil()  # the integer zero point next to the exact one that needs less scale
+    need_lo, need_hi = cover(lo), cover(hi)
+    zp = torch.where(need_lo <= need_hi, lo, hi)
+    need = torch.minimum(need_lo, need_hi)
+    top_need = need.amax(1)  # [L, G]
+    r16 = _f16_bits(top_need, what)
+    bumped = (r16.view(torch.int16) + 1).view(torch.float16)  # the next float16 up (r16 >= 0)
+    r16 = torch.where(r16.float() < top_need, bumped, r16)
+    r = r16.float()[:, None]
+    if not bool(torch.isfinite(r).all()):
+        raise CodecError(f"{what}: KV contains NaN, Inf or values beyond the float16 range of its scales")
+    ratio = torch.where(need > 0, need / torch.where(r > 0, r, 1), 0)
+    c = torch.where(ratio > 0, (-_STEPS * torch.log2(ratio.clamp(min=1e-30))).floor(), 255).clamp_(0, 255)
+    c = c.long()
+    s = (_POW[c] * r).clamp(min=0)
+    c = torch.where(s < need, (c - 1).clamp(min=0), c)  # float rounding: never a scale below the need
+    s = _POW[c] * r
+    inv = torch.where(s > 0, 1 / s, torch.zeros_like(s))
+    q = (x * inv[..., None]).round_().add_(zp[..., None]).clamp_(0, top).to(torch.uint8)
+    meta = (c | (zp.long() << 8)).to(torch.int32)
+    return q, meta, r16
+
+
+def dequantize_8bit(q: torch.Tensor, meta: torch.Tensor, r16: torch.Tensor) -> torch.Tensor:
+    m = meta.to(torch.int32)
+    s = _POW[m & 255] * r16.float()[:, None]
+    zp = (m >> 8).float()
+    return (q.float() - zp[..., None]) * s[..., None]
 
 
 def dequantize(q: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
@@ -172,7 +243,7 @@ class KiviCodec:
             raise CodecError(f"{self.name}: KV contains NaN or Inf")
         buf = np.empty(lay.nbytes(), np.uint8)
         parts = lay.carve(buf)
-        p = {n: torch.from_numpy(a) for n, a in parts.items() if n != "sink"}
+        p = {n: torch.from_numpy(a) for n, a in parts.items() if n not in ("sink", "v_meta")}
         _, nl, nt, nh, d = lay.shape
         c = nh * d
         x = kv.reshape(2, nl, nt, c)
@@ -181,11 +252,15 @@ class KiviCodec:
             q, sz = quantize(keys[:, a:b], 1, self.bits, self.name)  # per channel over tokens a..b
             p["k_codes"][:, a:b] = pack(q, self.bits)
             p["k_sz"][:, g] = sz[:, 0].view(torch.int16)
-        vq, vsz = quantize(
-            values.reshape(nl, nt, c // lay.value_group, lay.value_group), 3, self.bits, self.name
-        )
+        grouped = values.reshape(nl, nt, c // lay.value_group, lay.value_group)
+        if lay.value_meta == "fp16":
+            vq, vsz = quantize(grouped, 3, self.bits, self.name)
+            p["v_sz"][:] = vsz[..., 0, :].view(torch.int16)
+        else:
+            vq, meta, ref = quantize_8bit(grouped, self.bits, self.name)
+            parts["v_meta"][:] = meta.numpy().astype(np.uint16)
+            p["v_ref"][:] = ref.view(torch.int16)
         p["v_codes"][:] = pack(vq.reshape(nl, nt, c), self.bits)
-        p["v_sz"][:] = vsz[..., 0, :].view(torch.int16)
         if lay.sink:
             parts["sink"][:] = common.bits(x[0, :, : lay.sink].contiguous())
         return memoryview(buf), lay.params()
@@ -208,7 +283,7 @@ class KiviCodec:
                 f"{self.name}: payload is {len(payload)} bytes, shape {shape} needs {lay.nbytes()}"
             )
         parts = lay.carve(np.frombuffer(bytearray(payload), np.uint8))  # writable: torch wants that
-        p = {n: torch.from_numpy(a) for n, a in parts.items() if n != "sink"}
+        p = {n: torch.from_numpy(a) for n, a in parts.items() if n not in ("sink", "v_meta")}
         _, nl, nt, nh, d = lay.shape
         c = nh * d
         out = torch.empty((2, nl, nt, c), dtype=dtype)
@@ -217,7 +292,13 @@ class KiviCodec:
         for g, (a, b) in enumerate(_key_groups(kq, lay.key_tokens)):
             out[0, :, lay.sink + a : lay.sink + b] = dequantize(kq[:, a:b], ksz[:, g : g + 1]).to(dtype)
         vq = unpack(p["v_codes"], self.bits).reshape(nl, nt, c // lay.value_group, lay.value_group)
-        out[1] = dequantize(vq, p["v_sz"].view(torch.float16)[..., None, :]).reshape(nl, nt, c).to(dtype)
+        if lay.value_meta == "fp16":
+            v = dequantize(vq, p["v_sz"].view(torch.float16)[..., None, :])
+        else:
+            v = dequantize_8bit(
+                vq, torch.from_numpy(parts["v_meta"].astype(np.int32)), p["v_ref"].view(torch.float16)
+            )
+        out[1] = v.reshape(nl, nt, c).to(dtype)
         out = out.reshape(shape)
         if lay.sink:
             common.bits(out)[0, :, : lay.sink] = parts["sink"].reshape(nl, lay.sink, nh, d)

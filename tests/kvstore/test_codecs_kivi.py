@@ -38,7 +38,14 @@ def check_bound(kv: torch.Tensor, out: torch.Tensor, codec: str, **opts: object)
         assert bool((err <= _bound(g, 1, bits) + g.abs() * eps + 1e-6).all())
     v = x[1].reshape(nl, nt, -1, lay.value_group)
     err = (v - y[1].reshape(v.shape)).abs()
-    assert bool((err <= _bound(v, 3, bits) + v.abs() * eps + 1e-6).all())
+    if lay.value_meta == "fp16":
+        assert bool((err <= _bound(v, 3, bits) + v.abs() * eps + 1e-6).all())
+    else:  # scale <= top / (top - 1) x (max - min) / top (an integer zero point), on a grid of
+        # 2^(1/16) steps under the layer's largest
+        top = (1 << bits) - 1
+        s0 = (v.amax(3, keepdim=True) - v.amin(3, keepdim=True)) / top * top / (top - 1) * 1.001
+        s = torch.maximum(s0 * 2 ** (1 / 16), s0.amax(1, keepdim=True) * 2**-15)
+        assert bool((err <= s / 2 + v.abs() * eps + 1e-6).all())
 
 
 @pytest.mark.parametrize("codec", CODECS)
@@ -52,6 +59,9 @@ def check_bound(kv: torch.Tensor, out: torch.Tensor, codec: str, **opts: object)
         ((2, 3, 1, 1, 4), {}),  # one token: no sink, one-token key groups
         ((2, 2, 15, 3, 64), {"value_group": 64}),  # under 16 tokens: no sink
         ((2, 1, 64, 2, 64), {"sink_tokens": 0, "value_group": 8}),
+        ((2, 2, 256, 3, 64), {"value_group": 64, "value_meta": "8bit"}),
+        ((2, 2, 37, 2, 16), {"value_meta": "8bit", "key_tokens": 16}),
+        ((2, 1, 1, 1, 8), {"value_meta": "8bit"}),
     ],
 )
 def test_round_trip_within_the_bound(codec: str, dtype: torch.dtype, shape: tuple, opts: dict) -> None:
@@ -72,6 +82,9 @@ def test_all_equal_groups_decode_exactly(codec: str) -> None:
     out = decode_blob(encode_blob(kv, codec=codec))
     assert torch.equal(out[0, :, :, 1, 3], kv[0, :, :, 1, 3])
     assert torch.equal(out[1, 1], kv[1, 1]) and torch.equal(out[1, 0, 5], kv[1, 0, 5])
+    eight = decode_blob(encode_blob(kv, codec=codec, value_meta="8bit"))  # a scale on a grid: within 5%
+    assert torch.equal(eight[1, 0, 5], kv[1, 0, 5]) and torch.equal(eight[0, :, :, 1, 3], kv[0, :, :, 1, 3])
+    assert bool(((eight[1, 1].float() + 2.5).abs() <= 2.5 * 2 ** (1 / 16) - 2.5 + 1e-3).all())
 
 
 @pytest.mark.parametrize("codec,floor", [("kivi4", 3.83), ("kivi2", 7.3)])
@@ -102,6 +115,7 @@ def test_non_finite_or_out_of_fp16_range_kv_is_rejected(codec: str, bad: float, 
         {"sink_tokens": 65},
         {"key_tokens": 1.5},
         {"group_size": 64},
+        {"value_meta": "int8"},
     ],
 )
 def test_bad_options_are_codec_errors(opts: dict) -> None:
