@@ -39,6 +39,8 @@ class StoreConfig(BaseModel):
     redis_prefix: str = "kvstore:"
     redis_cluster: bool = False
     redis_max_invalidated: int = Field(100_000, ge=1)  # deletes/replaces an outage may leave to replay
+    # a put is stored in redis once this many replicas have it (WAIT); 0: once the primary has it
+    redis_wait_replicas: int = Field(0, ge=0)
     # what must survive a restart besides the blobs: the redis tier's pending invalidations
     state_dir: Path = Field(default_factory=lambda: default_data_dir() / "state")
     write_policy: Literal["through", "back"] = "through"

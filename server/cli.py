@@ -48,6 +48,8 @@ STORE_FLAGS = {
     "(kvstore-server turns it on whenever shared memory is on: --shm-budget)",
     "redis_max_invalidated": "deletes and replaces a Redis outage may leave to replay when it answers again; "
     "past that they are a 503 (default {default})",
+    "redis_wait_replicas": "a put is stored in redis only once this many replicas of its primary have it "
+    "(WAIT, up to 1 s; else the 201 leaves redis out); 0: the primary's ack (default {default})",
 }
 SERVER_FLAGS = {
     "host": "address to bind (default 127.0.0.1)",

@@ -77,6 +77,7 @@ log = logging.getLogger(__name__)
 
 UNBOUNDED = sys.maxsize
 MAX_INVALIDATED = 100_000  # ~10 MiB of keys; the store fails deletes/replaces beyond it until replayed
+WAIT_MS = 1000  # how long a put waits for its replicas (wait_replicas), below the socket timeout
 
 
 def handoff_dir(config: StoreConfig) -> Path:
@@ -101,14 +102,19 @@ class RedisTier:
         socket_timeout_s: float = SOCKET_TIMEOUT_S,
         max_invalidated: int = MAX_INVALIDATED,
         handoff_dir: str | Path | None = None,
+        wait_replicas: int = 0,
     ) -> None:
         """`server_maxmemory`: CONFIG SET maxmemory (+ allkeys-lru) on every primary at each connect,
         for deployments that own their Redis (tests, benchmarks); None leaves the server as it is.
         `max_invalidated`: keys an outage may leave to delete later (the hinted handoff's bound).
-        `handoff_dir`: where those keys survive a restart (None: in this process's memory only)."""
+        `handoff_dir`: where those keys survive a restart (None: in this process's memory only).
+        `wait_replicas`: a put counts as stored only once this many replicas of its primary have it
+        (WAIT, up to WAIT_MS); 0: once the primary has it (replication is asynchronous: a failover may
+        lose it)."""
         self.url, self.prefix, self.cluster = url, prefix, cluster
         self._raw_prefix = prefix.encode()
         self.server_maxmemory = server_maxmemory
+        self.wait_replicas = wait_replicas
         self.capacity = UNBOUNDED
         self.stats = TierStats()
         self._lock = threading.Lock()
@@ -137,6 +143,7 @@ class RedisTier:
             cluster=config.redis_cluster,
             max_invalidated=config.redis_max_invalidated,
             handoff_dir=handoff_dir(config),
+            wait_replicas=config.redis_wait_replicas,
         )
 
     # ---- keys ----------------------------------------------------------------------------------
@@ -283,7 +290,9 @@ class RedisTier:
             if not fits:
                 return
             cmds = [("set", self._rk(keys[i]), values[i][0], px) for i in fits]
-            if len(cmds) == 1:
+            if self.wait_replicas:
+                res = self._servers.pipeline(ep, cmds, wait=(self.wait_replicas, WAIT_MS))
+            elif len(cmds) == 1:
                 res = self._servers.call(ep, lambda c: [c.set(cmds[0][1], cmds[0][2], px=px)])
             else:
                 res = self._servers.pipeline(ep, cmds)

@@ -316,13 +316,19 @@ class RedisServers:
                 return FAIL
         return result
 
-    def pipeline(self, ep: Endpoint | None, cmds: Sequence[tuple[Any, ...]]) -> Any:
+    def pipeline(
+        self, ep: Endpoint | None, cmds: Sequence[tuple[Any, ...]], wait: tuple[int, int] | None = None
+    ) -> Any:
         """`pipelined(cmds)` on ep (FAIL when it is out of reach); each command answered by MOVED/ASK is
         sent once more where it was sent (ASKING before each ASK'd one), grouped by target. A command
-        whose second server is out of reach answers a ConnectionError."""
-        replies = self.call(ep, lambda c: pipelined(c, cmds))
+        whose second server is out of reach answers a ConnectionError. `wait` (replicas, ms): each
+        pipeline ends with WAIT; where fewer replicas acknowledged in time, its writes answer an error."""
+        extra = [("wait", *wait)] if wait else []
+        replies = self.call(ep, lambda c: pipelined(c, [*cmds, *extra]))
         if replies is FAIL:
             return FAIL
+        if wait:
+            replies = replicated(replies, wait)
         redirects: dict[tuple[bool, Endpoint | None], list[int]] = {}
         for i, reply in enumerate(replies):
             if isinstance(reply, AskError):
@@ -330,7 +336,9 @@ class RedisServers:
                 redirects.setdefault((moved, self._follow(reply)), []).append(i)
         for (moved, target), idx in redirects.items():
             again = [cmds[i] for i in idx] if moved else [c for i in idx for c in (("asking",), cmds[i])]
-            res = self.call(target, lambda c, again=again: pipelined(c, again))
+            res = self.call(target, lambda c, again=[*again, *extra]: pipelined(c, again))
+            if res is not FAIL and wait:
+                res = replicated(res, wait)
             if res is not FAIL and not moved:
                 res = res[1::2]
             for j, i in enumerate(idx):
@@ -421,12 +429,25 @@ def asking(client: redis.Redis, fn: Callable[[redis.Redis], Any]) -> Any:
         return fn(one)
 
 
+def replicated(replies: list[Any], wait: tuple[int, int]) -> list[Any]:
+    """The replies of a pipeline that ended with WAIT, without it; every write turned into an error
+    when fewer than `wait[0]` replicas acknowledged them within `wait[1]` ms."""
+    *replies, acked = replies
+    if not isinstance(acked, Exception) and acked >= wait[0]:
+        return replies
+    short = redis.ResponseError(f"WAIT {wait[0]}: {acked} replicas acknowledged within {wait[1]} ms")
+    return [r if isinstance(r, Exception) else short for r in replies]
+
+
 def pipelined(client: redis.Redis, cmds: Sequence[tuple[Any, ...]]) -> list[Any]:
-    """One round trip; per-command errors come back as exception objects. ("asking",) sends ASKING."""
+    """One round trip; per-command errors come back as exception objects. ("asking",) sends ASKING,
+    ("wait", replicas, ms) WAIT."""
     pipe = client.pipeline(transaction=False)
     for cmd in cmds:
         if cmd[0] == "asking":
             pipe.execute_command("ASKING")
+        elif cmd[0] == "wait":
+            pipe.execute_command("WAIT", cmd[1], cmd[2])
         elif cmd[0] == "get":
             pipe.get(cmd[1])
         elif cmd[0] == "exists":

@@ -111,3 +111,29 @@ def test_primary_killed_its_replica_takes_over(
     finally:
         victim.start()  # rejoins as a replica of the promoted one
         cluster33.wait_ok()
+        cluster33.wait_replicas()
+
+
+def test_wait_replicas_acknowledges_only_replicated_writes(cluster33: ValkeyCluster, prefix: str) -> None:
+    """wait_replicas=1: a put is stored once its primary's replica has it (WAIT 1); asking for more
+    replicas than there are is a TierWriteError naming the shortfall (not a silent success), and the
+    blob itself is still readable (it is the new one)."""
+    from kvstore.tiers.base import TierWriteError
+
+    items = [(f"{i:032x}", os.urandom(2000)) for i in range(12)]
+    one = RedisTier(cluster33.urls, prefix=prefix, cluster=True, wait_replicas=1)
+    two = RedisTier(cluster33.urls, prefix=prefix, cluster=True, wait_replicas=2)
+    try:
+        assert one.put_many(items) == [] and one.put(items[0][0], items[0][1]) == []
+        owners = cluster33.slot_owners()
+        for k, b in items:  # on the replica already, read straight from it
+            with cluster33.replica_of(owners[key_slot((prefix + k).encode())]).client() as r:
+                r.execute_command("READONLY")
+                assert r.get(prefix + k) == b
+        with pytest.raises(TierWriteError) as e:
+            two.put(f"{99:032x}", b"only one replica")
+        assert "WAIT 2: 1 replicas acknowledged" in str(e.value)
+        assert one.get(f"{99:032x}") == b"only one replica"
+    finally:
+        one.close()
+        two.close()
