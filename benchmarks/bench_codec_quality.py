@@ -32,20 +32,24 @@ import torch
 
 from kvstore.blob import decode_blob, encode_blob
 
+KIVI4 = {"value_group": 64, "value_meta": "8bit"}  # the kivi4 default
+KIVI2 = {"key_tokens": 64, "value_group": 64, "value_meta": "8bit"}  # the kivi2 default
 CONFIGS: list[tuple[str, str, dict]] = [
     ("raw (noise floor)", "raw", {}),
     ("fp8 e4m3, scale per token per head", "fp8", {}),
     ("int4 (id 2): K per channel g64, V per token g64, first token exact", "int4", {}),
-    ("kivi4 DEFAULT: K per channel x 256 tokens, V per token x all heads, sink key", "kivi4", {}),
-    ("kivi4 V per token per head (g64)", "kivi4", {"value_group": 64}),
-    ("kivi4 K per channel x 128 tokens", "kivi4", {"key_tokens": 128}),
-    ("kivi4 no sink key", "kivi4", {"sink_tokens": 0}),
-    ("kivi2 DEFAULT: K per channel x 256 tokens, V per token x all heads, sink key", "kivi2", {}),
+    ("kivi4 DEFAULT: K per channel x 256 tokens, V per token per head, 8-bit V metadata", "kivi4", KIVI4),
+    ("kivi4 V per token per head, fp16 V metadata", "kivi4", {"value_group": 64}),
+    ("kivi4 V per token x all heads", "kivi4", {"value_group": None}),
+    ("kivi4 K x 128 tokens, V x all heads", "kivi4", {"key_tokens": 128, "value_group": None}),
+    ("kivi4 no sink key, V x all heads", "kivi4", {"sink_tokens": 0, "value_group": None}),
+    ("kivi2 DEFAULT: K per channel x 64 tokens, V per token per head, 8-bit V metadata", "kivi2", KIVI2),
+    ("kivi2 K x 256 tokens, V x all heads", "kivi2", {"value_group": None}),
     ("kivi2 K x 64 tokens, V g64", "kivi2", {"key_tokens": 64, "value_group": 64}),
     ("kivi2 K x 32 tokens, V g32", "kivi2", {"key_tokens": 32, "value_group": 32}),
-    ("kivi4+ans (default kivi4, then rANS)", "kivi4+ans", {}),
-    ("kivi2+ans (default kivi2, then rANS)", "kivi2+ans", {}),
-    ("kivi2+ans K x 64 tokens, V g64", "kivi2+ans", {"key_tokens": 64, "value_group": 64}),
+    ("kivi4+ans (the kivi4 default, then rANS)", "kivi4+ans", KIVI4),
+    ("kivi4+ans, fp16 V metadata", "kivi4+ans", {"value_group": 64}),
+    ("kivi2+ans (the kivi2 default, then rANS)", "kivi2+ans", KIVI2),
     ("kivi2+ans K x 32 tokens, V g32", "kivi2+ans", {"key_tokens": 32, "value_group": 32}),
     ("fp8+ans", "fp8+ans", {}),
     ("int4+ans", "int4+ans", {}),
@@ -58,6 +62,24 @@ DOCUMENTS = [("README.md", 0), ("README.md", 30000), ("kvstore/store.py", 0), ("
 PROMPTS = [("README.md", 15000), ("README.md", 45000), ("engine/llm_engine.py", 0),
            ("connectors/kv_worker.py", 0), ("server/routes.py", 0)]  # fmt: skip
 ROOT = Path(__file__).resolve().parents[1]
+# The earlier scored text (public domain, so no longer novel to any model): bench_kv_cache_dtype.py and
+# bench_codecs.py --model still read it.
+TEXT = """The Declaration of Independence of the United States of America, 1776.
+
+When in the Course of human events, it becomes necessary for one people to dissolve the political bands which have connected them with another, and to assume among the powers of the earth, the separate and equal station to which the Laws of Nature and of Nature's God entitle them, a decent respect to the opinions of mankind requires that they should declare the causes which impel them to the separation.
+
+We hold these truths to be self-evident, that all men are created equal, that they are endowed by their Creator with certain unalienable Rights, that among these are Life, Liberty and the pursuit of Happiness. That to secure these rights, Governments are instituted among Men, deriving their just powers from the consent of the governed, That whenever any Form of Government becomes destructive of these ends, it is the Right of the People to alter or to abolish it, and to institute new Government, laying its foundation on such principles and organizing its powers in such form, as to them shall seem most likely to effect their Safety and Happiness. Prudence, indeed, will dictate that Governments long established should not be changed for light and transient causes; and accordingly all experience hath shewn, that mankind are more disposed to suffer, while evils are sufferable, than to right themselves by abolishing the forms to which they are accustomed. But when a long train of abuses and usurpations, pursuing invariably the same Object evinces a design to reduce them under absolute Despotism, it is their right, it is their duty, to throw off such Government, and to provide new Guards for their future security. Such has been the patient sufferance of these Colonies; and such is now the necessity which constrains them to alter their former Systems of Government. The history of the present King of Great Britain is a history of repeated injuries and usurpations, all having in direct object the establishment of an absolute Tyranny over these States. To prove this, let Facts be submitted to a candid world.
+
+He has refused his Assent to Laws, the most wholesome and necessary for the public good. He has forbidden his Governors to pass Laws of immediate and pressing importance, unless suspended in their operation till his Assent should be obtained; and when so suspended, he has utterly neglected to attend to them. He has refused to pass other Laws for the accommodation of large districts of people, unless those people would relinquish the right of Representation in the Legislature, a right inestimable to them and formidable to tyrants only. He has called together legislative bodies at places unusual, uncomfortable, and distant from the depository of their public Records, for the sole purpose of fatiguing them into compliance with his measures. He has dissolved Representative Houses repeatedly, for opposing with manly firmness his invasions on the rights of the people. He has refused for a long time, after such dissolutions, to cause others to be elected; whereby the Legislative powers, incapable of Annihilation, have returned to the People at large for their exercise; the State remaining in the mean time exposed to all the dangers of invasion from without, and convulsions within. He has endeavoured to prevent the population of these States; for that purpose obstructing the Laws for Naturalization of Foreigners; refusing to pass others to encourage their migrations hither, and raising the conditions of new Appropriations of Lands. He has obstructed the Administration of Justice, by refusing his Assent to Laws for establishing Judiciary powers. He has made Judges dependent on his Will alone, for the tenure of their offices, and the amount and payment of their salaries. He has erected a multitude of New Offices, and sent hither swarms of Officers to harrass our people, and eat out their substance. He has kept among us, in times of peace, Standing Armies without the Consent of our legislatures. He has affected to render the Military independent of and superior to the Civil power.
+
+It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of foolishness, it was the epoch of belief, it was the epoch of incredulity, it was the season of Light, it was the season of Darkness, it was the spring of hope, it was the winter of despair, we had everything before us, we had nothing before us, we were all going direct to Heaven, we were all going direct the other way -- in short, the period was so far like the present period, that some of its noisiest authorities insisted on its being received, for good or for evil, in the superlative degree of comparison only. There were a king with a large jaw and a queen with a plain face, on the throne of England; there were a king with a large jaw and a queen with a fair face, on the throne of France. In both countries it was clearer than crystal to the lords of the State preserves of loaves and fishes, that things in general were settled for ever.
+
+Call me Ishmael. Some years ago -- never mind how long precisely -- having little or no money in my purse, and nothing particular to interest me on shore, I thought I would sail about a little and see the watery part of the world. It is a way I have of driving off the spleen and regulating the circulation. Whenever I find myself growing grim about the mouth; whenever it is a damp, drizzly November in my soul; whenever I find myself involuntarily pausing before coffin warehouses, and bringing up the rear of every funeral I meet; and especially whenever my hypos get such an upper hand of me, that it requires a strong moral principle to prevent me from deliberately stepping into the street, and methodically knocking people's hats off -- then, I account it high time to get to sea as soon as I can. This is my substitute for pistol and ball. With a philosophical flourish Cato throws himself upon his sword; I quietly take to the ship. There is nothing surprising in this. If they but knew it, almost all men in their degree, some time or other, cherish very nearly the same feelings towards the ocean with me.
+
+There now is your insular city of the Manhattoes, belted round by wharves as Indian isles by coral reefs -- commerce surrounds it with her surf. Right and left, the streets take you waterward. Its extreme downtown is the battery, where that noble mole is washed by waves, and cooled by breezes, which a few hours previous were out of sight of land. Look at the crowds of water-gazers there. Circumambulate the city of a dreamy Sabbath afternoon. Go from Corlears Hook to Coenties Slip, and from thence, by Whitehall, northward. What do you see? Posted like silent sentinels all around the town, stand thousands upon thousands of mortal men fixed in ocean reveries. Some leaning against the spiles; some seated upon the pier-heads; some looking over the bulwarks of ships from China; some high aloft in the rigging, as if striving to get a still better seaward peep. But these are all landsmen; of week days pent up in lath and plaster -- tied to counters, nailed to benches, clinched to desks. How then is this? Are the green fields gone? What do they here?
+
+Four score and seven years ago our fathers brought forth on this continent, a new nation, conceived in Liberty, and dedicated to the proposition that all men are created equal. Now we are engaged in a great civil war, testing whether that nation, or any nation so conceived and so dedicated, can long endure. We are met on a great battle-field of that war. We have come to dedicate a portion of that field, as a final resting place for those who here gave their lives that that nation might live. It is altogether fitting and proper that we should do this. But, in a larger sense, we can not dedicate -- we can not consecrate -- we can not hallow -- this ground. The brave men, living and dead, who struggled here, have consecrated it, far above our poor power to add. The world will little note, nor long remember what we say here, but it can never forget what they did here. It is for us the living, rather, to be dedicated here to the unfinished work which they who fought here have thus far so nobly advanced. It is rather for us to be here dedicated to the great task remaining before us -- that from these honored dead we take increased devotion to that cause for which they gave the last full measure of devotion -- that we here highly resolve that these dead shall not have died in vain -- that this nation, under God, shall have a new birth of freedom -- and that government of the people, by the people, for the people, shall not perish from the earth.
+"""
 
 
 def load(model_dir: Path) -> tuple[torch.nn.Module, Any]:

@@ -69,10 +69,11 @@ def synthetic_kv(tokens: int) -> torch.Tensor:
 def model_kv(model_dir: Path, tokens: int) -> torch.Tensor:
     """The real KV of the first `tokens` tokens of the quality text through the model."""
     sys.path.insert(0, str(Path(__file__).parent))
-    from bench_codec_quality import load, prefill_kv  # noqa: PLC0415
+    from bench_codec_quality import TEXT, load, prefill_kv  # noqa: PLC0415
 
-    model, ids = load(model_dir)
-    return prefill_kv(model, ids[:, :tokens]).half()
+    model, tokenizer = load(model_dir)
+    ids = torch.tensor([tokenizer.encode(TEXT).ids[:tokens]])
+    return prefill_kv(model, ids).half()
 
 
 def bench_cpu(kv: torch.Tensor, reps: int) -> None:
