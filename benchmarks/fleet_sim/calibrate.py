@@ -4,10 +4,11 @@
 
 What it times (SmolLM2-135M-Instruct, kvstore-engine's defaults otherwise; prefix caching off so every
 prompt token is computed):
-- prefill: one request of n random tokens and max_tokens=1, for n in PREFILL_LENGTHS; the per-token
-  cost is the least-squares slope, the intercept the fixed cost of a step;
-- decode: B requests of a short prompt, max_tokens=1 and then max_tokens=1+DECODE_STEPS (ignore_eos);
-  the difference over DECODE_STEPS is the step time at batch B;
+- prefill: one request of n random tokens and max_tokens=1, for n in PREFILL_LENGTHS; least squares of
+  t(n) = c + a n + b n(n-1)/2 give the cost per token (a), per token and token of context before it
+  (b, attention) and of a step (c);
+- decode: B requests of a short prompt and 1+DECODE_STEPS tokens (ignore_eos), the engine stepped by
+  hand: the median of the steps where all B decode is the step time at batch B;
 - the store: a real kvstore-server (cpu tier) on 127.0.0.1; a prompt run twice (prefix caching off) is
   loaded back the second time; load seconds over loaded tokens from the engine's own metrics (the
   counters `kvstore-engine router` calibrates from).
@@ -24,6 +25,7 @@ import os
 import platform
 import random
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,7 +37,7 @@ from engine.router.calibrate import parse_totals
 PROFILES = Path(__file__).parent / "profiles"
 PREFILL_LENGTHS = (128, 256, 512, 1024, 2048)
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32)
-DECODE_STEPS = 16
+DECODE_STEPS = 24
 REPEATS = 2
 PROMPT = 64  # tokens of each decode request's prompt
 
@@ -53,12 +55,40 @@ def _timed(llm, prompts: list[list[int]], max_tokens: int) -> float:
     return time.perf_counter() - t
 
 
-def _fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """Least-squares (slope, intercept)."""
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
-    return slope, my - slope * mx
+def fit_prefill(points: dict[int, float]) -> tuple[float, float, float]:
+    """(a, b, c) of t(n) = c + a n + b n (n - 1) / 2 by least squares, none negative (a term that
+    would be is dropped and the rest refitted)."""
+    import numpy as np
+
+    n = np.array(sorted(points), dtype=float)
+    t = np.array([points[int(k)] for k in n])
+    cols = {"a": n, "b": n * (n - 1) / 2, "c": np.ones_like(n)}
+    names = list(cols)
+    while True:
+        coef, *_ = np.linalg.lstsq(np.stack([cols[k] for k in names], 1), t, rcond=None)
+        got = dict(zip(names, coef, strict=True))
+        bad = [k for k in names if got[k] < 0 and k != "a"]
+        if not bad:
+            return float(got.get("a", 0.0)), float(got.get("b", 0.0)), float(got.get("c", 0.0))
+        names.remove(bad[0])
+
+
+def _decode_step(llm, prompts: list[list[int]]) -> float:
+    """Median seconds of the engine steps in which every one of `prompts` decodes."""
+    from engine.sampling_params import SamplingParams
+
+    sp = SamplingParams(max_tokens=1 + DECODE_STEPS, ignore_eos=True, temperature=0.0)
+    engine = llm.engine
+    for p in prompts:
+        engine.add_request(p, sp)
+    times = []
+    while engine.has_unfinished_requests():
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+    prefill_steps = -(-len(prompts) * PROMPT // engine.args.max_num_batched_tokens)
+    decoding = times[prefill_steps + 1 : -1] or times[-1:]
+    return statistics.median(decoding)
 
 
 def _free_port() -> int:
@@ -92,9 +122,7 @@ def measure_compute(rng: random.Random) -> dict:
         decode = {}
         for b in DECODE_BATCHES:
             prompts = [_tokens(PROMPT, rng) for _ in range(b)]
-            one = min(_timed(llm, prompts, 1) for _ in range(REPEATS))
-            many = min(_timed(llm, prompts, 1 + DECODE_STEPS) for _ in range(REPEATS))
-            decode[b] = max(many - one, 0.0) / DECODE_STEPS
+            decode[b] = min(_decode_step(llm, prompts) for _ in range(REPEATS))
         from engine.config import ModelConfig
 
         args = llm.engine.args
@@ -150,7 +178,7 @@ def measure_store(rng: random.Random, prompt_tokens: int = 2048) -> dict:
 
 def build_profile(compute: dict, store: dict) -> dict:
     lengths = sorted(compute["prefill"])
-    slope, intercept = _fit([float(n) for n in lengths], [compute["prefill"][n] for n in lengths])
+    per_token, per_ctx, per_step = fit_prefill(compute["prefill"])
     kv = compute["kv"]
     kv_bytes_per_token = 2 * kv["layers"] * kv["kv_heads"] * kv["head_dim"] * kv["dtype_bytes"]  # K and V
     load_s_per_token = store["load_s_per_token"]
@@ -166,11 +194,15 @@ def build_profile(compute: dict, store: dict) -> dict:
             "value": kv_bytes_per_token,
             "source": f"K and V x {kv} ({compute['dtype']}, the model's config.json)",
         },
-        "prefill_s_per_token": {"value": slope, "source": f"{here}: slope over {lengths} tokens"},
-        "prefill_step_s": {"value": max(intercept, 0.0), "source": f"{here}: intercept of the same fit"},
+        "prefill_s_per_token": {
+            "value": per_token,
+            "source": f"{here}: t(n) = c + a n + b n(n-1)/2 fitted over prompts of {lengths} tokens: a",
+        },
+        "prefill_s_per_token_ctx": {"value": per_ctx, "source": f"{here}: b of the same fit (attention)"},
+        "prefill_step_s": {"value": per_step, "source": f"{here}: c of the same fit"},
         "decode_step_s": {
             "value": {str(b): s for b, s in sorted(compute["decode"].items())},
-            "source": f"{here}: ({PROMPT}-token prompts, {DECODE_STEPS} steps, batch -> seconds)",
+            "source": f"{here}: batch -> median step with all decoding ({PROMPT}-token prompts, {DECODE_STEPS} steps)",
         },
         "max_batched_tokens": {"value": compute["max_batched_tokens"], "source": "kvstore-engine's default"},
         "max_num_seqs": {"value": compute["max_num_seqs"], "source": "kvstore-engine's default"},
@@ -218,7 +250,8 @@ def main(argv: list[str] | None = None) -> None:
     profile = build_profile(compute, store)
     args.out.write_text(json.dumps(profile, indent=2) + "\n")
     print(f"wrote {args.out} in {time.perf_counter() - started:.0f} s")
-    print(json.dumps({k: profile[k] for k in ("prefill_s_per_token", "decode_step_s")}, indent=2))
+    print(json.dumps({k: profile[k]["value"] for k in ("prefill_s_per_token", "prefill_s_per_token_ctx",
+                                                        "prefill_step_s", "decode_step_s")}, indent=2))  # fmt: skip
 
 
 if __name__ == "__main__":

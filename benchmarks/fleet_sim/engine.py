@@ -7,8 +7,8 @@
 - Then the store's leading chunks are loaded (the fleet decides from where and how long it takes), and
   the request queues for prefill.
 - A step prefills up to `max_batched_tokens` (minus one per decoding request) from the queue head and
-  decodes one token for every running request; it takes prefill_step_s + tokens x prefill_s_per_token
-  + decode_step_s(batch). The first token comes with the end of a request's last prefill step; then its
+  decodes one token for every running request; it takes prefill_step_s + each prefilled token's
+  prefill_s_per_token (+ prefill_s_per_token_ctx per token before it) + decode_step_s(batch). The first token comes with the end of a request's last prefill step; then its
   prompt chunks join the prefix cache (a twin computed concurrently stays anonymous, as in vLLM).
 - Steps with nothing to prefill are simulated k at a time (k = the fewest tokens any running request
   still needs), cut short at the next step boundary when new work arrives.
@@ -49,6 +49,8 @@ class Job:
     decode_left: int = 0
     reserved: int = 0  # chunks of engine memory reserved and not (yet) shared in the cache
     held: list[bytes] = field(default_factory=list)  # cache chunks it holds a reference on
+    scheduled_s: float = math.nan  # its first prefill step began
+    load_s: float = 0.0  # seconds its store load took
     first_token_s: float = math.nan
     finish_s: float = math.nan
     served: int = 0  # how many times it finished (1, or the simulator is wrong)
@@ -172,17 +174,16 @@ class SimEngine:
             budget = max(profile.max_batched_tokens - len(self.running), 1)
             parts: list[tuple[Job, int]] = []
             tokens = 0
+            dt = profile.prefill_step_s + profile.decode_step_s(len(self.running))
             for job in self.ready:
                 if tokens >= budget:
                     break
                 n = max(min(job.prefill_left, budget - tokens), 0)
                 parts.append((job, n))
                 tokens += n
-            dt = (
-                profile.prefill_step_s
-                + tokens * profile.prefill_s_per_token
-                + profile.decode_step_s(len(self.running))
-            )
+                dt += profile.prefill_s(n, job.req.input_tokens - job.prefill_left)
+                if math.isnan(job.scheduled_s):
+                    job.scheduled_s = loop.now
             self.busy = True
             self.steps += 1
             loop.at(loop.now + dt, self._end_prefill, parts, list(self.running))

@@ -2,6 +2,7 @@
 
     kv_bytes_per_token      KV of one token, all layers, K and V
     prefill_s_per_token     compute per uncached prompt token
+    prefill_s_per_token_ctx and per token of context before it (attention; optional, default 0)
     prefill_step_s          fixed cost of a step that prefills
     decode_step_s           {batch size: seconds of one decode step}; linear in between and beyond
     max_batched_tokens      chunked-prefill budget of one step (decode tokens count too)
@@ -49,6 +50,7 @@ class Profile:
     kv_bytes_per_token: int
     prefill_s_per_token: float
     prefill_step_s: float
+    prefill_s_per_token_ctx: float
     decode_batches: tuple[int, ...]
     decode_seconds: tuple[float, ...]
     max_batched_tokens: int
@@ -75,6 +77,11 @@ class Profile:
         x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
         return max(y0 + (y1 - y0) * (batch - x0) / (x1 - x0), 0.0)
 
+    def prefill_s(self, tokens: int, start: int = 0) -> float:
+        """Compute of prompt tokens [start, start + tokens): each costs prefill_s_per_token plus
+        prefill_s_per_token_ctx per token before it."""
+        return tokens * (self.prefill_s_per_token + self.prefill_s_per_token_ctx * (start + (tokens - 1) / 2))
+
     def chunk_bytes(self, tokens: int = 256) -> int:
         return self.kv_bytes_per_token * tokens
 
@@ -89,6 +96,9 @@ class Profile:
             kv_bytes_per_token=int(_value(doc, "kv_bytes_per_token")),
             prefill_s_per_token=float(_value(doc, "prefill_s_per_token")),
             prefill_step_s=float(_value(doc, "prefill_step_s")),
+            prefill_s_per_token_ctx=float(
+                _value(doc, "prefill_s_per_token_ctx") if "prefill_s_per_token_ctx" in doc else 0.0
+            ),
             decode_batches=batches,
             decode_seconds=tuple(decode[b] for b in batches),
             max_batched_tokens=int(_value(doc, "max_batched_tokens")),
@@ -105,7 +115,7 @@ class Profile:
         )
         if p.kv_bytes_per_token <= 0 or p.max_batched_tokens <= 0 or p.max_num_seqs <= 0:
             raise InvalidArgument(f"profile {p.name!r}: sizes must be positive")
-        if min(p.prefill_s_per_token, p.prefill_step_s, p.hop_latency_s) < 0:
+        if min(p.prefill_s_per_token, p.prefill_step_s, p.prefill_s_per_token_ctx, p.hop_latency_s) < 0:
             raise InvalidArgument(f"profile {p.name!r}: costs must be >= 0")
         return p
 

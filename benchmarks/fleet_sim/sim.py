@@ -6,8 +6,9 @@ function `kvstore-engine router` runs), engines, kvstore-servers and the shared 
 The router sees what the real one sees through KV events: which chunks each engine's prefix cache holds,
 which chunks some tier of some store holds, and its own count of requests in flight and prompt tokens
 waiting per engine (app.py's bookkeeping: added when it routes, the tokens removed at the first token,
-the request at the end). Its costs are the profile's prefill and load costs per token (what its
-calibrator converges to), the rest the scoring module's defaults.
+the request at the end). Its costs start at the scoring module's defaults and are calibrated by the
+router's own Calibrator from the counters the engines would export (vLLM's prefill time and prompt,
+prefix-hit and connector load counters, summed over the fleet), scraped every `calibrate_s`.
 
 Hit accounting is per trace block (512 tokens = two chunks): a block is a hit when all its chunks were
 reused, from the engine (local) or the store. A missed block a trace would call reused is classified by
@@ -31,19 +32,31 @@ from benchmarks.fleet_sim.network import transfer
 from benchmarks.fleet_sim.profile import Profile
 from benchmarks.fleet_sim.store import FleetStore, Tier
 from benchmarks.fleet_sim.trace import CHUNK, ChunkKeys, TraceRequest
-from engine.router.scoring import Costs, EngineState, Request, choose
+from engine.router.calibrate import Calibrator
+from engine.router.scoring import EngineState, Request, choose
 
 
 class SimulationError(RuntimeError):
     """The simulator broke one of its own invariants (a request lost or served twice)."""
 
 
-def _router_defaults() -> tuple[float, int]:
-    """max_share and share_window as `kvstore-engine router` has them."""
+def _router_defaults() -> tuple[float, int, float]:
+    """max_share, share_window and calibrate_s as `kvstore-engine router` has them."""
     from engine.router.app import RouterConfig
 
     d = {f.name: f.default for f in dataclasses.fields(RouterConfig)}
-    return float(d["max_share"]), int(d["share_window"])
+    return float(d["max_share"]), int(d["share_window"]), float(d["calibrate_s"])
+
+
+# what an engine's /metrics says, for the router's own Calibrator (engine.router.calibrate)
+_METRICS = (
+    ("vllm:request_prefill_time_seconds_sum", "prefill_s"),
+    ("vllm:prompt_tokens_total", "prompt"),
+    ("vllm:prefix_cache_hits_total", "local"),
+    ("vllm:external_prefix_cache_hits_total", "store"),
+    ("kvstore_connector_load_seconds_sum", "load_s"),
+    ("kvstore_connector_loaded_tokens_total", "loaded"),
+)
 
 
 @dataclass(frozen=True)
@@ -54,6 +67,7 @@ class SimConfig:
     engine_kv_gib: float | None = None  # None: the profile's
     server_gib: float | None = None  # each kvstore-server's memory tier; None: the profile's
     engines_per_server: int | None = None  # None: the profile's
+    calibrate_s: float | None = None  # between the router's scrapes of the metrics; None: its default
 
 
 @dataclass
@@ -113,13 +127,12 @@ class Fleet:
             profile.valkey_load_bps,
             profile.valkey_aggregate_bps,
         )
-        load_bps = profile.valkey_load_bps if self.store.valkey is not None else profile.server_load_bps
-        self.costs = dataclasses.replace(
-            Costs(),
-            prefill_s_per_token=profile.prefill_s_per_token,
-            load_s_per_token=0.0 if math.isinf(load_bps) else profile.kv_bytes_per_token / load_bps,
-        )
-        self.max_share, window = _router_defaults()
+        self.max_share, window, calibrate_s = _router_defaults()
+        # the router's costs: its defaults, then what its calibrator makes of the engines' counters
+        self.calibrator = Calibrator()
+        self.calibrate_s = calibrate_s if config.calibrate_s is None else config.calibrate_s
+        self.metrics = dict.fromkeys((k for _, k in _METRICS), 0.0)
+        self.scraped_at = -math.inf
         self.names = [str(i) for i in range(config.engines)]
         self.in_flight = [0] * config.engines
         self.waiting_tokens = [0] * config.engines
@@ -203,7 +216,8 @@ class Fleet:
             )
             for i in range(len(self.engines))
         ]
-        choice = choose(policy, states, Request(n, store), self.costs, self.max_share, self.turn)
+        costs = self.calibrator.costs
+        choice = choose(policy, states, Request(n, store), costs, self.max_share, self.turn)
         self.turn += 1
         e = int(choice.engine)
         recent.append(e)
@@ -261,11 +275,27 @@ class Fleet:
         per_stream = min(t.load_bps for t in tiers)
         done = transfer(self.loop.now, nbytes, links, per_stream, hops * self.profile.hop_latency_s)
         engine.loading += 1
+        job.load_s = done - self.loop.now
         self.loop.at(done, engine.loaded, job)
+
+    def _count(self, job: Job, now: float) -> None:
+        """The engines' counters the router calibrates from; scraped every calibrate_s."""
+        m = self.metrics
+        m["prefill_s"] += now - job.scheduled_s + job.load_s  # vLLM's prefill phase includes the load
+        m["prompt"] += job.req.input_tokens
+        m["local"] += job.local_tokens
+        m["store"] += job.store_tokens
+        m["load_s"] += job.load_s
+        m["loaded"] += job.store_tokens
+        if self.calibrate_s > 0 and now - self.scraped_at >= self.calibrate_s:
+            self.scraped_at = now
+            text = "".join(f"{name} {m[key]!r}\n" for name, key in _METRICS)
+            self.calibrator.observe("fleet", text)
 
     def first_token(self, job: Job, engine: SimEngine) -> None:
         now = self.loop.now
         job.first_token_s = now
+        self._count(job, now)
         self.waiting_tokens[job.engine] -= job.router_pending
         job.router_pending = 0
         engine.publish(job)

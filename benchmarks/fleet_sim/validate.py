@@ -78,7 +78,9 @@ def run_sim(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     profile = load_profile(args.profile)
     convs = bench_router.conversations(bench_router.TRACE, args.window)
     kv_gib = parse_size(args.kv_cache_memory) / 2**30
-    config = SimConfig(3, "ttft", store_gib=2, engine_kv_gib=kv_gib, server_gib=0, engines_per_server=3)
+    # the router calibrates every second there (tests/router/fleet.py's --calibrate-interval 1)
+    config = SimConfig(3, "ttft", store_gib=2, engine_kv_gib=kv_gib, server_gib=0, engines_per_server=3,
+                       calibrate_s=1.0)  # fmt: skip
     fleet = Fleet(profile, config, chunk_size=args.block_tokens)
     keys = ChunkKeys()
     per_policy: dict[str, list[Job]] = {p: [] for p in args.policies}

@@ -128,3 +128,31 @@ def test_a_load_from_the_store_costs_its_bytes_over_the_slowest_link() -> None:
     load = 4 * 256 * 1024 / 1e6 + 2 * 0.001
     assert b.first_token_s - b.sent_s == pytest.approx(load + 0.002 + 1e-4)
     assert r.stats["load_bytes_per_request"] == pytest.approx(4 * 256 * 1024 * 2 / 2)
+
+
+def test_a_prefill_token_costs_more_the_more_context_it_has() -> None:
+    p = Profile.from_dict(profile_doc(**TIMED, prefill_s_per_token_ctx=1e-7))
+    r = run_jobs(_jobs([(0.0, 2500, 1)]), SimConfig(1, store_gib=0), p)
+    steps = [(1024, 0), (1024, 1024), (452, 2048)]
+    want = sum(0.002 + n * (1e-4 + 1e-7 * (start + (n - 1) / 2)) for n, start in steps)
+    assert r.jobs[0].first_token_s == pytest.approx(want)
+    assert p.prefill_s(1024, 1024) > p.prefill_s(1024, 0) > 1024 * 1e-4
+
+
+def test_the_router_calibrates_its_costs_from_what_the_engines_count(traces) -> None:
+    from benchmarks.fleet_sim.sim import Fleet
+    from benchmarks.fleet_sim.trace import read_trace
+    from engine.router.scoring import Costs
+
+    doc = profile_doc(**TIMED)
+    doc["tiers"]["valkey"] = {"load_gbps": 0.1, "aggregate_gbps": 0}
+    p = Profile.from_dict(doc)
+    fleet = Fleet(p, SimConfig(4, "ttft", store_gib=math.inf, calibrate_s=1.0))
+    keys = ChunkKeys()
+    fleet.run([Job(r, keys.of(r)) for r in read_trace(traces[0], limit=300)])
+    costs = fleet.calibrator.costs
+    assert fleet.calibrator.updates > 10 and costs != Costs()
+    # prefill: 1e-4 s/token plus each step's 2 ms and the decode steps batched with it (vLLM's prefill
+    # time is wall time too); load: 1024 bytes/token at 0.1 GB/s, over the tokens the engine counts
+    assert 1e-4 < costs.prefill_s_per_token < 3e-4
+    assert costs.load_s_per_token == pytest.approx(1024 / 0.1e9, rel=0.3)
