@@ -66,12 +66,14 @@ def conversations(path: Path, window: int) -> list[list[dict]]:
     return sorted(convs, key=lambda g: g[0]["timestamp"])
 
 
-def prompt(row: dict, policy: str, block_tokens: int, max_blocks: int) -> list[int]:
+def prompt(
+    row: dict, policy: str, block_tokens: int, max_blocks: int, vocab: tuple[int, int] = VOCAB
+) -> list[int]:
     ids = row["hash_ids"][:max_blocks]
     out: list[int] = []
     for h in ids:
         rng = random.Random(f"{policy}:{h}")
-        out += [rng.randrange(*VOCAB) for _ in range(block_tokens)]
+        out += [rng.randrange(*vocab) for _ in range(block_tokens)]
     n = min(len(out), max(1, round(row["input_length"] * block_tokens / 512)))
     return out[:n]
 
@@ -113,7 +115,7 @@ async def run_round(router: str, policy: str, convs: list[list[dict]], args) -> 
         for r in conv:
             due = start + (r["timestamp"] - t0) / 1000 * scale
             await asyncio.sleep(max(0.0, due - time.monotonic()))
-            tokens = prompt(r, policy, args.block_tokens, args.max_blocks)
+            tokens = prompt(r, policy, args.block_tokens, args.max_blocks, args.vocab)
             max_tokens = max(1, min(8, round(r["output_length"] / 64)))
             await one(session, router, policy, tokens, max_tokens, record)
 
@@ -138,7 +140,13 @@ def main() -> int:
     p.add_argument("--max-blocks", type=int, default=24)
     p.add_argument("--kv-cache-memory", default="64MiB", help="each engine's KV cache")
     p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--model", default="smollm2", help="the engines' model (a tiny one checks the plumbing)")
+    p.add_argument("--max-model-len", default="1024")
     args = p.parse_args()
+    args.vocab = VOCAB
+    if args.model != "smollm2":
+        vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
+        args.vocab = (min(VOCAB[0], vocab // 4), min(VOCAB[1], vocab))
     policies = args.policies.split(",")
     convs = conversations(TRACE, args.window)
     need = args.conversations * args.rounds
@@ -148,12 +156,14 @@ def main() -> int:
     ktc = json.dumps(
         {"kv_connector": "KVStoreConnector", "kv_connector_extra_config": {"chunk_size": args.block_tokens}}
     )
-    store, store_cfg = start_store(tmp, "--cpu-capacity", "2GiB")
+    store, store_cfg = start_store(tmp, "--cpu-capacity", "3GiB")
     procs = []
     try:
         engine_args = (
+            "--model",
+            args.model,
             "--max-model-len",
-            "1024",
+            args.max_model_len,
             "--kv-cache-memory",
             args.kv_cache_memory,
             "--kv-transfer-config",
@@ -165,7 +175,12 @@ def main() -> int:
             wait_healthy(url, proc)
         urls = [url for _, url, _ in engines]
         router_proc, router = start_router(
-            [(u, c) for _, u, c in engines], store_cfg, "--chunk-size", str(args.block_tokens)
+            [(u, c) for _, u, c in engines],
+            store_cfg,
+            "--chunk-size",
+            str(args.block_tokens),
+            "--model",
+            args.model,
         )
         procs.append(router_proc)
         results = {
