@@ -7,9 +7,9 @@ import pytest
 
 from kvstore.keys import chunk_keys
 from tests.connectors.conftest import ServerProcess
-from tests.connectors.engine_util import doc, generate, llm, requires_kv_engine, store_metrics
+from tests.connectors.engine_util import doc, generate, llm, store_metrics
 
-pytestmark = [pytest.mark.slow, requires_kv_engine]
+pytestmark = pytest.mark.slow
 
 
 def test_corrupt_blob_then_killed_server_fall_back_to_recompute(off, tmp_path, monkeypatch) -> None:

@@ -10,9 +10,9 @@ import torch
 from kvstore.blob import verify_blob
 from kvstore.keys import KVLayout, chunk_keys
 from sdk import Store
-from tests.connectors.engine_util import doc, generate, llm, requires_kv_engine, store_metrics
+from tests.connectors.engine_util import doc, generate, llm, store_metrics
 
-pytestmark = [pytest.mark.slow, requires_kv_engine]
+pytestmark = pytest.mark.slow
 HITS = "vllm:external_prefix_cache_hits_total"
 
 

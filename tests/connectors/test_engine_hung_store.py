@@ -11,9 +11,9 @@ import time
 import pytest
 
 from engine import SamplingParams
-from tests.connectors.engine_util import GREEDY, doc, generate, llm, requires_kv_engine, store_metrics
+from tests.connectors.engine_util import GREEDY, doc, generate, llm, store_metrics
 
-pytestmark = [pytest.mark.slow, requires_kv_engine]
+pytestmark = pytest.mark.slow
 HITS = "vllm:external_prefix_cache_hits_total"
 STREAM = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 

@@ -21,9 +21,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine import SamplingParams
 from engine.structured_output import StructuredOutputsParams
-from tests.connectors.engine_util import ENGINE, GREEDY, doc, free_port, requires_kv_engine
+from tests.connectors.engine_util import ENGINE, GREEDY, doc, free_port
 
-pytestmark = [pytest.mark.slow, requires_kv_engine]
+pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from tests.connectors.conftest import ServerProcess
-from tests.connectors.engine_util import ENGINE, _tokenizer, requires_kv_engine
+from tests.connectors.engine_util import ENGINE, _tokenizer
 
-pytestmark = [pytest.mark.slow, requires_kv_engine]
+pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 TEXT = (
     "A field guide to the birds of the estuary. The curlew probes the mud with its long curved bill; "

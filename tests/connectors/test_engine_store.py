@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.connectors.engine_util import doc, generate, llm, requires_kv_engine, store_metrics
+from tests.connectors.engine_util import doc, generate, llm, store_metrics
 
-pytestmark = [pytest.mark.slow, requires_kv_engine]
+pytestmark = pytest.mark.slow
 HITS = "vllm:external_prefix_cache_hits_total"
 QUERIES = "vllm:external_prefix_cache_queries_total"
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import msgpack
 import pytest
 import torch
@@ -126,7 +124,7 @@ def test_truncated_or_extended_blobs_are_corrupt(cut: int, extra: bytes) -> None
 
 
 # lz4 (compression 1) joins the fuzz once its codec module exists; every other value must be rejected
-COMPRESSIONS = [0, 1] if importlib.util.find_spec("kvstore.codecs.lz4") else [0]
+COMPRESSIONS = [0, 1]
 DIM = st.one_of(st.integers(0, 5), st.integers(0, 2**32 - 1))
 
 

@@ -11,6 +11,7 @@ from kvstore.blob import decode_blob, encode_blob
 from kvstore.codecs import codec_names, get_codec
 from kvstore.codecs.common import hadamard
 from kvstore.errors import CodecError, CorruptBlob
+from sdk import Store
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 EPS = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 2.0**-24}
@@ -242,9 +243,8 @@ def test_decode_from_unaligned_and_readonly_buffers() -> None:
 
 
 def test_sdk_local_store_with_int4() -> None:
-    sdk = pytest.importorskip("sdk")
     kv = make_kv((2, 2, 64, 2, 64))
-    with sdk.Store.local(tiers=["cpu"], codec="int4") as store:
+    with Store.local(tiers=["cpu"], codec="int4") as store:
         store.put("ab" * 16, kv)
         got = store.get("ab" * 16)
     assert got is not None and torch.equal(got, decode_blob(encode_blob(kv, codec="int4")))

@@ -12,10 +12,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine import LLM, SamplingParams
-from tests.connectors.engine_util import requires_kv_engine
 from tests.router.fleet import post, router_state, start_engine, start_router, start_store, wait_healthy
 
-pytestmark = [pytest.mark.slow, requires_kv_engine]
+pytestmark = pytest.mark.slow
 ENGINE_ARGS = ("--max-model-len", "1024", "--kv-cache-memory", "48MiB")
 SYSTEM = (
     "You are the archivist of the northern lighthouses. Every evening the keeper climbed the stairs, "

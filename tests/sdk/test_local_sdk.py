@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ from kvstore.errors import ConfigError, CorruptBlob, InvalidArgument, InvalidKey
 from kvstore.keys import KVLayout, chunk_keys
 from sdk import Backend, Store
 from sdk.local import LocalBackend
+from sdk.remote import RemoteBackend
 
 LAYOUT = KVLayout("test-model", "cafe", num_layers=2, num_kv_heads=2, head_dim=16, chunk_size=8)
 
@@ -143,10 +143,7 @@ def test_codec_is_configurable(tmp_path: Path) -> None:
         s.put("ab" * 16, kv(0))
 
 
-@pytest.mark.skipif(importlib.util.find_spec("sdk.remote") is None, reason="sdk.remote not present")
 def test_connect_delegates_to_the_remote_backend() -> None:
-    from sdk.remote import RemoteBackend
-
     s = Store.connect("http://127.0.0.1:9", token="t", codec="raw")
     assert isinstance(s.backend, RemoteBackend) and isinstance(s.backend, Backend)
     s.close()
