@@ -15,6 +15,7 @@ sent later whose answer was cut off by a shutdown, or a miss where the acknowled
     back      --write-policy back with a 2-blob queue: replaces drop their write-back, then the newer
               blobs are evicted from cpu
     sigterm   --write-policy back, SIGTERM amid 4 writers replacing keys; restarted on the disk alone
+              (sigterm-drop: the same with a 2-blob queue, so most write-backs were dropped)
     admission --admission-hits 1: v1 admitted to disk, v2 put and evicted before its admission
     misplaced another key's valid blob written over a key's disk file and its Valkey value
 """
@@ -228,12 +229,14 @@ def scenario_back(blob: Versions, work: Path) -> Tally:
     return t
 
 
-def scenario_sigterm(blob: Versions, work: Path) -> Tally:
-    t = Tally("SIGTERM mid-stream, --write-policy back")
-    disk, n = work / "sigterm", 32
+def scenario_sigterm(blob: Versions, work: Path, queue: int = 4096) -> Tally:
+    """With a queue that never fills, every acknowledged write must be on disk after the drain; with a
+    2-blob queue most write-backs drop: a miss then, never an older version."""
+    t = Tally(f"SIGTERM mid-stream, --write-policy back, queue {queue}")
+    disk, n = work / f"sigterm-{queue}", 32
     _seed(disk, blob, n)
     args = ["--tiers", "cpu,disk", "--disk-path", str(disk), "--write-policy", "back",
-            "--write-back-queue", "4096", "--shutdown-timeout", "10"]  # fmt: skip
+            "--write-back-queue", str(queue), "--shutdown-timeout", "10"]  # fmt: skip
     stop_at = threading.Event()
     with served(args) as (proc, be):
         threads, acked, tried = _writers(be.url, blob, n, 4, 10_000, stop_at)
@@ -301,6 +304,7 @@ SCENARIOS = {
     "restart": scenario_restart,
     "back": scenario_back,
     "sigterm": scenario_sigterm,
+    "sigterm-drop": functools.partial(scenario_sigterm, queue=2),
     "admission": scenario_admission,
     "misplaced": scenario_misplaced,
 }

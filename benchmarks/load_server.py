@@ -350,7 +350,7 @@ def main() -> None:
     ap.add_argument("--budget", default="512MiB", help="the server's --max-body-bytes-in-flight")
     ap.add_argument("--no-hostile", dest="hostile", action="store_false", help="honest clients only")
     ap.add_argument("--scenarios", default="all", help="consistency scenarios after the load: all, none, "
-                    "or a comma list of restart,back,sigterm,admission,misplaced")  # fmt: skip
+                    "or a comma list of restart,back,sigterm,sigterm-drop,admission,misplaced")  # fmt: skip
     ap.add_argument("--scenarios-only", action="store_true", help="run the scenarios, not the load")
     args = ap.parse_args()
     from benchmarks.consistency import SCENARIOS, report, run_scenarios  # noqa: PLC0415
