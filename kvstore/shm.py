@@ -99,15 +99,18 @@ class Segment:
         return f"/proc/{os.getpid()}/fd/{self.fd}"
 
     def close(self) -> None:
+        """Unmap and close. The fd is closed whatever happens (no client can open the segment after
+        this); a mapping still viewed somewhere (a blob, a table) goes with its last view, logged."""
         self.lent.clear()
-        self.view.release()
         try:
+            self.view.release()
             self.map.close()
-        except BufferError:  # a view of it is still alive somewhere: the mapping goes with the last one
+        except BufferError:
             logging.getLogger(__name__).warning(
-                "shared-memory segment %d closed while still viewed", self.seg_id
+                "shared-memory segment %d closed while still viewed: unmapped with its last view", self.seg_id
             )
-        os.close(self.fd)
+        finally:
+            os.close(self.fd)
 
 
 def open_segment(path: str, size: int, nonce: bytes, writable: bool = True) -> mmap.mmap | None:

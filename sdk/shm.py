@@ -13,6 +13,7 @@ index mapped too, a get copies arena blobs out without a request at all (sdk.tra
 from __future__ import annotations
 
 import collections
+import logging
 import mmap
 from collections.abc import Sequence
 
@@ -106,5 +107,5 @@ def _unmap(view: memoryview, mapped: mmap.mmap) -> None:
     view.release()
     try:
         mapped.close()
-    except BufferError:  # a lease is still out: the mapping goes when its last view does
-        pass
+    except BufferError:  # a lease is still out: the mapping (and its fd) goes when its last view does
+        logging.getLogger(__name__).debug("a shared-memory mapping outlives its close: a lease is still out")

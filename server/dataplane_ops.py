@@ -11,6 +11,7 @@ from typing import Any, Protocol
 from kvstore import dataplane as dp
 from kvstore import shm
 from kvstore.errors import Busy, InvalidArgument, KVStoreError, TooLarge, Unauthorized
+from kvstore.tiers.arena_index import usable_here
 from kvstore.wire import MAX_BATCH_KEYS
 from server.state import ServerState
 
@@ -107,7 +108,7 @@ def _hello(conn: Connection, req: Request) -> Reply:
     arena = conn.plane.arena
     if arena is not None:
         meta["arena"] = [arena.segment.path, arena.size, arena.segment.nonce]
-        if conn.plane.arena_index is not None:
+        if conn.plane.arena_index is not None and usable_here():  # its readers need x86-64's TSO
             meta["index"] = conn.plane.arena_index.describe()
             conn.index_since = time.monotonic()
     return Reply(meta=meta, op_name="hello")

@@ -27,11 +27,13 @@ old, so a server that died or stopped costs its clients at most STALE_S of reads
 left behind (still the blobs it stored) before they ask the server, and find it gone.
 
 The reader's checks rely on loads and stores not being reordered with each other (x86-64: TSO); on
-other architectures the client does not use the table (`usable_here`).
+other architectures (`usable_here`) the server does not offer the table in HELLO and the client does
+not read one it is offered.
 """
 
 from __future__ import annotations
 
+import logging
 import mmap
 import platform
 import secrets
@@ -47,6 +49,7 @@ from kvstore.lru import Entry, LRUIndex
 from kvstore.tiers.arena import SEAL_FUTURE_WRITE, Arena
 
 V = TypeVar("V")
+log = logging.getLogger(__name__)
 
 ENTRY = 160
 _WORDS = ENTRY // 8
@@ -163,10 +166,7 @@ class ArenaIndex(_Table):
         self.stop_beating()
         self._beat[0] = 0  # stale at once
         del self.words, self.keys, self._beat
-        try:
-            self.segment.close()
-        except BufferError:
-            pass
+        self.segment.close()  # closes its fd even while a view is alive (and logs that)
 
 
 class PublishedLRU(LRUIndex[V]):
@@ -235,5 +235,5 @@ class IndexReader(_Table):
         del self.words, self.keys, self._beat
         try:
             self._map.close()
-        except BufferError:
-            pass
+        except BufferError:  # the mapping (and the fd it holds) goes with its last view
+            log.warning("the arena index's mapping closed while still viewed: unmapped with its last view")
