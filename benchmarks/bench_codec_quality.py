@@ -32,25 +32,32 @@ import torch
 
 from kvstore.blob import decode_blob, encode_blob
 
-KIVI4 = {"value_group": 64, "value_meta": "8bit"}  # the kivi4 default
-KIVI2 = {"key_tokens": 64, "value_group": 64, "value_meta": "8bit"}  # the kivi2 default
+OLD = {"value_meta": "fp16", "rotate_values": False}  # the value metadata before the defaults
 CONFIGS: list[tuple[str, str, dict]] = [
     ("raw (noise floor)", "raw", {}),
     ("fp8 e4m3, scale per token per head", "fp8", {}),
     ("int4 (id 2): K per channel g64, V per token g64, first token exact", "int4", {}),
-    ("kivi4 DEFAULT: K per channel x 256 tokens, V per token per head, 8-bit V metadata", "kivi4", KIVI4),
-    ("kivi4 V per token per head, fp16 V metadata", "kivi4", {"value_group": 64}),
-    ("kivi4 V per token x all heads", "kivi4", {"value_group": None}),
-    ("kivi4 K x 128 tokens, V x all heads", "kivi4", {"key_tokens": 128, "value_group": None}),
-    ("kivi4 no sink key, V x all heads", "kivi4", {"sink_tokens": 0, "value_group": None}),
-    ("kivi2 DEFAULT: K per channel x 64 tokens, V per token per head, 8-bit V metadata", "kivi2", KIVI2),
-    ("kivi2 K x 256 tokens, V x all heads", "kivi2", {"value_group": None}),
-    ("kivi2 K x 64 tokens, V g64", "kivi2", {"key_tokens": 64, "value_group": 64}),
-    ("kivi2 K x 32 tokens, V g32", "kivi2", {"key_tokens": 32, "value_group": 32}),
-    ("kivi4+ans (the kivi4 default, then rANS)", "kivi4+ans", KIVI4),
-    ("kivi4+ans, fp16 V metadata", "kivi4+ans", {"value_group": 64}),
-    ("kivi2+ans (the kivi2 default, then rANS)", "kivi2+ans", KIVI2),
-    ("kivi2+ans K x 32 tokens, V g32", "kivi2+ans", {"key_tokens": 32, "value_group": 32}),
+    (
+        "kivi4 DEFAULT: K per channel x 256 tokens, V per token per head, Hadamard, 8-bit V metadata",
+        "kivi4",
+        {},
+    ),
+    ("kivi4 V per token per head, fp16 V metadata", "kivi4", OLD),
+    ("kivi4 V per token x all heads, fp16 V metadata", "kivi4", {"value_group": "row", **OLD}),
+    ("kivi4 K x 128 tokens, V x all heads, fp16", "kivi4", {"key_tokens": 128, "value_group": "row", **OLD}),
+    ("kivi4 no sink key, V x all heads, fp16", "kivi4", {"sink_tokens": 0, "value_group": "row", **OLD}),
+    (
+        "kivi2 DEFAULT: K per channel x 64 tokens, V per token per head, Hadamard, 8-bit V metadata",
+        "kivi2",
+        {},
+    ),
+    ("kivi2 K x 256 tokens, V x all heads, fp16", "kivi2", {"key_tokens": 256, "value_group": "row", **OLD}),
+    ("kivi2 K x 64 tokens, V g64, fp16", "kivi2", {"key_tokens": 64, "value_group": 64, **OLD}),
+    ("kivi2 K x 32 tokens, V g32, fp16", "kivi2", {"key_tokens": 32, "value_group": 32, **OLD}),
+    ("kivi4+ans (the kivi4 default, then rANS)", "kivi4+ans", {}),
+    ("kivi4+ans, V fp16 metadata", "kivi4+ans", OLD),
+    ("kivi2+ans (the kivi2 default, then rANS)", "kivi2+ans", {}),
+    ("kivi2+ans K x 32 tokens, V g32, fp16", "kivi2+ans", {"key_tokens": 32, "value_group": 32, **OLD}),
     ("fp8+ans", "fp8+ans", {}),
     ("int4+ans", "int4+ans", {}),
 ]

@@ -1,33 +1,39 @@
 """`kivi4` / `kivi2`: b-bit KV in the KIVI split with cheap metadata (codec ids 3 and 4).
 
 Keys are quantised per channel across tokens (keys carry persistent outlier channels), values per
-token across channels; both asymmetric min-max, fp16 scale and zero per group, codes packed 8/b per
-byte (the lowest bits hold the first element). What makes them smaller than `int4` (id 2, which stays
-readable) is the size of the groups, chosen by benchmarks/bench_codec_quality.py:
+token per head; both asymmetric min-max, codes packed 8/b per byte (the lowest bits hold the first
+element). What makes them smaller than `int4` (id 2, which stays readable) is the metadata: keys
+share a group over many tokens, and a value group's scale and zero take 2 bytes, not 4. The defaults
+were chosen by benchmarks/bench_codec_quality.py.
 
-Options (`encode_blob(kv, codec="kivi4", key_tokens=256, value_group=None, sink_tokens=1)`):
-    key_tokens:  tokens per key group (per channel); the last group of a chunk takes what is left,
-                 so a 256-token chunk is one group per channel at the default.
-    value_group: channels per value group along the token's row of kv_heads * head_dim channels
-                 (must divide it); default: the whole row, every head of the token.
-    value_meta:  "fp16": a value group's scale and zero are fp16; "8bit": one uint16 per group, its
-                 zero point an integer code (0..2^b-1) and its scale 8 bits on a log grid of 2^(1/16)
-                 steps under an fp16 reference per layer and group index (`v_ref`): 2 bytes a group,
-                 not 4; the scale grows by up to 2^(1/16) x top/(top-1) (4-bit: 1.11x, 2-bit: 1.57x).
-    sink_tokens: the first `sink_tokens` KEYS of a chunk of >= 16 tokens are stored exactly, in the KV
-                 dtype, and left out of their channel's group: the first token of a sequence is an
-                 attention sink whose huge keys would stretch every channel's range. Values of those
-                 tokens are quantised like the others (their groups are per token anyway).
+Options (`encode_blob(kv, codec="kivi4", key_tokens=..., ...)`):
+    key_tokens:    tokens per key group (per channel; fp16 scale and zero); the last group of a chunk
+                   takes what is left. Default 256 for kivi4 (one group per channel of a 256-token
+                   chunk), 64 for kivi2.
+    value_group:   channels per value group along the token's row of kv_heads * head_dim channels (it
+                   must divide the row; "row": all of them); default head_dim: one group per head.
+    value_meta:    "8bit" (default): one uint16 per value group: a zero point in 1/16 codes (0..2^b-1)
+                   and a scale on a log grid of 2^(1/16) steps under an fp16 reference per layer and
+                   group index (`v_ref`); "fp16": an fp16 scale and zero per group (4 bytes).
+    rotate_values: each head's value vector is multiplied by the orthonormal Hadamard matrix before
+                   it is quantised, and back on decode (the matrix is its own inverse): outliers spread
+                   over the group. Default: where it can (a power-of-two head_dim, value groups inside a head).
+    sink_tokens:   the first `sink_tokens` KEYS of a chunk of >= 16 tokens are stored exactly, in the
+                   KV dtype, and left out of their channel's group: the first token of a sequence is an
+                   attention sink whose huge keys would stretch every channel's range (default 1).
 
 Payload, in order: key codes `[L, T - sink, C*b/8]`, value codes `[L, T, C*b/8]` (C = kv_heads *
-head_dim), key scale/zero fp16 pairs `[L, ceil((T - sink) / key_tokens), C, 2]`, value pairs
-`[L, T, C / value_group, 2]` (8bit: uint16 `[L, T, C / value_group]`, then the fp16 references
-`[L, C / value_group]`), the sink keys' raw bits `[L, sink, C]`. At the defaults, a 256-token
-chunk with C = 192 (SmolLM2-135M): kivi4 3.83x smaller than bf16/fp16, kivi2 7.33x.
+head_dim), key scale/zero fp16 pairs `[L, ceil((T - sink) / key_tokens), C, 2]`, the value metadata
+(8bit: uint16 `[L, T, C / value_group]`, then the fp16 references `[L, C / value_group]`; fp16: pairs
+`[L, T, C / value_group, 2]`), the sink keys' raw bits `[L, sink, C]`. At the defaults, for a
+256-token SmolLM2-135M chunk (C = 192), header included: kivi4 3.80x smaller than bf16, kivi2 6.66x
+(with the rANS stage, with_ans.py: 4.13x and 7.87x).
 
-Error bound: |x - x'| <= scale/2 per element (scale = fp16((max - min) / (2^b - 1)) of its group), plus
-the fp16 rounding of scale and zero and the rounding to the KV dtype on decode. NaN/Inf in the KV, or
-values past the fp16 range of the scales, raise CodecError. The CPU path is torch, vectorised.
+Error bound: |x - x'| <= scale/2 per element (keys: scale = fp16((max - min) / (2^b - 1)) of the
+group; 8bit values: at most 2^(1/16) x (1 + 1/16) x that), plus the fp16 rounding of scale and zero
+and the rounding to the KV dtype on decode; with rotate_values it holds in the rotated basis (the L2
+error per vector is the same). NaN/Inf in the KV, or values past the fp16 range of the scales, raise
+CodecError. The CPU path is torch, vectorised.
 """
 
 from __future__ import annotations
@@ -41,9 +47,13 @@ import torch
 from kvstore.codecs import common
 from kvstore.errors import CodecError
 
-DEFAULTS: dict[str, Any] = {"key_tokens": 256, "value_group": None, "sink_tokens": 1, "value_meta": "fp16"}
+DEFAULTS: dict[str, Any] = {
+    "key_tokens": None, "value_group": None, "sink_tokens": 1, "value_meta": "8bit", "rotate_values": None,
+}  # fmt: skip
+KEY_TOKENS = {4: 256, 2: 64}  # the default key_tokens per width (bench_codec_quality.py chose them)
 VALUE_META = ("fp16", "8bit")
 _STEPS = 16  # 8bit value scales: r * 2^(-c / 16), c = 0..255 (steps of 4.4%)
+_ZP = 16  # 8bit value zero points: multiples of 1/16 code, 0..2^b-1 (<= 240: 8 bits)
 _POW = torch.tensor([2.0 ** (-c / _STEPS) for c in range(256)], dtype=torch.float32)
 SINK_MIN_TOKENS = 16  # shorter chunks keep no sink keys
 MAX_SINK_TOKENS = 64
@@ -58,6 +68,7 @@ class KiviLayout:
     sink: int
     itemsize: int
     value_meta: str = "fp16"
+    rotate_values: bool = False
 
     @property
     def channels(self) -> int:
@@ -69,17 +80,21 @@ class KiviLayout:
 
     def params(self) -> dict:
         p = {"kt": self.key_tokens, "vg": self.value_group, "sink": self.sink}
-        return p if self.value_meta == "fp16" else {**p, "vm": VALUE_META.index(self.value_meta)}
+        if self.value_meta != "fp16":
+            p["vm"] = VALUE_META.index(self.value_meta)
+        if self.rotate_values:
+            p["rv"] = 1
+        return p
 
     @classmethod
     def from_params(cls, shape: tuple[int, ...], params: dict, dtype: torch.dtype, bits: int) -> KiviLayout:
-        keys = set(params) - {"vm"}
+        keys = set(params) - {"vm", "rv"}
         if keys != {"kt", "vg", "sink"} or not all(type(v) is int for v in params.values()):
             raise CodecError(f"kivi: bad params {params!r:.80}")
-        if params.get("vm", 0) not in range(len(VALUE_META)):
+        if params.get("vm", 0) not in range(len(VALUE_META)) or params.get("rv", 1) != 1:
             raise CodecError(f"kivi: bad params {params!r:.80}")
-        meta = VALUE_META[params.get("vm", 0)]
-        lay = cls(tuple(shape), bits, params["kt"], params["vg"], params["sink"], dtype.itemsize, meta)  # type: ignore[arg-type]
+        meta, rot = VALUE_META[params.get("vm", 0)], "rv" in params
+        lay = cls(tuple(shape), bits, params["kt"], params["vg"], params["sink"], dtype.itemsize, meta, rot)  # type: ignore[arg-type]
         lay.validate()
         return lay
 
@@ -91,6 +106,11 @@ class KiviLayout:
             raise CodecError(f"kivi: key_tokens must be in 1..{1 << 20}, got {self.key_tokens}")
         if not 1 <= self.value_group <= c or c % self.value_group:
             raise CodecError(f"kivi: value_group {self.value_group} does not divide kv_heads * head_dim {c}")
+        d = self.shape[4]
+        if self.rotate_values and (d & (d - 1) or d % self.value_group):
+            raise CodecError(
+                f"kivi: rotate_values needs a power-of-two head_dim that value_group divides ({d})"
+            )
         if not 0 <= self.sink <= min(MAX_SINK_TOKENS, t - 1 if t > 1 else 0):
             raise CodecError(f"kivi: sink_tokens {self.sink} out of range for {t} tokens")
 
@@ -121,18 +141,31 @@ class KiviLayout:
 
 def layout_for(shape: tuple[int, ...], dtype: torch.dtype, bits: int, **options: Any) -> KiviLayout:
     o = common.take_options(f"kivi{bits}", options, DEFAULTS)
-    c = int(shape[3]) * int(shape[4])
-    vg = c if o["value_group"] is None else o["value_group"]
+    d = int(shape[4])
+    vg = {None: d, "row": int(shape[3]) * d}.get(o["value_group"], o["value_group"])
+    if o["key_tokens"] is None:
+        o["key_tokens"] = KEY_TOKENS[bits]
+    if o["rotate_values"] is None:  # where it can: a power-of-two head_dim, groups inside a head
+        o["rotate_values"] = d & (d - 1) == 0 and type(vg) is int and vg > 0 and d % vg == 0
     for name, v in (("key_tokens", o["key_tokens"]), ("value_group", vg), ("sink_tokens", o["sink_tokens"])):
         if type(v) is not int:
             raise CodecError(f"kivi{bits}: {name} must be an int, got {v!r}")
+    if not isinstance(o["rotate_values"], bool):
+        raise CodecError(f"kivi{bits}: rotate_values must be a bool, got {o['rotate_values']!r}")
     if o["value_meta"] not in VALUE_META:
         raise CodecError(f"kivi{bits}: value_meta must be one of {VALUE_META}, got {o['value_meta']!r}")
     if not 0 <= o["sink_tokens"] <= MAX_SINK_TOKENS:
         raise CodecError(f"kivi{bits}: sink_tokens must be in 0..{MAX_SINK_TOKENS}, got {o['sink_tokens']}")
     sink = o["sink_tokens"] if int(shape[2]) >= max(SINK_MIN_TOKENS, o["sink_tokens"] + 1) else 0
     lay = KiviLayout(
-        tuple(int(s) for s in shape), bits, o["key_tokens"], vg, sink, dtype.itemsize, o["value_meta"]
+        tuple(int(s) for s in shape),
+        bits,
+        o["key_tokens"],
+        vg,
+        sink,
+        dtype.itemsize,
+        o["value_meta"],
+        o["rotate_values"],
     )  # type: ignore[arg-type]
     lay.validate()
     return lay
@@ -174,7 +207,8 @@ def quantize_8bit(x: torch.Tensor, bits: int, what: str) -> tuple[torch.Tensor, 
         down = torch.where(zp > 0, -mn / zp.clamp(min=1), torch.where(mn < 0, inf, 0))
         return torch.maximum(up, down).clamp_(min=0)
 
-    lo, hi = u.floor(), u.ceil()  # the integer zero point next to the exact one that needs less scale
+    # the zero point on a grid of 1/16 code next to the exact one, whichever needs the smaller scale
+    lo, hi = (u * _ZP).floor() / _ZP, (u * _ZP).ceil() / _ZP
     need_lo, need_hi = cover(lo), cover(hi)
     zp = torch.where(need_lo <= need_hi, lo, hi)
     need = torch.minimum(need_lo, need_hi)
@@ -192,15 +226,15 @@ def quantize_8bit(x: torch.Tensor, bits: int, what: str) -> tuple[torch.Tensor, 
     c = torch.where(s < need, (c - 1).clamp(min=0), c)  # float rounding: never a scale below the need
     s = _POW[c] * r
     inv = torch.where(s > 0, 1 / s, torch.zeros_like(s))
-    q = (x * inv[..., None]).round_().add_(zp[..., None]).clamp_(0, top).to(torch.uint8)
-    meta = (c | (zp.long() << 8)).to(torch.int32)
+    q = (x * inv[..., None]).add_(zp[..., None]).round_().clamp_(0, top).to(torch.uint8)
+    meta = (c | ((zp * _ZP).round().long() << 8)).to(torch.int32)
     return q, meta, r16
 
 
 def dequantize_8bit(q: torch.Tensor, meta: torch.Tensor, r16: torch.Tensor) -> torch.Tensor:
     m = meta.to(torch.int32)
     s = _POW[m & 255] * r16.float()[:, None]
-    zp = (m >> 8).float()
+    zp = (m >> 8).float() / _ZP
     return (q.float() - zp[..., None]) * s[..., None]
 
 
@@ -252,6 +286,8 @@ class KiviCodec:
             q, sz = quantize(keys[:, a:b], 1, self.bits, self.name)  # per channel over tokens a..b
             p["k_codes"][:, a:b] = pack(q, self.bits)
             p["k_sz"][:, g] = sz[:, 0].view(torch.int16)
+        if lay.rotate_values:  # each head's value vector in the Hadamard basis (orthonormal)
+            values = (values.reshape(nl, nt, nh, d) @ common.hadamard(d)).reshape(nl, nt, c)
         grouped = values.reshape(nl, nt, c // lay.value_group, lay.value_group)
         if lay.value_meta == "fp16":
             vq, vsz = quantize(grouped, 3, self.bits, self.name)
@@ -298,6 +334,8 @@ class KiviCodec:
             v = dequantize_8bit(
                 vq, torch.from_numpy(parts["v_meta"].astype(np.int32)), p["v_ref"].view(torch.float16)
             )
+        if lay.rotate_values:
+            v = v.reshape(nl, nt, nh, d) @ common.hadamard(d)  # its own inverse
         out[1] = v.reshape(nl, nt, c).to(dtype)
         out = out.reshape(shape)
         if lay.sink:

@@ -8,6 +8,7 @@ import torch
 
 from kvstore.blob import decode_blob, encode_blob, verify_blob
 from kvstore.codecs import get_codec
+from kvstore.codecs.common import hadamard
 from kvstore.codecs.kivi import layout_for
 from kvstore.errors import CodecError, CorruptBlob
 from tests.kvstore.test_blob import forge
@@ -36,16 +37,22 @@ def check_bound(kv: torch.Tensor, out: torch.Tensor, codec: str, **opts: object)
         g = keys[:, a : a + lay.key_tokens]
         err = (g - y[0, :, lay.sink + a : lay.sink + a + lay.key_tokens]).abs()
         assert bool((err <= _bound(g, 1, bits) + g.abs() * eps + 1e-6).all())
-    v = x[1].reshape(nl, nt, -1, lay.value_group)
-    err = (v - y[1].reshape(v.shape)).abs()
+    xv, yv = x[1], y[1]
+    if lay.rotate_values:  # the bound holds in the rotated basis
+        h = hadamard(d).double()
+        xv, yv = ((t.reshape(nl, nt, nh, d) @ h).reshape(nl, nt, nh * d) for t in (xv, yv))
+    v = xv.reshape(nl, nt, -1, lay.value_group)
+    err = (v - yv.reshape(v.shape)).abs()
     if lay.value_meta == "fp16":
         assert bool((err <= _bound(v, 3, bits) + v.abs() * eps + 1e-6).all())
     else:  # scale <= top / (top - 1) x (max - min) / top (an integer zero point), on a grid of
         # 2^(1/16) steps under the layer's largest
         top = (1 << bits) - 1
         s0 = (v.amax(3, keepdim=True) - v.amin(3, keepdim=True)) / top * top / (top - 1) * 1.001
+        s0 = torch.maximum(s0, v.abs().amax(3, keepdim=True) / top * 1.001)  # a group away from 0
         s = torch.maximum(s0 * 2 ** (1 / 16), s0.amax(1, keepdim=True) * 2**-15)
-        assert bool((err <= s / 2 + v.abs() * eps + 1e-6).all())
+        slack = (x[1].abs().amax() * eps * d**0.5) if lay.rotate_values else v.abs() * eps  # dtype rounding
+        assert bool((err <= s / 2 + slack + 1e-6).all())
 
 
 @pytest.mark.parametrize("codec", CODECS)
@@ -62,6 +69,9 @@ def check_bound(kv: torch.Tensor, out: torch.Tensor, codec: str, **opts: object)
         ((2, 2, 256, 3, 64), {"value_group": 64, "value_meta": "8bit"}),
         ((2, 2, 37, 2, 16), {"value_meta": "8bit", "key_tokens": 16}),
         ((2, 1, 1, 1, 8), {"value_meta": "8bit"}),
+        ((2, 2, 64, 3, 64), {"value_group": "row"}),  # every head's values in one group: no rotation
+        ((2, 1, 32, 2, 48), {}),  # head_dim 48: no rotation
+        ((2, 1, 32, 2, 64), {"value_meta": "fp16", "rotate_values": True}),
     ],
 )
 def test_round_trip_within_the_bound(codec: str, dtype: torch.dtype, shape: tuple, opts: dict) -> None:
@@ -79,15 +89,19 @@ def test_all_equal_groups_decode_exactly(codec: str) -> None:
     kv[0, :, :, 1, 3] = 0.75  # one key channel constant over every token
     kv[1, 1] = -2.5  # a layer of constant values
     kv[:, 0, 5] = 0  # a token of zeros (its values' group)
-    out = decode_blob(encode_blob(kv, codec=codec))
+    out = decode_blob(encode_blob(kv, codec=codec, value_meta="fp16", rotate_values=False))
     assert torch.equal(out[0, :, :, 1, 3], kv[0, :, :, 1, 3])
     assert torch.equal(out[1, 1], kv[1, 1]) and torch.equal(out[1, 0, 5], kv[1, 0, 5])
-    eight = decode_blob(encode_blob(kv, codec=codec, value_meta="8bit"))  # a scale on a grid: within 5%
+    eight = decode_blob(encode_blob(kv, codec=codec, rotate_values=False))  # 8bit: a scale on a grid
     assert torch.equal(eight[1, 0, 5], kv[1, 0, 5]) and torch.equal(eight[0, :, :, 1, 3], kv[0, :, :, 1, 3])
     assert bool(((eight[1, 1].float() + 2.5).abs() <= 2.5 * 2 ** (1 / 16) - 2.5 + 1e-3).all())
+    rotated = decode_blob(encode_blob(kv, codec=codec))  # the defaults: within 5% too
+    assert bool(((rotated[1, 1].float() + 2.5).abs() <= 0.125).all())
 
 
-@pytest.mark.parametrize("codec,floor", [("kivi4", 3.83), ("kivi2", 7.3)])
+@pytest.mark.parametrize(
+    "codec,floor", [("kivi4", 3.79), ("kivi2", 6.65), ("kivi4+ans", 3.85), ("kivi2+ans", 6.7)]
+)
 def test_size_vs_bf16_with_the_header(codec: str, floor: float) -> None:
     kv = make_kv((2, 30, 256, 3, 64), torch.bfloat16)  # a SmolLM2-135M chunk
     blob = encode_blob(kv, codec=codec)
@@ -95,7 +109,7 @@ def test_size_vs_bf16_with_the_header(codec: str, floor: float) -> None:
 
 
 @pytest.mark.parametrize("codec", CODECS)
-@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), 1e6])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), 1e7])
 @pytest.mark.parametrize("at", [(1, 1, 17, 1, 5), (0, 1, 9, 0, 2), (0, 0, 0, 1, 7)])  # value, key, sink key
 def test_non_finite_or_out_of_fp16_range_kv_is_rejected(codec: str, bad: float, at: tuple) -> None:
     kv = make_kv((2, 2, 32, 2, 8), torch.float32)
@@ -116,6 +130,8 @@ def test_non_finite_or_out_of_fp16_range_kv_is_rejected(codec: str, bad: float, 
         {"key_tokens": 1.5},
         {"group_size": 64},
         {"value_meta": "int8"},
+        {"rotate_values": 1},
+        {"rotate_values": True, "value_group": "row"},
     ],
 )
 def test_bad_options_are_codec_errors(opts: dict) -> None:
