@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import random
@@ -38,7 +39,7 @@ PROFILES = Path(__file__).parent / "profiles"
 PREFILL_LENGTHS = (128, 256, 512, 1024, 2048)
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32)
 DECODE_STEPS = 24
-REPEATS = 2
+REPEATS = 3  # interleaved rounds over every size; the fastest of each is kept
 PROMPT = 64  # tokens of each decode request's prompt
 
 
@@ -71,6 +72,18 @@ def fit_prefill(points: dict[int, float]) -> tuple[float, float, float]:
         if not bad:
             return float(got.get("a", 0.0)), float(got.get("b", 0.0)), float(got.get("c", 0.0))
         names.remove(bad[0])
+
+
+def fit_decode(points: dict[int, float]) -> tuple[float, float]:
+    """(a, b) of step(batch) = a + b batch by least squares, b >= 0."""
+    import numpy as np
+
+    x = np.array(sorted(points), dtype=float)
+    y = np.array([points[int(k)] for k in x])
+    b, a = np.polyfit(x, y, 1)
+    if b < 0:
+        return float(y.mean()), 0.0
+    return float(a), float(b)
 
 
 def _decode_step(llm, prompts: list[list[int]]) -> float:
@@ -116,13 +129,14 @@ def measure_compute(rng: random.Random) -> dict:
     llm = LLM("smollm2", enable_prefix_caching=False)
     try:
         _timed(llm, [_tokens(128, rng)], 2)  # warm-up
-        prefill = {}
-        for n in PREFILL_LENGTHS:
-            prefill[n] = min(_timed(llm, [_tokens(n, rng)], 1) for _ in range(REPEATS))
-        decode = {}
-        for b in DECODE_BATCHES:
-            prompts = [_tokens(PROMPT, rng) for _ in range(b)]
-            decode[b] = min(_decode_step(llm, prompts) for _ in range(REPEATS))
+        prefill: dict[int, float] = {}
+        decode: dict[int, float] = {}
+        for _ in range(REPEATS):  # interleaved: a burst of other work on the box spoils one round, not a size
+            for n in PREFILL_LENGTHS:
+                prefill[n] = min(prefill.get(n, math.inf), _timed(llm, [_tokens(n, rng)], 1))
+            for b in DECODE_BATCHES:
+                step = _decode_step(llm, [_tokens(PROMPT, rng) for _ in range(b)])
+                decode[b] = min(decode.get(b, math.inf), step)
         from engine.config import ModelConfig
 
         args = llm.engine.args
@@ -176,36 +190,55 @@ def measure_store(rng: random.Random, prompt_tokens: int = 2048) -> dict:
             server.wait(timeout=30)
 
 
-def build_profile(compute: dict, store: dict) -> dict:
-    lengths = sorted(compute["prefill"])
-    per_token, per_ctx, per_step = fit_prefill(compute["prefill"])
-    kv = compute["kv"]
+def measured_of(compute: dict, store: dict) -> dict:
+    """Everything measured, as the profile keeps it (and --refit rebuilds a profile from)."""
+    return {
+        "prefill_s": {str(n): t for n, t in sorted(compute["prefill"].items())},
+        "decode_step_s": {str(b): t for b, t in sorted(compute["decode"].items())},
+        "load_s_per_token": store["load_s_per_token"],
+        "store_prompt_tokens": store["prompt_tokens"],
+        "kv": compute["kv"],
+        "kv_dtype": compute["dtype"],
+        "max_batched_tokens": compute["max_batched_tokens"],
+        "max_num_seqs": compute["max_num_seqs"],
+    }
+
+
+def build_profile(measured: dict, machine: str, date: str, host: str) -> dict:
+    prefill = {int(n): t for n, t in measured["prefill_s"].items()}
+    decode = {int(b): t for b, t in measured["decode_step_s"].items()}
+    lengths = sorted(prefill)
+    per_token, per_ctx, per_step = fit_prefill(prefill)
+    step_a, step_b = fit_decode(decode)
+    kv = measured["kv"]
     kv_bytes_per_token = 2 * kv["layers"] * kv["kv_heads"] * kv["head_dim"] * kv["dtype_bytes"]  # K and V
-    load_s_per_token = store["load_s_per_token"]
+    load_s_per_token = measured["load_s_per_token"]
     load_gbps = kv_bytes_per_token / load_s_per_token / 1e9
-    here = f"measured by benchmarks/fleet_sim/calibrate.py on {platform.node() or 'this machine'}"
+    here = f"measured by benchmarks/fleet_sim/calibrate.py on {host}"
     return {
         "name": "smollm2-cpu",
         "model": "SmolLM2-135M-Instruct (kvstore-engine, bfloat16, 1 torch thread)",
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-        f"Linux {platform.release()}",
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
+        "machine": machine,
+        "date": date,
         "kv_bytes_per_token": {
             "value": kv_bytes_per_token,
-            "source": f"K and V x {kv} ({compute['dtype']}, the model's config.json)",
+            "source": f"K and V x {kv} ({measured['kv_dtype']}, the model's config.json)",
         },
         "prefill_s_per_token": {
             "value": per_token,
-            "source": f"{here}: t(n) = c + a n + b n(n-1)/2 fitted over prompts of {lengths} tokens: a",
+            "source": f"{here}: t(n) = c + a n + b n(n-1)/2 fitted over prompts of {lengths} tokens "
+            "(measured.prefill_s): a",
         },
         "prefill_s_per_token_ctx": {"value": per_ctx, "source": f"{here}: b of the same fit (attention)"},
         "prefill_step_s": {"value": per_step, "source": f"{here}: c of the same fit"},
         "decode_step_s": {
-            "value": {str(b): s for b, s in sorted(compute["decode"].items())},
-            "source": f"{here}: batch -> median step with all decoding ({PROMPT}-token prompts, {DECODE_STEPS} steps)",
+            "value": {str(b): step_a + step_b * b for b in sorted(decode)},
+            "source": f"{here}: the least-squares line {step_a * 1e3:.2f} ms + {step_b * 1e3:.3f} ms x batch "
+            f"through the median steps with every request decoding (measured.decode_step_s; "
+            f"{PROMPT}-token prompts, {DECODE_STEPS} steps, the fastest of {REPEATS} rounds)",
         },
-        "max_batched_tokens": {"value": compute["max_batched_tokens"], "source": "kvstore-engine's default"},
-        "max_num_seqs": {"value": compute["max_num_seqs"], "source": "kvstore-engine's default"},
+        "max_batched_tokens": {"value": measured["max_batched_tokens"], "source": "kvstore-engine's default"},
+        "max_num_seqs": {"value": measured["max_num_seqs"], "source": "kvstore-engine's default"},
         "engine_kv_gib": {"value": 0.5, "source": "kvstore-engine's default kv_cache_memory (512MiB)"},
         "engines_per_server": {"value": 64, "source": "one box: every engine talks to one kvstore-server"},
         "server_gib": {"value": 4, "source": "kvstore-server's default --cpu-capacity (4GiB)"},
@@ -214,7 +247,7 @@ def build_profile(compute: dict, store: dict) -> dict:
                 "load_gbps": {
                     "value": load_gbps,
                     "source": f"{here}: a real kvstore-server (cpu tier) on 127.0.0.1, a "
-                    f"{store['prompt_tokens']}-token prompt loaded back: kv bytes/token / "
+                    f"{measured['store_prompt_tokens']}-token prompt loaded back: kv bytes/token / "
                     f"{load_s_per_token:.3g} s/token (the engine's connector metrics)",
                 },
                 "aggregate_gbps": {"value": load_gbps, "source": "one server process: the same"},
@@ -231,10 +264,7 @@ def build_profile(compute: dict, store: dict) -> dict:
             "hop_latency_s": {"value": 0.0, "source": "loopback: inside the measured load time"},
             "nic_gbps": {"value": 0, "source": "0 = unlimited: loopback is inside the measured load time"},
         },
-        "measured": {
-            "prefill_s": {str(n): s for n, s in compute["prefill"].items()},
-            "load_s_per_token": load_s_per_token,
-        },
+        "measured": measured,
     }
 
 
@@ -242,12 +272,21 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=PROFILES / "smollm2-cpu.json")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--refit", action="store_true", help="rebuild --out from its own measurements")
     args = parser.parse_args(argv)
-    rng = random.Random(args.seed)
     started = time.perf_counter()
-    compute = measure_compute(rng)
-    store = measure_store(rng)
-    profile = build_profile(compute, store)
+    if args.refit:
+        old = json.loads(args.out.read_text())
+        host = old["prefill_s_per_token"]["source"].split(" on ", 1)[1].split(":", 1)[0]
+        profile = build_profile(old["measured"], old["machine"], old["date"], host)
+    else:
+        rng = random.Random(args.seed)
+        measured = measured_of(measure_compute(rng), measure_store(rng))
+        machine = (
+            f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, Linux {platform.release()}"
+        )
+        date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ")
+        profile = build_profile(measured, machine, date, platform.node() or "this machine")
     args.out.write_text(json.dumps(profile, indent=2) + "\n")
     print(f"wrote {args.out} in {time.perf_counter() - started:.0f} s")
     print(json.dumps({k: profile[k]["value"] for k in ("prefill_s_per_token", "prefill_s_per_token_ctx",

@@ -156,3 +156,15 @@ def test_the_router_calibrates_its_costs_from_what_the_engines_count(traces) -> 
     # time is wall time too); load: 1024 bytes/token at 0.1 GB/s, over the tokens the engine counts
     assert 1e-4 < costs.prefill_s_per_token < 3e-4
     assert costs.load_s_per_token == pytest.approx(1024 / 0.1e9, rel=0.3)
+
+
+def test_the_calibration_fits() -> None:
+    from benchmarks.fleet_sim.calibrate import fit_decode, fit_prefill
+
+    a, b, c = 1e-3, 2e-6, 0.05
+    points = {n: c + a * n + b * n * (n - 1) / 2 for n in (128, 256, 512, 1024, 2048)}
+    assert fit_prefill(points) == pytest.approx((a, b, c), rel=1e-6)
+    # a negative term is dropped: a linear cost without a fixed part stays linear
+    assert fit_prefill({n: 2e-3 * n for n in (100, 200, 400)}) == pytest.approx((2e-3, 0, 0), abs=1e-12)
+    assert fit_decode({1: 0.011, 2: 0.012, 4: 0.014, 8: 0.018}) == pytest.approx((0.010, 0.001))
+    assert fit_decode({1: 0.02, 8: 0.01})[1] == 0  # a step never gets faster with a bigger batch
