@@ -41,7 +41,8 @@ class KVTransferConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     store_url: str = "local"
-    auth_token: str | None = None  # the kvstore-server's bearer token (prefer auth_token_file)
+    # the kvstore-server's bearer token (prefer auth_token_file); never in a repr, a log line or an error
+    auth_token: str | None = Field(None, repr=False)
     auth_token_file: Path | None = None
     codec: KVCodec = "raw"
     kv_role: KVRole = "kv_both"

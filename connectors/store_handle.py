@@ -14,6 +14,7 @@ Inference never waits on a dead or hung store for longer than that.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -24,7 +25,7 @@ from typing import Any, TypeVar
 
 from connectors.config import KVTransferConfig
 from connectors.metrics import ConnectorMetrics
-from kvstore.errors import ConfigError, KVStoreError, Unauthorized, Unavailable
+from kvstore.errors import ConfigError, Forbidden, KVStoreError, Unauthorized, Unavailable
 from kvstore.tiers.base import Blob
 
 logger = logging.getLogger(__name__)
@@ -115,7 +116,8 @@ _POOL_LOCK = threading.Lock()
 def _pool_key(config: KVTransferConfig) -> tuple:
     if config.is_local:
         return ("local", config.local_store_config().model_dump_json())
-    return ("remote", config.store_url, config.token())
+    token = config.token()  # keyed by a digest: the key is no place for a token (reprs, logs)
+    return ("remote", config.store_url, token and hashlib.sha256(token.encode()).hexdigest())
 
 
 def _open_store(config: KVTransferConfig, timeout_s: float, retries: int) -> Any:
@@ -141,8 +143,9 @@ ENGINE_TOKEN_HINT = (
 def _check_access(store: Any, config: KVTransferConfig, token_hint: str) -> None:
     """One authenticated call at startup: a rejected token stops the engine here, with a clear
     message naming `token_hint`, instead of an engine that looks healthy and logs an error per request.
-    A store that does not answer yet is not fatal (the connector treats it as unreachable and retries
-    later)."""
+    A server that refuses everyone (403) stops it too. A store that does not answer yet is not fatal
+    (the connector treats it as unreachable and retries later), nor is another 4xx (logged as what it
+    is: an answer, e.g. from a URL that is not a kvstore-server)."""
     try:
         store.stats()
     except Unauthorized:
@@ -152,10 +155,22 @@ def _check_access(store: Any, config: KVTransferConfig, token_hint: str) -> None
             f"the kvstore-server at {config.store_url} refused access: {how}; pass the server's token with "
             f"{token_hint}"
         ) from None
+    except Forbidden as e:  # refused whoever asks (e.g. a Host name without a token): every call would be
+        store.close()
+        raise ConfigError(f"the kvstore-server at {config.store_url} refused access (403): {e}") from None
     except KVStoreError as e:
-        logger.warning(
-            "the kvstore-server at %s does not answer yet (%s); continuing without it", config.store_url, e
-        )
+        if is_unreachable(e):
+            logger.warning(
+                "the kvstore-server at %s does not answer yet (%s); continuing without it",
+                config.store_url,
+                e,
+            )
+        else:  # it answered, with a 4xx: a wrong URL (not a kvstore-server?) or a request it cannot take
+            logger.warning(
+                "the kvstore-server at %s answered the startup check with HTTP %d %s (%s); is the URL a "
+                "kvstore-server? continuing",
+                config.store_url, e.status, type(e).__name__, e,
+            )  # fmt: skip
 
 
 def _open_handle(key: tuple, config: KVTransferConfig, token_hint: str) -> StoreHandle:
