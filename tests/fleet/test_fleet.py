@@ -14,6 +14,7 @@ import torch
 from kvstore.blob import encode_blob
 from sdk.remote import RemoteBackend
 from tests.connectors.conftest import ServerProcess
+from tests.connectors.engine_util import doc, generate, llm, requires_kv_engine, store_metrics
 from tests.valkey import ValkeyCluster
 
 
@@ -45,6 +46,9 @@ def clients(servers: list[ServerProcess]) -> Iterator[list[RemoteBackend]]:
     yield made
     for c in made:
         c.close()
+
+
+HITS = "vllm:external_prefix_cache_hits_total"
 
 
 def blob(seed: int, tokens: int = 256) -> bytes:
@@ -87,3 +91,35 @@ def test_delete_and_replace_across_servers(clients: list[RemoteBackend]) -> None
     assert bytes(two.get_blob(held)) == v1  # still local on server 2
     assert two.delete(held)  # a fleet-wide delete is a delete on every server that may hold it
     assert two.get_blob(held) is None and one.get_blob(held) is None
+
+
+@pytest.mark.slow
+@requires_kv_engine
+def test_engine_on_server_2_reuses_what_engine_on_server_1_computed(clients: list[RemoteBackend]) -> None:
+    """Engine A (server 1) computes a 1,030-token prompt; a new engine B on server 2 loads its 4 full
+    chunks from the Cluster (server 2's redis tier), token-identical to a cold engine."""
+    one, two = clients
+    prompt = doc(1030, 3100 + uuid.uuid4().int % 1000)  # a topic no other test stored
+    long = {"max_model_len": 1100}
+    cold = llm(**long)
+    try:
+        want = generate(cold, [prompt])
+    finally:
+        cold.shutdown()
+    urls = [c.url for c in clients]
+    a = llm(kv_backend="kvstore", kv_store_url=urls[0], **long)
+    try:
+        assert generate(a, [prompt]) == want
+        assert store_metrics(a)["kvstore_connector_saved_chunks_total"] >= 4
+    finally:
+        a.shutdown()
+    before = tier_hits(two, "redis")
+    b = llm(kv_backend="kvstore", kv_store_url=urls[1], **long)
+    try:
+        start = store_metrics(b)
+        assert generate(b, [prompt]) == want
+        end = store_metrics(b)
+    finally:
+        b.shutdown()
+    assert end[HITS] - start[HITS] == 1024  # every full chunk below the last prompt token
+    assert tier_hits(two, "redis") - before >= 4  # they came through the Cluster
