@@ -155,7 +155,7 @@ def _check_access(store: Any, config: KVTransferConfig, token_hint: str) -> None
             f"the kvstore-server at {config.store_url} refused access: {how}; pass the server's token with "
             f"{token_hint}"
         ) from None
-    except Forbidden as e:  # refused whoever asks (e.g. a Host name without a token): every call would be
+    except Forbidden as e:  # refused whoever asks (a Host name without a token): so would every call be
         store.close()
         raise ConfigError(f"the kvstore-server at {config.store_url} refused access (403): {e}") from None
     except KVStoreError as e:
