@@ -3,10 +3,12 @@ kill, pause and reshard it; each module gets a fresh one, always stopped)."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import pytest
 
+from tests.connectors.conftest import ServerProcess
 from tests.valkey import ValkeyCluster, valkey_env_ok
 
 NODE_TIMEOUT_MS = 2000  # cluster-node-timeout: a failed primary is replaced ~2-3 s after it stops
@@ -19,3 +21,25 @@ def cluster33() -> Iterator[ValkeyCluster]:
     with ValkeyCluster(3, node_timeout_ms=NODE_TIMEOUT_MS, replicas=1) as cluster:
         cluster.wait_replicas()
         yield cluster
+
+
+@contextlib.contextmanager
+def fleet_servers(
+    cluster: ValkeyCluster, prefix: str, tmp_path_factory: pytest.TempPathFactory, *tier_args: str
+) -> Iterator[list[ServerProcess]]:
+    """Two kvstore-servers whose redis tier is `cluster` under one `prefix` (a shared namespace), with
+    `tier_args` (e.g. --tiers cpu,redis); always stopped."""
+    started: list[ServerProcess] = []
+    try:
+        for i in range(2):
+            state = tmp_path_factory.mktemp(f"state{i}")
+            started.append(
+                ServerProcess(
+                    *tier_args, "--redis-url", cluster.urls, "--redis-cluster", "--redis-prefix", prefix,
+                    "--state-dir", str(state),
+                ).start()
+            )  # fmt: skip
+        yield started
+    finally:
+        for server in started:
+            server.stop()

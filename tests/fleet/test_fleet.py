@@ -15,6 +15,7 @@ from kvstore.blob import encode_blob
 from sdk.remote import RemoteBackend
 from tests.connectors.conftest import ServerProcess
 from tests.connectors.engine_util import doc, generate, llm, requires_kv_engine, store_metrics
+from tests.fleet.conftest import fleet_servers
 from tests.valkey import ValkeyCluster
 
 
@@ -24,20 +25,10 @@ def servers(
 ) -> Iterator[list[ServerProcess]]:
     """Two servers, tiers cpu + redis, the same Cluster and prefix (one shared namespace)."""
     prefix = f"fleet{uuid.uuid4().hex[:6]}:"
-    started: list[ServerProcess] = []
-    try:
-        for i in range(2):
-            state = tmp_path_factory.mktemp(f"state{i}")
-            started.append(
-                ServerProcess(
-                    "--tiers", "cpu,redis", "--cpu-capacity", "256MiB", "--redis-url", cluster33.urls,
-                    "--redis-cluster", "--redis-prefix", prefix, "--state-dir", str(state),
-                ).start()
-            )  # fmt: skip
-        yield started
-    finally:
-        for server in started:
-            server.stop()
+    with fleet_servers(
+        cluster33, prefix, tmp_path_factory, "--tiers", "cpu,redis", "--cpu-capacity", "256MiB"
+    ) as s:
+        yield s
 
 
 @pytest.fixture
