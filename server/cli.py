@@ -34,7 +34,10 @@ STORE_FLAGS = {
     "redis_url": "redis://host:port/db (Valkey works too); for a Cluster, any node plus --redis-cluster",
     "write_policy": "through: lower tiers before the ack; back: a background queue (default {default})",
     "ttl": "seconds a blob lives (default: until evicted)",
-    "codec": "codec of tensors put through the local SDK: raw, fp8, int4 (default {default})",
+    "codec": "codec of tensors put through the local SDK: raw, fp8, int4, kivi4, kivi2, or one of those +ans "
+    "(default {default})",
+    "tier_codec": "a codec per tier, e.g. cpu=raw,disk=kivi4,redis=kivi4+ans: a blob is re-encoded once where it "
+    "enters such a tier (default {default}: none, blobs kept as they come)",
     "max_blob_size": "largest single blob accepted, e.g. 512MiB (default {default})",
     "redis_prefix": "prefix of every Redis key (default kvstore:)",
     "redis_cluster": "the Redis URL names Cluster nodes",
