@@ -10,6 +10,9 @@
   decodes one token for every running request; it takes prefill_step_s + each prefilled token's
   prefill_s_per_token (+ prefill_s_per_token_ctx per token before it) + decode_step_s(batch). The first token comes with the end of a request's last prefill step; then its
   prompt chunks join the prefix cache (a twin computed concurrently stays anonymous, as in vLLM).
+- Engines sharing `cpu_cores` (one box's CPUs, as in benchmarks/bench_router.py) run a step
+  busy-engines / cores times slower when more of them are busy than there are cores (judged when the
+  step starts).
 - Steps with nothing to prefill are simulated k at a time (k = the fewest tokens any running request
   still needs), cut short at the next step boundary when new work arrives.
 """
@@ -184,18 +187,23 @@ class SimEngine:
                 dt += profile.prefill_s(n, job.req.input_tokens - job.prefill_left)
                 if math.isnan(job.scheduled_s):
                     job.scheduled_s = loop.now
-            self.busy = True
+            self._set_busy(True)
             self.steps += 1
-            loop.at(loop.now + dt, self._end_prefill, parts, list(self.running))
+            loop.at(loop.now + dt * self.fleet.slowdown(), self._end_prefill, parts, list(self.running))
         elif self.running:
-            step_s = profile.decode_step_s(len(self.running))
             k = max(min(j.decode_left for j in self.running), 1)
-            self.busy = True
+            self._set_busy(True)
+            step_s = profile.decode_step_s(len(self.running)) * self.fleet.slowdown()
             self.version += 1
             self.macro = (loop.now, step_s, k)
             loop.at(loop.now + k * step_s, self._end_decode, self.version, k)
         else:
-            self.busy = False
+            self._set_busy(False)
+
+    def _set_busy(self, busy: bool) -> None:
+        if busy != self.busy:
+            self.fleet.busy_engines += 1 if busy else -1
+            self.busy = busy
 
     def _end_prefill(self, parts: list[tuple[Job, int]], decoders: list[Job]) -> None:
         self._advance(decoders, 1)
@@ -208,7 +216,7 @@ class SimEngine:
                     self.running.append(job)
                 else:
                     self._finish(job)
-        self.busy = False
+        self._set_busy(False)
         self._step()
 
     def _end_decode(self, version: int, n: int) -> None:
@@ -217,7 +225,7 @@ class SimEngine:
         self.macro = None
         self.steps += n
         self._advance(list(self.running), n)
-        self.busy = False
+        self._set_busy(False)
         self._step()
 
     def _advance(self, decoders: list[Job], n: int) -> None:

@@ -68,6 +68,7 @@ class SimConfig:
     server_gib: float | None = None  # each kvstore-server's memory tier; None: the profile's
     engines_per_server: int | None = None  # None: the profile's
     calibrate_s: float | None = None  # between the router's scrapes of the metrics; None: its default
+    cpu_cores: float | None = None  # CPUs every engine shares (one box); None: each engine its own device
 
 
 @dataclass
@@ -144,6 +145,12 @@ class Fleet:
         self.computed: set[bytes] = set()  # chunks some engine has published
         self.c = Counter()  # block and byte counters
         self.deferred: dict[int, list[Job]] = {}  # id(job) -> jobs waiting for it to finish
+        self.busy_engines = 0
+
+    def slowdown(self) -> float:
+        """How much slower a step runs now: busy engines over the cores they share (1 without)."""
+        cores = self.config.cpu_cores
+        return max(1.0, self.busy_engines / cores) if cores else 1.0
 
     # ---- the router's view (KV events) --------------------------------------------------------
     def learn(self, engine: int, key: bytes) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 import statistics
 import subprocess
@@ -79,8 +80,9 @@ def run_sim(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     convs = bench_router.conversations(bench_router.TRACE, args.window)
     kv_gib = parse_size(args.kv_cache_memory) / 2**30
     # the router calibrates every second there (tests/router/fleet.py's --calibrate-interval 1)
+    # its 3 engines share this box's CPUs (one torch thread each)
     config = SimConfig(3, "ttft", store_gib=2, engine_kv_gib=kv_gib, server_gib=0, engines_per_server=3,
-                       calibrate_s=1.0)  # fmt: skip
+                       calibrate_s=1.0, cpu_cores=args.cpu_cores)  # fmt: skip
     fleet = Fleet(profile, config, chunk_size=args.block_tokens)
     keys = ChunkKeys()
     per_policy: dict[str, list[Job]] = {p: [] for p in args.policies}
@@ -166,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-tokens", type=int, default=32)
     p.add_argument("--max-blocks", type=int, default=24)
     p.add_argument("--kv-cache-memory", default="64MiB")
+    p.add_argument("--cpu-cores", type=float, default=float(os.cpu_count() or 1),
+                   help="CPUs the real engines share (default: this machine's)")  # fmt: skip
     p.add_argument("--policies", type=lambda t: t.split(","), default=list(bench_router.POLICIES))
     args = p.parse_args(argv)
     text = args.real.read_text() if args.real else run_real(args)

@@ -168,3 +168,14 @@ def test_the_calibration_fits() -> None:
     assert fit_prefill({n: 2e-3 * n for n in (100, 200, 400)}) == pytest.approx((2e-3, 0, 0), abs=1e-12)
     assert fit_decode({1: 0.011, 2: 0.012, 4: 0.014, 8: 0.018}) == pytest.approx((0.010, 0.001))
     assert fit_decode({1: 0.02, 8: 0.01})[1] == 0  # a step never gets faster with a bigger batch
+
+
+def test_engines_sharing_fewer_cores_run_slower() -> None:
+    p = Profile.from_dict(profile_doc(**TIMED))
+    dt = 0.002 + 100 * 1e-4
+    for cores, second in ((None, dt), (2, dt), (1, 2 * dt)):
+        r = run_jobs(_jobs([(0.0, 100, 1), (0.0, 100, 1)]), SimConfig(2, "round_robin", cpu_cores=cores), p)
+        a, b = r.jobs
+        assert a.engine != b.engine
+        # the first step starts alone; the second finds the other engine busy
+        assert (a.first_token_s, b.first_token_s) == pytest.approx((dt, second))
