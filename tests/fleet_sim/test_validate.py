@@ -39,7 +39,7 @@ def test_compare_judges_the_residuals() -> None:
 
 def test_the_replay_simulates_every_policy(tmp_path) -> None:
     args = argparse.Namespace(profile="llama3-8b-h100", window=1500, conversations=3, rounds=2, rps=1.5,
-                              block_tokens=32, max_blocks=24, kv_cache_memory="64MiB",
+                              block_tokens=32, max_blocks=24, kv_cache_memory="64MiB", cpu_cores=2.0,
                               policies=["round_robin", "ttft"])  # fmt: skip
     sim = validate.run_sim(args)
     assert set(sim) == {"round_robin", "ttft"}
