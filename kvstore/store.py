@@ -14,6 +14,8 @@
   or a blob never admitted, is a miss there once it leaves the top tier, through restarts too.
 - `ttl`: every tier drops a blob `ttl` seconds after it was written into that tier; a promotion is a
   write, so an upper-tier copy lives `ttl` from its promotion.
+- A copy a read makes (promotion, admission) never lands over a put or delete of the key that raced
+  the read (kvstore/write_fence.py): it is skipped, and the write waits for a copy already under way.
 Every miss has a reason (kvstore/miss_log.py: not_stored, evicted, expired, corrupt, unreachable),
 counted in `kvstore_miss_reasons_total` and handed to callers that ask (`lookup`, `reasons=`).
 - Acknowledgements (kvstore/acks.py): a put returns the tiers that hold each blob; one that no tier
@@ -47,6 +49,7 @@ from kvstore.miss_log import MissLog
 from kvstore.tiers import Blob, Tier, make_tier
 from kvstore.tiers.base import QUEUE_FULL, TierWriteError, immutable
 from kvstore.write_back import WriteBack
+from kvstore.write_fence import WriteFence
 
 logger = logging.getLogger(__name__)
 Verified = tuple[Blob, BlobHeader]  # a blob and the header its checksum pass parsed
@@ -85,6 +88,7 @@ class TieredStore:
         self._probation: OrderedDict[str, int] = OrderedDict()  # key -> reads so far
         self.miss_log = MissLog(self.config.miss_log_keys)
         self._lock = threading.Lock()
+        self._fence = WriteFence()
         self._closed = False
         self._write_back: WriteBack | None = None
         if self.config.write_policy == "back" and len(self.tiers) > 1:
@@ -195,6 +199,7 @@ class TieredStore:
         (whose blobs were verified at put) are not even parsed, and their header is None."""
         out: list[Verified | None] = [None] * len(keys)
         pending = list(range(len(keys)))
+        since = self._fence.now()  # copies of what this read finds must not land over a later write
         why: dict[int, str] = {}  # what this read saw: "corrupt", or "unreachable" for a failing tier
         read_errors: dict[str, str] = {}  # key -> a read error of a blob a tier holds
         for level, tier in enumerate(self.tiers):
@@ -227,12 +232,9 @@ class TieredStore:
             if still:
                 counters.misses.inc(len(still))
             if found and level == 0 and self._admission:
-                self._count_reads(found)
+                self._count_reads(found, since)
             if found and level > 0:  # promote into every tier above
-                items = [(k, immutable(b)) for k, b in found]
-                for upper in self.tiers[:level]:
-                    self._put_tier(upper, items)
-                self.miss_log.written([k for k, _ in items], time.monotonic())  # a fresh TTL above
+                self._promote(found, level, since)
             pending = still
         if pending:
             self.metrics.misses.inc(len(pending))
@@ -247,7 +249,16 @@ class TieredStore:
             raise Unavailable(f"cannot read {failed[0]}: {read_errors[failed[0]]}")
         return out
 
-    def _count_reads(self, found: list[tuple[str, Blob]]) -> None:
+    def _promote(self, found: list[tuple[str, Blob]], level: int, since: int) -> None:
+        with self._fence.copying([k for k, _ in found], since) as ok:
+            items = [(k, immutable(b)) for (k, b), good in zip(found, ok, strict=True) if good]
+            if not items:
+                return
+            for upper in self.tiers[:level]:
+                self._put_tier(upper, items)
+        self.miss_log.written([k for k, _ in items], time.monotonic())  # a fresh TTL above
+
+    def _count_reads(self, found: list[tuple[str, Blob]], since: int) -> None:
         """Admission: count top-tier reads of probationary blobs; admit those that reached the bar."""
         admitted: list[tuple[str, bytes]] = []
         with self._lock:
@@ -260,7 +271,10 @@ class TieredStore:
                     admitted.append((key, immutable(blob)))
                 else:
                     self._probation[key] = n + 1
-        self._write_lower(admitted)
+        if not admitted:
+            return
+        with self._fence.copying([k for k, _ in admitted], since) as ok:
+            self._write_lower([item for item, good in zip(admitted, ok, strict=True) if good])
 
     def get_blob(self, key: str, reasons: list[str | None] | None = None) -> Blob | None:
         """The verified blob stored under `key`, or None. Never mutate the returned buffer.
@@ -422,14 +436,14 @@ class TieredStore:
         Returns the tiers that hold it now; raises NotStored / Unavailable / TooLarge (kvstore.acks)
         when no tier stored it, or when a tier may still serve an older blob of the key."""
         item = (key, self._checked(key, blob))
-        with self.metrics.time("put"):
+        with self.metrics.time("put"), self._fence.writing([key]):
             return self._store([item])[0]
 
     def batch_put(self, items: Sequence[tuple[str, Blob]]) -> list[list[str]]:
         """Store several blobs; every one is checked before any is stored. Returns each one's tiers;
         raises as `put_blob` does if any blob was not stored (the error's `stored_in` says the rest)."""
         checked = [(key, self._checked(key, blob)) for key, blob in items]
-        with self.metrics.time("batch_put"):
+        with self.metrics.time("batch_put"), self._fence.writing([k for k, _ in checked]):
             return self._store(checked)
 
     def delete(self, key: str) -> bool:
@@ -437,7 +451,7 @@ class TieredStore:
         Raises Unavailable when a tier it may be in could not be reached and cannot remember to
         delete it later: the delete did not happen there, and an older blob may be served."""
         validate_key(key)
-        with self.metrics.time("delete"):
+        with self.metrics.time("delete"), self._fence.writing([key]):
             if self._write_back is not None:
                 self._write_back.cancel(key)
             with self._lock:
