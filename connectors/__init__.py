@@ -1,1 +1,1 @@
-"""kvstore connectors room (see DESIGN.md)."""
+"""kvstore connectors room (docs/design.md §0, §5)."""

@@ -1,4 +1,4 @@
-"""The KV Connector contract (DESIGN.md, Spec 5), after vLLM V1's `KVConnectorBase_V1`.
+"""The KV Connector contract (docs/design.md §5), after vLLM V1's `KVConnectorBase_V1`.
 
 One object per role. The SCHEDULER-side instance decides what can be loaded from outside the engine
 and tells the worker through per-step metadata; the WORKER-side instance moves KV between the paged

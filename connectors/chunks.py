@@ -2,7 +2,7 @@
 
 The engine keeps KV per layer in paged caches `[2, num_blocks, block_size, kv_heads, head_dim]`; the
 store keeps one blob per `chunk_size` tokens holding every layer, `[2, num_layers, chunk_size,
-kv_heads, head_dim]` (DESIGN.md, Spec 2). A chunk is `chunk_size // block_size` consecutive blocks of
+kv_heads, head_dim]` (docs/design.md §2). A chunk is `chunk_size // block_size` consecutive blocks of
 a request's block table. `gather_chunk` copies a chunk out of the cache (the copy is what makes an
 asynchronous save safe: the blocks may be freed the moment it returns); `scatter_chunk` writes a
 loaded chunk, or a block-aligned part of it, back into the request's blocks.

@@ -1,4 +1,4 @@
-"""`KVStoreConnector`: the engine's KV connector backed by a kvstore (DESIGN.md, Spec 5).
+"""`KVStoreConnector`: the engine's KV connector backed by a kvstore (docs/design.md §5).
 
     engine blocks --(copy out, encode with the codec)--> store chunks --(verify, decode)--> blocks
 

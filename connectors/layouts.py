@@ -1,4 +1,4 @@
-"""Paged KV layouts <-> the canonical chunk, one vectorised place per engine layout (DESIGN.md, Spec 2).
+"""Paged KV layouts <-> the canonical chunk, one vectorised place per engine layout (docs/design.md §2).
 
 Every blob holds a chunk as `[2, num_layers, chunk_tokens, num_kv_heads, head_dim]` whatever the engine
 keeps in its paged cache, so KV stored by one engine loads into another. A layout moves whole blocks:

@@ -1,4 +1,4 @@
-"""kvstore engine room (see DESIGN.md): a small paged-attention engine with vLLM's names.
+"""kvstore engine room (docs/design.md §0, §13): a small paged-attention engine with vLLM's names.
 
 from engine import LLM, SamplingParams
 llm = LLM("smollm2")

@@ -6,7 +6,7 @@ run out, the newest running sequence is preempted: its blocks are freed (they ke
 the prefix cache often revives them) and it goes back to the front of the waiting queue to be
 recomputed. Waiting sequences are admitted while budget, `max_num_seqs` and blocks allow.
 
-Where a KV connector (DESIGN.md, Spec 5) plugs in, marked below: `get_num_new_matched_tokens` after
+Where a KV connector (docs/design.md §5) plugs in, marked below: `get_num_new_matched_tokens` after
 the local prefix lookup, `update_state_after_alloc` after allocation, `build_connector_meta` at the
 end of `schedule`, `request_finished` in `_finish` and `request_preempted` in `_preempt`, each before
 blocks are freed (with a store, a preempted sequence resumes by loading its KV). When the connector

@@ -1,4 +1,4 @@
-"""What a put or a delete may acknowledge (DESIGN.md, Spec 4).
+"""What a put or a delete may acknowledge (docs/design.md §9).
 
 An acknowledgement says what was stored: each blob's tiers (`stored_in`, in tier order). A put that
 no tier stored is an error: TooLarge when every tier refused it for its size, Unavailable (503) when

@@ -1,11 +1,11 @@
-"""The blob format: one self-describing, checksummed chunk (DESIGN.md, Spec 2).
+"""The blob format: one self-describing, checksummed chunk (docs/design.md §2).
 
 Layout, all little-endian:
 
     offset size field
     0      4    magic b"KVSB"
     4      2    format version (2; 1 is still read, see below)
-    6      1    codec id (kvstore.codecs: raw=0, fp8=1, int4=2)
+    6      1    codec id (kvstore.codecs; docs/design.md §3: raw=0 ... fp8+ans=8)
     7      1    compression (0 none, 1 lz4), applied after the codec
     8      1    KV dtype id (1 float16, 2 bfloat16, 3 float32, 4 float8_e4m3fn: an fp8 KV cache, raw only)
     9      1    ndim (5: [2, layers, tokens, kv_heads, head_dim])

@@ -1,4 +1,4 @@
-"""The binary data plane: what the server and the SDK agree on besides HTTP (DESIGN.md, Spec 6).
+"""The binary data plane: what the server and the SDK agree on besides HTTP (docs/design.md §7).
 
 HTTP stays the public API. An SDK client may instead open its connection to the same port with the
 8-byte `PREFACE` (its first byte, 0x89, never starts an HTTP request, so the server tells the two apart

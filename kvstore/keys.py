@@ -1,4 +1,4 @@
-"""Chunk keys: prefix-chained, deterministic, versioned (DESIGN.md, Spec 1).
+"""Chunk keys: prefix-chained, deterministic, versioned (docs/design.md §1).
 
 A key never depends on the process, the machine, PYTHONHASHSEED or the codec. Recomputing one by hand:
 

@@ -1,4 +1,4 @@
-"""Same-host shared memory for the data plane: segments and the offsets inside them (DESIGN.md, Spec 6).
+"""Same-host shared memory for the data plane: segments and the offsets inside them (docs/design.md §8).
 
 The server owns every segment. A segment is a sealed memfd: it has no name anywhere (nothing in
 /dev/shm to leak: it is freed when the last process holding it goes), it cannot be shrunk or grown (so

@@ -1,4 +1,4 @@
-"""What the server and the SDK agree on (DESIGN.md, Spec 6): routes, headers, batch framing, errors.
+"""What the server and the SDK agree on (docs/design.md §6): routes, headers, batch framing, errors.
 
 Single chunks travel as the raw blob bytes (`application/octet-stream`). Requests that only carry keys
 (batch get, batch exists, lookup) are JSON `{"keys": [...]}`. Anything carrying several blobs uses the

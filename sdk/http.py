@@ -1,4 +1,4 @@
-"""A lean, thread-safe HTTP/1.1 client for kvstore-server (DESIGN.md, Spec 6).
+"""A lean, thread-safe HTTP/1.1 client for kvstore-server (docs/design.md §6).
 
 Raw sockets: a keep-alive pool, TCP_NODELAY, bodies sent with `sendall` straight from the caller's
 buffers and received with `recv_into` one buffer chosen by the caller (`into(n)`), so nothing is

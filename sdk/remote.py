@@ -5,7 +5,7 @@
   shared memory when the server runs on this host (`kvstore.shm`), else on the socket; plain HTTP
   when the server does not speak the data plane.
 - "shm": the same, but an error (Unavailable) when shared memory cannot be set up.
-- "tcp": the data plane, never shared memory. "http": HTTP only (DESIGN.md, Spec 6).
+- "tcp": the data plane, never shared memory. "http": HTTP only (docs/design.md §6, §7).
 Auth, limits, checksums and errors are the same on every transport: the server applies them all.
 """
 

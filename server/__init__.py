@@ -1,1 +1,1 @@
-"""kvstore server room (see DESIGN.md)."""
+"""kvstore server room (docs/design.md §0)."""

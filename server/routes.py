@@ -1,4 +1,4 @@
-"""The data-plane handlers: single chunks, batches, prefix lookup (DESIGN.md, Spec 6)."""
+"""The data-plane handlers: single chunks, batches, prefix lookup (docs/design.md §6)."""
 
 from __future__ import annotations
 

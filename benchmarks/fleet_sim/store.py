@@ -1,5 +1,5 @@
 """The simulated kvstore: one kvstore-server per node of engines (an optional memory tier each) in front
-of a shared Valkey Cluster tier, with kvstore's rules (DESIGN.md, Spec 3): tiers looked up in order, the
+of a shared Valkey Cluster tier, with kvstore's rules (docs/design.md §4): tiers looked up in order, the
 longest run of leading chunks wins and the first gap ends it, a hit below is promoted up, a put is
 written to the top tier and through to the ones below, each tier evicts LRU within its capacity
 (kvstore.lru.LRUIndex, the index the real tiers use)."""

@@ -4,7 +4,7 @@ One JSON object a line: `timestamp` (ms from the trace start, sorted), `input_le
 (tokens) and `hash_ids`, one id per 512-token block of the prompt, `len(hash_ids) == ceil(input_length
 / 512)`. Equal ids at the same positions are the same prefix.
 
-A trace block covers TRACE_BLOCK tokens; kvstore cuts prompts into CHUNK-token chunks (DESIGN.md Spec 1),
+A trace block covers TRACE_BLOCK tokens; kvstore cuts prompts into CHUNK-token chunks (docs/design.md §1),
 so block j is chunks 2j and 2j+1 (only those the prompt reaches; a scaled replay such as
 benchmarks/bench_router.py's may give a request other block and chunk sizes). A chunk's key is chained
 like kvstore's, `key_i = kvstore.keys.hash_block(key_{i-1}, chunk i's tokens)`, where the tokens stand in

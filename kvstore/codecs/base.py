@@ -1,4 +1,4 @@
-"""The codec protocol: how a KV tensor becomes a blob payload and back (DESIGN.md, Spec 3)."""
+"""The codec protocol: how a KV tensor becomes a blob payload and back (docs/design.md §3)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Tiers: gpu, cpu, disk, redis (DESIGN.md, Spec 4). `make_tier` builds one by name from a StoreConfig."""
+"""Tiers: gpu, cpu, disk, redis (docs/design.md §4). `make_tier` builds one by name from a StoreConfig."""
 
 from __future__ import annotations
 

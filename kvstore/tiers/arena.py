@@ -1,6 +1,6 @@
 """Where a kvstore-server's cpu tier keeps its blobs: one sealed memfd segment (kvstore.shm) that the
 clients on the same host map read-only, so a get can lend them a blob where it lies instead of
-copying it (DESIGN.md, Spec 6: `GET` with `a`).
+copying it (docs/design.md §8: `GET` with `a`).
 
 The segment is write-sealed (`F_SEAL_FUTURE_WRITE`): the server's own mapping stays writable, and
 no other process can map it for writing, so a blob that was verified once stays what was verified.

@@ -1,4 +1,4 @@
-"""Where each blob of the cpu arena lies, published for same-host clients (DESIGN.md, Spec 6: `index`).
+"""Where each blob of the cpu arena lies, published for same-host clients (docs/design.md §8).
 
 A same-host client reads an arena blob without asking the server: it finds the blob's region in this
 table, copies it out, and checks that the table did not change meanwhile; a table miss, or a change,

@@ -1,4 +1,4 @@
-"""The tier protocol (DESIGN.md, Spec 4). A tier stores opaque blobs and never parses them."""
+"""The tier protocol (docs/design.md §4). A tier stores opaque blobs and never parses them."""
 
 from __future__ import annotations
 

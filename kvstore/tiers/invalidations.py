@@ -1,5 +1,5 @@
 """Hinted handoff for a tier that can be out of reach: the keys it must delete before it may serve
-them again (DESIGN.md, Spec 4: a delete or replace that could not reach a tier is replayed).
+them again (docs/design.md §10: a delete or replace that could not reach a tier is replayed).
 
 A delete, or a put replacing a blob the tier may hold, that cannot reach the backend adds the key
 here. While a key is here the tier treats it as a miss (it never serves the older blob); a replayer

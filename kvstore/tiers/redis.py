@@ -1,4 +1,4 @@
-"""The redis tier: blobs in Redis or Valkey, standalone or Cluster (DESIGN.md, Spec 4).
+"""The redis tier: blobs in Redis or Valkey, standalone or Cluster (docs/design.md §4, §10, §11).
 
 - One key per blob, `{redis_prefix}{chunk key}` -> the blob bytes: a header and its payload can never
   drift apart. Two prefixes (namespaces) never see each other's keys unless one starts with the other

@@ -1,5 +1,5 @@
 """The import graph of the project: no cycles (lazy imports inside functions count too), and the
-rooms' rules from DESIGN.md (imports only point right)."""
+rooms' rules of docs/design.md §0 (imports only point right)."""
 
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ def test_imports_point_right() -> None:
         "server": {"server", "kvstore"},
         "connectors": {"connectors", "sdk", "kvstore"},
     }
-    # DESIGN.md's list, plus kvstore.settings: one settings loader and size parser for every command,
+    # the list of docs/design.md §0: the original list plus kvstore.settings: one settings loader and size parser for every command,
     # and kvstore.events: the engine and the server publish KV events in one wire format
     engine_may = {
         "connectors.base",
