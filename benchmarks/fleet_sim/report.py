@@ -74,8 +74,8 @@ def capacity_for(
     for (engines, policy), rs in groups.items():
         inf = [r for r in rs if math.isinf(r["store_gib"])]
         pts = sorted((r["store_gib"], r["hit_rate"]) for r in rs if not math.isinf(r["store_gib"]))
-        if not inf or not pts:
-            continue
+        if not inf or not any(x > 0 for x, _ in pts):
+            continue  # no finite store swept
         target = fraction * inf[0]["hit_rate"]
         gib = math.nan
         prev = None
