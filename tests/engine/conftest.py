@@ -189,7 +189,7 @@ def paged_kv() -> type[PagedKV]:
 @pytest.fixture
 def single_thread():
     """One intra-op thread for the duration of a test: on the shared 2-core box, two threads
-    contending with other processes make torch ops 10x slower or worse (NOTES.md)."""
+    contending with other processes make torch ops 10x slower or worse (measured: 10-200x)."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
