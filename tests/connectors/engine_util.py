@@ -6,13 +6,7 @@ import functools
 import socket
 from typing import Any
 
-import pytest
-
 from engine import LLM, SamplingParams
-
-# an alias kept only until tests/fleet/test_fleet.py drops it: the engine has --kv-store-url, so no
-# test waits for it (a skip here would hide the connector integration's regressions)
-requires_kv_engine = pytest.mark.slow
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 ENGINE = {"max_model_len": 1024, "kv_cache_memory": "48MiB", "num_threads": 1}

@@ -14,7 +14,7 @@ import torch
 from kvstore.blob import encode_blob
 from sdk.remote import RemoteBackend
 from tests.connectors.conftest import ServerProcess
-from tests.connectors.engine_util import doc, generate, llm, requires_kv_engine, store_metrics
+from tests.connectors.engine_util import doc, generate, llm, store_metrics
 from tests.fleet.conftest import fleet_servers
 from tests.valkey import ValkeyCluster
 
@@ -85,7 +85,6 @@ def test_delete_and_replace_across_servers(clients: list[RemoteBackend]) -> None
 
 
 @pytest.mark.slow
-@requires_kv_engine
 def test_engine_on_server_2_reuses_what_engine_on_server_1_computed(clients: list[RemoteBackend]) -> None:
     """Engine A (server 1) computes a 1,030-token prompt; a new engine B on server 2 loads its 4 full
     chunks from the Cluster (server 2's redis tier), token-identical to a cold engine."""
