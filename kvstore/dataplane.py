@@ -26,7 +26,8 @@ DELETE `d`; LOOKUP `n`; PUT whatever the HTTP route answers; errors `error` and 
 `kvstore.wire` (the status field carries the HTTP status; a 503 Busy adds `retry_after`).
 
 HELLO may also answer `index` = [path, size, nonce, slots, seed]: a table of where each arena blob
-lies (kvstore.tiers.arena_index), offered when the arena's tier is the store's top tier. A client that
+lies (kvstore.tiers.arena_index), offered when the arena's tier is the store's top tier, on x86-64 only
+(its readers rely on TSO; a client elsewhere does not read it either). A client that
 mapped it reads such blobs without a request and later sends TOUCH `k` (the keys it read) and `g`
 ([number of keys, seconds] of each get, in the order of `k`), which is never answered: the server
 counts the gets whose keys its index publishes, on a connection whose HELLO lent the index, as hits
