@@ -27,7 +27,7 @@ head_dim), key scale/zero fp16 pairs `[L, ceil((T - sink) / key_tokens), C, 2]`,
 (8bit: uint16 `[L, T, C / value_group]`, then the fp16 references `[L, C / value_group]`; fp16: pairs
 `[L, T, C / value_group, 2]`), the sink keys' raw bits `[L, sink, C]`. At the defaults, for a
 256-token SmolLM2-135M chunk (C = 192), header included: kivi4 3.80x smaller than bf16, kivi2 6.66x
-(with the rANS stage, with_ans.py: 4.13x and 7.87x).
+(with the rANS stage, with_ans.py, about 4.1x and 7.9x: it depends on the data).
 
 Error bound: |x - x'| <= scale/2 per element (keys: scale = fp16((max - min) / (2^b - 1)) of the
 group; 8bit values: at most 2^(1/16) x (1 + 1/16) x that), plus the fp16 rounding of scale and zero
