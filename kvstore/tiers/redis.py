@@ -37,7 +37,8 @@
   primaries asked concurrently (Cluster). `contains_many` is one pipeline of EXISTS per server, so a
   prefix lookup through the store costs one round trip, not one per key.
 - Files: this one is the Tier protocol; `redis_conn.py` reaches the servers (URLs, connections,
-  routing, breakers); `redis_index.py` keeps the byte accounting; `redis_handoff.py` the invalidations.
+  routing, redirects, breakers); `redis_cmds.py` the commands and values sent; `redis_index.py` keeps
+  the byte accounting; `redis_handoff.py` the invalidations.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError
 from kvstore.tiers.base import BACKEND_ERROR, TOO_LARGE, UNAVAILABLE, Blob, TierStats, TierWriteError
 from kvstore.tiers.handoff_journal import Journal
+from kvstore.tiers.redis_cmds import as_value, px_of, server_info
 from kvstore.tiers.redis_conn import (
     BACKEND_ERRORS,
     CONNECT_TIMEOUT_S,
@@ -66,9 +68,6 @@ from kvstore.tiers.redis_conn import (
     SOCKET_TIMEOUT_S,
     Endpoint,
     RedisServers,
-    as_value,
-    px_of,
-    server_info,
 )
 from kvstore.tiers.redis_handoff import Handoff
 from kvstore.tiers.redis_index import SCAN_BATCH, KeyIndex, Sizes, glob_escape, scan_sizes
