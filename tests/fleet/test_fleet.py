@@ -48,18 +48,26 @@ def blob(seed: int, tokens: int = 256) -> bytes:
     return encode_blob(torch.randn(2, 4, tokens, 2, 16, generator=g).half())
 
 
+def tier_stat(client: RemoteBackend, tier: str, field: str) -> int:
+    return next(int(t[field]) for t in client.stats()["tiers"] if t["name"] == tier)
+
+
 def tier_hits(client: RemoteBackend, tier: str) -> int:
-    return next(int(t["hits"]) for t in client.stats()["tiers"] if t["name"] == tier)
+    return tier_stat(client, tier, "hits")
 
 
 def test_a_blob_put_through_one_server_hits_through_the_other(clients: list[RemoteBackend]) -> None:
     one, two = clients
     blobs = {uuid.uuid4().hex: blob(i, 200 + i) for i in range(20)}
+    written, read = tier_stat(one, "redis", "written_bytes"), tier_stat(two, "redis", "read_bytes")
     for k, b in blobs.items():
         assert "redis" in one.put_blob(k, b)  # write-through: the 201 names the shared tier
+    size = sum(len(b) for b in blobs.values())
+    assert tier_stat(one, "redis", "written_bytes") - written == size  # server 1's metrics: written
     before = tier_hits(two, "redis")
     assert [bytes(x) for x in two.batch_get(list(blobs))] == list(blobs.values())  # bit-exact
     assert tier_hits(two, "redis") - before == len(blobs)  # from the Cluster, not a local tier
+    assert tier_stat(two, "redis", "read_bytes") - read == size  # server 2's metrics: read there
     assert all(bytes(two.get_blob(k)) == b for k, b in blobs.items())  # now from server 2's cpu
 
 
