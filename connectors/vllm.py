@@ -18,8 +18,8 @@ never meet). Settings come from `kv_connector_extra_config` over `KVSTORE_*` var
 only once its saves landed: a decode instance asks the store next), `kv_consumer` loads.
 
 A load that fails (missing, corrupt, unreachable) reports its blocks through
-`get_block_ids_with_load_errors` and vLLM recomputes them; a store is a cache, so the connector runs
-vLLM with `kv_load_failure_policy: recompute` (vLLM's default, `fail`, would fail the request).
+`get_block_ids_with_load_errors` and vLLM recomputes them; a store is a cache, so the connector refuses
+to start without `kv_load_failure_policy: recompute` (vLLM's default, `fail`, would fail the request).
 """
 
 from __future__ import annotations
@@ -102,6 +102,13 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
 def transfer_config(vllm_config: VllmConfig) -> KVTransferConfig:
     """The connector's settings and the KV layout (the fingerprint of every key) of this vLLM."""
     ktc = vllm_config.kv_transfer_config
+    if ktc.kv_load_failure_policy != "recompute":  # vLLM's default is "fail"
+        raise ConfigError(
+            'KVStoreConnectorV1 needs "kv_load_failure_policy": "recompute" in --kv-transfer-config (or '
+            f"LLM(kv_transfer_config=...)), got {ktc.kv_load_failure_policy!r}: kvstore is a cache, and "
+            "with vLLM's default 'fail' a chunk that cannot be loaded (evicted, corrupt, unreachable) fails "
+            "its request instead of being recomputed"
+        )
     base = KVTransferConfig.from_mapping({**(ktc.kv_connector_extra_config or {}), "kv_role": ktc.kv_role})
     if base.is_local:
         raise ConfigError(
@@ -137,14 +144,6 @@ class KVStoreConnectorV1(KVConnectorBase_V1):
                 "KVStoreConnectorV1 supports models with one KV cache group (no hybrid attention)"
             )
         self.config = transfer_config(vllm_config)
-        if (
-            role is KVConnectorRole.SCHEDULER
-            and self._kv_transfer_config.kv_load_failure_policy != "recompute"
-        ):
-            logger.warning(
-                "kvstore is a cache: a chunk that fails to load is recomputed (kv_load_failure_policy)"
-            )
-            self._kv_transfer_config.kv_load_failure_policy = "recompute"
         self.handle: StoreHandle = acquire_store(self.config, TOKEN_HINT)
         self._scheduler: VllmScheduler | None = None
         self._worker: KVStoreWorker | None = None
@@ -196,6 +195,12 @@ class KVStoreConnectorV1(KVConnectorBase_V1):
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request, block_ids)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Before the step's forward (which may reuse their blocks): copy out preempted requests' partial
+        chunks (VllmScheduler)."""
+        assert isinstance(kv_connector_metadata, KVStoreConnectorMetadata), type(kv_connector_metadata)
+        self.worker.handle_preemptions(kv_connector_metadata.transfers)
 
     # ---- worker side (Worker process) ---------------------------------------------------------
     def _meta(self) -> KVStoreConnectorMetadata:

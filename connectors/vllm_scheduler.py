@@ -6,6 +6,13 @@ vLLM hands the connector its own objects: a `Request` (`request_id`, `all_token_
 what `KVStoreScheduler` reads — block id lists and `.scheduled` items with `.seq` and
 `.num_new_tokens` — without importing vLLM (duck-typed, so it is tested without starting vLLM).
 
+A preempted request: vLLM frees its blocks and zeroes its `num_computed_tokens` before the connector
+hears of it (`SchedulerOutput.preempted_req_ids`, the next step), but the blocks keep their KV until
+that step's forward, and vLLM's worker calls `handle_preemptions` before it. So each step remembers
+every scheduled request's blocks and how many of its tokens have KV after the step; a preempted one's
+partial chunk is handed to `KVStoreScheduler.request_preempted` from that record (as the bundled
+engine does at its preemption) and copied out in `handle_preemptions`: it resumes by loading.
+
 It also remembers which finished requests vLLM was told to keep (`request_finished` -> True): vLLM
 frees their blocks when the worker reports them in `finished_sending`, and it must never hear of a
 request it did not hold (it asserts on that), so the worker reports only those.
@@ -48,6 +55,8 @@ class VllmScheduler:
         self._block_ids_of = block_ids_of  # request id -> its block table (vLLM's KV cache manager)
         self._requests: dict[str, Any] = {}  # live requests by id: their token lists grow in place
         self._held: set[str] = set()
+        # per running request: (its blocks, tokens with KV) after the last step it was scheduled in
+        self._last: dict[str, tuple[list[int], int]] = {}
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
@@ -59,6 +68,8 @@ class VllmScheduler:
 
     def build_connector_meta(self, scheduler_output: Any) -> tuple[StepTransfers, frozenset[str]]:
         """This step's loads and saves, and the finished requests whose blocks vLLM keeps for us."""
+        for rid in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            self._preempted(rid)
         ids = [r.req_id for r in scheduler_output.scheduled_new_reqs]
         computed = [r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs]
         cached = scheduler_output.scheduled_cached_reqs
@@ -71,11 +82,23 @@ class VllmScheduler:
                 continue
             seq = _Seq(rid, request.all_token_ids, list(self._block_ids_of(rid)), num_computed)
             items.append(_Scheduled(seq, scheduler_output.num_scheduled_tokens[rid]))
+            self._last[rid] = (seq.block_table, num_computed + items[-1].num_new_tokens)
         held, self._held = frozenset(self._held), set()
         return self.scheduler.build_connector_meta(_Step(items)), held
 
+    def _preempted(self, rid: str) -> None:
+        request, last = self._requests.get(rid), self._last.pop(rid, None)
+        if request is None or last is None:
+            return
+        block_ids, done = last
+        tokens = request.all_token_ids
+        # no KV past the last token known (a rejected draft token's KV, an output not yet appended)
+        done = min(done, len(tokens) - 1)
+        self.scheduler.request_preempted(_Seq(rid, tokens, block_ids, done), block_ids)
+
     def request_finished(self, request: Any, block_ids: Sequence[int]) -> tuple[bool, dict | None]:
         self._requests.pop(request.request_id, None)
+        self._last.pop(request.request_id, None)
         delay, params = self.scheduler.request_finished(request, block_ids)
         if delay:
             self._held.add(request.request_id)

@@ -16,12 +16,15 @@ from tests.connectors.conftest import ServerProcess
 pytest.importorskip("vllm")
 
 
-def vllm_config(model_dir, extra: dict | None = None, role: str = "kv_both", **engine):
+def vllm_config(
+    model_dir, extra: dict | None = None, role: str = "kv_both", policy: str = "recompute", **engine
+):
     from vllm.config import KVTransferConfig  # noqa: PLC0415
     from vllm.engine.arg_utils import EngineArgs  # noqa: PLC0415
 
     ktc = KVTransferConfig(kv_connector="KVStoreConnectorV1", kv_connector_module_path="connectors.vllm",
-                           kv_role=role, kv_connector_extra_config=extra or {"url": "http://127.0.0.1:9"})  # fmt: skip
+                           kv_role=role, kv_connector_extra_config=extra or {"url": "http://127.0.0.1:9"},
+                           kv_load_failure_policy=policy)  # fmt: skip
     args = EngineArgs(model=str(model_dir), dtype="bfloat16", enforce_eager=True, max_model_len=2048,
                       kv_transfer_config=ktc, **engine)  # fmt: skip
     return args.create_engine_config()
@@ -45,11 +48,8 @@ def test_vllm_and_kvstore_engine_compute_one_fingerprint(model_dir) -> None:
     assert (config.codec, config.auth_token, config.timeout_s, config.kv_role, config.block_size) == (
         "int4", "t0ken", 3, "kv_producer", 128)  # fmt: skip
     assert config.load_async is False  # vLLM loads synchronously before the forward that needs them
-    # vLLM's default policy would fail a request over a cache miss: the connector asks for recompute
-    assert cfg.kv_transfer_config.kv_load_failure_policy == "fail"
     connector = KVStoreConnectorV1(cfg, KVConnectorRole.SCHEDULER, None)
     try:
-        assert cfg.kv_transfer_config.kv_load_failure_policy == "recompute"
         assert connector.requires_kv_delivery is False  # a store is best-effort
     finally:
         connector.shutdown()
@@ -64,6 +64,22 @@ def test_what_the_connector_cannot_serve_is_refused_at_startup(model_dir) -> Non
         transfer_config(vllm_config(model_dir, kv_cache_dtype="fp8"))
     with pytest.raises(ConfigError):
         transfer_config(vllm_config(model_dir, {"url": "http://127.0.0.1:9", "chunk_size": 192}))  # not 128k
+
+
+def test_vllms_default_load_failure_policy_is_refused_naming_the_flag(model_dir) -> None:
+    """vLLM's default 'fail' would fail a request over a cache miss; the connector does not rewrite
+    vLLM's config behind its back (it used to set the private field): it refuses, naming the flag."""
+    from vllm.config import KVTransferConfig  # noqa: PLC0415
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: PLC0415
+
+    from connectors.vllm import KVStoreConnectorV1  # noqa: PLC0415
+
+    assert KVTransferConfig().kv_load_failure_policy == "fail"  # the installed vLLM's default
+    cfg = vllm_config(model_dir, policy="fail")
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(ConfigError, match='"kv_load_failure_policy": "recompute"'):
+            KVStoreConnectorV1(cfg, role, None)
+    assert cfg.kv_transfer_config.kv_load_failure_policy == "fail", "vLLM's config is left as given"
 
 
 def test_a_rejected_token_names_vllms_setting(model_dir, tmp_path) -> None:

@@ -114,3 +114,29 @@ def _lora(name: str):
     from vllm.lora.request import LoRARequest  # noqa: PLC0415
 
     return LoRARequest(name, 1, "/nowhere")
+
+
+def test_a_preempted_requests_partial_chunk_is_saved_from_its_last_step(sched) -> None:
+    """vLLM frees a preempted request's blocks and zeroes its num_computed_tokens before the connector
+    hears of it (preempted_req_ids, next step): its partial chunk is still handed out for
+    handle_preemptions, from the blocks and tokens of the step it last ran in."""
+    adapter, tables, _, _ = sched
+    a = request("a")
+    adapter.get_num_new_matched_tokens(a, 0)
+    tables["a"] = [7, 3, 9, 1, 4]
+    adapter.update_state_after_alloc(a, blocks(tables["a"]), 0)
+    transfers, _ = adapter.build_connector_meta(step(new=[(a, 0, 384)]))  # chunk 0 + one block of chunk 1
+    assert [s.chunk_index for s in transfers.saves] == [0]
+    # vLLM's _preempt_request: blocks freed, num_computed_tokens = 0, then the next step names it
+    del tables["a"]
+    a.num_computed_tokens, a.num_preemptions = 0, 1
+    out = step()
+    out.preempted_req_ids = {"a"}
+    transfers, _ = adapter.build_connector_meta(out)
+    ((spec,),) = [transfers.preempt_saves]
+    assert (spec.chunk_index, spec.block_ids, spec.partial) == (1, (9,), True)
+    assert not transfers.saves
+    # it resumes: the partial chunk counts as asked-for again (nothing is handed out twice)
+    out = step()
+    out.preempted_req_ids = {"a"}
+    assert adapter.build_connector_meta(out)[0].preempt_saves == []
