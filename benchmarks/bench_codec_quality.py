@@ -24,6 +24,7 @@ import argparse
 import hashlib
 import math
 import os
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,9 @@ DOCUMENTS = [("README.md", 0), ("README.md", 30000), ("kvstore/store.py", 0), ("
 PROMPTS = [("README.md", 15000), ("README.md", 45000), ("engine/llm_engine.py", 0),
            ("connectors/kv_worker.py", 0), ("server/routes.py", 0)]  # fmt: skip
 ROOT = Path(__file__).resolve().parents[1]
+# the texts as they were at this commit (the files keep changing), read with git; the working tree's
+# files where git or the commit is not there (the printed digest then differs)
+TEXTS_AT = "b4bd2a9"
 # The earlier scored text (public domain, so no longer novel to any model): bench_kv_cache_dtype.py and
 # bench_codecs.py --model still read it.
 TEXT = """The Declaration of Independence of the United States of America, 1776.
@@ -100,11 +104,20 @@ def load(model_dir: Path) -> tuple[torch.nn.Module, Any]:
     return model, Tokenizer.from_file(str(model_dir / "tokenizer.json"))
 
 
+def _read(name: str) -> str:
+    try:
+        return subprocess.run(
+            ["git", "-C", str(ROOT), "show", f"{TEXTS_AT}:{name}"], capture_output=True, text=True, check=True
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return (ROOT / name).read_text()
+
+
 def texts(tokenizer: Any, where: list[tuple[str, int]], tokens: int) -> tuple[list[torch.Tensor], str]:
     """`[1, tokens]` ids from each (file, offset), and a digest of the text used."""
     out, h = [], hashlib.sha256()
     for name, offset in where:
-        text = (ROOT / name).read_text()[offset:]
+        text = _read(name)[offset:]
         ids = tokenizer.encode(text).ids[:tokens]
         if len(ids) < tokens:
             raise SystemExit(f"{name} from {offset} has {len(ids)} tokens, fewer than {tokens}")
