@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from connectors.base import ConnectorRequest
@@ -37,9 +37,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class _Lookup:
-    """The answer of the last lookup for a request (a cache, so that asking twice is free)."""
+    """The answer of the last lookup for a request (a cache, so that asking twice is free: vLLM asks
+    again every step a waiting request is not admitted). It is used up by update_state_after_alloc,
+    dropped when the request finishes, and answers again only the same question (the same computed
+    prefix of the same tokens); a failed lookup is not kept."""
 
     num_computed: int
+    num_tokens: int
     wanted_chunks: int  # chunks that could add tokens below the cap
     hit: PrefixHit  # leading chunks present (the engine's or the store's), then maybe a partial
     external: int
@@ -77,16 +81,22 @@ class KVStoreScheduler:
         cs, bs = self.chunk_size, self.block_size
         assert num_computed_tokens % bs == 0, "local prefix hits are whole blocks"
         tokens = request.all_token_ids
+        look = self._lookups.get(request.request_id)
+        if look is not None and (look.num_computed, look.num_tokens) == (num_computed_tokens, len(tokens)):
+            return look.external, self.config.load_async and look.external > 0
         cap = (len(tokens) - 1) // bs * bs  # the last token is always recomputed for its logits
         keys = self._chunk_keys(request)
         query = plan_prefix_query(keys, tokens, num_computed_tokens, cap, bs, self.config.partial_chunks)
         wanted = query.first_chunk + len(query.full_keys)
-        look = _Lookup(num_computed_tokens, wanted, PrefixHit(query.first_chunk, None, cs), 0)
+        n = len(tokens)
+        look = _Lookup(num_computed_tokens, n, wanted, PrefixHit(query.first_chunk, None, cs), 0)
         if query.full_keys or query.partials:
             hit, reason = self._ask(query)
             external = max(0, min(hit.num_tokens, cap) - num_computed_tokens)
-            look = _Lookup(num_computed_tokens, wanted, hit, external, reason)
+            look = _Lookup(num_computed_tokens, n, wanted, hit, external, reason)
         self._lookups[request.request_id] = look
+        if look.miss_reason == "unreachable":  # asked again next time: the store may be back
+            look = self._lookups[request.request_id] = replace(look, num_tokens=-1)
         return look.external, self.config.load_async and look.external > 0
 
     def _ask(self, query: PrefixQuery) -> tuple[PrefixHit, str]:

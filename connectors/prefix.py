@@ -68,18 +68,15 @@ class PrefixQuery:
     def ask(self, store: Any) -> tuple[PrefixHit, str | None]:
         """Ask an `sdk.Store`: (what it has, its reason the next full chunk is missing, if one is).
 
-        One round trip for a hit: `lookup` of the full chunks, or with partial candidates one
-        `batch_exists` of everything; only when a full chunk is then missing does a second, one-key
-        `lookup` ask the store why (evicted, expired, ...: the miss metrics say it)."""
+        One round trip, hit or miss: `lookup` of the full chunks (the server says why the first missing
+        one is missing: evicted, expired, ...: the miss metrics say it) that also asks whether each
+        partial candidate is stored (`lookup_and_exists`)."""
         if not self.partials:
             found, reason = store.lookup(list(self.full_keys))
             return PrefixHit(self.first_chunk + found, None, self.chunk_size), reason
-        hit = self.resolve(store.batch_exists(self.keys))
-        missing = hit.full_chunks - self.first_chunk
-        if missing == len(self.full_keys):
-            return hit, None
-        _, reason = store.lookup([self.full_keys[missing]])
-        return hit, reason
+        found, reason, there = store.lookup_and_exists(list(self.full_keys), [p.key for p in self.partials])
+        run = [True] * found + [False] * (len(self.full_keys) - found)  # what resolve reads of the full keys
+        return self.resolve([*run, *there]), reason
 
 
 def plan_prefix_query(

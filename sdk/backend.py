@@ -66,6 +66,13 @@ class Backend(ABC):
     def lookup_prefix(self, keys: Sequence[str]) -> int:
         return self.lookup(keys)[0]
 
+    def lookup_and_exists(
+        self, keys: Sequence[str], others: Sequence[str]
+    ) -> tuple[int, str | None, list[bool]]:
+        """`lookup(keys)` and `batch_exists(others)` (a remote store answers both in one round trip)."""
+        n, reason = self.lookup(keys) if keys else (0, None)
+        return n, reason, self.batch_exists(others) if others else []
+
     @abstractmethod
     def stats(self) -> dict[str, Any]: ...
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import ssl
 import threading
@@ -372,6 +373,26 @@ class RemoteBackend(Backend):
             answer = self._keys_call(dp.LOOKUP, keys)
             n, miss = answer["n"], answer.get("miss")
         return int(n), miss if isinstance(miss, str) else None
+
+    def lookup_and_exists(
+        self, keys: Sequence[str], others: Sequence[str]
+    ) -> tuple[int, str | None, list[bool]]:
+        """One LOOKUP that also names `others` (`x` on the data plane, `also` in the JSON body); a server
+        that predates `others` ignores them and answers without the field: then a second call asks."""
+        if not keys or not others:
+            return super().lookup_and_exists(keys, others)
+        keys, others = [validate_key(k) for k in keys], [validate_key(k) for k in others]
+        plane = self._data_plane()
+        if plane is None:
+            payload = json.dumps({"keys": keys, "also": others}).encode()
+            answer = self.http.request("POST", wire.LOOKUP_PATH, [payload], wire.JSON_CONTENT_TYPE).json()
+            n, miss, present = answer["prefix"], answer.get("miss"), answer.get("also")
+        else:
+            answer = plane.call(dp.LOOKUP, {"k": keys, "x": others})[1]
+            n, miss, present = answer["n"], answer.get("miss"), answer.get("x")
+        if not isinstance(present, list) or len(present) != len(others):
+            present = self.batch_exists(others)
+        return int(n), miss if isinstance(miss, str) else None, [bool(x) for x in present]
 
     def stats(self) -> dict[str, Any]:
         return self.http.request("GET", wire.STATS_PATH).json()

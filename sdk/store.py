@@ -178,6 +178,13 @@ class Store:
         unreachable; None when every key is stored)."""
         return self.backend.lookup(keys)
 
+    def lookup_and_exists(
+        self, keys: Sequence[str], others: Sequence[str]
+    ) -> tuple[int, str | None, list[bool]]:
+        """`lookup(keys)` and `batch_exists(others)`, in one round trip to a kvstore-server (one that
+        predates it answers in two): a prefix of full chunks and the candidates that may follow it."""
+        return self.backend.lookup_and_exists(keys, others)
+
     def stats(self) -> dict[str, Any]:
         return self.backend.stats()
 

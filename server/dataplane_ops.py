@@ -84,7 +84,10 @@ def handle(conn: Connection, req: Request) -> Reply:
     if req.op == dp.LOOKUP:
         n, reason = store.lookup(keys)
         conn.st.metrics.count_lookup(n, len(keys))
-        return Reply(200, {"n": int(n), "miss": reason}, op_name="lookup")
+        meta = {"n": int(n), "miss": reason}
+        if "x" in req.meta:  # and whether these keys are stored (the candidates after the prefix)
+            meta["x"] = [bool(f) for f in store.batch_exists(dp.meta_keys({"k": req.meta["x"]}))]
+        return Reply(200, meta, op_name="lookup")
     raise InvalidArgument(f"unknown data-plane op {req.op}")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Any
 
 from aiohttp import web
 
@@ -103,6 +104,10 @@ async def delete_chunk(request: web.Request) -> web.Response:
 
 
 async def _json_keys(request: web.Request) -> list[str]:
+    return wire.parse_keys(await _json_body(request))
+
+
+async def _json_body(request: web.Request) -> Any:
     st = _state(request)
     limit = min(st.config.max_request_size, 1 << 24)
     body = await read_body(request, limit, st.config.body_timeout, wire.JSON_CONTENT_TYPE)
@@ -111,7 +116,7 @@ async def _json_keys(request: web.Request) -> list[str]:
         data = json.loads(body)
     except (ValueError, RecursionError):  # RecursionError: nesting deeper than the interpreter's stack
         raise InvalidArgument('body must be JSON {"keys": [...]}') from None
-    return wire.parse_keys(data)
+    return data
 
 
 @routes.post(wire.BATCH_GET_PATH, name="batch_get")
@@ -154,9 +159,16 @@ async def batch_delete(request: web.Request) -> web.Response:
 @routes.post(wire.LOOKUP_PATH, name="lookup")
 async def lookup(request: web.Request) -> web.Response:
     """The number of leading keys that are present (Spec 1: the first gap ends the prefix), and why the
-    next one is not (`miss`: not_stored, evicted, expired, corrupt, unreachable; null when all are)."""
+    next one is not (`miss`: not_stored, evicted, expired, corrupt, unreachable; null when all are).
+    With `also` in the body, whether each of those keys is stored too (in the same order): a client
+    asks for a prefix and the candidates after it in one round trip."""
     st = _state(request)
-    keys = await _json_keys(request)
+    data = await _json_body(request)
+    keys = wire.parse_keys(data)
     n, reason = await st.call(st.store.lookup, keys)
     st.metrics.count_lookup(n, len(keys))
-    return web.json_response({"prefix": int(n), "keys": len(keys), "miss": reason})
+    answer = {"prefix": int(n), "keys": len(keys), "miss": reason}
+    if "also" in data:
+        others = wire.parse_keys({"keys": data["also"]})
+        answer["also"] = [bool(f) for f in await st.call(st.store.batch_exists, others)]
+    return web.json_response(answer)

@@ -69,7 +69,7 @@ def test_lookup_is_one_round_trip_without_side_effects(engines, spy_store) -> No
     spy.calls.clear()
     answers = [a.scheduler.get_num_new_matched_tokens(req, 0) for _ in range(3)]
     assert answers == [(512, False)] * 3
-    assert spy.calls == {"batch_exists": 3}, "full chunks and partial candidates in one call"
+    assert spy.calls == {"lookup_and_exists": 1}, "full chunks and partial candidates in one call, once"
     after = a.scheduler.metrics.snapshot()
     changed = {k for k in after if after[k] != before[k] and "lookup_seconds" not in k}
     assert changed == set(), "asking is free of side effects: nothing is counted until allocation"
@@ -196,7 +196,7 @@ def test_decode_role_loads_but_never_saves(engines, spy_store) -> None:
     assert consumer.prefill(req) == 512
     consumer.worker.flush()
     assert kv_equal(consumer, req, 0, 521)
-    assert spy.calls == {"batch_exists": 1, "lease_blobs": 1}, "one lookup, one load, no save"
+    assert spy.calls == {"lookup_and_exists": 1, "lease_blobs": 1}, "one lookup, one load, no save"
     assert consumer.finish(req) is False
 
 
