@@ -269,7 +269,7 @@ def main() -> None:
     quality_docs = [] if args.no_quality else docs
     refs = [chunked_prefill(model, ids, args.chunk, None, {}, kv_dtype)[0] for ids in quality_docs]
     ref_tokens = [
-        greedy(model, p, args.chunk, None, {}, kv_dtype, args.generate) for p in prompts[: len(refs)]
+        greedy(model, p, args.chunk, None, {}, kv_dtype, args.generate) for p in (prompts if refs else [])
     ]
     base = [compare(r, r, ids, args.chunk) for r, ids in zip(refs, docs, strict=False)]
     n = sum(b["n"] for b in base) or 1
