@@ -7,6 +7,18 @@
 For each blob size, rounds alternate the two settings (the noise of a shared box hits both alike)
 and time single-blob puts and batches of 8 (one pipeline per primary, plus its WAIT). Prints p50 /
 p90 in ms and the WAIT/none ratio. Writes JSON to ~/.cache/kvstore/bench/fleet-wait.json.
+
+    python benchmarks/bench_fleet.py --engines [--rounds 3] [--users 4] [--turns 3]
+
+The engine part: two kvstore-servers (tiers cpu + redis, one prefix on the Cluster) and two pairs of
+in-process SmolLM2 engines (CPU): "1 server" has both engines on server 1, "2 servers" one on each.
+Rounds alternate the two (order flipped every round), each round a fresh workload: 2 shared 512-token
+system prompts, per-user histories (prompts 612-1,112 tokens, 4-token answers), a user's turns
+alternating engines. Each request runs alone and is classified by where most of its reused prefix
+came from: the engine's own prefix cache, its server's cpu tier, the redis tier (the Cluster; in "2
+servers" written through the other server), or none (recomputed). Prints per configuration the
+token hit rate per tier, TTFT p50/p90 per class, the bytes through the Cluster per request, and the
+2/1 ratios, as medians over rounds (min-max). Writes ~/.cache/kvstore/bench/fleet-engines.json.
 """
 
 from __future__ import annotations
@@ -17,15 +29,23 @@ import logging
 import os
 import statistics
 import sys
+import tempfile
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from engine import LLM, SamplingParams  # noqa: E402
 from kvstore.tiers.redis import RedisTier  # noqa: E402
+from sdk.remote import RemoteBackend  # noqa: E402
+from tests.connectors.conftest import ServerProcess  # noqa: E402
+from tests.connectors.engine_util import doc, store_metrics  # noqa: E402
 from tests.valkey import ValkeyCluster  # noqa: E402
+
+HITS = "vllm:external_prefix_cache_hits_total"
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -52,8 +72,14 @@ def main() -> None:
     ap.add_argument("--sizes-kib", type=int, nargs="+", default=[64, 1024])
     ap.add_argument("--puts", type=int, default=300, help="blobs per round and setting")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--engines", action="store_true", help="the engine part instead (see the docstring)")
+    ap.add_argument("--users", type=int, default=4, help="--engines: users per round and configuration")
+    ap.add_argument("--turns", type=int, default=3, help="--engines: turns per user")
     args = ap.parse_args()
     logging.basicConfig(level=logging.ERROR)
+    if args.engines:
+        engines_main(args)
+        return
     results = []
     with ValkeyCluster(3, replicas=1) as cluster:
         cluster.wait_replicas()
@@ -87,6 +113,151 @@ def main() -> None:
     out = Path.home() / ".cache/kvstore/bench/fleet-wait.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))
+
+
+# --- the engine part (--engines): SmolLM2 engines on 1 vs 2 servers sharing the Cluster -----------
+
+CHUNK = 256  # the connector's default chunk_size (tokens per stored chunk)
+CLASSES = ("engine", "server cpu", "redis", "none")
+
+
+@dataclass
+class Fleet:
+    """One configuration: engines A and B, each attached to a server (the same one, or two)."""
+
+    name: str
+    engines: list  # engine.LLM, one per entry of `servers`
+    servers: list[RemoteBackend]
+
+
+def server_counts(servers: list[RemoteBackend]) -> dict[str, int]:
+    """Summed over the distinct servers: cpu/redis hits and the bytes through the redis tier."""
+    out = {"cpu": 0, "redis": 0, "redis_bytes": 0}
+    for s in {id(s): s for s in servers}.values():
+        for t in s.stats()["tiers"]:
+            if t["name"] in ("cpu", "redis"):
+                out[t["name"]] += int(t["hits"])
+            if t["name"] == "redis":
+                out["redis_bytes"] += int(t["read_bytes"]) + int(t["written_bytes"])
+    return out
+
+
+def workload(seed: int, users: int, turns: int) -> list[tuple[int, list[int]]]:
+    """(engine index, prompt) in order: 2 shared 512-token system prompts, per-user histories that
+    grow 250 tokens a turn (prompts 612-1,112 tokens at 3 turns); a user alternates engines turn by
+    turn (no sticky routing), so its history is found where the other engine stored it."""
+    systems = [doc(512, seed + i) for i in range(2)]
+    histories = [doc(100 + 250 * turns, seed + 10 + u)[1:] for u in range(users)]
+    out = []
+    for turn in range(turns):
+        for u in range(users):
+            out.append(((u + turn) % 2, systems[u % 2] + histories[u][: 100 + 250 * turn]))
+    return out
+
+
+def run_fleet(fleet: Fleet, seed: int, users: int, turns: int) -> list[dict]:
+    """Each request alone (a 2-core box), classified by where most of its reused prefix came from."""
+    rows = []
+    for which, prompt in workload(seed, users, turns):
+        engine, server = fleet.engines[which], fleet.servers[which]
+        bm = engine.engine.block_manager
+        local0, ext0 = bm.prefix_cache_hits, store_metrics(engine)[HITS]
+        s0 = server_counts(fleet.servers)
+        tier0 = server_counts([server])
+        out = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0]
+        local, ext = bm.prefix_cache_hits - local0, store_metrics(engine)[HITS] - ext0  # flushes saves
+        s1, tier1 = server_counts(fleet.servers), server_counts([server])
+        redis_tokens = min(ext, CHUNK * (tier1["redis"] - tier0["redis"]))
+        tokens = {"engine": local, "server cpu": ext - redis_tokens, "redis": redis_tokens}
+        top = max(tokens, key=tokens.get)
+        rows.append({
+            "class": top if tokens[top] > 0 else "none", "prompt": len(prompt), **tokens,
+            "ttft": out.metrics["time_to_first_token"], "cluster_bytes": s1["redis_bytes"] - s0["redis_bytes"],
+        })  # fmt: skip
+    return rows
+
+
+def summarize(rows: list[dict]) -> dict:
+    prompt = sum(r["prompt"] for r in rows)
+    out = {f"rate {k}": sum(r[k] for r in rows) / prompt for k in CLASSES[:3]}
+    out["rate computed"] = 1 - sum(out.values())
+    for c in CLASSES:
+        t = [r["ttft"] for r in rows if r["class"] == c]
+        out[f"n {c}"] = len(t)
+        out[f"p50 {c}"] = statistics.median(t) if t else float("nan")
+        out[f"p90 {c}"] = pct(t, 0.9) if t else float("nan")
+    out["cluster MiB/req"] = sum(r["cluster_bytes"] for r in rows) / len(rows) / 2**20
+    return out
+
+
+def spread(xs: list[float]) -> str:
+    xs = [x for x in xs if x == x]
+    if not xs:
+        return "-"
+    return f"{statistics.median(xs):.3g} ({min(xs):.3g}-{max(xs):.3g})"
+
+
+def engines_main(args: argparse.Namespace) -> None:
+    per: dict[str, list[dict]] = {"1 server": [], "2 servers": []}
+    with ValkeyCluster(3, replicas=1) as cluster, tempfile.TemporaryDirectory() as tmp:
+        cluster.wait_replicas()
+        prefix = f"bench{uuid.uuid4().hex[:6]}:"
+        procs = [
+            ServerProcess("--tiers", "cpu,redis", "--cpu-capacity", "512MiB", "--redis-url", cluster.urls,
+                          "--redis-cluster", "--redis-prefix", prefix, "--state-dir", f"{tmp}/s{i}").start()
+            for i in range(2)
+        ]  # fmt: skip
+        clients = [RemoteBackend(p.url, read_index=False) for p in procs]
+        engines = []
+        try:
+            kw = {
+                "max_model_len": 1280,
+                "kv_cache_memory": "96MiB",
+                "num_threads": 1,
+                "kv_backend": "kvstore",
+            }
+            fleets = []
+            for name, at in (("1 server", [0, 0]), ("2 servers", [0, 1])):
+                made = [LLM("smollm2", kv_store_url=clients[i].url, **kw) for i in at]
+                engines += made
+                fleets.append(Fleet(name, made, [clients[i] for i in at]))
+            for r in range(args.rounds):
+                order = fleets if r % 2 == 0 else fleets[::-1]
+                for f in order:  # a fresh workload each round and configuration
+                    seed = 1000 * (r + 1) + 100 * fleets.index(f) + uuid.uuid4().int % 50
+                    per[f.name].append(summarize(run_fleet(f, seed, args.users, args.turns)))
+        finally:
+            for e in engines:
+                e.shutdown()
+            for c in clients:
+                c.close()
+            for p in procs:
+                p.stop()
+    keys = [k for k in per["1 server"][0] if not k.startswith("n ")]
+    print(
+        f"{args.rounds} rounds x {args.users} users x {args.turns} turns per configuration; medians over rounds (min-max)"
+    )
+    print(f"{'':>22} {'1 server':>24} {'2 servers':>24} {'2 / 1':>24}")
+    for k in keys:
+        one, two = [x[k] for x in per["1 server"]], [x[k] for x in per["2 servers"]]
+        ratio = [b / a for a, b in zip(one, two, strict=True) if a == a and b == b and a > 0]
+        print(f"{k:>22} {spread(one):>24} {spread(two):>24} {spread(ratio):>24}")
+    comparisons = [  # (label, numerator: configuration and class, denominator: configuration and class)
+        ("cross-server hit (2 servers, redis) / same-server hit (1 server, cpu)", "2 servers", "redis", "1 server", "server cpu"),
+        ("cross-server hit / recompute (2 servers)", "2 servers", "redis", "2 servers", "none"),
+        ("same-server hit / recompute (1 server)", "1 server", "server cpu", "1 server", "none"),
+    ]  # fmt: skip
+    for label, num, num_class, den, den_class in comparisons:
+        for q in ("p50", "p90"):
+            ratio = [
+                y[f"{q} {num_class}"] / x[f"{q} {den_class}"] for x, y in zip(per[den], per[num], strict=True)
+            ]
+            print(f"TTFT {q} {label}: {spread(ratio)}")
+    counts = {n: {c: sum(x[f"n {c}"] for x in per[n]) for c in CLASSES} for n in per}
+    print("requests per class (all rounds):", counts)
+    out = Path.home() / ".cache/kvstore/bench/fleet-engines.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(per, indent=1))
 
 
 if __name__ == "__main__":
