@@ -164,14 +164,16 @@ def test_a_request_aborted_while_loading_keeps_its_blocks_until_the_load_ends(sc
 
 
 def _count_lookups(sched: Scheduler, monkeypatch) -> list[int]:
+    """Count the engine's asks of its connector (the connector keeps a request's answer, so a repeat
+    ask costs no round trip: what these tests pin is that the scheduler does not even ask)."""
     calls = [0]
-    ask = sched.connector.scheduler._ask
+    ask = sched.connector.get_num_new_matched_tokens
 
-    def counted(query):
+    def counted(request, num_computed_tokens):
         calls[0] += 1
-        return ask(query)
+        return ask(request, num_computed_tokens)
 
-    monkeypatch.setattr(sched.connector.scheduler, "_ask", counted)
+    monkeypatch.setattr(sched.connector, "get_num_new_matched_tokens", counted)
     return calls
 
 
