@@ -294,17 +294,16 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    help="seconds requests in flight at SIGTERM may still run")  # fmt: skip
 
 
-def run_proxy(ns: argparse.Namespace) -> None:
-    config = ProxyConfig(ns.prefill, ns.decode, ns.timeout, ns.health_timeout, ns.shutdown_timeout)
-    app = build_app(config)
+def serve(app: web.Application, host: str, port: int, name: str, shutdown_timeout: float) -> None:
+    """Run `app` on host:port until SIGTERM/SIGINT (the proxy's and the router's one serving loop)."""
 
     async def main() -> None:
-        runner = web.AppRunner(app, shutdown_timeout=5.0)  # after on_shutdown's drain: a backstop
+        runner = web.AppRunner(app, shutdown_timeout=shutdown_timeout)
         await runner.setup()
-        site = web.TCPSite(runner, ns.host, ns.port)
+        site = web.TCPSite(runner, host, port)
         await site.start()
-        port = runner.addresses[0][1]
-        print(f"kvstore-engine proxy listening on http://{ns.host}:{port}", flush=True)
+        bound = runner.addresses[0][1]
+        print(f"kvstore-engine {name} listening on http://{host}:{bound}", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -316,3 +315,8 @@ def run_proxy(ns: argparse.Namespace) -> None:
             await runner.cleanup()
 
     asyncio.run(main())
+
+
+def run_proxy(ns: argparse.Namespace) -> None:
+    config = ProxyConfig(ns.prefill, ns.decode, ns.timeout, ns.health_timeout, ns.shutdown_timeout)
+    serve(build_app(config), ns.host, ns.port, "proxy", 5.0)  # 5 s after on_shutdown's drain: a backstop

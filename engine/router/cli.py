@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
-import signal
 
 from aiohttp import web
 
@@ -73,22 +71,6 @@ def build(ns: argparse.Namespace) -> web.Application:
 
 
 def run_router(ns: argparse.Namespace) -> None:
-    app = build(ns)
+    from engine.proxy import serve  # noqa: PLC0415
 
-    async def main() -> None:
-        runner = web.AppRunner(app, shutdown_timeout=ns.shutdown_timeout)
-        await runner.setup()
-        site = web.TCPSite(runner, ns.host, ns.port)
-        await site.start()
-        port = runner.addresses[0][1]
-        print(f"kvstore-engine router listening on http://{ns.host}:{port}", flush=True)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        try:
-            await stop.wait()
-        finally:
-            await runner.cleanup()
-
-    asyncio.run(main())
+    serve(build(ns), ns.host, ns.port, "router", ns.shutdown_timeout)
