@@ -58,13 +58,19 @@ async def _complete(client: TestClient, prompt: list[int], policy: str | None = 
     return r.headers[ENGINE_HEADER]
 
 
-async def _indexed(client: TestClient, engine: str, blocks: int) -> None:
+async def _indexed_blocks(client: TestClient) -> dict[str, int]:
+    return (await (await client.get("/v1/router/state")).json())["index"]["engines"]
+
+
+async def _indexed(client: TestClient, engine: str, blocks: int, before: dict[str, int]) -> None:
+    """Wait until the router indexed `blocks` more blocks of `engine` than it held `before` (an engine
+    chosen twice already holds the first prompt's blocks: a bare count would not wait at all)."""
     for _ in range(200):
-        state = await (await client.get("/v1/router/state")).json()
-        if state["index"]["engines"].get(engine, 0) >= blocks:
+        state = await _indexed_blocks(client)
+        if state.get(engine, 0) >= before.get(engine, 0) + blocks:
             return
         await asyncio.sleep(0.02)
-    raise AssertionError(f"the router never saw {blocks} blocks of {engine}: {state}")
+    raise AssertionError(f"the router never saw {blocks} new blocks of {engine}: {state}")
 
 
 async def test_follow_ups_go_where_their_prefix_is(tiny) -> None:
@@ -72,8 +78,9 @@ async def test_follow_ups_go_where_their_prefix_is(tiny) -> None:
         client, urls = await _fleet(stack, tiny)
         for k, policy in enumerate(("ttft", "prefix")):
             a = [3 + (i * (k + 7)) % 300 for i in range(120)]  # 7 full blocks
+            before = await _indexed_blocks(client)
             first = await _complete(client, a, policy)
-            await _indexed(client, first, 7)
+            await _indexed(client, first, 7, before)
             assert {await _complete(client, a + [5, 6, 7] * j, policy) for j in range(1, 4)} == {first}
         served = [await _complete(client, [9, 9, 9], "round_robin") for _ in range(3)]
         assert sorted(served) == sorted(urls), "round_robin rotates"
@@ -100,8 +107,9 @@ async def test_the_share_cap_spreads_a_popular_prefix(tiny) -> None:
     async with AsyncExitStack() as stack:
         client, urls = await _fleet(stack, tiny, max_share=1.2)
         popular = [11 + (i * 5) % 290 for i in range(100)]
+        before = await _indexed_blocks(client)
         first = await _complete(client, popular)
-        await _indexed(client, first, 6)
+        await _indexed(client, first, 6, before)
         served = [await _complete(client, popular + [j + 1]) for j in range(12)]
         counts = sorted(served.count(u) for u in urls)
         assert counts[-1] <= 1.2 * 13 / 3 + 1 and counts[0] > 0, counts
