@@ -261,4 +261,6 @@ def engines_main(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from provenance import recorded  # benchmarks/ is sys.path[0]
+
+    recorded(main)

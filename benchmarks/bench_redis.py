@@ -227,4 +227,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from provenance import recorded  # benchmarks/ is sys.path[0]
+
+    recorded(main)

@@ -221,4 +221,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from provenance import recorded  # benchmarks/ is sys.path[0]
+
+    recorded(main)

@@ -297,4 +297,6 @@ def summarize(rows: list[dict]) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from provenance import recorded  # benchmarks/ is sys.path[0]
+
+    recorded(main)

@@ -179,4 +179,6 @@ def run(args, layout: KVLayout, urls, cpu_client: Store, disk_client: Store, dis
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from provenance import recorded  # benchmarks/ is sys.path[0]
+
+    recorded(main)

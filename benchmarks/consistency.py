@@ -341,4 +341,6 @@ def report(tallies: list[Tally]) -> bool:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
-    main()
+    from provenance import recorded  # benchmarks/ is sys.path[0]
+
+    recorded(main)

@@ -100,4 +100,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from provenance import recorded  # benchmarks/ is sys.path[0]
+
+    recorded(main)

@@ -1,5 +1,4 @@
-import sys
-
 from benchmarks.fleet_sim.cli import main
+from benchmarks.provenance import recorded
 
-sys.exit(main())
+recorded(main, "fleet_sim")

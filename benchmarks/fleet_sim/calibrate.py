@@ -294,4 +294,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from benchmarks.provenance import recorded
+
+    recorded(main, "fleet_sim_calibrate")

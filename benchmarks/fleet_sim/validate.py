@@ -184,4 +184,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from benchmarks.provenance import recorded
+
+    recorded(main, "fleet_sim_validate")
