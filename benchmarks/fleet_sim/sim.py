@@ -232,7 +232,7 @@ class Fleet:
         if len(recent) > self.recent_max:
             counts[recent.popleft()] -= 1
         job.engine = e
-        job.router_pending = choice.compute_tokens + choice.store_tokens
+        job.router_pending = choice.compute_tokens  # the router's bookkeeping: loads queue no one
         self.in_flight[e] += 1
         self.waiting_tokens[e] += job.router_pending
         for key in job.keys:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -38,14 +39,15 @@ ROUTER_KEY = web.AppKey("router", object)
 ENGINE_HEADER = "X-KVStore-Engine"  # on every routed response: the engine that served it
 DOWN_S = 5.0  # an engine that refused a connection is passed over this long
 POLICY_HEADER = "X-KVStore-Policy"  # a request's own policy (A/B runs, benchmarks/bench_router.py)
+DECISION_HEADER = "X-KVStore-Decision"  # on every routed response: why that engine (JSON, decision_record)
 _MAX_BODY_BYTES = 64 * 2**20
 
 
 @dataclass
 class EngineLoad:
     url: str
-    in_flight: int = 0
-    waiting_tokens: int = 0
+    in_flight: int = 0  # requests this router forwarded to it and not finished
+    waiting_tokens: int = 0  # of those, prompt tokens it is to compute before their first token
     down_until: float = 0.0  # monotonic time; after a refused connection it is not chosen till then
 
 
@@ -127,6 +129,30 @@ class Router:
         self.metrics.decided(choice)
         return choice
 
+    def add_load(self, choice: Choice) -> int:
+        """Count `choice` in its engine's load: one more in flight, and its tokens to compute waiting
+        (not those it loads from the store: a load runs beside the engine's steps, queueing no one).
+        Returns the waiting tokens added, which the caller takes off at the first token."""
+        load = self.loads[choice.engine]
+        load.in_flight += 1
+        load.waiting_tokens += choice.compute_tokens
+        return choice.compute_tokens
+
+    def decision_record(self, choice: Choice) -> dict[str, Any]:
+        """What the router knew when it chose: the estimate, the prompt's split, every engine's load
+        (before this request was added) and estimate, the engines the share cap passed over."""
+        return {
+            "policy": choice.policy,
+            "predicted_ttft_s": round(choice.predicted_ttft_s, 6),
+            "local_tokens": choice.local_tokens,
+            "store_tokens": choice.store_tokens,
+            "compute_tokens": choice.compute_tokens,
+            "loads": {u: [ld.in_flight, ld.waiting_tokens] for u, ld in self.loads.items()},
+            "estimates": {u: round(t, 6) for u, t in choice.estimates.items()},
+            "capped": list(choice.capped),
+            "costs": vars(self.calibrator.costs),
+        }
+
     def state(self) -> dict[str, Any]:
         return {
             "policy": self.config.policy,
@@ -178,9 +204,8 @@ async def _send(
     streamed: bool,
 ) -> web.StreamResponse:
     load = router.loads[choice.engine]
-    pending = choice.compute_tokens + choice.store_tokens
-    load.in_flight += 1
-    load.waiting_tokens += pending
+    headers = {ENGINE_HEADER: choice.engine, DECISION_HEADER: json.dumps(router.decision_record(choice))}
+    pending = router.add_load(choice)
 
     def first(status: int) -> None:
         nonlocal pending
@@ -192,7 +217,7 @@ async def _send(
     try:
         return await unless_disconnected(
             request,
-            forward(request, path, body, choice.engine, "engine", first, {ENGINE_HEADER: choice.engine}),
+            forward(request, path, body, choice.engine, "engine", first, headers),
         )
     finally:
         load.in_flight -= 1

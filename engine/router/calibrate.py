@@ -5,9 +5,13 @@ kvstore-engine exports too), read every few seconds:
   (`kvstore_connector_load_seconds_sum`), over the prompt tokens computed (`vllm:prompt_tokens_total`
   minus `vllm:prefix_cache_hits_total` and `vllm:external_prefix_cache_hits_total`);
 - load s/token = growth of `kvstore_connector_load_seconds_sum` over `kvstore_connector_loaded_tokens_total`;
+- step s/request = growth of `vllm:inter_token_latency_seconds_sum` over its `_count`: the time one
+  decode step takes under the engines' load at the time (engines sharing CPUs step slower when more of
+  them are busy), what each request in flight adds to a new one's wait;
 
 each an exponentially weighted average over the engines and scrapes, updated only when a scrape saw
-enough tokens to mean something. Until then the scoring module's defaults hold.
+enough tokens (steps) to mean something; a cost's first measurement replaces its default outright.
+Until then the scoring module's defaults hold.
 """
 
 from __future__ import annotations
@@ -25,8 +29,11 @@ _NAMES = {
     "vllm:external_prefix_cache_hits_total": "store_hits",
     "kvstore_connector_load_seconds_sum": "load_s",
     "kvstore_connector_loaded_tokens_total": "loaded",
+    "vllm:inter_token_latency_seconds_sum": "itl_s",
+    "vllm:inter_token_latency_seconds_count": "itl_n",
 }
 MIN_TOKENS = 64  # a scrape with fewer new tokens does not move a cost
+MIN_STEPS = 8  # nor one with fewer new decode steps the step cost
 ALPHA = 0.3
 
 
@@ -46,10 +53,12 @@ class Calibrator:
         self.costs = costs or Costs()
         self._last: dict[str, dict[str, float]] = {}
         self.updates = 0
+        self.measured: set[str] = set()  # the costs measured at least once (the rest are defaults)
 
     def _blend(self, name: str, value: float) -> None:
         old = getattr(self.costs, name)
-        new = value if self.updates == 0 else (1 - ALPHA) * old + ALPHA * value
+        new = (1 - ALPHA) * old + ALPHA * value if name in self.measured else value
+        self.measured.add(name)
         self.costs = dataclasses.replace(self.costs, **{name: new})
 
     def observe(self, engine: str, text: str) -> None:
@@ -67,5 +76,8 @@ class Calibrator:
             moved = True
         if computed >= MIN_TOKENS and d["prefill_s"] > 0:
             self._blend("prefill_s_per_token", max(d["prefill_s"] - d["load_s"], 0.0) / computed)
+            moved = True
+        if d["itl_n"] >= MIN_STEPS and d["itl_s"] > 0:
+            self._blend("step_s_per_request", d["itl_s"] / d["itl_n"])
             moved = True
         self.updates += moved

@@ -5,11 +5,14 @@
 
 An engine's estimated time to first token for a request is
 
-    queueing  = its tokens waiting to prefill x prefill cost + requests in flight x step cost
+    queueing  = its tokens waiting to be computed x prefill cost + requests in flight x step cost
     + remote  = tokens the shared store has beyond the engine's own prefix x load cost
     + compute = tokens nobody has x prefill cost          (at least the last prompt token)
 
-with costs per token calibrated from the engines' own metrics (engine.router.calibrate). Policies:
+with costs per token calibrated from the engines' own metrics (engine.router.calibrate). Tokens an
+engine is still loading from the store are not its queue: a load runs beside the engine's steps (the
+scheduler computes other requests while a request's KV arrives), so `waiting_tokens` counts only the
+tokens the engine will compute. Policies:
 `round_robin`, `least_loaded` (fewest tokens waiting, then fewest in flight), `prefix` (the longest
 local match: the classic KV-aware router, which hot-spots an engine holding a popular prefix) and
 `ttft` (the lowest estimate among engines under the share cap: an engine that took more than
@@ -19,15 +22,16 @@ local match: the classic KV-aware router, which hot-spots an engine holding a po
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 POLICIES = ("round_robin", "least_loaded", "prefix", "ttft")
 
 
 @dataclass(frozen=True)
 class Costs:
-    """Seconds per token (prefill, load from the store), per request in flight, and a constant.
-    The defaults are a start for a router that has not read an engine's metrics yet."""
+    """Seconds per token (prefill, load from the store), per request in flight (one decode step under
+    the engines' current load), and a constant. The defaults are a start for a router that has not
+    read an engine's metrics yet."""
 
     prefill_s_per_token: float = 1e-3
     load_s_per_token: float = 1e-4
@@ -40,7 +44,7 @@ class EngineState:
     name: str
     local_tokens: int = 0  # leading prompt tokens in the engine's own prefix cache
     in_flight: int = 0  # requests sent to it and not finished
-    waiting_tokens: int = 0  # prompt tokens it has been sent and not yet prefilled
+    waiting_tokens: int = 0  # prompt tokens it has been sent to compute and not yet computed (no loads)
     recent: int = 0  # decisions for it among the router's recent ones (the share cap)
 
 
@@ -58,6 +62,8 @@ class Choice:
     local_tokens: int  # reused from the engine's cache
     store_tokens: int  # loaded from the store
     compute_tokens: int  # prefilled
+    estimates: dict[str, float] = field(default_factory=dict)  # every engine's estimated TTFT
+    capped: tuple[str, ...] = ()  # engines the share cap passed over (ttft)
 
 
 def estimate(engine: EngineState, request: Request, costs: Costs) -> tuple[float, int, int, int]:
@@ -96,6 +102,7 @@ def choose(
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
     scored = {e.name: estimate(e, request, costs) for e in engines}
+    capped: tuple[str, ...] = ()
     if policy == "round_robin":
         best = engines[turn % len(engines)]
     elif policy == "least_loaded":
@@ -103,6 +110,10 @@ def choose(
     elif policy == "prefix":
         best = max(engines, key=lambda e: (scored[e.name][1], -e.in_flight, -e.waiting_tokens))
     else:
-        best = min(under_cap(engines, max_share), key=lambda e: scored[e.name][0])
+        allowed = under_cap(engines, max_share)
+        ok = {e.name for e in allowed}
+        capped = tuple(e.name for e in engines if e.name not in ok)
+        best = min(allowed, key=lambda e: scored[e.name][0])
     ttft, local, load, compute = scored[best.name]
-    return Choice(best.name, policy, ttft, local, load, compute)
+    estimates = {name: s[0] for name, s in scored.items()}
+    return Choice(best.name, policy, ttft, local, load, compute, estimates, capped)

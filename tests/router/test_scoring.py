@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
+from engine.router.app import Router, RouterConfig
 from engine.router.calibrate import Calibrator
 from engine.router.index import PrefixIndex
 from engine.router.scoring import Costs, EngineState, Request, choose, estimate
@@ -47,7 +48,9 @@ def test_share_cap_passes_over_an_engine_with_too_many_recent_requests() -> None
         EngineState("b", recent=3),
         EngineState("c", recent=3),
     ]
-    assert choose("ttft", engines, Request(1000), COSTS, max_share=1.2).engine != "a"
+    capped = choose("ttft", engines, Request(1000), COSTS, max_share=1.2)
+    assert capped.engine != "a" and capped.capped == ("a",)
+    assert capped.estimates["a"] < capped.estimates[capped.engine], "a was the best estimate, passed over"
     assert choose("ttft", engines, Request(1000), COSTS, max_share=3.0).engine == "a"
     few = [EngineState("a", local_tokens=900, recent=4), EngineState("b"), EngineState("c")]
     assert choose("ttft", few, Request(1000), COSTS).engine == "a", "a conversation's first turns stay"
@@ -93,3 +96,40 @@ def test_costs_come_from_the_engines_metrics() -> None:
     assert cal.costs.load_s_per_token == pytest.approx(2e-4)
     cal.observe("e", text(2010, 1000, 2.3, 0.2, 1000))  # too few tokens to move anything
     assert cal.costs.prefill_s_per_token == pytest.approx(2e-3)
+
+
+def test_the_step_cost_is_the_engines_decode_step_under_load() -> None:
+    """A cost's first measurement replaces its default, whichever cost was measured before it (the step
+    cost, first seen after the prefill cost, was blended into the 0.01 s default at 70%)."""
+
+    def text(prompt, prefill_s, itl_s, steps):
+        return (
+            f'vllm:prompt_tokens_total{{model_name="m"}} {prompt}\n'
+            f'vllm:request_prefill_time_seconds_sum{{model_name="m"}} {prefill_s}\n'
+            f'vllm:inter_token_latency_seconds_sum{{model_name="m"}} {itl_s}\n'
+            f'vllm:inter_token_latency_seconds_count{{model_name="m"}} {steps}\n'
+        )
+
+    cal = Calibrator()
+    cal.observe("e", text(0, 0, 0, 0))
+    cal.observe("e", text(1000, 1.0, 0, 0))  # a prefill, no decode steps yet
+    assert cal.costs.step_s_per_request == Costs().step_s_per_request
+    cal.observe("e", text(1000, 1.0, 0.6, 20))  # 20 steps of 30 ms: two other engines share the CPUs
+    assert cal.costs.step_s_per_request == pytest.approx(0.03)
+    assert cal.costs.prefill_s_per_token == pytest.approx(1e-3)
+    cal.observe("e", text(1000, 1.0, 0.6 + 20 * 0.01, 40))  # idle neighbours: 10 ms steps
+    assert cal.costs.step_s_per_request == pytest.approx(0.7 * 0.03 + 0.3 * 0.01)
+
+
+def test_the_router_counts_only_tokens_to_compute_as_queue() -> None:
+    """A request that loads 900 tokens from the store and computes 100 queues the next one behind 100
+    (the load runs beside the engine's steps); it counted 1,000."""
+    config = RouterConfig(["http://e"], ["ipc:///nonexistent"], [None], calibrate_s=0)
+    router = Router(config, tokens=None)  # add_load reads no tokens
+    choice = choose("ttft", [EngineState("http://e")], Request(1000, store_tokens=900), COSTS)
+    assert (choice.store_tokens, choice.compute_tokens) == (900, 100)
+    assert router.decision_record(choice)["loads"] == {"http://e": [0, 0]}
+    assert router.add_load(choice) == 100
+    load = router.loads["http://e"]
+    assert (load.in_flight, load.waiting_tokens) == (1, 100)
+    assert router.decision_record(choice)["loads"] == {"http://e": [1, 100]}
