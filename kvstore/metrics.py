@@ -65,6 +65,35 @@ class _TierCollector(Collector):
             inval.add_metric([t.name], t.stats.extra.get("invalidated", 0))
             spill.add_metric([t.name], t.stats.extra.get("spilled_bytes", 0))
         yield from (usage, cap, keys, ev, exp, err, drop, inval, spill)
+        yield from _cluster_families(m.tiers)
+
+
+def _cluster_families(tiers: Sequence[Tier]) -> Iterator[Metric]:
+    """A tier's own client counters (the redis tier's, kvstore/tiers/redis_conn.py CLUSTER_COUNTERS),
+    for the tiers that keep them."""
+    redirects = CounterMetricFamily(
+        "kvstore_cluster_redirects",
+        "Cluster redirects followed: ask (a migrating slot, the map unchanged), moved (a new owner)",
+        labels=["tier", "kind"],
+    )
+    refreshes = CounterMetricFamily(
+        "kvstore_cluster_map_refreshes", "Cluster slot-map refreshes", labels=["tier"]
+    )
+    fast = CounterMetricFamily(
+        "kvstore_tier_fast_fails",
+        "Calls a tier's circuit breaker refused without touching the network (a server down or failing over)",
+        labels=["tier"],
+    )
+    for t in tiers:
+        extra = t.stats.extra
+        for kind in ("ask", "moved"):
+            if kind in extra:
+                redirects.add_metric([t.name, kind], extra[kind])
+        if "map_refreshes" in extra:
+            refreshes.add_metric([t.name], extra["map_refreshes"])
+        if "fast_fails" in extra:
+            fast.add_metric([t.name], extra["fast_fails"])
+    yield from (redirects, refreshes, fast)
 
 
 class TierCounters:

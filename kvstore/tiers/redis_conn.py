@@ -51,6 +51,9 @@ NETWORK_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
 FAIL = object()  # a call that did not reach the server (or that the server refused)
 REFRESH_EVERY_S = 0.5  # background slot-map refreshes while a primary is out of reach, at most this often
 PACK_CUTOFF = 6000  # values longer than this are sent as they are (redis-py's own cutoff)
+# stats.extra counters of a Cluster client, exported to Prometheus by kvstore/metrics.py: redirects
+# followed (ask, moved), slot-map refreshes, calls refused by a breaker without touching the network
+CLUSTER_COUNTERS = ("ask", "moved", "map_refreshes", "fast_fails")
 
 
 def _zero_copy(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -176,7 +179,10 @@ class RedisServers:
                 **({} if tls else {"connection_class": ZeroCopyConnection}),
             )
             self._cluster_breaker = Breaker()
+            for counter in CLUSTER_COUNTERS:  # exported from the start (kvstore/metrics.py)
+                stats.extra.setdefault(counter, 0)
         else:
+            stats.extra.setdefault("fast_fails", 0)
             if len(hosts) != 1:
                 raise ConfigError("several hosts in redis_url need redis_cluster: true")
             cls = ZeroCopySSLConnection if tls else ZeroCopyConnection
@@ -254,6 +260,7 @@ class RedisServers:
         """Ask the Cluster for its slot map now; the cached slot -> primary entries are dropped after
         it answered (dropped before, calls made meanwhile would cache the old map again)."""
         self._refreshed_at = time.monotonic()
+        self.stats.extra["map_refreshes"] = self.stats.extra.get("map_refreshes", 0) + 1
         if self._rc is not None:
             try:
                 self._rc.nodes_manager.initialize(disconnect_startup_nodes_pools=False)

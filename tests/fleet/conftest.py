@@ -4,12 +4,14 @@ kill, pause and reshard it; each module gets a fresh one, always stopped)."""
 from __future__ import annotations
 
 import contextlib
+from collections import defaultdict
 from collections.abc import Iterator
 
 import pytest
+from redis.crc import key_slot
 
 from tests.connectors.conftest import ServerProcess
-from tests.valkey import ValkeyCluster, valkey_env_ok
+from tests.valkey import ValkeyCluster, ValkeyProcess, valkey_env_ok
 
 NODE_TIMEOUT_MS = 2000  # cluster-node-timeout: a failed primary is replaced ~2-3 s after it stops
 
@@ -43,3 +45,18 @@ def fleet_servers(
     finally:
         for server in started:
             server.stop()
+
+
+def keys_by_slot(prefix: str, owner: ValkeyProcess, owners: dict, n_slots: int, per_slot: int) -> dict:
+    """`n_slots` slots of `owner`, each with `per_slot` keys: {slot: [key, ...]}."""
+    found: dict[int, list[str]] = defaultdict(list)
+    i = 0
+    while sum(1 for ks in found.values() if len(ks) >= per_slot) < n_slots:
+        k = f"{i:032x}"
+        slot = key_slot((prefix + k).encode())
+        if owners[slot] is owner and len(found[slot]) < per_slot:
+            full = [s for s, ks in found.items() if len(ks) >= per_slot]
+            if slot in found or len(found) - len(full) < n_slots - len(full):
+                found[slot].append(k)
+        i += 1
+    return {s: ks for s, ks in found.items() if len(ks) >= per_slot}

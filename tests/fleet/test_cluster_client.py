@@ -8,15 +8,14 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from collections import defaultdict
 from collections.abc import Iterator
 
 import pytest
 from redis.crc import key_slot
 
 from kvstore.tiers.redis import RedisTier
-from tests.fleet.conftest import NODE_TIMEOUT_MS
-from tests.valkey import ValkeyCluster, ValkeyProcess, wait_until
+from tests.fleet.conftest import NODE_TIMEOUT_MS, keys_by_slot
+from tests.valkey import ValkeyCluster, wait_until
 
 
 @pytest.fixture
@@ -29,21 +28,6 @@ def tier(cluster33: ValkeyCluster, prefix: str) -> Iterator[RedisTier]:
     t = RedisTier(cluster33.urls, prefix=prefix, cluster=True)
     yield t
     t.close()
-
-
-def keys_by_slot(prefix: str, owner: ValkeyProcess, owners: dict, n_slots: int, per_slot: int) -> dict:
-    """`n_slots` slots of `owner`, each with `per_slot` keys: {slot: [key, ...]}."""
-    found: dict[int, list[str]] = defaultdict(list)
-    i = 0
-    while sum(1 for ks in found.values() if len(ks) >= per_slot) < n_slots:
-        k = f"{i:032x}"
-        slot = key_slot((prefix + k).encode())
-        if owners[slot] is owner and len(found[slot]) < per_slot:
-            full = [s for s, ks in found.items() if len(ks) >= per_slot]
-            if slot in found or len(found) - len(full) < n_slots - len(full):
-                found[slot].append(k)
-        i += 1
-    return {s: ks for s, ks in found.items() if len(ks) >= per_slot}
 
 
 def test_keys_of_migrating_slots_keep_hitting(tier: RedisTier, cluster33: ValkeyCluster, prefix: str) -> None:

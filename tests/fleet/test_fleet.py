@@ -10,21 +10,27 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
+from redis.crc import key_slot
 
 from kvstore.blob import encode_blob
 from sdk.remote import RemoteBackend
 from tests.connectors.conftest import ServerProcess
 from tests.connectors.engine_util import doc, generate, llm, store_metrics
-from tests.fleet.conftest import fleet_servers
-from tests.valkey import ValkeyCluster
+from tests.fleet.conftest import fleet_servers, keys_by_slot
+from tests.valkey import ValkeyCluster, wait_until
+
+
+@pytest.fixture(scope="module")
+def prefix() -> str:
+    return f"fleet{uuid.uuid4().hex[:6]}:"
 
 
 @pytest.fixture(scope="module")
 def servers(
-    cluster33: ValkeyCluster, tmp_path_factory: pytest.TempPathFactory
+    cluster33: ValkeyCluster, prefix: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[list[ServerProcess]]:
     """Two servers, tiers cpu + redis, the same Cluster and prefix (one shared namespace)."""
-    prefix = f"fleet{uuid.uuid4().hex[:6]}:"
     with fleet_servers(
         cluster33, prefix, tmp_path_factory, "--tiers", "cpu,redis", "--cpu-capacity", "256MiB"
     ) as s:
@@ -90,6 +96,65 @@ def test_delete_and_replace_across_servers(clients: list[RemoteBackend]) -> None
     assert bytes(two.get_blob(held)) == v1  # still local on server 2
     assert two.delete(held)  # a fleet-wide delete is a delete on every server that may hold it
     assert two.get_blob(held) is None and one.get_blob(held) is None
+
+
+def metrics(client: RemoteBackend) -> dict[tuple[str, tuple], float]:
+    """The server's /metrics: (sample name, sorted labels) -> value."""
+    text = bytes(client.http.request("GET", "/metrics").body).decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def cluster_counter(m: dict, name: str, **labels: str) -> float:
+    return m.get((name, tuple(sorted({"tier": "redis", **labels}.items()))), 0.0)
+
+
+def test_redirects_reach_both_servers_metrics(
+    clients: list[RemoteBackend], cluster33: ValkeyCluster, prefix: str
+) -> None:
+    """A reshard while both servers read and write: server 2's gets of a half-moved slot and server 1's
+    puts into it are ASKed (followed, hits), server 1's first put after the move is MOVED (the map
+    updated and refreshed); all of it in each server's /metrics, none of it an error."""
+    one, two = clients
+    owners = cluster33.slot_owners()
+    src, dst = cluster33.primaries()[:2]
+    slots = keys_by_slot(prefix, src, owners, n_slots=2, per_slot=3)
+    blobs = {k: blob(200 + i, 16) for i, k in enumerate(k for ks in slots.values() for k in ks)}
+    for k, b in blobs.items():
+        one.put_blob(k, b)
+    before = [metrics(c) for c in clients]
+
+    def half_moved(slot: int) -> None:
+        assert [bytes(two.get_blob(k)) for k in slots[slot]] == [blobs[k] for k in slots[slot]]
+        new = uuid.uuid4().hex  # absent on the source: the put is ASKed to the target
+        while key_slot((prefix + new).encode()) != slot:
+            new = uuid.uuid4().hex
+        one.put_blob(new, blob(slot, 16))
+        assert bytes(two.get_blob(new)) == blob(slot, 16)
+
+    assert cluster33.migrate_slots(list(slots), src, dst, between=half_moved) >= 6
+    wait_until(lambda: all(cluster33.slot_owners()[s] is dst for s in slots), timeout=10)
+    after_move = uuid.uuid4().hex
+    while key_slot((prefix + after_move).encode()) not in slots:
+        after_move = uuid.uuid4().hex
+    one.put_blob(after_move, blob(7, 16))  # server 1's map still says src: MOVED, followed
+    assert bytes(two.get_blob(after_move)) == blob(7, 16)
+    refreshes = "kvstore_cluster_map_refreshes_total"
+    wait_until(lambda: cluster_counter(metrics(one), refreshes) > cluster_counter(before[0], refreshes))
+    after = [metrics(c) for c in clients]
+    redirects = "kvstore_cluster_redirects_total"
+    for b, a in zip(before, after, strict=True):
+        assert cluster_counter(a, redirects, kind="ask") > cluster_counter(b, redirects, kind="ask")
+        assert cluster_counter(a, "kvstore_tier_errors_total") == cluster_counter(
+            b, "kvstore_tier_errors_total"
+        )
+    assert cluster_counter(after[0], redirects, kind="moved") > cluster_counter(
+        before[0], redirects, kind="moved"
+    )
+    assert ("kvstore_tier_fast_fails_total", (("tier", "redis"),)) in after[1]  # exported, at zero
 
 
 @pytest.mark.slow
