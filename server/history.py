@@ -4,7 +4,8 @@ One sample (counters are cumulative; the page turns them into rates, ratios and 
 whatever window it shows, treating a drop as a counter reset):
 
     {"t": unix seconds,
-     "tiers": {name: {hits, misses, bytes, capacity, keys, evictions, expired, corrupt, errors}},
+     "tiers": {name: {hits, misses, bytes, capacity, keys, evictions, expired, corrupt, errors,
+               read_bytes, written_bytes}},
      "misses": reads no tier served, "miss_reasons": {not_stored, evicted, expired, corrupt, unreachable},
      "requests": n, "errors": n,
      "lookups": prefix lookups, "lookups_cut_short": those a missing key cut short (not in "misses"),
@@ -30,7 +31,8 @@ from server.metrics import BUCKETS
 log = logging.getLogger(__name__)
 LATENCY_OPS = {"get": ("get", "batch_get"), "put": ("put", "batch_put"), "lookup": ("lookup", "batch_exists")}
 LATENCY_BUCKETS = [*BUCKETS, math.inf]
-_TIER_FIELDS = ("hits", "misses", "bytes", "capacity", "keys", "evictions", "expired", "corrupt", "errors")
+_TIER_FIELDS = ("hits", "misses", "bytes", "capacity", "keys", "evictions", "expired", "corrupt", "errors",
+                "read_bytes", "written_bytes")  # fmt: skip
 
 
 def summarize(stats: dict[str, Any]) -> dict[str, dict[str, float]]:

@@ -5,8 +5,11 @@ run; and the cross-server rule for deletes and replaces (README, "The fleet").""
 
 from __future__ import annotations
 
+import re
+import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +21,10 @@ from sdk.remote import RemoteBackend
 from tests.connectors.conftest import ServerProcess
 from tests.connectors.engine_util import doc, generate, llm, store_metrics
 from tests.fleet.conftest import fleet_servers, keys_by_slot
+from tests.server import test_dashboard as dashboard
 from tests.valkey import ValkeyCluster, wait_until
+
+chromium = dashboard.chromium  # the fixture (Debian's chromium, installed where missing)
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +38,9 @@ def servers(
 ) -> Iterator[list[ServerProcess]]:
     """Two servers, tiers cpu + redis, the same Cluster and prefix (one shared namespace)."""
     with fleet_servers(
-        cluster33, prefix, tmp_path_factory, "--tiers", "cpu,redis", "--cpu-capacity", "256MiB"
-    ) as s:
+        cluster33, prefix, tmp_path_factory, "--tiers", "cpu,redis", "--cpu-capacity", "256MiB",
+        "--sample-interval", "0.3",
+    ) as s:  # fmt: skip
         yield s
 
 
@@ -96,6 +103,38 @@ def test_delete_and_replace_across_servers(clients: list[RemoteBackend]) -> None
     assert bytes(two.get_blob(held)) == v1  # still local on server 2
     assert two.delete(held)  # a fleet-wide delete is a delete on every server that may hold it
     assert two.get_blob(held) is None and one.get_blob(held) is None
+
+
+def tier_row(dom: str, tier: str) -> list[str]:
+    """The cells of `tier`'s row in the dashboard's tier table."""
+    row = re.search(rf"<tr><td>{tier}</td>(.*?)</tr>", dom)
+    assert row, dom[:3000]
+    return re.findall(r"<td>([^<]*)</td>", row.group(1))
+
+
+def test_the_dashboards_show_the_shared_tier(
+    clients: list[RemoteBackend], chromium: str, tmp_path: Path
+) -> None:
+    """Server 1's dashboard shows the bytes its puts wrote to the shared tier, server 2's the reads it
+    served from there (the funnel's "store: redis" and the tier table). Which server wrote a blob is
+    not recorded (README, "The fleet")."""
+    one, two = clients
+    blobs = {uuid.uuid4().hex: blob(300 + i) for i in range(4)}
+    for k, b in blobs.items():
+        one.put_blob(k, b)
+    assert [bytes(x) for x in two.batch_get(list(blobs))] == list(blobs.values())
+    time.sleep(0.8)  # a sample or two after it
+    doms = []
+    for i, c in enumerate(clients):
+        run = dashboard._run_chromium(chromium, tmp_path / f"profile{i}", f"{c.url}/dashboard", "--dump-dom")
+        assert run.returncode == 0, run.stderr[-2000:]
+        doms.append(run.stdout)
+    heads = re.search(r'<table id="tiers"><thead><tr>(.*?)</tr>', doms[0]).group(1)
+    cols = re.findall(r"<th>([^<]*)</th>", heads)[1:]
+    first, second = ({c: v for c, v in zip(cols, tier_row(d, "redis"), strict=True)} for d in doms)
+    assert first["written"] not in ("0 B", "") and second["hits"] not in ("0", "")
+    assert second["read"] not in ("0 B", "")
+    assert dashboard._stages(doms[1], "funnel")["store: redis"] >= len(blobs)
 
 
 def metrics(client: RemoteBackend) -> dict[tuple[str, tuple], float]:
