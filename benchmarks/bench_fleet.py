@@ -8,17 +8,19 @@ For each blob size, rounds alternate the two settings (the noise of a shared box
 and time single-blob puts and batches of 8 (one pipeline per primary, plus its WAIT). Prints p50 /
 p90 in ms and the WAIT/none ratio. Writes JSON to ~/.cache/kvstore/bench/fleet-wait.json.
 
-    python benchmarks/bench_fleet.py --engines [--rounds 3] [--users 4] [--turns 3]
+    python benchmarks/bench_fleet.py --engines [--rounds 3] [--users 4] [--turns 3] [--engine-counts 2 4]
 
-The engine part: two kvstore-servers (tiers cpu + redis, one prefix on the Cluster) and two pairs of
-in-process SmolLM2 engines (CPU): "1 server" has both engines on server 1, "2 servers" one on each.
-Rounds alternate the two (order flipped every round), each round a fresh workload: 2 shared 512-token
-system prompts, per-user histories (prompts 612-1,112 tokens, 4-token answers), a user's turns
-alternating engines. Each request runs alone and is classified by where most of its reused prefix
-came from: the engine's own prefix cache, its server's cpu tier, the redis tier (the Cluster; in "2
-servers" written through the other server), or none (recomputed). Prints per configuration the
-token hit rate per tier, TTFT p50/p90 per class, the bytes through the Cluster per request, and the
-2/1 ratios, as medians over rounds (min-max). Writes ~/.cache/kvstore/bench/fleet-engines.json.
+The engine part: two kvstore-servers (tiers cpu + redis, one prefix on the Cluster) and, for each
+engine count E, two sets of E in-process SmolLM2 engines (CPU): "E e x 1 s" has all on server 1,
+"E e x 2 s" engine i on server i % 2. Every round runs every configuration (the order reversed every
+round), each a fresh workload: 2 shared 512-token system prompts, per-user histories (prompts
+612-1,112 tokens, 4-token answers), a user's turns round robin over the engines. Each request runs
+alone and is classified by where most of its reused prefix came from: the engine's own prefix cache,
+its server's cpu tier, the redis tier (the Cluster; with 2 servers mostly written through the other
+server), or none (recomputed). Prints per configuration the token hit rate per tier, TTFT p50/p90
+per class, the bytes through the Cluster per request, each against the first configuration, and per
+engine count the TTFT ratios cross-server hit / same-server hit / local hit / recompute, all as
+medians of per-round ratios (min-max). Writes ~/.cache/kvstore/bench/fleet-engines.json.
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ def time_puts(tier: RedisTier, blob: bytes, n: int, batch: int) -> list[float]:
     return out
 
 
-def main() -> None:
+def main() -> dict | None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes-kib", type=int, nargs="+", default=[64, 1024])
     ap.add_argument("--puts", type=int, default=300, help="blobs per round and setting")
@@ -75,11 +77,14 @@ def main() -> None:
     ap.add_argument("--engines", action="store_true", help="the engine part instead (see the docstring)")
     ap.add_argument("--users", type=int, default=4, help="--engines: users per round and configuration")
     ap.add_argument("--turns", type=int, default=3, help="--engines: turns per user")
+    ap.add_argument(
+        "--engine-counts", type=int, nargs="+", default=[2, 4],
+        help="--engines: engines per configuration, each on 1 and on 2 servers",
+    )  # fmt: skip
     args = ap.parse_args()
     logging.basicConfig(level=logging.ERROR)
     if args.engines:
-        engines_main(args)
-        return
+        return engines_main(args)
     results = []
     with ValkeyCluster(3, replicas=1) as cluster:
         cluster.wait_replicas()
@@ -113,6 +118,7 @@ def main() -> None:
     out = Path.home() / ".cache/kvstore/bench/fleet-wait.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))
+    return None
 
 
 # --- the engine part (--engines): SmolLM2 engines on 1 vs 2 servers sharing the Cluster -----------
@@ -123,7 +129,7 @@ CLASSES = ("engine", "server cpu", "redis", "none")
 
 @dataclass
 class Fleet:
-    """One configuration: engines A and B, each attached to a server (the same one, or two)."""
+    """One configuration: its engines, each attached to a server (engine i to server i % servers)."""
 
     name: str
     engines: list  # engine.LLM, one per entry of `servers`
@@ -142,23 +148,23 @@ def server_counts(servers: list[RemoteBackend]) -> dict[str, int]:
     return out
 
 
-def workload(seed: int, users: int, turns: int) -> list[tuple[int, list[int]]]:
+def workload(seed: int, users: int, turns: int, engines: int) -> list[tuple[int, list[int]]]:
     """(engine index, prompt) in order: 2 shared 512-token system prompts, per-user histories that
-    grow 250 tokens a turn (prompts 612-1,112 tokens at 3 turns); a user alternates engines turn by
-    turn (no sticky routing), so its history is found where the other engine stored it."""
+    grow 250 tokens a turn (prompts 612-1,112 tokens at 3 turns); a user's turns go round robin over
+    the engines (no sticky routing), so its history is found where another engine stored it."""
     systems = [doc(512, seed + i) for i in range(2)]
     histories = [doc(100 + 250 * turns, seed + 10 + u)[1:] for u in range(users)]
     out = []
     for turn in range(turns):
         for u in range(users):
-            out.append(((u + turn) % 2, systems[u % 2] + histories[u][: 100 + 250 * turn]))
+            out.append(((u + turn) % engines, systems[u % 2] + histories[u][: 100 + 250 * turn]))
     return out
 
 
 def run_fleet(fleet: Fleet, seed: int, users: int, turns: int) -> list[dict]:
     """Each request alone (a 2-core box), classified by where most of its reused prefix came from."""
     rows = []
-    for which, prompt in workload(seed, users, turns):
+    for which, prompt in workload(seed, users, turns, len(fleet.engines)):
         engine, server = fleet.engines[which], fleet.servers[which]
         bm = engine.engine.block_manager
         local0, ext0 = bm.prefix_cache_hits, store_metrics(engine)[HITS]
@@ -197,8 +203,24 @@ def spread(xs: list[float]) -> str:
     return f"{statistics.median(xs):.3g} ({min(xs):.3g}-{max(xs):.3g})"
 
 
-def engines_main(args: argparse.Namespace) -> None:
-    per: dict[str, list[dict]] = {"1 server": [], "2 servers": []}
+def config_name(engines: int, servers: int) -> str:
+    return f"{engines}e x {servers}s"
+
+
+def ratios(per: dict[str, list[dict]], num: str, num_key: str, den: str, den_key: str) -> list[float]:
+    """Per-round ratios num[num_key] / den[den_key] (rounds where both were measured)."""
+    out = []
+    for x, y in zip(per[den], per[num], strict=True):
+        a, b = x[den_key], y[num_key]
+        if a == a and b == b and a > 0:
+            out.append(b / a)
+    return out
+
+
+def engines_main(args: argparse.Namespace) -> dict:
+    configs = [(e, s) for e in args.engine_counts for s in (1, 2)]
+    names = [config_name(e, s) for e, s in configs]
+    per: dict[str, list[dict]] = {n: [] for n in names}
     with ValkeyCluster(3, replicas=1) as cluster, tempfile.TemporaryDirectory() as tmp:
         cluster.wait_replicas()
         prefix = f"bench{uuid.uuid4().hex[:6]}:"
@@ -217,7 +239,8 @@ def engines_main(args: argparse.Namespace) -> None:
                 "kv_backend": "kvstore",
             }
             fleets = []
-            for name, at in (("1 server", [0, 0]), ("2 servers", [0, 1])):
+            for (n_engines, n_servers), name in zip(configs, names, strict=True):
+                at = [i % n_servers for i in range(n_engines)]
                 made = [LLM("smollm2", kv_store_url=clients[i].url, **kw) for i in at]
                 engines += made
                 fleets.append(Fleet(name, made, [clients[i] for i in at]))
@@ -233,31 +256,42 @@ def engines_main(args: argparse.Namespace) -> None:
                 c.close()
             for p in procs:
                 p.stop()
-    keys = [k for k in per["1 server"][0] if not k.startswith("n ")]
+    base = names[0]
+    keys = [k for k in per[base][0] if not k.startswith("n ")]
     print(
-        f"{args.rounds} rounds x {args.users} users x {args.turns} turns per configuration; medians over rounds (min-max)"
+        f"{args.rounds} rounds x {args.users} users x {args.turns} turns per configuration "
+        f"(e: engines, s: servers); medians over rounds (min-max); ratios per round against {base}"
     )
-    print(f"{'':>22} {'1 server':>24} {'2 servers':>24} {'2 / 1':>24}")
+    width = 22
+    print(
+        " " * 17
+        + "".join(f"{n:>{width}}" for n in names)
+        + "".join(f"{n + ' / ' + base:>{width}}" for n in names[1:])
+    )
     for k in keys:
-        one, two = [x[k] for x in per["1 server"]], [x[k] for x in per["2 servers"]]
-        ratio = [b / a for a, b in zip(one, two, strict=True) if a == a and b == b and a > 0]
-        print(f"{k:>22} {spread(one):>24} {spread(two):>24} {spread(ratio):>24}")
-    comparisons = [  # (label, numerator: configuration and class, denominator: configuration and class)
-        ("cross-server hit (2 servers, redis) / same-server hit (1 server, cpu)", "2 servers", "redis", "1 server", "server cpu"),
-        ("cross-server hit / recompute (2 servers)", "2 servers", "redis", "2 servers", "none"),
-        ("same-server hit / recompute (1 server)", "1 server", "server cpu", "1 server", "none"),
-    ]  # fmt: skip
-    for label, num, num_class, den, den_class in comparisons:
-        for q in ("p50", "p90"):
-            ratio = [
-                y[f"{q} {num_class}"] / x[f"{q} {den_class}"] for x, y in zip(per[den], per[num], strict=True)
-            ]
-            print(f"TTFT {q} {label}: {spread(ratio)}")
+        cells = [spread([x[k] for x in per[n]]) for n in names]
+        cells += [spread(ratios(per, n, k, base, k)) for n in names[1:]]
+        print(f"{k:>17}" + "".join(f"{c:>{width}}" for c in cells))
+    summary: dict[str, str] = {}
+    for e in args.engine_counts:
+        one, two = config_name(e, 1), config_name(e, 2)
+        comparisons = [  # (label, numerator configuration and class, denominator configuration and class)
+            (f"cross-server hit ({two}, redis) / same-server hit ({one}, cpu)", two, "redis", one, "server cpu"),
+            (f"cross-server hit / recompute ({two})", two, "redis", two, "none"),
+            (f"same-server hit / recompute ({one})", one, "server cpu", one, "none"),
+            (f"local hit (engine) / recompute ({two})", two, "engine", two, "none"),
+        ]  # fmt: skip
+        for label, num, num_class, den, den_class in comparisons:
+            for q in ("p50", "p90"):
+                line = f"TTFT {q} {label}"
+                summary[line] = spread(ratios(per, num, f"{q} {num_class}", den, f"{q} {den_class}"))
+                print(f"{line}: {summary[line]}")
     counts = {n: {c: sum(x[f"n {c}"] for x in per[n]) for c in CLASSES} for n in per}
     print("requests per class (all rounds):", counts)
     out = Path.home() / ".cache/kvstore/bench/fleet-engines.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(per, indent=1))
+    return {"per_round": per, "ratios": summary, "counts": counts}
 
 
 if __name__ == "__main__":
