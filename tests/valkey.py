@@ -83,11 +83,19 @@ def supports_tls(server: str | None = None) -> bool:
 
 
 class ValkeyProcess:
-    """One valkey-server on 127.0.0.1:port. Kill it and start it again: same port, same config."""
+    """One valkey-server on 127.0.0.1:port (or `host`: an address of a network namespace it is started
+    in with `launcher`, e.g. ["ip", "netns", "exec", name]). Kill it and start it again: same port,
+    same config."""
 
     def __init__(
-        self, port: int | None = None, extra_args: Sequence[str] = (), workdir: str | None = None
+        self,
+        port: int | None = None,
+        extra_args: Sequence[str] = (),
+        workdir: str | None = None,
+        host: str = "127.0.0.1",
+        launcher: Sequence[str] = (),
     ) -> None:
+        self.host, self.launcher = host, list(launcher)
         self.port = port or free_port()
         self.extra_args = list(extra_args)
         self._own_dir = workdir is None
@@ -96,7 +104,7 @@ class ValkeyProcess:
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"redis://{self.host}:{self.port}/0"
 
     @property
     def alive(self) -> bool:
@@ -105,11 +113,11 @@ class ValkeyProcess:
     def client(self, **kwargs: Any) -> redis.Redis:
         """A plain redis-py client (no retries: a test wants to see a dead server at once)."""
         options: dict[str, Any] = {"socket_connect_timeout": 1, "retry": Retry(NoBackoff(), 0), **kwargs}
-        return redis.Redis(host="127.0.0.1", port=self.port, **options)
+        return redis.Redis(host=self.host, port=self.port, **options)
 
     def start(self, timeout: float = 10.0) -> ValkeyProcess:
         assert not self.alive, "already running"
-        args = [valkey_bin(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+        args = [*self.launcher, valkey_bin(), "--port", str(self.port), "--bind", self.host, "--save", "",
                 "--appendonly", "no", "--dir", str(self.dir), "--logfile", str(self.dir / "valkey.log"),
                 *self.extra_args]  # fmt: skip
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -187,9 +195,17 @@ class ValkeyCluster:
     port rejoins with the same id and slots (empty, as it persists nothing).
     """
 
-    def __init__(self, n: int = 3, node_timeout_ms: int = 2000, replicas: int = 0) -> None:
+    def __init__(
+        self,
+        n: int = 3,
+        node_timeout_ms: int = 2000,
+        replicas: int = 0,
+        host: str = "127.0.0.1",
+        launcher: Sequence[str] = (),
+    ) -> None:
+        """`host`, `launcher`: every node's (see ValkeyProcess)."""
         assert n >= 3, "valkey-cli --cluster create needs at least 3 primaries"
-        self.replicas = replicas
+        self.replicas, self.host = replicas, host
         self.nodes: list[ValkeyProcess] = []
         taken: set[int] = set()  # a node's port must not be another node's bus port
         for _ in range(n * (1 + replicas)):
@@ -197,7 +213,7 @@ class ValkeyCluster:
                     "--cluster-node-timeout", str(node_timeout_ms), "--cluster-require-full-coverage", "no"]  # fmt: skip
             port = free_port(bus_offset=10000, exclude=taken)
             taken |= {port, port + 10000}
-            self.nodes.append(ValkeyProcess(port=port, extra_args=args))
+            self.nodes.append(ValkeyProcess(port=port, extra_args=args, host=host, launcher=launcher))
 
     @property
     def url(self) -> str:
@@ -206,13 +222,13 @@ class ValkeyCluster:
     @property
     def urls(self) -> str:
         """All nodes in one URL (redis://h1:p1,h2:p2,...), as RedisTier accepts for startup nodes."""
-        return "redis://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+        return "redis://" + ",".join(f"{self.host}:{n.port}" for n in self.nodes)
 
     def start(self, timeout: float = 30.0) -> ValkeyCluster:
         try:
             for node in self.nodes:
                 node.start()
-            addrs = [f"127.0.0.1:{n.port}" for n in self.nodes]
+            addrs = [f"{self.host}:{n.port}" for n in self.nodes]
             cmd = [
                 valkey_bin("valkey-cli"),
                 "--cluster",
@@ -319,7 +335,7 @@ class ValkeyCluster:
                 s.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", dst_id)
                 first = True
                 while keys := s.execute_command("CLUSTER GETKEYSINSLOT", slot, 1 if first else 100):
-                    s.execute_command("MIGRATE", "127.0.0.1", dst.port, "", 0, 5000, "KEYS", *keys)
+                    s.execute_command("MIGRATE", dst.host, dst.port, "", 0, 5000, "KEYS", *keys)
                     moved += len(keys)
                     if first and between is not None:
                         between(slot)
