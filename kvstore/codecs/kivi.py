@@ -15,6 +15,10 @@ Options (`encode_blob(kv, codec="kivi4", key_tokens=..., ...)`):
     value_meta:    "8bit" (default): one uint16 per value group: a zero point in 1/16 codes (0..2^b-1)
                    and a scale on a log grid of 2^(1/16) steps under an fp16 reference per layer and
                    group index (`v_ref`); "fp16": an fp16 scale and zero per group (4 bytes).
+    key_meta:      "fp16" (default): an fp16 scale and zero per key group; "8bit": one uint16 per key
+                   group as value_meta's 8bit (a 1/16-code zero point, a log-grid scale) under an fp16
+                   reference per layer and channel (`k_ref`): half the bytes, so that key groups of 128
+                   tokens cost what 256 did (keys carry most of kivi4's error: bench_codec_quality.py).
     rotate_values: each head's value vector is multiplied by the orthonormal Hadamard matrix before
                    it is quantised, and back on decode (the matrix is its own inverse): outliers spread
                    over the group. Default: where it can (a power-of-two head_dim, value groups inside a head).
@@ -23,7 +27,8 @@ Options (`encode_blob(kv, codec="kivi4", key_tokens=..., ...)`):
                    attention sink whose huge keys would stretch every channel's range (default 1).
 
 Payload, in order: key codes `[L, T - sink, C*b/8]`, value codes `[L, T, C*b/8]` (C = kv_heads *
-head_dim), key scale/zero fp16 pairs `[L, ceil((T - sink) / key_tokens), C, 2]`, the value metadata
+head_dim), key scale/zero fp16 pairs `[L, ceil((T - sink) / key_tokens), C, 2]` (8bit: uint16
+`[L, groups, C]`, then the fp16 references `[L, C]`), the value metadata
 (8bit: uint16 `[L, T, C / value_group]`, then the fp16 references `[L, C / value_group]`; fp16: pairs
 `[L, T, C / value_group, 2]`), the sink keys' raw bits `[L, sink, C]`. At the defaults, for a
 256-token SmolLM2-135M chunk (C = 192), header included: kivi4 3.80x smaller than bf16, kivi2 6.66x
@@ -49,6 +54,7 @@ from kvstore.errors import CodecError
 
 DEFAULTS: dict[str, Any] = {
     "key_tokens": None, "value_group": None, "sink_tokens": 1, "value_meta": "8bit", "rotate_values": None,
+    "key_meta": "fp16",
 }  # fmt: skip
 KEY_TOKENS = {4: 256, 2: 64}  # the default key_tokens per width (bench_codec_quality.py chose them)
 VALUE_META = ("fp16", "8bit")
@@ -69,6 +75,7 @@ class KiviLayout:
     itemsize: int
     value_meta: str = "fp16"
     rotate_values: bool = False
+    key_meta: str = "fp16"
 
     @property
     def channels(self) -> int:
@@ -84,17 +91,22 @@ class KiviLayout:
             p["vm"] = VALUE_META.index(self.value_meta)
         if self.rotate_values:
             p["rv"] = 1
+        if self.key_meta != "fp16":
+            p["km"] = VALUE_META.index(self.key_meta)
         return p
 
     @classmethod
     def from_params(cls, shape: tuple[int, ...], params: dict, dtype: torch.dtype, bits: int) -> KiviLayout:
-        keys = set(params) - {"vm", "rv"}
+        keys = set(params) - {"vm", "rv", "km"}
         if keys != {"kt", "vg", "sink"} or not all(type(v) is int for v in params.values()):
             raise CodecError(f"kivi: bad params {params!r:.80}")
-        if params.get("vm", 0) not in range(len(VALUE_META)) or params.get("rv", 1) != 1:
+        metas = range(len(VALUE_META))
+        if params.get("vm", 0) not in metas or params.get("km", 0) not in metas or params.get("rv", 1) != 1:
             raise CodecError(f"kivi: bad params {params!r:.80}")
-        meta, rot = VALUE_META[params.get("vm", 0)], "rv" in params
-        lay = cls(tuple(shape), bits, params["kt"], params["vg"], params["sink"], dtype.itemsize, meta, rot)  # type: ignore[arg-type]
+        meta, rot, kmeta = VALUE_META[params.get("vm", 0)], "rv" in params, VALUE_META[params.get("km", 0)]
+        lay = cls(
+            tuple(shape), bits, params["kt"], params["vg"], params["sink"], dtype.itemsize, meta, rot, kmeta
+        )  # type: ignore[arg-type]
         lay.validate()
         return lay
 
@@ -120,10 +132,16 @@ class KiviLayout:
         return [
             ("k_codes", np.uint8, (nl, nt - self.sink, row)),
             ("v_codes", np.uint8, (nl, nt, row)),
-            ("k_sz", np.int16, (nl, self.key_groups, c, 2)),  # float16 bits
+            *self._key_meta_sections(),
             *self._value_meta_sections(),
             ("sink", np.uint16 if self.itemsize == 2 else np.uint32, (nl, self.sink, c)),
         ]
+
+    def _key_meta_sections(self) -> list[tuple[str, type, tuple[int, ...]]]:
+        nl, g, c = self.shape[1], self.key_groups, self.channels
+        if self.key_meta == "fp16":
+            return [("k_sz", np.int16, (nl, g, c, 2))]  # float16 bits
+        return [("k_meta", np.uint16, (nl, g, c)), ("k_ref", np.int16, (nl, c))]
 
     def _value_meta_sections(self) -> list[tuple[str, type, tuple[int, ...]]]:
         _, nl, nt, _, _ = self.shape
@@ -152,8 +170,9 @@ def layout_for(shape: tuple[int, ...], dtype: torch.dtype, bits: int, **options:
             raise CodecError(f"kivi{bits}: {name} must be an int, got {v!r}")
     if not isinstance(o["rotate_values"], bool):
         raise CodecError(f"kivi{bits}: rotate_values must be a bool, got {o['rotate_values']!r}")
-    if o["value_meta"] not in VALUE_META:
-        raise CodecError(f"kivi{bits}: value_meta must be one of {VALUE_META}, got {o['value_meta']!r}")
+    for name in ("value_meta", "key_meta"):
+        if o[name] not in VALUE_META:
+            raise CodecError(f"kivi{bits}: {name} must be one of {VALUE_META}, got {o[name]!r}")
     if not 0 <= o["sink_tokens"] <= MAX_SINK_TOKENS:
         raise CodecError(f"kivi{bits}: sink_tokens must be in 0..{MAX_SINK_TOKENS}, got {o['sink_tokens']}")
     sink = o["sink_tokens"] if int(shape[2]) >= max(SINK_MIN_TOKENS, o["sink_tokens"] + 1) else 0
@@ -166,6 +185,7 @@ def layout_for(shape: tuple[int, ...], dtype: torch.dtype, bits: int, **options:
         dtype.itemsize,
         o["value_meta"],
         o["rotate_values"],
+        o["key_meta"],
     )  # type: ignore[arg-type]
     lay.validate()
     return lay
@@ -277,15 +297,24 @@ class KiviCodec:
             raise CodecError(f"{self.name}: KV contains NaN or Inf")
         buf = np.empty(lay.nbytes(), np.uint8)
         parts = lay.carve(buf)
-        p = {n: torch.from_numpy(a) for n, a in parts.items() if n not in ("sink", "v_meta")}
+        p = {n: torch.from_numpy(a) for n, a in parts.items() if n not in ("sink", "v_meta", "k_meta")}
         _, nl, nt, nh, d = lay.shape
         c = nh * d
         x = kv.reshape(2, nl, nt, c)
         keys, values = x[0, :, lay.sink :].float(), x[1].float()
-        for g, (a, b) in enumerate(_key_groups(keys, lay.key_tokens)):
-            q, sz = quantize(keys[:, a:b], 1, self.bits, self.name)  # per channel over tokens a..b
-            p["k_codes"][:, a:b] = pack(q, self.bits)
-            p["k_sz"][:, g] = sz[:, 0].view(torch.int16)
+        if lay.key_meta == "fp16":
+            for g, (a, b) in enumerate(_key_groups(keys, lay.key_tokens)):
+                q, sz = quantize(keys[:, a:b], 1, self.bits, self.name)  # per channel over tokens a..b
+                p["k_codes"][:, a:b] = pack(q, self.bits)
+                p["k_sz"][:, g] = sz[:, 0].view(torch.int16)
+        else:  # [L, groups, C, key_tokens]: the last group padded with its last token (same min, max)
+            n, kt = keys.shape[1], lay.key_tokens
+            padded = torch.cat([keys, keys[:, -1:].expand(nl, lay.key_groups * kt - n, c)], 1)
+            grouped_k = padded.reshape(nl, lay.key_groups, kt, c).transpose(2, 3)
+            kq, kmeta, kref = quantize_8bit(grouped_k, self.bits, self.name)
+            p["k_codes"][:] = pack(kq.transpose(2, 3).reshape(nl, -1, c)[:, :n], self.bits)
+            parts["k_meta"][:] = kmeta.numpy().astype(np.uint16)
+            p["k_ref"][:] = kref.view(torch.int16)
         if lay.rotate_values:  # each head's value vector in the Hadamard basis (orthonormal)
             values = (values.reshape(nl, nt, nh, d) @ common.hadamard(d)).reshape(nl, nt, c)
         grouped = values.reshape(nl, nt, c // lay.value_group, lay.value_group)
@@ -319,14 +348,22 @@ class KiviCodec:
                 f"{self.name}: payload is {len(payload)} bytes, shape {shape} needs {lay.nbytes()}"
             )
         parts = lay.carve(np.frombuffer(bytearray(payload), np.uint8))  # writable: torch wants that
-        p = {n: torch.from_numpy(a) for n, a in parts.items() if n not in ("sink", "v_meta")}
+        p = {n: torch.from_numpy(a) for n, a in parts.items() if n not in ("sink", "v_meta", "k_meta")}
         _, nl, nt, nh, d = lay.shape
         c = nh * d
         out = torch.empty((2, nl, nt, c), dtype=dtype)
         kq = unpack(p["k_codes"], self.bits)
-        ksz = p["k_sz"].view(torch.float16)
-        for g, (a, b) in enumerate(_key_groups(kq, lay.key_tokens)):
-            out[0, :, lay.sink + a : lay.sink + b] = dequantize(kq[:, a:b], ksz[:, g : g + 1]).to(dtype)
+        if lay.key_meta == "fp16":
+            ksz = p["k_sz"].view(torch.float16)
+            for g, (a, b) in enumerate(_key_groups(kq, lay.key_tokens)):
+                out[0, :, lay.sink + a : lay.sink + b] = dequantize(kq[:, a:b], ksz[:, g : g + 1]).to(dtype)
+        else:
+            n, kt = kq.shape[1], lay.key_tokens
+            padded = torch.cat([kq, kq.new_zeros(nl, lay.key_groups * kt - n, c)], 1)
+            grouped_k = padded.reshape(nl, lay.key_groups, kt, c).transpose(2, 3)
+            meta = torch.from_numpy(parts["k_meta"].astype(np.int32))
+            k = dequantize_8bit(grouped_k, meta, p["k_ref"].view(torch.float16))
+            out[0, :, lay.sink :] = k.transpose(2, 3).reshape(nl, -1, c)[:, :n].to(dtype)
         vq = unpack(p["v_codes"], self.bits).reshape(nl, nt, c // lay.value_group, lay.value_group)
         if lay.value_meta == "fp16":
             v = dequantize(vq, p["v_sz"].view(torch.float16)[..., None, :])

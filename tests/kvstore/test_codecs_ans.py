@@ -51,6 +51,15 @@ def test_lossless_over_the_base_codec(codec: str, shape: tuple) -> None:
     assert verify_blob(coded).codec_id == get_codec(codec).codec_id
 
 
+@pytest.mark.parametrize("shape", [(2, 3, 256, 3, 64), (2, 2, 37, 2, 64)])
+def test_lossless_over_kivi_with_8bit_key_metadata(shape: tuple) -> None:
+    kv = make_kv(shape, torch.bfloat16, seed=sum(shape))
+    opts = {"key_meta": "8bit", "key_tokens": 16}
+    plain, coded = encode_blob(kv, codec="kivi4", **opts), encode_blob(kv, codec="kivi4+ans", **opts)
+    assert torch.equal(decode_blob(coded).view(torch.int16), decode_blob(plain).view(torch.int16))
+    assert verify_blob(coded).params["km"] == 1
+
+
 @pytest.mark.parametrize("codec", ANS)
 def test_non_finite_kv_is_rejected(codec: str) -> None:
     kv = make_kv((2, 2, 32, 2, 64), torch.float32)

@@ -25,6 +25,14 @@ def _bound(x: torch.Tensor, dim: int, bits: int) -> torch.Tensor:
     return (mx - mn) / top * (0.5 + top * 2.0**-10) + mn.abs() * 2.0**-10
 
 
+def _s0_8bit(x: torch.Tensor, dim: int, bits: int) -> torch.Tensor:
+    """An 8bit group's scale before its log grid: <= top / (top - 1) x (max - min) / top (an integer
+    zero point), or max |x| / top for a group away from 0."""
+    top = (1 << bits) - 1
+    s0 = (x.amax(dim, keepdim=True) - x.amin(dim, keepdim=True)) / top * top / (top - 1) * 1.001
+    return torch.maximum(s0, x.abs().amax(dim, keepdim=True) / top * 1.001)
+
+
 def check_bound(kv: torch.Tensor, out: torch.Tensor, codec: str, **opts: object) -> None:
     bits = CODECS[codec]
     lay = layout_for(tuple(kv.shape), kv.dtype, bits, **opts)
@@ -33,10 +41,18 @@ def check_bound(kv: torch.Tensor, out: torch.Tensor, codec: str, **opts: object)
     eps = EPS[kv.dtype]
     assert torch.equal(out[0, :, : lay.sink], kv[0, :, : lay.sink])  # sink keys exact
     keys = x[0, :, lay.sink :]
-    for a in range(0, keys.shape[1], lay.key_tokens):
-        g = keys[:, a : a + lay.key_tokens]
+    groups = [keys[:, a : a + lay.key_tokens] for a in range(0, keys.shape[1], lay.key_tokens)]
+    if lay.key_meta == "8bit":  # as 8bit values (below), per channel: the grid's top is the channel's
+        s0s = [_s0_8bit(g, 1, bits) for g in groups]
+        top_s0 = torch.stack(s0s).amax(0)
+    for i, g in enumerate(groups):
+        a = i * lay.key_tokens
         err = (g - y[0, :, lay.sink + a : lay.sink + a + lay.key_tokens]).abs()
-        assert bool((err <= _bound(g, 1, bits) + g.abs() * eps + 1e-6).all())
+        if lay.key_meta == "fp16":
+            assert bool((err <= _bound(g, 1, bits) + g.abs() * eps + 1e-6).all())
+        else:
+            s = torch.maximum(s0s[i] * 2 ** (1 / 16), top_s0 * 2**-15)
+            assert bool((err <= s / 2 + g.abs() * eps + 1e-6).all())
     xv, yv = x[1], y[1]
     if lay.rotate_values:  # the bound holds in the rotated basis
         h = hadamard(d).double()
@@ -47,9 +63,7 @@ def check_bound(kv: torch.Tensor, out: torch.Tensor, codec: str, **opts: object)
         assert bool((err <= _bound(v, 3, bits) + v.abs() * eps + 1e-6).all())
     else:  # scale <= top / (top - 1) x (max - min) / top (an integer zero point), on a grid of
         # 2^(1/16) steps under the layer's largest
-        top = (1 << bits) - 1
-        s0 = (v.amax(3, keepdim=True) - v.amin(3, keepdim=True)) / top * top / (top - 1) * 1.001
-        s0 = torch.maximum(s0, v.abs().amax(3, keepdim=True) / top * 1.001)  # a group away from 0
+        s0 = _s0_8bit(v, 3, bits)
         s = torch.maximum(s0 * 2 ** (1 / 16), s0.amax(1, keepdim=True) * 2**-15)
         slack = (x[1].abs().amax() * eps * d**0.5) if lay.rotate_values else v.abs() * eps  # dtype rounding
         assert bool((err <= s / 2 + slack + 1e-6).all())
@@ -72,6 +86,10 @@ def check_bound(kv: torch.Tensor, out: torch.Tensor, codec: str, **opts: object)
         ((2, 2, 64, 3, 64), {"value_group": "row"}),  # every head's values in one group: no rotation
         ((2, 1, 32, 2, 48), {}),  # head_dim 48: no rotation
         ((2, 1, 32, 2, 64), {"value_meta": "fp16", "rotate_values": True}),
+        ((2, 2, 256, 3, 64), {"key_meta": "8bit", "key_tokens": 128}),
+        ((2, 2, 300, 3, 64), {"key_meta": "8bit", "key_tokens": 64}),  # a last key group of 43 (padded)
+        ((2, 1, 17, 2, 8), {"key_meta": "8bit", "key_tokens": 5}),
+        ((2, 3, 1, 1, 4), {"key_meta": "8bit"}),  # one token: one key group of 1
     ],
 )
 def test_round_trip_within_the_bound(codec: str, dtype: torch.dtype, shape: tuple, opts: dict) -> None:
@@ -130,6 +148,7 @@ def test_non_finite_or_out_of_fp16_range_kv_is_rejected(codec: str, bad: float, 
         {"key_tokens": 1.5},
         {"group_size": 64},
         {"value_meta": "int8"},
+        {"key_meta": "int8"},
         {"rotate_values": 1},
         {"rotate_values": True, "value_group": "row"},
     ],
