@@ -3,11 +3,11 @@
 Blobs of 256 KiB / 1 MiB / 4 MiB; single get and put, batches of 8 (Valkey: MGET / MSET); kvstore
 over each transport of `sdk.remote.RemoteBackend`:
     http       HTTP/1.1 (the public API)
-    tcp        the binary data plane on the same port (kvstore.dataplane)
-    shm        the data plane with blobs in shared memory (kvstore.shm), over the server's Unix
+    tcp        the binary data plane on the same port (kvstore.protocol.dataplane)
+    shm        the data plane with blobs in shared memory (kvstore.protocol.shm), over the server's Unix
                socket: a put through the client's segment; a get copies the blob out of the
                server's cpu arena where its index says it lies, without a request
-               (kvstore.tiers.arena_index), into a buffer the caller owns, as redis-py's GET does
+               (kvstore.protocol.arena_table), into a buffer the caller owns, as redis-py's GET does
     shm-lease  the same get into the SDK's reused buffers (a lease), verified (xxh3) before use: by
                the SDK as it copies, which the lease's `headers` say, else by the caller; what the
                engines' connectors do with a loaded chunk

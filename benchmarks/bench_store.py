@@ -133,7 +133,7 @@ def bench_store_get(sizes: list[int], reps: int) -> list[tuple[int, float, float
 
 
 TIER_FACTORIES: dict[str, Callable[[Path], Tier]] = {
-    "cpu": lambda tmp: CpuTier(2 * TOTAL_BYTES + 2**26, pinned=False),
+    "cpu": lambda tmp: CpuTier(2 * TOTAL_BYTES + 2**26, memory="plain"),
     "disk": lambda tmp: DiskTier(tmp / "disk", 2 * TOTAL_BYTES + 2**26),
     "disk-nofsync": lambda tmp: DiskTier(tmp / "disk-nofsync", 2 * TOTAL_BYTES + 2**26, fsync=False),
     "redis": lambda tmp: ManagedRedisTier(),  # its own valkey-server, stopped by close()

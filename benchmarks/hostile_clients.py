@@ -25,8 +25,8 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 
-from kvstore import dataplane as dp
-from kvstore import wire
+from kvstore.protocol import dataplane as dp
+from kvstore.protocol import wire
 
 PUT = 0  # the event kinds of load_server.py
 

@@ -7,7 +7,7 @@ for its key (an older version is a wrong blob too: honest clients replace some k
 acknowledged write (a miss of a key whose put was acknowledged in the cpu tier while fewer bytes than
 its capacity were touched since, over every client, hostile ones included); the server's peak RSS
 against idle + the cpu arena (capacity + slack) and its index + the body budget + the shared-memory budget (honest clients are on this
-host: their blobs go through shared memory, kvstore.shm) + a stated allowance; the honest clients'
+host: their blobs go through shared memory, kvstore.protocol.shm) + a stated allowance; the honest clients'
 latency.
 
     .venv/bin/python benchmarks/load_server.py --duration 60 --clients 8 --capacity 256MiB
@@ -39,8 +39,8 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.consistency import launch  # noqa: E402
 from benchmarks.hostile_clients import HostileConfig, HostileReport, run_hostile  # noqa: E402
 from kvstore.config import parse_size  # noqa: E402
+from kvstore.protocol.arena_table import ENTRY, slots_for  # noqa: E402
 from kvstore.tiers.arena import arena_size  # noqa: E402  (the cpu tier's memory: capacity + slack)
-from kvstore.tiers.arena_index import ENTRY, slots_for  # noqa: E402
 from sdk.remote import RemoteBackend  # noqa: E402
 
 BLOB_TOKENS = (32, 128)  # [2, 2, T, 8, 64] fp16 -> 128 KiB and 512 KiB blobs (plus a small header)

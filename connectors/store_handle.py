@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 from connectors.config import KVTransferConfig
 from connectors.metrics import ConnectorMetrics
 from kvstore.errors import ConfigError, Forbidden, KVStoreError, Unauthorized, Unavailable
-from kvstore.tiers.base import Blob
+from kvstore.protocol import Blob
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -13,9 +13,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from kvstore.errors import ConfigError
 from kvstore.settings import Size, human_error, load_settings, parse_size, read_yaml_mapping
 
-__all__ = ["StoreConfig", "TierName", "default_data_dir", "parse_size", "read_yaml_mapping"]
+__all__ = ["CpuMemory", "StoreConfig", "TierName", "default_data_dir", "parse_size", "read_yaml_mapping"]
 
 TierName = Literal["gpu", "cpu", "disk", "redis"]
+# where the cpu tier keeps its blobs (kvstore.tiers.cpu): auto, plain, pinned (needs CUDA), arena
+CpuMemory = Literal["auto", "plain", "pinned", "arena"]
 
 
 def default_data_dir() -> Path:
@@ -30,9 +32,10 @@ class StoreConfig(BaseModel):
     tiers: list[TierName] = Field(default_factory=lambda: ["cpu", "disk"])
     gpu_capacity: Size = 4 * 2**30
     cpu_capacity: Size = 4 * 2**30
-    # the cpu tier's blobs in a shared-memory arena that same-host clients map read-only
-    # (kvstore.tiers.arena; kvstore-server turns it on with shared memory)
-    cpu_shared: bool = False
+    # where the cpu tier's blobs live (kvstore.tiers.cpu): "arena" (shared memory same-host clients map
+    # read-only; what "auto" is in a kvstore-server with shared memory), "pinned" (page-locked, for a
+    # GPU in this process; needs CUDA), "plain"; "auto" elsewhere: pinned with CUDA, else plain
+    cpu_memory: CpuMemory = "auto"
     disk_capacity: Size = 64 * 2**30
     disk_path: Path = Field(default_factory=lambda: default_data_dir() / "disk")
     redis_url: str = "redis://127.0.0.1:6379/0"

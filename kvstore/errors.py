@@ -1,6 +1,6 @@
 """The exception hierarchy shared by every room.
 
-The SDK raises these to users; the server maps them to HTTP status codes (see `kvstore.wire`).
+The SDK raises these to users; the server maps them to HTTP status codes (see `kvstore.protocol.wire`).
 """
 
 from __future__ import annotations

@@ -46,7 +46,8 @@ from kvstore.keys import validate_key
 from kvstore.lru import check_ttl
 from kvstore.metrics import StoreMetrics
 from kvstore.miss_log import MissLog
-from kvstore.tiers import Blob, Tier, make_tier
+from kvstore.protocol import Blob
+from kvstore.tiers import Tier, make_tier
 from kvstore.tiers.base import QUEUE_FULL, TierWriteError, immutable
 from kvstore.write_back import WriteBack
 from kvstore.write_fence import WriteFence

@@ -9,7 +9,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from kvstore.metrics import StoreMetrics
-from kvstore.tiers.base import TIER_ERROR, Blob, Tier, TierReadError, TierWriteError
+from kvstore.protocol import Blob
+from kvstore.tiers.base import TIER_ERROR, Tier, TierReadError, TierWriteError
 
 logger = logging.getLogger("kvstore.store")
 T = TypeVar("T")

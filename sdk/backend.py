@@ -26,7 +26,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from kvstore.tiers.base import Blob
+from kvstore.protocol import Blob
 from sdk.buffers import BlobLease
 from sdk.health import StoreHealth
 

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 
 from kvstore.blob import BlobHeader
-from kvstore.tiers.base import Blob
+from kvstore.protocol import Blob
 
 Free = Callable[[], None]
 

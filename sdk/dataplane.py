@@ -1,4 +1,4 @@
-"""The SDK side of the binary data plane (kvstore.dataplane): a pool of connections that said HELLO.
+"""The SDK side of the binary data plane (kvstore.protocol.dataplane): a pool of connections that said HELLO.
 
 Sync and thread-safe like `sdk.http.HttpClient`, with the same retries (`sdk.http.Retry`): every call is
 idempotent.
@@ -24,10 +24,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from kvstore import dataplane as dp
-from kvstore import shm
 from kvstore.errors import InvalidArgument, KVStoreError
-from kvstore.tiers.base import Blob
+from kvstore.protocol import Blob, shm
+from kvstore.protocol import dataplane as dp
 from sdk.buffers import fresh_buffer
 from sdk.http import RETRY_STATUSES, Into, Retry, connect, failure
 from sdk.pool import ConnectionPool

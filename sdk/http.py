@@ -19,9 +19,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvstore import wire
 from kvstore.errors import InvalidArgument, Unavailable
-from kvstore.tiers.base import Blob
+from kvstore.protocol import Blob, wire
 from sdk.buffers import fresh_buffer
 from sdk.pool import ConnectionPool
 

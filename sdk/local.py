@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvstore import __version__
+from kvstore.protocol import Blob
 from kvstore.store import TieredStore
-from kvstore.tiers.base import Blob
 from sdk.backend import Backend
 from sdk.buffers import BlobLease
 from sdk.health import StoreHealth

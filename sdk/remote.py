@@ -1,8 +1,8 @@
 """`RemoteBackend`: `sdk.backend.Backend` against a kvstore-server, over the fastest transport it offers.
 
 `transport`:
-- "auto" (default): the binary data plane on the server's port (`kvstore.dataplane`), with blobs in
-  shared memory when the server runs on this host (`kvstore.shm`), else on the socket; plain HTTP
+- "auto" (default): the binary data plane on the server's port (`kvstore.protocol.dataplane`), with blobs in
+  shared memory when the server runs on this host (`kvstore.protocol.shm`), else on the socket; plain HTTP
   when the server does not speak the data plane.
 - "shm": the same, but an error (Unavailable) when shared memory cannot be set up.
 - "tcp": the data plane, never shared memory. "http": HTTP only (docs/design.md §6, §7).
@@ -25,13 +25,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-from kvstore import dataplane as dp
-from kvstore import shm, wire
 from kvstore.errors import InvalidArgument, KVStoreError, TooLarge, Unavailable
 from kvstore.keys import validate_key
+from kvstore.protocol import Blob, shm, wire
+from kvstore.protocol import dataplane as dp
+from kvstore.protocol.arena_table import IndexReader, usable_here
 from kvstore.settings import check_token
-from kvstore.tiers.arena_index import IndexReader, usable_here
-from kvstore.tiers.base import Blob
 from sdk import transfers as tr
 from sdk.backend import Backend
 from sdk.buffers import BlobLease, BufferPool, Loan, LoanBook
@@ -90,7 +89,7 @@ class RemoteBackend(Backend):
         `spin_us`: how long a call polls for the answer of a server on this host before its thread
         sleeps (sdk.dataplane; 0: never poll). `read_index`: with shared memory, read the blobs of the
         server's cpu arena straight from it when its index says where they lie, without a request
-        (kvstore.tiers.arena_index; False: every get asks the server)."""
+        (kvstore.protocol.arena_table; False: every get asks the server)."""
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise InvalidArgument(f"server URL must be http(s)://host[:port], got {url!r}")

@@ -1,4 +1,4 @@
-"""The SDK's mapping of a server's shared-memory segment (kvstore.shm) and the regions it lends.
+"""The SDK's mapping of a server's shared-memory segment (kvstore.protocol.shm) and the regions it lends.
 
 The client decides where data goes in its segment: a put copies its blobs into a free region and
 names it; a get names a free region for the answer. Regions of a get stay taken while a `BlobLease`
@@ -17,16 +17,15 @@ import logging
 import mmap
 from collections.abc import Sequence
 
-from kvstore import shm
-from kvstore.dataplane import MAX_PINS
 from kvstore.errors import InvalidArgument
-from kvstore.tiers.arena_index import IndexReader
-from kvstore.tiers.base import Blob
+from kvstore.protocol import Blob, shm
+from kvstore.protocol.arena_table import IndexReader
+from kvstore.protocol.dataplane import MAX_PINS
 
 
 class ClientArena:
     """A read-only mapping of the server's arena (kvstore.tiers.arena), and of its index when the
-    server offers one (kvstore.tiers.arena_index)."""
+    server offers one (kvstore.protocol.arena_table)."""
 
     def __init__(self, size: int, nonce: bytes, mapped: mmap.mmap, index: IndexReader | None = None) -> None:
         self.size, self.nonce = size, nonce

@@ -28,8 +28,8 @@ from pydantic import ValidationError
 from kvstore.blob import BlobHeader, decode_blob, encode_blob
 from kvstore.config import StoreConfig, default_data_dir
 from kvstore.errors import ConfigError, CorruptBlob, InvalidArgument
+from kvstore.protocol import Blob
 from kvstore.store import TieredStore
-from kvstore.tiers.base import Blob
 from sdk.backend import Backend
 from sdk.buffers import BlobLease
 from sdk.health import StoreHealth

@@ -1,4 +1,4 @@
-"""Reporting the gets a client served itself through a server's arena index (kvstore.tiers.arena_index).
+"""Reporting the gets a client served itself through a server's arena index (kvstore.protocol.arena_table).
 
 The server still counts every such get (top-tier hits, and kvstore_reported_gets apart from the
 requests it measured) and refreshes its blobs' recency, from a one-way TOUCH. A send costs far more than its bytes: it wakes the server, which this kernel may
@@ -15,8 +15,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from kvstore import dataplane as dp
-from kvstore.wire import MAX_BATCH_KEYS
+from kvstore.protocol import dataplane as dp
+from kvstore.protocol.wire import MAX_BATCH_KEYS
 
 SEND_S = 0.05
 TAIL_S = 0.05

@@ -7,11 +7,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvstore import dataplane as dp
-from kvstore import shm, wire
 from kvstore.blob import BlobHeader, copy_verified
 from kvstore.errors import CorruptBlob, InvalidArgument
-from kvstore.tiers.base import Blob
+from kvstore.protocol import Blob, shm, wire
+from kvstore.protocol import dataplane as dp
 from sdk.buffers import BufferPool, Free, Loan, fresh_buffer
 from sdk.dataplane import DataPlaneClient
 from sdk.http import HttpClient

@@ -10,8 +10,9 @@ from typing import Any
 
 from aiohttp import web
 
-from kvstore import __version__, wire
+from kvstore import __version__
 from kvstore.config import StoreConfig
+from kvstore.protocol import wire
 from server.config import ServerConfig
 from server.metrics import BUCKETS
 from server.middleware import make_middlewares

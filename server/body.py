@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
-from kvstore import wire
 from kvstore.errors import InvalidArgument, TooLarge, UnsupportedMediaType
+from kvstore.protocol import wire
 from server.budget import BodyBudget
 from server.state import STATE
 
@@ -118,7 +118,7 @@ async def _read_into(stream: Any, n: int, what: str, whole: bool = False) -> mem
 async def read_frame(
     request: web.BaseRequest, limit: int, blob_limit: int, timeout: float
 ) -> tuple[list[str], list[memoryview]]:
-    """A batch frame (kvstore.wire) read into one buffer per blob, so that a stored blob never pins
+    """A batch frame (kvstore.protocol.wire) read into one buffer per blob, so that a stored blob never pins
     the memory of the whole request. Any malformation raises before a blob is returned."""
     check_content_type(request, wire.BATCH_CONTENT_TYPE)
     expected = declared_length(request, limit)

@@ -47,8 +47,9 @@ STORE_FLAGS = {
     "admission_hits": "a blob reaches lower tiers only after this many hits (default 0: always)",
     "lz4": "lz4 after the codec, for tensors put through the local SDK (rarely pays on KV)",
     "miss_log_keys": "recently written keys remembered to tell evicted/expired misses apart (default 65536)",
-    "cpu_shared": "the cpu tier's blobs in a shared-memory arena that same-host clients map read-only "
-    "(kvstore-server turns it on whenever shared memory is on: --shm-budget)",
+    "cpu_memory": "where the cpu tier keeps its blobs: arena (shared memory that clients on this host read "
+    "without a copy), pinned (page-locked, for a GPU tier in this server; needs CUDA) or plain; default {default}: "
+    "arena while shared memory is on (--shm-budget), else pinned with CUDA and plain without",
     "redis_max_invalidated": "deletes and replaces a Redis outage may leave to replay when it answers again; "
     "past that they are a 503 (default {default})",
     "redis_wait_replicas": "a put is stored in redis only once this many replicas of its primary have it "

@@ -48,8 +48,8 @@ class ServerConfig(BaseModel):
     # Without a token: host names (besides IP addresses and localhost) that Host may name; "*" = any
     allowed_hosts: list[str] = Field(default_factory=list)
     access_log: bool = False
-    # The binary data plane on the same port (kvstore.dataplane) and same-host shared memory for it
-    # (kvstore.shm): segments total at most shm_budget bytes (0 turns shared memory off).
+    # The binary data plane on the same port (kvstore.protocol.dataplane) and same-host shared memory for it
+    # (kvstore.protocol.shm): segments total at most shm_budget bytes (0 turns shared memory off).
     dataplane: bool = True
     shm_budget: Size = 1 << 30
     shm_max_segment: Size = 512 << 20

@@ -1,4 +1,4 @@
-"""The binary data plane on the HTTP port (kvstore.dataplane): one asyncio BufferedProtocol per connection.
+"""The binary data plane on the HTTP port (kvstore.protocol.dataplane): one asyncio BufferedProtocol per connection.
 
 Why it exists: aiohttp costs ~100-200 µs of Python per request and copies every body twice (the socket
 read, then its parser) before a handler sees it; a profile of single-key calls shows that as the floor
@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from kvstore import dataplane as dp
 from kvstore.errors import InvalidArgument, KVStoreError, TooLarge, Unauthorized
-from kvstore.tiers.arena_index import IndexReader
+from kvstore.protocol import dataplane as dp
+from kvstore.protocol.arena_table import IndexReader
 from server.dataplane_ops import Reply, Request, error_reply, handle, inline_ops
 from server.idle_poll import IdlePoll
 from server.shm_pool import ShmPool
@@ -73,7 +73,7 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         self.transport: Any = None
         self.authed = plane.token is None
         self.index_since: float | None = None  # when this connection's HELLO lent it the arena index
-        self.segments: dict[int, Any] = {}  # kvstore.shm.Segment this connection may name
+        self.segments: dict[int, Any] = {}  # kvstore.protocol.shm.Segment this connection may name
         self._polled = False  # a same-host client: its socket is in plane.idle_poll
         self._head = bytearray(_HEAD_BUF)
         self._have = 0  # valid bytes at the start of _head

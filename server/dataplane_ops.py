@@ -1,4 +1,4 @@
-"""What each data-plane request does (kvstore.dataplane): the same store calls, limits, auth and
+"""What each data-plane request does (kvstore.protocol.dataplane): the same store calls, limits, auth and
 metric names as the HTTP routes, so the two transports cannot drift apart in what they allow."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvstore import dataplane as dp
-from kvstore import shm
 from kvstore.errors import Busy, InvalidArgument, KVStoreError, TooLarge, Unauthorized
-from kvstore.tiers.arena_index import usable_here
-from kvstore.wire import MAX_BATCH_KEYS
+from kvstore.protocol import dataplane as dp
+from kvstore.protocol import shm
+from kvstore.protocol.arena_table import usable_here
+from kvstore.protocol.wire import MAX_BATCH_KEYS
 from server.state import ServerState
 
 MAX_SEGMENTS_PER_CONNECTION = 4

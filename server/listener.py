@@ -15,7 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
-from kvstore import dataplane as dp
+from kvstore.protocol import dataplane as dp
 from server.connections import ConnectionGuard, GuardedHandler, refuse
 from server.dataplane import DataPlane
 

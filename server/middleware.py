@@ -11,8 +11,8 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 from aiohttp import hdrs, web
 
-from kvstore import wire
 from kvstore.errors import Busy, InvalidArgument, KVStoreError, Unauthorized
+from kvstore.protocol import wire
 from server.metrics import ServerMetrics
 from server.origin import HostCheck
 from server.state import BYTES_IN, BYTES_OUT, STATE

@@ -8,9 +8,9 @@ from typing import Any
 
 from aiohttp import web
 
-from kvstore import wire
 from kvstore.errors import InvalidArgument
 from kvstore.keys import validate_key
+from kvstore.protocol import wire
 from server.body import read_blob, read_body, read_frame
 from server.state import BYTES_IN, BYTES_OUT, STATE, ServerState
 

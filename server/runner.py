@@ -16,9 +16,10 @@ from typing import Any
 
 from aiohttp import web
 
-from kvstore import shm
-from kvstore.config import StoreConfig
+from kvstore.config import CpuMemory, StoreConfig
+from kvstore.errors import ConfigError
 from kvstore.events import StoreEvents
+from kvstore.protocol import shm
 from server.app import make_app
 from server.config import ServerConfig
 from server.connections import ConnectionGuard, connection_limit, raise_fd_limit
@@ -29,14 +30,27 @@ from server.state import DATAPLANE, STATE
 log = logging.getLogger(__name__)
 
 
+def server_cpu_memory(store_config: StoreConfig, config: ServerConfig) -> CpuMemory:
+    """Where the server's cpu tier keeps its blobs: with shared memory on, "auto" is an arena that
+    clients on this host map read-only (kvstore.tiers.arena), so their gets read blobs where they lie
+    instead of having them copied, on a host with CUDA too (pinned pages of this process would serve
+    no other process's GPU: a vLLM beside it copies to its device from its own buffers). "arena"
+    without shared memory is a ConfigError: no client could map it."""
+    shared = config.dataplane and config.shm_budget > 0 and shm.available()
+    if store_config.cpu_memory == "arena" and not shared:
+        raise ConfigError(
+            "--cpu-memory arena needs shared memory: the data plane on, --shm-budget above 0 and memfd "
+            "on this host"
+        )
+    return "arena" if store_config.cpu_memory == "auto" and shared else store_config.cpu_memory
+
+
 def open_store(store_config: StoreConfig, config: ServerConfig) -> Any:
-    """The server's store; with shared memory on, its cpu tier lives in an arena that clients on this
-    host map read-only (kvstore.tiers.arena), so gets lend them blobs instead of copying them."""
+    """The server's store, its cpu tier's memory as `server_cpu_memory` says."""
     from kvstore.store import TieredStore  # noqa: PLC0415 (imports torch; keep `--help` fast)
 
-    if config.dataplane and config.shm_budget > 0 and shm.available():
-        store_config = store_config.model_copy(update={"cpu_shared": True})
-    return TieredStore(store_config)
+    memory = server_cpu_memory(store_config, config)
+    return TieredStore(store_config.model_copy(update={"cpu_memory": memory}))
 
 
 def warn_if_open(config: ServerConfig) -> bool:

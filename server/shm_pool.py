@@ -1,4 +1,4 @@
-"""The server's shared-memory segments (kvstore.shm): created on request within a byte budget, closed
+"""The server's shared-memory segments (kvstore.protocol.shm): created on request within a byte budget, closed
 when the last connection attached to one goes away. The budget is part of the server's memory bound:
 RSS <= idle + tier capacities + request bodies in flight + `shm_budget`."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import logging
 
-from kvstore import shm
 from kvstore.errors import InvalidArgument
+from kvstore.protocol import shm
 
 log = logging.getLogger(__name__)
 MIN_SEGMENT = 1 << 20
@@ -47,7 +47,7 @@ class ShmPool:
         return seg
 
     def lent_bytes(self) -> int:
-        """Bytes of the arena lent to all clients together (kvstore.shm.Segment.lend)."""
+        """Bytes of the arena lent to all clients together (kvstore.protocol.shm.Segment.lend)."""
         return sum(seg.lent_bytes for seg in self._segments.values())
 
     def attach(self, seg_id: int, nonce: bytes) -> shm.Segment:

@@ -23,10 +23,10 @@ and `p`, a pin id. Lent blobs keep their place until the client lists the pin in
 FLAG_SHM request naming the same segment, or the segment closes. Response metas:
 GET `l` (lengths, -1 for a miss) and, with FLAG_SHM, `o` (where the first blob starts); EXISTS `e`;
 DELETE `d`; LOOKUP `n`; PUT whatever the HTTP route answers; errors `error` and `type` as in
-`kvstore.wire` (the status field carries the HTTP status; a 503 Busy adds `retry_after`).
+`kvstore.protocol.wire` (the status field carries the HTTP status; a 503 Busy adds `retry_after`).
 
 HELLO may also answer `index` = [path, size, nonce, slots, seed]: a table of where each arena blob
-lies (kvstore.tiers.arena_index), offered when the arena's tier is the store's top tier, on x86-64 only
+lies (kvstore.protocol.arena_table), offered when the arena's tier is the store's top tier, on x86-64 only
 (its readers rely on TSO; a client elsewhere does not read it either). A client that
 mapped it reads such blobs without a request and later sends TOUCH `k` (the keys it read) and `g`
 ([number of keys, seconds] of each get, in the order of `k`), which is never answered: the server
@@ -37,7 +37,7 @@ message must be HELLO (token, wire version); anything else, or a wrong token, is
 and the connection closes. The server's limits are the HTTP side's: sizes, the body budget, the
 connection limit, and the idle / header / body deadlines.
 
-Same-host shared memory (SHM_OPEN / SHM_ATTACH) is described in `kvstore.shm`.
+Same-host shared memory (SHM_OPEN / SHM_ATTACH) is described in `kvstore.protocol.shm`.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ import msgpack
 
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.keys import validate_key
-from kvstore.wire import ERROR_TYPES, MAX_BATCH_KEYS
+from kvstore.protocol.wire import ERROR_TYPES, MAX_BATCH_KEYS
 
 PREFACE = b"\x89KVD\r\n\x1a\n"
 PREFACE_FIRST_BYTE = PREFACE[0]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError
-from kvstore.tiers.base import Blob, Tier, TierStats
+from kvstore.tiers.base import Tier, TierStats
 
 TIER_NAMES = ("gpu", "cpu", "disk", "redis")
 
@@ -31,4 +31,4 @@ def make_tier(name: str, config: StoreConfig) -> Tier:
     raise ConfigError(f"unknown tier {name!r}; known: {', '.join(TIER_NAMES)}")
 
 
-__all__ = ["Blob", "Tier", "TierStats", "TIER_NAMES", "make_tier"]
+__all__ = ["Tier", "TierStats", "TIER_NAMES", "make_tier"]

@@ -1,4 +1,4 @@
-"""Where a kvstore-server's cpu tier keeps its blobs: one sealed memfd segment (kvstore.shm) that the
+"""Where a kvstore-server's cpu tier keeps its blobs: one sealed memfd segment (kvstore.protocol.shm) that the
 clients on the same host map read-only, so a get can lend them a blob where it lies instead of
 copying it (docs/design.md §8: `GET` with `a`).
 
@@ -20,8 +20,7 @@ import weakref
 
 import numpy as np
 
-from kvstore import shm
-from kvstore.tiers.base import Blob
+from kvstore.protocol import Blob, shm
 
 SEAL_FUTURE_WRITE = 0x0010  # F_SEAL_FUTURE_WRITE (Linux 5.1); the fcntl module does not name it
 

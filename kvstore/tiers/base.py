@@ -7,7 +7,7 @@ from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-Blob = bytes | bytearray | memoryview
+from kvstore.protocol import Blob
 
 # Why a tier did not store a blob: the `reason` label of kvstore_dropped_writes_total. The store adds
 # QUEUE_FULL (write-back overflow) and TIER_ERROR (an exception a tier should not have raised).

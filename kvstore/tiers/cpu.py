@@ -1,16 +1,21 @@
 """The `cpu` tier: blobs in host memory, LRU within a byte capacity, optional TTL.
 
-Zero-copy: a `bytes` blob (or a read-only memoryview, `kvstore.tiers.base.immutable`) is kept as the
-very object that was put and `get` hands that object back. Other buffers are copied once on put.
-With CUDA present the blobs live in pinned (page-locked) host memory instead, so the GPU tier and the
-engine can copy them to the device asynchronously; `get` then returns a read-only memoryview of the
-pinned buffer. `torch.empty(..., pin_memory=True)` raises without CUDA, hence the check.
-
-In a kvstore-server with shared memory on (`StoreConfig.cpu_shared`) the blobs are copied into an
-`Arena` instead, which clients on the same host map read-only (kvstore.tiers.arena); `get` returns a
-read-only memoryview of the blob's region there, and `arena_index` tells those clients where each
-blob lies (kvstore.tiers.arena_index) so they can read it without a request. Eviction stays LRU by bytes exactly: a blob for which
-no free region is large enough (fragmentation, regions lent to clients) is kept outside the arena.
+Where its blobs live is `memory` (`StoreConfig.cpu_memory`, `--cpu-memory`; docs/design.md §8):
+- "plain": Python/numpy buffers. A `bytes` blob (or a read-only memoryview,
+  `kvstore.tiers.base.immutable`) is kept as the very object that was put and `get` hands that object
+  back; other buffers are copied once on put.
+- "pinned": page-locked host memory, so a GPU tier or engine in THIS process copies them to the device
+  asynchronously; `get` returns a read-only memoryview of the pinned buffer. Needs CUDA
+  (`torch.empty(..., pin_memory=True)` raises without it): a ConfigError otherwise.
+- "arena": one shared-memory `Arena` that clients on the same host map read-only (kvstore.tiers.arena);
+  `get` returns a read-only memoryview of the blob's region there, and `arena_index` tells those
+  clients where each blob lies (kvstore.tiers.arena_index) so they can read it without a request.
+  Eviction stays LRU by bytes exactly: a blob for which no free region is large enough
+  (fragmentation, regions lent to clients) is kept outside the arena.
+- "auto": pinned with CUDA, else plain (a store inside an engine's process); a kvstore-server with
+  shared memory on makes it "arena" whether or not the host has CUDA (server.runner.open_store):
+  pinned pages of the server's process serve no other process's GPU copies, the arena serves every
+  same-host client.
 
 Byte accounting counts blob bytes exactly (`usage() == sum(len(blob))`), not Python object overhead.
 """
@@ -25,12 +30,13 @@ import weakref
 import numpy as np
 import torch
 
-from kvstore.config import StoreConfig
-from kvstore.errors import InvalidArgument
+from kvstore.config import CpuMemory, StoreConfig
+from kvstore.errors import ConfigError, InvalidArgument
 from kvstore.lru import Entry, LRUIndex, check_ttl
+from kvstore.protocol import Blob
 from kvstore.tiers.arena import Arena
 from kvstore.tiers.arena_index import ArenaIndex, PublishedLRU
-from kvstore.tiers.base import Blob, TierStats, immutable
+from kvstore.tiers.base import TierStats, immutable
 from kvstore.tiers.indexed import IndexedTier
 
 logger = logging.getLogger(__name__)
@@ -43,23 +49,33 @@ def _pinned_copy(blob: Blob) -> memoryview:
     return memoryview(arr).toreadonly()  # the view keeps the pinned tensor alive
 
 
+def resolve_memory(memory: CpuMemory, cuda: bool) -> CpuMemory:
+    """What `memory` means on a host with or without `cuda`: "auto" is "pinned" with CUDA, else "plain"
+    (a kvstore-server with shared memory asks for "arena" instead: server.runner.open_store); "pinned"
+    without CUDA is a ConfigError (asked for, it is not quietly something else); "arena" is an arena
+    with or without CUDA."""
+    if memory == "auto":
+        return "pinned" if cuda else "plain"
+    if memory == "pinned" and not cuda:
+        raise ConfigError("--cpu-memory pinned needs CUDA, and this host has none: use arena or plain")
+    if memory not in ("plain", "pinned", "arena"):
+        raise ConfigError(f"cpu_memory must be auto, plain, pinned or arena, got {memory!r}")
+    return memory
+
+
 class CpuTier(IndexedTier):
     """Host-memory tier. Thread-safe; every index operation holds one lock, copies happen outside it."""
 
     trusted = True  # it keeps verified blobs, immutable, in this process's memory (Tier: `trusted`)
 
-    def __init__(
-        self, capacity: int, name: str = "cpu", pinned: bool | None = None, shared: bool = False
-    ) -> None:
+    def __init__(self, capacity: int, name: str = "cpu", memory: CpuMemory = "auto") -> None:
         if capacity <= 0:
             raise InvalidArgument(f"cpu tier capacity must be positive, got {capacity}")
         self.name = name
         self.capacity = capacity
-        self.pinned = torch.cuda.is_available() if pinned is None else pinned
-        if self.pinned and not torch.cuda.is_available():
-            raise InvalidArgument("pinned host memory needs CUDA")
-        # pinned memory serves the GPU better than lending serves same-host clients
-        self.arena = Arena(capacity) if shared and not self.pinned else None
+        self.memory = resolve_memory(memory, cuda=torch.cuda.is_available())
+        self.pinned = self.memory == "pinned"
+        self.arena = Arena(capacity) if self.memory == "arena" else None
         # where each arena blob lies, for same-host clients that read without asking (arena_index)
         self.arena_index = ArenaIndex(capacity) if self.arena is not None else None
         self.stats = TierStats()
@@ -75,7 +91,7 @@ class CpuTier(IndexedTier):
 
     @classmethod
     def from_config(cls, config: StoreConfig) -> CpuTier:
-        return cls(config.cpu_capacity, shared=config.cpu_shared)
+        return cls(config.cpu_capacity, memory=config.cpu_memory)
 
     def _own(self, blob: Blob) -> Blob:
         """An immutable buffer holding `blob` that the tier may keep."""

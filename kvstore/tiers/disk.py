@@ -36,7 +36,8 @@ from kvstore.config import StoreConfig
 from kvstore.errors import InvalidArgument
 from kvstore.keys import validate_key
 from kvstore.lru import Entry, LRUIndex, check_ttl
-from kvstore.tiers.base import TOO_LARGE, Blob, TierReadError, TierStats, TierWriteError, os_detail, os_reason
+from kvstore.protocol import Blob
+from kvstore.tiers.base import TOO_LARGE, TierReadError, TierStats, TierWriteError, os_detail, os_reason
 from kvstore.tiers.disk_files import (
     TMP_PREFIX,
     NotRegular,

@@ -24,7 +24,8 @@ import torch
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError, InvalidArgument
 from kvstore.lru import Entry, LRUIndex, check_ttl
-from kvstore.tiers.base import BACKEND_ERROR, NO_SPACE, Blob, TierStats, TierWriteError
+from kvstore.protocol import Blob
+from kvstore.tiers.base import BACKEND_ERROR, NO_SPACE, TierStats, TierWriteError
 from kvstore.tiers.indexed import IndexedTier
 
 log = logging.getLogger(__name__)

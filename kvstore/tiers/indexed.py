@@ -6,7 +6,8 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 
 from kvstore.lru import LRUIndex, check_ttl
-from kvstore.tiers.base import TOO_LARGE, Blob, TierStats, TierWriteError
+from kvstore.protocol import Blob
+from kvstore.tiers.base import TOO_LARGE, TierStats, TierWriteError
 
 
 class IndexedTier:

@@ -58,7 +58,8 @@ from redis.exceptions import AskError
 
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError
-from kvstore.tiers.base import BACKEND_ERROR, TOO_LARGE, UNAVAILABLE, Blob, TierStats, TierWriteError
+from kvstore.protocol import Blob
+from kvstore.tiers.base import BACKEND_ERROR, TOO_LARGE, UNAVAILABLE, TierStats, TierWriteError
 from kvstore.tiers.handoff_journal import Journal
 from kvstore.tiers.redis_cmds import as_value, px_of, server_info
 from kvstore.tiers.redis_conn import (

@@ -10,7 +10,8 @@ from typing import Any
 import redis
 
 from kvstore.lru import check_ttl
-from kvstore.tiers.base import Blob, TierStats
+from kvstore.protocol import Blob
+from kvstore.tiers.base import TierStats
 
 
 def asking(client: redis.Redis, fn: Callable[[redis.Redis], Any]) -> Any:

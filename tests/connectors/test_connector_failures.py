@@ -8,7 +8,7 @@ import time
 import torch
 
 from kvstore.blob import encode_blob
-from kvstore.tiers.arena_index import STALE_S
+from kvstore.protocol.arena_table import STALE_S
 from tests.connectors.sim import HEAD_DIM, KV_HEADS, LAYERS, Req, make_config, prompt, truth_kv
 
 

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from kvstore import shm
+from kvstore.protocol import shm
 from kvstore.tiers.arena import Arena, arena_size
 from kvstore.tiers.cpu import CpuTier
 
@@ -37,7 +37,7 @@ def test_a_region_is_free_once_its_last_buffer_goes() -> None:
 
 
 def test_the_shared_tier_stores_copies_and_counts_bytes_exactly() -> None:
-    tier = CpuTier(4 * MiB, pinned=False, shared=True)
+    tier = CpuTier(4 * MiB, memory="arena")
     for i in range(10):  # 10 MiB through a 4 MiB tier
         tier.put(f"{i:032x}", blob(i))
     assert tier.usage() == 4 * MiB and len(tier) == 4
@@ -48,7 +48,7 @@ def test_the_shared_tier_stores_copies_and_counts_bytes_exactly() -> None:
 
 
 def test_eviction_stays_lru_by_bytes_and_a_blob_without_a_region_is_kept_outside() -> None:
-    tier = CpuTier(8 * MiB, pinned=False, shared=True)
+    tier = CpuTier(8 * MiB, memory="arena")
     assert tier.arena.size == arena_size(8 * MiB)
     for i in range(32):  # small blobs everywhere...
         tier.put(f"{i:032x}", blob(i, MiB // 4))

@@ -10,7 +10,7 @@ import pickle
 import numpy as np
 import pytest
 
-from kvstore import shm
+from kvstore.protocol import shm
 from kvstore.tiers.arena_index import ArenaIndex
 
 pytestmark = pytest.mark.skipif(not shm.available(), reason="needs memfd and /proc")
@@ -28,7 +28,7 @@ def test_a_closed_segment_closes_its_fd_even_while_viewed(caplog) -> None:
     held = pickle.PickleBuffer(seg.view)  # holds a buffer of the segment's own view (an export of it)
     viewed = np.frombuffer(seg.map, np.uint8)  # and one of the mapping
     assert fd_is_the_segment(seg.fd)
-    with caplog.at_level(logging.WARNING, logger="kvstore.shm"):
+    with caplog.at_level(logging.WARNING, logger="kvstore.protocol.shm"):
         seg.close()
     assert not fd_is_the_segment(seg.fd)
     assert "segment 7 closed while still viewed" in caplog.text
@@ -38,7 +38,7 @@ def test_a_closed_segment_closes_its_fd_even_while_viewed(caplog) -> None:
 
 def test_a_segment_closed_unviewed_says_nothing(caplog) -> None:
     seg = shm.Segment(8, shm.DATA_START + 4096)
-    with caplog.at_level(logging.WARNING, logger="kvstore.shm"):
+    with caplog.at_level(logging.WARNING, logger="kvstore.protocol.shm"):
         seg.close()
     assert not fd_is_the_segment(seg.fd) and caplog.text == ""
 
@@ -46,7 +46,7 @@ def test_a_segment_closed_unviewed_says_nothing(caplog) -> None:
 def test_an_arena_index_closed_while_viewed_closes_its_fd(caplog) -> None:
     index = ArenaIndex(1 << 20)
     held = pickle.PickleBuffer(index.segment.view)
-    with caplog.at_level(logging.WARNING, logger="kvstore.shm"):
+    with caplog.at_level(logging.WARNING, logger="kvstore.protocol.shm"):
         index.close()
     assert not fd_is_the_segment(index.segment.fd) and "closed while still viewed" in caplog.text
     del held

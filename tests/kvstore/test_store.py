@@ -14,8 +14,8 @@ from prometheus_client import generate_latest
 from kvstore.blob import encode_blob
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError, CorruptBlob, InvalidArgument, InvalidKey, TooLarge
+from kvstore.protocol import Blob
 from kvstore.store import TieredStore
-from kvstore.tiers.base import Blob
 from kvstore.tiers.cpu import CpuTier
 from kvstore.tiers.disk import DiskTier
 

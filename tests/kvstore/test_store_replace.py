@@ -14,8 +14,8 @@ import torch
 
 from kvstore.blob import encode_blob
 from kvstore.config import StoreConfig
+from kvstore.protocol import Blob
 from kvstore.store import TieredStore
-from kvstore.tiers.base import Blob
 from kvstore.tiers.cpu import CpuTier
 from kvstore.tiers.disk import DiskTier
 

@@ -22,10 +22,11 @@ from kvstore.errors import ConfigError, InvalidArgument, InvalidKey
 from kvstore.lru import check_ttl
 from kvstore.tiers import make_tier
 from kvstore.tiers.base import Tier, TierWriteError
-from kvstore.tiers.cpu import CpuTier
+from kvstore.tiers.cpu import CpuTier, resolve_memory
 from kvstore.tiers.disk import TMP_PREFIX, DiskTier
 
 REPO = Path(__file__).resolve().parents[2]
+MiB = 1 << 20
 
 
 def key(i: int) -> str:
@@ -45,7 +46,7 @@ def make_kind(kind: str, capacity: int, path: Path) -> Tier:
     """cpu, cpu-shared (its blobs in the arena, as in a kvstore-server with shared memory) or disk."""
     if kind == "disk":
         return DiskTier(path, capacity, fsync=False)
-    return CpuTier(capacity, pinned=False, shared=kind == "cpu-shared")
+    return CpuTier(capacity, memory="arena" if kind == "cpu-shared" else "plain")
 
 
 @pytest.fixture(params=["cpu", "cpu-shared", "disk"])
@@ -153,7 +154,7 @@ def test_check_ttl_is_shared_by_every_tier() -> None:
 
 
 def test_cpu_get_is_zero_copy_for_bytes() -> None:
-    tier = CpuTier(10 * SIZE, pinned=False)
+    tier = CpuTier(10 * SIZE, memory="plain")
     b = blob(1)
     tier.put(key(0), b)
     assert tier.get(key(0)) is b
@@ -163,11 +164,26 @@ def test_cpu_get_is_zero_copy_for_bytes() -> None:
     assert tier.get(key(1)) == b
 
 
+def test_cpu_memory_is_a_setting_that_cuda_does_not_override() -> None:
+    """Issue 35 #5: with CUDA present the tier pinned its memory and built no arena even when asked
+    for one, so a kvstore-server beside a GPU vLLM lost its same-host reads. Where the blobs live is
+    one setting now; "auto" alone looks at CUDA, "pinned" without it is a clear error."""
+    assert resolve_memory("arena", cuda=True) == "arena" and resolve_memory("plain", cuda=True) == "plain"
+    assert resolve_memory("auto", cuda=True) == "pinned" and resolve_memory("auto", cuda=False) == "plain"
+    with pytest.raises(ConfigError, match="pinned needs CUDA"):
+        resolve_memory("pinned", cuda=False)
+    with pytest.raises(ConfigError):
+        StoreConfig(cpu_memory="tape")
+    tier = CpuTier(MiB, memory="arena")  # an arena on this host whatever torch says
+    assert tier.memory == "arena" and tier.arena is not None and not tier.pinned
+    tier.close()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only machine")
 def test_cpu_tier_without_cuda_uses_plain_memory() -> None:
-    assert not CpuTier(100).pinned
-    with pytest.raises(InvalidArgument):
-        CpuTier(100, pinned=True)
+    assert not CpuTier(100).pinned and CpuTier(100).memory == "plain"
+    with pytest.raises(ConfigError, match="pinned needs CUDA"):
+        CpuTier(100, memory="pinned")
 
 
 @pytest.mark.gpu

@@ -111,3 +111,40 @@ def test_imports_point_right() -> None:
             if not ok and not (mod == "connectors.vllm" or mod.startswith("connectors.vllm_")):
                 bad.append(f"{mod} -> {dep}")
     assert bad == []
+
+
+def _protocol_breaches(graph: dict[str, set[str]]) -> list[str]:
+    """docs/design.md §0: the SDK and the server meet only in the protocol (kvstore.protocol): the SDK
+    imports no server tier (kvstore.tiers), the server no SDK module, and the protocol is readable
+    alone (it imports only itself, kvstore.errors and kvstore.keys)."""
+    protocol_may = ("kvstore.protocol", "kvstore.errors", "kvstore.keys")
+    bad = []
+    for mod, deps in graph.items():
+        for dep in deps:
+            tier = dep == "kvstore.tiers" or dep.startswith("kvstore.tiers.")
+            if (mod == "sdk" or mod.startswith("sdk.")) and tier:
+                bad.append(f"{mod} -> {dep}")
+            if (mod == "server" or mod.startswith("server.")) and (dep == "sdk" or dep.startswith("sdk.")):
+                bad.append(f"{mod} -> {dep}")
+            if mod.startswith("kvstore.protocol") and not any(
+                dep == p or dep.startswith(p + ".") for p in protocol_may
+            ):
+                bad.append(f"{mod} -> {dep}")
+    return sorted(bad)
+
+
+def test_the_sdk_and_the_server_meet_only_in_the_protocol() -> None:
+    assert _protocol_breaches(_graph()) == []
+
+
+def test_the_protocol_rule_sees_a_breach() -> None:
+    graph = {
+        "sdk.shm": {"kvstore.tiers.arena_index", "kvstore.protocol.shm"},
+        "server.app": {"sdk.store", "kvstore.protocol.wire"},
+        "kvstore.protocol.wire": {"kvstore.errors", "kvstore.store"},
+    }
+    assert _protocol_breaches(graph) == [
+        "kvstore.protocol.wire -> kvstore.store",
+        "sdk.shm -> kvstore.tiers.arena_index",
+        "server.app -> sdk.store",
+    ]

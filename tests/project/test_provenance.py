@@ -13,7 +13,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks"
-NOT_BENCHMARKS = {"fleet.py", "hostile_clients.py", "provenance.py"}  # a launcher and two libraries
+NOT_BENCHMARKS = {
+    "fleet.py",
+    "fleet_netns.py",
+    "hostile_clients.py",
+    "provenance.py",
+}  # a launcher, 3 libraries
 
 
 def _run(tmp_path: Path, body: str, *args: str) -> tuple[subprocess.CompletedProcess, list[dict]]:

@@ -1,5 +1,5 @@
 """Same-host gets without a request: the server publishes where each cpu-arena blob lies
-(kvstore.tiers.arena_index) and the SDK copies blobs out when the entry stays unchanged across the
+(kvstore.tiers.arena_index, read through kvstore.protocol.arena_table) and the SDK copies blobs out when the entry stays unchanged across the
 copy. Never a stale or torn blob, never a write into the table from a client, and the server still
 sees every read (TOUCH): hits counted, LRU recency refreshed."""
 
@@ -14,11 +14,12 @@ import urllib.request
 
 import pytest
 
-from kvstore import dataplane as dp
-from kvstore import shm
 from kvstore.blob import verify_blob
 from kvstore.lru import LRUIndex
-from kvstore.tiers.arena_index import STALE_S, ArenaIndex, IndexReader, PublishedLRU, usable_here
+from kvstore.protocol import dataplane as dp
+from kvstore.protocol import shm
+from kvstore.protocol.arena_table import STALE_S, IndexReader, usable_here
+from kvstore.tiers.arena_index import ArenaIndex, PublishedLRU
 from kvstore.tiers.cpu import CpuTier
 from sdk import transfers as tr
 from sdk.buffers import BufferPool
@@ -138,7 +139,7 @@ def test_reads_during_overwrites_and_evictions_get_whole_blobs(server_factory):
 def test_an_entry_that_changes_during_the_copy_sends_the_get_to_the_server():
     """The copy a reader made is thrown away when the entry's generation moved meanwhile (the blob
     was replaced while it copied), and its buffers go back to the pool."""
-    tier = CpuTier(4 * MiB, shared=True)
+    tier = CpuTier(4 * MiB, memory="arena")
     blob, other = make_blob(1, tokens=2048), make_blob(2, tokens=2048)
     tier.put(key(1), blob)
     table = tier.arena_index
@@ -174,7 +175,7 @@ def test_the_table_names_exactly_the_arena_blobs_without_a_ttl():
     """After every put, overwrite, delete, expiry and eviction, each published entry is where the tier
     keeps that key's blob; each key the tier keeps in the arena without a TTL is published when at most
     one other key shares its pair of slots (2-way: a third key would take its home slot over)."""
-    tier = CpuTier(2 * MiB, shared=True)
+    tier = CpuTier(2 * MiB, memory="arena")
     now = [0.0]
     tier._clock = lambda: now[0]
     rng = random.Random(1)
@@ -292,9 +293,9 @@ def test_touch_is_never_answered_and_a_bad_one_closes_only_its_connection(server
 
 
 def test_a_table_for_a_plain_lru_is_not_made():
-    tier = CpuTier(MiB)
+    tier = CpuTier(MiB, memory="plain")
     assert tier.arena_index is None and type(tier._index) is LRUIndex
-    shared = CpuTier(MiB, shared=True)
+    shared = CpuTier(MiB, memory="arena")
     assert isinstance(shared._index, PublishedLRU) and isinstance(shared.arena_index, ArenaIndex)
     shared.close()
 

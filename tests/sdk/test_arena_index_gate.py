@@ -7,9 +7,9 @@ import platform
 
 import pytest
 
-from kvstore import dataplane as dp
-from kvstore import shm
-from kvstore.tiers.arena_index import usable_here
+from kvstore.protocol import dataplane as dp
+from kvstore.protocol import shm
+from kvstore.protocol.arena_table import usable_here
 from sdk.remote import RemoteBackend
 from tests.sdk.test_arena_index import answer, raw_plane, send
 from tests.server.conftest import key, make_blob

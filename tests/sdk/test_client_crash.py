@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from kvstore import dataplane as dp
-from kvstore import shm
 from kvstore.blob import verify_blob
+from kvstore.protocol import dataplane as dp
+from kvstore.protocol import shm
 from sdk.remote import RemoteBackend
 from tests.sdk.test_transports import memfds, wait_for
 from tests.server.conftest import key, make_blob

@@ -12,9 +12,9 @@ import time
 import pytest
 import torch
 
-from kvstore import shm
 from kvstore.blob import verify_blob
 from kvstore.errors import CorruptBlob, InvalidArgument, InvalidKey, TooLarge, Unauthorized, Unavailable
+from kvstore.protocol import shm
 from sdk import dataplane as sdp
 from sdk.remote import RemoteBackend
 from sdk.store import Store

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import torch
 
-from kvstore import wire
 from kvstore.blob import encode_blob
 from kvstore.config import StoreConfig
+from kvstore.protocol import wire
 from kvstore.store import TieredStore
 from server.config import ServerConfig
 from server.runner import ServerThread, open_store

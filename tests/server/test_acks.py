@@ -9,8 +9,8 @@ import re
 
 import pytest
 
-from kvstore import wire
 from kvstore.errors import NotStored
+from kvstore.protocol import wire
 from sdk import Store
 from tests.server.conftest import key, make_blob
 from tests.valkey import wait_until

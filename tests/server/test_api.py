@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 
-from kvstore import wire
+from kvstore.protocol import wire
 from tests.server.conftest import key, make_blob
 
 

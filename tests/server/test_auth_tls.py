@@ -9,8 +9,8 @@ import subprocess
 
 import pytest
 
-from kvstore import wire
 from kvstore.errors import ConfigError, Unauthorized, Unavailable
+from kvstore.protocol import wire
 from sdk.remote import RemoteBackend
 from sdk.store import Store
 from server.config import ServerConfig

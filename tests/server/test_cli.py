@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from kvstore import wire
 from kvstore.errors import ConfigError
+from kvstore.protocol import wire
 from sdk.remote import RemoteBackend
 from server.cli import build_parser, main
 from server.config import load_configs
@@ -197,3 +197,24 @@ def test_every_option_of_help_says_what_it_does_and_its_default():
             else:
                 shown = str(default)
             assert shown in text, f"--{name} does not show its default {shown}: {text!r}"
+
+
+def test_the_servers_cpu_memory_is_an_arena_with_shared_memory_cuda_or_not() -> None:
+    """Issue 35 #5: `--cpu-memory auto` is an arena whenever shared memory is on (a GPU host too, where
+    the tier used to pin itself and build none); `arena` without shared memory is a ConfigError;
+    an explicit choice is kept."""
+    from kvstore.config import StoreConfig  # noqa: PLC0415
+    from kvstore.protocol import shm  # noqa: PLC0415
+    from server.config import ServerConfig  # noqa: PLC0415
+    from server.runner import server_cpu_memory  # noqa: PLC0415
+
+    on, off = ServerConfig(), ServerConfig(shm_budget=0)
+    if shm.available():
+        assert server_cpu_memory(StoreConfig(), on) == "arena"
+        assert server_cpu_memory(StoreConfig(cpu_memory="arena"), on) == "arena"
+    assert server_cpu_memory(StoreConfig(), off) == "auto"  # the tier decides: pinned with CUDA
+    assert server_cpu_memory(StoreConfig(cpu_memory="plain"), on) == "plain"
+    with pytest.raises(ConfigError, match="--cpu-memory arena needs shared memory"):
+        server_cpu_memory(StoreConfig(cpu_memory="arena"), off)
+    assert build_parser().parse_args(["--cpu-memory", "plain"]).cpu_memory == "plain"
+    assert load_configs(None, cpu_memory="plain")[0].cpu_memory == "plain"

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from kvstore import wire
+from kvstore.protocol import wire
 from tests.server.conftest import key, make_blob, route_content_type
 
 EVIL = "http://evil.example"

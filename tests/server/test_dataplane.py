@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from kvstore import dataplane as dp
-from kvstore import shm
+from kvstore.protocol import dataplane as dp
+from kvstore.protocol import shm
 from sdk.remote import RemoteBackend
 from tests.sdk.test_transports import wait_for
 from tests.server.conftest import key, make_blob

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore import wire
+from kvstore.protocol import wire
 from tests.server.conftest import key, make_blob, read_response
 
 REPO = Path(__file__).resolve().parents[2]

@@ -13,7 +13,7 @@ import time
 import msgpack
 import pytest
 
-from kvstore import wire
+from kvstore.protocol import wire
 from tests.kvstore.test_blob import forge
 from tests.server.conftest import RawResponse, key, make_blob, read_response
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvstore import wire
+from kvstore.protocol import wire
 from tests.server.conftest import key, make_blob
 
 

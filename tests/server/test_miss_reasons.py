@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from kvstore import wire
+from kvstore.protocol import wire
 from sdk import Store
 from sdk.local import LocalBackend
 from tests.server.conftest import key, make_blob

@@ -1,4 +1,4 @@
-"""kvstore.wire: batch frames round-trip and reject malformations; errors map back to their types."""
+"""kvstore.protocol.wire: batch frames round-trip and reject malformations; errors map back to their types."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore import errors, wire
+from kvstore import errors
+from kvstore.protocol import wire
 
 hex_keys = st.text(alphabet="0123456789abcdef", min_size=32, max_size=64)
 payloads = st.one_of(st.none(), st.binary(max_size=300))
