@@ -106,6 +106,8 @@ class KVTransferConfig(BaseModel):
         for name in ("lookup_timeout_s", "timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not self.unreachable_backoff_s >= 0:  # the breaker's backoff (kvstore/breaker.py)
+            raise ValueError(f"unreachable_backoff_s must be 0 or more, got {self.unreachable_backoff_s}")
         if self.chunk_size % self.block_size:
             raise ValueError(
                 f"chunk_size {self.chunk_size} must be a multiple of the engine block_size {self.block_size}"

@@ -7,7 +7,8 @@ closes it.
 
 The handle also remembers when the store last failed: for `unreachable_backoff_s` after a failure
 the connectors skip it (a miss, counted as `unreachable`) instead of paying a connection timeout on
-every engine step (a circuit breaker). Lookups, the only store calls inside an engine step, end
+every engine step (kvstore/breaker.py's circuit breaker, with a fixed backoff; once it has passed
+every caller may try). Lookups, the only store calls inside an engine step, end
 after `lookup_timeout_s` (a miss that opens the breaker); loads and saves run in the background.
 Inference never waits on a dead or hung store for longer than that.
 """
@@ -17,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 
 from connectors.config import KVTransferConfig
 from connectors.metrics import ConnectorMetrics
+from kvstore.breaker import Breaker
 from kvstore.errors import ConfigError, Forbidden, KVStoreError, Unauthorized, Unavailable
 from kvstore.protocol import Blob
 
@@ -50,18 +51,18 @@ class StoreHandle:
         self.metrics = ConnectorMetrics()
         self.refs = 0
         self._backoff_s = backoff_s
-        self._down_until = 0.0
+        self._breaker = Breaker(backoff_s, backoff_s)
         self._lock = threading.Lock()
         self._lookup_pool = ThreadPoolExecutor(2, thread_name_prefix="kv-lookup")
 
     # ---- reachability -----------------------------------------------------------------------
     def reachable(self) -> bool:
-        return time.monotonic() >= self._down_until
+        return not self._breaker.refusing()
 
     def mark_unreachable(self, err: Exception) -> None:
         with self._lock:
-            first = self.reachable()
-            self._down_until = time.monotonic() + self._backoff_s
+            first = self.reachable()  # logged once per backoff
+            self._breaker.failure()
         if first:
             logger.warning("KV store unreachable (%s); skipping it for %.1f s", err, self._backoff_s)
 

@@ -69,7 +69,7 @@ class _TierCollector(Collector):
 
 
 def _cluster_families(tiers: Sequence[Tier]) -> Iterator[Metric]:
-    """A tier's own client counters (the redis tier's, kvstore/tiers/redis_conn.py CLUSTER_COUNTERS),
+    """A tier's own client counters (the redis tier's, kvstore/tiers/redis/servers.py CLUSTER_COUNTERS),
     for the tiers that keep them."""
     redirects = CounterMetricFamily(
         "kvstore_cluster_redirects",

@@ -1,5 +1,6 @@
-"""The redis tier's invalidations on disk (hinted handoff, redis_handoff.py), so that a restart keeps
-them: a delete or replace made while Redis was down is never undone by restarting this process.
+"""The redis tier's invalidations on disk (hinted handoff, kvstore/tiers/redis/handoff.py), so that
+a restart keeps them: a delete or replace made while Redis was down is never undone by restarting
+this process.
 
 A directory per Redis URL and prefix holds slots `<n>.log` (records) and `<n>.lock` (flock'ed while a
 process owns the slot: several processes with the same Redis and prefix each take their own).

@@ -30,6 +30,7 @@ def test_defaults_and_sizes() -> None:
         {"local_tiers": ["cpu", "cpu"]},
         {"local_tiers": ["tape"]},
         {"local_cpu_capacity": "lots"},
+        {"unreachable_backoff_s": -1},
         {"no_such_field": 1},
     ],
 )

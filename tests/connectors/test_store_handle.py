@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -12,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from connectors.config import KVTransferConfig
-from connectors.store_handle import acquire_store, release_store
-from kvstore.errors import ConfigError
+from connectors.store_handle import StoreHandle, acquire_store, release_store
+from kvstore.errors import ConfigError, Unavailable
 from tests.connectors.conftest import ServerProcess
 
 TOKEN = "s3cret-token-0123456789abcdef"
@@ -73,3 +74,21 @@ def test_a_closed_port_is_unreachable(caplog) -> None:
     with caplog.at_level(logging.WARNING, logger="connectors.store_handle"):
         release_store(acquire_store(KVTransferConfig(store_url="http://127.0.0.1:1", timeout_s=2)))
     assert "does not answer yet" in caplog.text
+
+
+def test_a_failed_store_is_skipped_for_the_backoff_then_anyone_may_try(caplog) -> None:
+    """The handle's circuit breaker (kvstore/breaker.py): a fixed backoff, logged once per backoff."""
+    handle = StoreHandle(("test",), store=None, backoff_s=0.2)
+    try:
+        with caplog.at_level(logging.WARNING, logger="connectors.store_handle"):
+            assert handle.reachable()
+            handle.mark_unreachable(Unavailable("down"))
+            assert not handle.reachable()
+            handle.mark_unreachable(Unavailable("still down"))  # within the backoff: no second line
+            time.sleep(0.25)
+            assert handle.reachable() and handle.reachable()  # no probe claimed: every caller may try
+            handle.mark_unreachable(Unavailable("down again"))  # after the backoff: said again
+            assert not handle.reachable()
+    finally:
+        handle._lookup_pool.shutdown()
+    assert caplog.text.count("KV store unreachable") == 2

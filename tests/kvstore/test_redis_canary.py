@@ -9,7 +9,7 @@ import inspect
 import redis
 from redis.connection import AbstractConnection
 
-from kvstore.tiers.redis_conn import ZeroCopyConnection, ZeroCopySSLConnection
+from kvstore.tiers.redis.connection import ZeroCopyConnection, ZeroCopySSLConnection
 
 
 def test_connections_take_a_command_packer():

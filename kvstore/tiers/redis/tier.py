@@ -21,7 +21,7 @@
 - Faults: a get while a server is down is a miss; a put it did not store raises TierWriteError
   naming the keys and why (counted in `stats.errors`, `stats.dropped_puts`); errors are logged once
   per outage.
-- Consistency through an outage (hinted handoff, redis_handoff.py): a delete, or a put replacing a
+- Consistency through an outage (hinted handoff, handoff.py): a delete, or a put replacing a
   blob the servers may hold (as far as this process knows: its index), that cannot reach its server
   invalidates the key: reads treat it as a miss until a replayer has deleted it on the server, so the
   older blob is never served. At most `max_invalidated` keys wait; beyond that the put or delete
@@ -36,9 +36,10 @@
   are returned as they are; a batch is one MGET (standalone) or one pipeline per primary, the
   primaries asked concurrently (Cluster). `contains_many` is one pipeline of EXISTS per server, so a
   prefix lookup through the store costs one round trip, not one per key.
-- Files: this one is the Tier protocol; `redis_conn.py` reaches the servers (URLs, connections,
-  routing, redirects, breakers); `redis_cmds.py` the commands and values sent; `redis_index.py` keeps
-  the byte accounting; `redis_handoff.py` the invalidations.
+- Files (the package kvstore/tiers/redis/): this one is the Tier protocol; `connection.py` the URLs
+  and zero-copy connections; `servers.py` reaches the servers (routing, redirects, a circuit breaker
+  per server from kvstore/breaker.py); `commands.py` the commands and values sent; `index.py` keeps
+  the byte accounting; `handoff.py` the invalidations.
 """
 
 from __future__ import annotations
@@ -61,19 +62,13 @@ from kvstore.errors import ConfigError
 from kvstore.protocol import Blob
 from kvstore.tiers.base import BACKEND_ERROR, TOO_LARGE, UNAVAILABLE, TierStats, TierWriteError
 from kvstore.tiers.handoff_journal import Journal
-from kvstore.tiers.redis_cmds import as_value, px_of, server_info
-from kvstore.tiers.redis_conn import (
-    BACKEND_ERRORS,
-    CONNECT_TIMEOUT_S,
-    FAIL,
-    SOCKET_TIMEOUT_S,
-    Endpoint,
-    RedisServers,
-)
-from kvstore.tiers.redis_handoff import Handoff
-from kvstore.tiers.redis_index import SCAN_BATCH, KeyIndex, Sizes, glob_escape, scan_sizes
+from kvstore.tiers.redis.commands import as_value, px_of, server_info
+from kvstore.tiers.redis.connection import CONNECT_TIMEOUT_S, SOCKET_TIMEOUT_S
+from kvstore.tiers.redis.handoff import Handoff
+from kvstore.tiers.redis.index import SCAN_BATCH, KeyIndex, Sizes, glob_escape, scan_sizes
+from kvstore.tiers.redis.servers import BACKEND_ERRORS, FAIL, Endpoint, RedisServers
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("kvstore.tiers.redis")  # the tier's warnings under one logger name
 
 UNBOUNDED = sys.maxsize
 MAX_INVALIDATED = 100_000  # ~10 MiB of keys; the store fails deletes/replaces beyond it until replayed

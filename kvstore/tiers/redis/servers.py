@@ -1,8 +1,5 @@
-"""How the redis tier reaches its servers: URLs, zero-copy connections, routing, circuit breakers.
+"""How the redis tier reaches its servers: routing, redirects, calls behind circuit breakers.
 
-- `split_url` turns `redis://[user:password@]h1:p1[,h2:p2...]/db` (or `rediss://...`) into redis-py
-  options and the list of hosts; anything malformed is a ConfigError.
-- Connections send values as they are (redis-py's hiredis packer copies each one into a new buffer).
 - `RedisServers` owns the clients (one pool standalone; one client per primary in a Cluster), maps a
   key to the server that owns it (hash slot -> primary, cached until the topology changes) and runs
   calls that never raise: `call` returns `FAIL` when the server is down, in backoff or refuses.
@@ -13,9 +10,10 @@
   in the background. A second redirect for the same command is an error (a miss, a failed write).
   While a primary is out of reach the map is refreshed in the background at most every 0.5 s, so a
   promoted replica is found without waiting for the breaker's backoff. Reads go to primaries only.
-- Each server has a `Breaker`: after a failure it is skipped without touching the network for a
-  backoff that doubles from 0.1 s to 5 s (counted in `stats.extra["fast_fails"]`), then one caller
-  probes it. redis-py's own retries are off: the breaker does the retrying and callers never wait.
+- Each server has a `Breaker` (kvstore/breaker.py): after a failure it is skipped without touching
+  the network for a backoff that doubles from 0.1 s to 5 s (counted in `stats.extra["fast_fails"]`),
+  then one caller probes it. redis-py's own retries are off: the breaker does the retrying and
+  callers never wait.
 """
 
 from __future__ import annotations
@@ -27,115 +25,43 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
-from redis.connection import Encoder, PythonRespSerializer, parse_url
 from redis.crc import key_slot
 from redis.exceptions import AskError, AuthenticationError, MovedError, RedisClusterException
 from redis.retry import Retry
 
+from kvstore.breaker import Breaker
 from kvstore.errors import ConfigError
 from kvstore.tiers.base import TierStats
-from kvstore.tiers.redis_cmds import asking, pipelined, replicated
+from kvstore.tiers.redis.commands import asking, pipelined, replicated
+from kvstore.tiers.redis.connection import (
+    CONNECT_TIMEOUT_S,
+    SOCKET_TIMEOUT_S,
+    ZeroCopyConnection,
+    ZeroCopySSLConnection,
+    split_url,
+)
 
 log = logging.getLogger("kvstore.tiers.redis")  # the tier's warnings under one logger name
 
-CONNECT_TIMEOUT_S = 0.5
-SOCKET_TIMEOUT_S = 2.0
 BACKOFF_MIN_S, BACKOFF_MAX_S = 0.1, 5.0
 BACKEND_ERRORS = (redis.RedisError, RedisClusterException, OSError)
 NETWORK_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
 FAIL = object()  # a call that did not reach the server (or that the server refused)
 REFRESH_EVERY_S = 0.5  # background slot-map refreshes while a primary is out of reach, at most this often
-PACK_CUTOFF = 6000  # values longer than this are sent as they are (redis-py's own cutoff)
 # stats.extra counters of a Cluster client, exported to Prometheus by kvstore/metrics.py: redirects
 # followed (ask, moved), slot-map refreshes, calls refused by a breaker without touching the network
 CLUSTER_COUNTERS = ("ask", "moved", "map_refreshes", "fast_fails")
-
-
-def _zero_copy(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Connection options that send values as they are: redis-py's hiredis packer copies every value
-    into one new buffer, its Python packer passes large values through. `command_packer` is a
-    constructor argument of redis-py connections (not a documented one: the canary in
-    tests/kvstore/test_redis_canary.py fails when it stops passing values through; pyproject pins
-    redis below the next major version)."""
-    encoder = Encoder(kwargs.get("encoding", "utf-8"), kwargs.get("encoding_errors", "strict"), False)
-    return {"command_packer": PythonRespSerializer(PACK_CUTOFF, encoder.encode), **kwargs}
-
-
-class ZeroCopyConnection(redis.Connection):
-    """A connection that sends values without copying them (a class, because a Cluster client takes
-    a `connection_class` but drops a `command_packer` option)."""
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**_zero_copy(kwargs))
-
-
-class ZeroCopySSLConnection(redis.SSLConnection):
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**_zero_copy(kwargs))
-
-
-class Breaker:
-    """Closed while calls succeed; after a failure, open (callers fail fast) until one probe succeeds."""
-
-    def __init__(self) -> None:
-        self.down = False
-        self.delay = BACKOFF_MIN_S
-        self.until = 0.0
-
-    def allow(self, now: float) -> bool:
-        if not self.down:
-            return True
-        if now < self.until:
-            return False
-        self.until = now + self.delay  # this caller probes; the others keep failing fast meanwhile
-        return True
-
-    def failure(self, now: float) -> bool:
-        """Returns True when this failure starts an outage."""
-        started = not self.down
-        self.delay = BACKOFF_MIN_S if started else min(self.delay * 2, BACKOFF_MAX_S)
-        self.down, self.until = True, now + self.delay
-        return started
-
-    def success(self) -> bool:
-        """Returns True when this success ends an outage."""
-        ended, self.down, self.delay = self.down, False, BACKOFF_MIN_S
-        return ended
 
 
 class Endpoint:
     """One server: its client and its breaker."""
 
     def __init__(self, name: str, client: redis.Redis) -> None:
-        self.name, self.client, self.breaker = name, client, Breaker()
-
-
-def split_url(url: str) -> tuple[str, dict[str, Any], list[tuple[str, int]]]:
-    """The URL cut to its first host, redis-py connection options from it, and every host:port listed."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("redis", "rediss"):
-        raise ConfigError(f"redis_url must start with redis:// or rediss://, got {url!r}")
-    userinfo, _, hostlist = parts.netloc.rpartition("@")
-    hosts: list[tuple[str, int]] = []
-    for item in filter(None, hostlist.split(",")):
-        host, _, port = item.rpartition(":") if item.rpartition(":")[2].isdigit() else (item, "", "6379")
-        hosts.append((host.strip("[]") or "127.0.0.1", int(port)))
-    if not hosts:
-        raise ConfigError(f"redis_url names no host: {url!r}")
-    if not (parts.path.strip("/") or "0").isdigit():
-        raise ConfigError(f"redis_url path must be a db number, got {parts.path!r} in {url!r}")
-    first = f"{userinfo}@{hosts[0][0]}:{hosts[0][1]}" if userinfo else f"{hosts[0][0]}:{hosts[0][1]}"
-    first_url = urlunsplit(parts._replace(netloc=first))
-    try:
-        options = parse_url(first_url)
-    except ValueError as e:
-        raise ConfigError(f"bad redis_url {url!r}: {e}") from None
-    return first_url, options, hosts
+        self.name, self.client, self.breaker = name, client, Breaker(BACKOFF_MIN_S, BACKOFF_MAX_S)
 
 
 class RedisServers:
@@ -178,7 +104,7 @@ class RedisServers:
                 **timeouts,
                 **({} if tls else {"connection_class": ZeroCopyConnection}),
             )
-            self._cluster_breaker = Breaker()
+            self._cluster_breaker = Breaker(BACKOFF_MIN_S, BACKOFF_MAX_S)
             for counter in CLUSTER_COUNTERS:  # exported from the start (kvstore/metrics.py)
                 stats.extra.setdefault(counter, 0)
         else:
@@ -195,7 +121,7 @@ class RedisServers:
     def _cluster_client(self) -> RedisCluster | None:
         if self._rc is not None:
             return self._rc
-        if not self._cluster_breaker.allow(time.monotonic()):
+        if not self._cluster_breaker.allow():
             return None
         try:
             self._rc = RedisCluster(**self._cluster_args)
@@ -203,7 +129,7 @@ class RedisServers:
             if isinstance(e, AuthenticationError):
                 self.auth_error = e
             self.stats.errors += 1
-            self._cluster_breaker.failure(time.monotonic())
+            self._cluster_breaker.failure()
             self.warn("cluster", "redis cluster %s unreachable: %s", self.url, e)
             return None
         self._cluster_breaker.success()
@@ -360,7 +286,7 @@ class RedisServers:
         """fn(ep.client) behind ep's breaker; FAIL, or the AskError/MovedError fn raised (to follow)."""
         if ep is None or self.closed:
             return FAIL
-        if not ep.breaker.allow(time.monotonic()):
+        if not ep.breaker.allow():
             self.stats.extra["fast_fails"] = self.stats.extra.get("fast_fails", 0) + 1
             self.refresh_soon(REFRESH_EVERY_S)  # a failover may have promoted a replica meanwhile
             return FAIL
@@ -372,7 +298,7 @@ class RedisServers:
             if isinstance(e, AuthenticationError):
                 self.auth_error = e
             self.stats.errors += 1
-            if ep.breaker.failure(time.monotonic()):
+            if ep.breaker.failure():
                 log.warning(
                     "redis %s is down (%s: %s); failing fast and retrying with backoff",
                     ep.name,
