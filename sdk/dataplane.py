@@ -1,7 +1,7 @@
 """The SDK side of the binary data plane (kvstore.protocol.dataplane): a pool of connections that said HELLO.
 
-Sync and thread-safe like `sdk.http.HttpClient`, with the same retries (`sdk.http.Retry`): every call is
-idempotent.
+Sync and thread-safe like `sdk.http.HttpClient`, with the same options and retries
+(`sdk.options.ClientOptions`): every call is idempotent.
 A request sends its header, meta and blobs in one `sendmsg` (no join); a response's body lands with
 `recv_into` in the buffer the caller picks. Connections that named a shared-memory segment remember
 it, so a segment is attached once per connection.
@@ -28,7 +28,8 @@ from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.protocol import Blob, shm
 from kvstore.protocol import dataplane as dp
 from sdk.buffers import fresh_buffer
-from sdk.http import RETRY_STATUSES, Into, Retry, connect, failure
+from sdk.http import Into, connect
+from sdk.options import RETRY_STATUSES, ClientOptions
 from sdk.pool import ConnectionPool
 
 log = logging.getLogger(__name__)
@@ -150,13 +151,8 @@ class DataPlaneClient:
         port: int,
         tls: ssl.SSLContext | None,
         token: str | None,
+        options: ClientOptions,
         *,
-        timeout: float,
-        connect_timeout: float,
-        retries: int,
-        backoff: float,
-        pool_size: int,
-        retry_timeouts: bool = False,
         local: bool = False,
         spin_s: float = SPIN_S,
     ) -> None:
@@ -168,10 +164,9 @@ class DataPlaneClient:
         self.spin_s = spin_s
         self.unix_path: str | None = None
         self._unix_refused: set[str] = set()  # named by HELLO, but not reachable from here
-        self.timeout, self.connect_timeout = timeout, connect_timeout
-        self.retry = Retry(retries, backoff, timeout, retry_timeouts)
+        self.options = options
         self.hello: dict[str, Any] = {}
-        self.pool: ConnectionPool[_Conn] = ConnectionPool(pool_size)
+        self.pool: ConnectionPool[_Conn] = ConnectionPool(options.pool_size)
         conn = self._open()  # NotSpoken / Unauthorized / OSError now, not on the first call
         if self.unix_path is not None:  # a server on this host: its Unix socket from now on
             conn.close()
@@ -181,17 +176,17 @@ class DataPlaneClient:
     def _connect(self) -> socket.socket:
         if self.unix_path is not None:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.settimeout(self.connect_timeout)
+            sock.settimeout(self.options.connect_timeout)
             try:
                 sock.connect(self.unix_path)
-                sock.settimeout(self.timeout)
+                sock.settimeout(self.options.timeout)
                 return sock
             except OSError as e:  # a server that went away, or another network namespace: TCP again
                 sock.close()
                 log.info("cannot reach the data plane's Unix socket (%s): TCP", e)
                 self._unix_refused.add(self.unix_path)
                 self.unix_path = None
-        return connect(self.host, self.port, self.timeout, self.connect_timeout, self.tls)
+        return connect(self.host, self.port, self.options.timeout, self.options.connect_timeout, self.tls)
 
     def _open(self) -> _Conn:
         conn = _Conn(self._connect())
@@ -227,43 +222,39 @@ class DataPlaneClient:
         other than 404. `segment` (sdk.shm.ClientSegment): attach it first on a connection that has not."""
         if self.pool.closed:
             raise InvalidArgument("this client is closed")
-        started = time.monotonic()
-        for attempt in range(self.retry.retries + 1):
-            conn = None
+
+        def once() -> tuple[dp.Head, dict, memoryview | None]:
+            conn = self.pool.take(self._open)
             try:
-                conn = self.pool.take(self._open)
                 if segment is not None and segment.seg_id not in conn.segments:
                     h, m, _ = conn.exchange(dp.SHM_ATTACH, {"seg": segment.seg_id, "nonce": segment.nonce})
                     if h.status != 200:
                         self.pool.release(conn)
                         raise SegmentGone(m.get("error"))
                     conn.segments.add(segment.seg_id)
-                head, reply, got = conn.exchange(op, meta, body, flags, into)
-                if head.flags & dp.FLAG_CLOSE:
-                    conn.close()
-                else:
-                    self.pool.release(conn)
-            except (OSError, ConnectionError) as e:
-                if conn is not None:
-                    conn.close()
-                wait = self.retry.delay(attempt, started, timed_out=isinstance(e, TimeoutError))
-                if wait is None:
-                    raise failure(
-                        f"{dp.OP_NAMES.get(op, op)} on {self.host}:{self.port}", e, self.timeout
-                    ) from None
-                time.sleep(wait)
-                continue
-            if head.status in RETRY_STATUSES:  # Busy: retried, as over HTTP
-                wait = self.retry.delay(
-                    attempt, started, at_least=min(float(reply.get("retry_after", 0)), 1.0)
-                )
-                if wait is not None:
-                    time.sleep(wait)
-                    continue
-            if head.status >= 400 and head.status != 404:
-                raise dp.error_from_meta(head.status, reply)
-            return head, reply, got
-        raise AssertionError("unreachable")
+                answer = conn.exchange(op, meta, body, flags, into)
+            except SegmentGone:
+                raise  # (its connection went back to the pool: only the segment is gone)
+            except BaseException:
+                conn.close()
+                raise
+            if answer[0].flags & dp.FLAG_CLOSE:
+                conn.close()
+            else:
+                self.pool.release(conn)
+            return answer
+
+        def busy(answer: tuple[dp.Head, dict, memoryview | None]) -> float | None:
+            """Busy (502/503/504): retried as over HTTP, after the server's Retry-After (at most 1 s)."""
+            head, reply, _ = answer
+            return min(float(reply.get("retry_after", 0)), 1.0) if head.status in RETRY_STATUSES else None
+
+        head, reply, got = self.options.with_retries(
+            f"{dp.OP_NAMES.get(op, op)} on {self.host}:{self.port}", once, busy
+        )
+        if head.status >= 400 and head.status != 404:
+            raise dp.error_from_meta(head.status, reply)
+        return head, reply, got
 
     def tell(self, op: int, meta: dict) -> None:
         """A one-way message (TOUCH): sent on a pooled connection, never answered. Best effort: a

@@ -2,11 +2,9 @@
 
 Raw sockets: a keep-alive pool, TCP_NODELAY, bodies sent with `sendall` straight from the caller's
 buffers and received with `recv_into` one buffer chosen by the caller (`into(n)`), so nothing is
-joined or copied on the way. Requests are retried with exponential backoff on connection errors and
-502/503/504 (every kvstore call is idempotent: a blob's key names its content), never past the call's
-`timeout` and, by default, never after a timeout (`Retry`): a server that accepts and does not answer
-costs one call `timeout` seconds, not a multiple. Errors arrive as the `kvstore.errors` type the server
-named in its JSON body.
+joined or copied on the way. Requests are retried on connection errors and 502/503/504 as
+`sdk.options.ClientOptions` says (the data plane's client retries the same way). Errors arrive as the
+`kvstore.errors` type the server named in its JSON body.
 """
 
 from __future__ import annotations
@@ -14,51 +12,17 @@ from __future__ import annotations
 import json
 import socket
 import ssl
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-from kvstore.errors import InvalidArgument, Unavailable
+from kvstore.errors import InvalidArgument
 from kvstore.protocol import Blob, wire
 from sdk.buffers import fresh_buffer
+from sdk.options import RETRY_STATUSES, ClientOptions
 from sdk.pool import ConnectionPool
 
-RETRY_STATUSES = frozenset({502, 503, 504})
 _SMALL = 64 * 1024  # bodies up to this size are sent in one write with the headers
 Into = Callable[[int], memoryview]  # gives the buffer a body of n bytes is received into
-
-
-@dataclass(frozen=True)
-class Retry:
-    """When a failed exchange is tried again: after a connection error or a 502/503/504, up to
-    `retries` times with exponential backoff, while the call is younger than `timeout`; after a timeout
-    (no answer within `timeout`) only if `retry_timeouts`, and then a hung server holds a call
-    `retries + 1` times `timeout`."""
-
-    retries: int
-    backoff: float
-    timeout: float
-    retry_timeouts: bool = False
-
-    def delay(
-        self, attempt: int, started: float, timed_out: bool = False, at_least: float = 0.0
-    ) -> float | None:
-        """Seconds to sleep before attempt `attempt + 1` of a call begun at `started` (monotonic), or
-        None: give up now."""
-        if attempt >= self.retries or (timed_out and not self.retry_timeouts):
-            return None
-        wait = max(self.backoff * 2**attempt, at_least)
-        if not timed_out and time.monotonic() - started + wait > self.timeout:
-            return None
-        return wait
-
-
-def failure(what: str, err: BaseException, timeout: float) -> Unavailable:
-    """The Unavailable a failed exchange raises: a timeout says how long it waited."""
-    if isinstance(err, TimeoutError):
-        return Unavailable(f"{what}: no answer within {timeout:g} s (the client's timeout)")
-    return Unavailable(f"{what} failed: {err}")
 
 
 class Response:
@@ -177,27 +141,21 @@ class HttpClient:
         port: int,
         tls: ssl.SSLContext | None,
         token: str | None,
-        *,
-        timeout: float,
-        connect_timeout: float,
-        retries: int,
-        backoff: float,
-        pool_size: int,
-        retry_timeouts: bool = False,
+        options: ClientOptions,
     ) -> None:
         self.host, self.port, self.tls = host, port, tls
-        self.timeout, self.connect_timeout = timeout, connect_timeout
-        self.retry = Retry(retries, backoff, timeout, retry_timeouts)
+        self.options = options
         self.base = f"{'https' if tls else 'http'}://{host if ':' not in host else f'[{host}]'}:{port}"
         host_header = host if ":" not in host else f"[{host}]"
         auth = f"Authorization: Bearer {token}\r\n" if token else ""
         self._common = (
             f"Host: {host_header}:{port}\r\n{auth}{wire.WIRE_VERSION_HEADER}: {wire.WIRE_VERSION}\r\n"
         )
-        self.pool: ConnectionPool[_Connection] = ConnectionPool(pool_size)
+        self.pool: ConnectionPool[_Connection] = ConnectionPool(options.pool_size)
 
     def _open(self) -> _Connection:
-        return _Connection(connect(self.host, self.port, self.timeout, self.connect_timeout, self.tls))
+        opts = self.options
+        return _Connection(connect(self.host, self.port, opts.timeout, opts.connect_timeout, self.tls))
 
     def request(
         self,
@@ -207,8 +165,8 @@ class HttpClient:
         content_type: str = wire.BLOB_CONTENT_TYPE,
         into: Into = fresh_buffer,
     ) -> Response:
-        """One HTTP exchange, retried on connection errors and 502/503/504 (`Retry`); raises on any other
-        >= 400 except a 404 from a chunk route, which the caller turns into None / False."""
+        """One HTTP exchange, retried on connection errors and 502/503/504 (`ClientOptions`); raises on
+        any other >= 400 except a 404 from a chunk route, which the caller turns into None / False."""
         if self.pool.closed:
             raise InvalidArgument("this client is closed")
         length = sum(memoryview(b).nbytes for b in body)
@@ -216,36 +174,30 @@ class HttpClient:
             f"{method} {path} HTTP/1.1\r\n{self._common}Content-Type: {content_type}\r\n"
             f"Content-Length: {length}\r\n\r\n"
         ).encode()
-        started = time.monotonic()
-        for attempt in range(self.retry.retries + 1):
-            conn = None
+
+        def once() -> Response:
+            conn = self.pool.take(self._open)
             try:
-                conn = self.pool.take(self._open)
                 try:
                     send_buffers(conn.sock, head, body)
                 except OSError:
                     pass  # the server may have answered early (401, 413) and closed: read that answer
                 resp, keep = conn.receive(method == "HEAD", into)
-                if keep:
-                    self.pool.release(conn)
-                else:
-                    conn.close()
-                conn = None
-            except (OSError, ConnectionError) as e:
-                if conn is not None:
-                    conn.close()
-                wait = self.retry.delay(attempt, started, timed_out=isinstance(e, TimeoutError))
-                if wait is None:
-                    raise failure(f"{method} {self.base}{path}", e, self.timeout) from None
-                time.sleep(wait)
-                continue
-            if resp.status in RETRY_STATUSES and (wait := self.retry.delay(attempt, started)) is not None:
-                time.sleep(wait)
-                continue
-            if resp.status >= 400 and not (resp.status == 404 and path.startswith(wire.CHUNKS_PATH)):
-                raise wire.error_from_response(resp.status, bytes(resp.body))
+            except BaseException:
+                conn.close()
+                raise
+            if keep:
+                self.pool.release(conn)
+            else:
+                conn.close()
             return resp
-        raise AssertionError("unreachable")
+
+        resp = self.options.with_retries(
+            f"{method} {self.base}{path}", once, lambda r: 0.0 if r.status in RETRY_STATUSES else None
+        )
+        if resp.status >= 400 and not (resp.status == 404 and path.startswith(wire.CHUNKS_PATH)):
+            raise wire.error_from_response(resp.status, bytes(resp.body))
+        return resp
 
     def keys_request(self, path: str, keys: Sequence[str], into: Into = fresh_buffer) -> Response:
         payload = json.dumps({"keys": list(keys)}).encode()

@@ -36,7 +36,8 @@ from sdk.backend import Backend
 from sdk.buffers import BlobLease, BufferPool, Loan, LoanBook
 from sdk.dataplane import SPIN_S, DataPlaneClient, NotSpoken, SegmentGone
 from sdk.health import StoreHealth
-from sdk.http import HttpClient, failure
+from sdk.http import HttpClient
+from sdk.options import ClientOptions, failure
 from sdk.shm import ClientArena, ClientSegment
 from sdk.touches import TouchReporter
 
@@ -84,7 +85,7 @@ class RemoteBackend(Backend):
         """`timeout`: the longest a call waits for the server (a call that gets no answer fails then,
         Unavailable); `connect_timeout` for a connection. `retries`: how often a call is tried again
         after a connection error or a 502/503/504 (with `backoff`, doubling), never once it is older
-        than `timeout`, and after a timeout only with `retry_timeouts` (sdk.http.Retry). So a hung server
+        than `timeout`, and after a timeout only with `retry_timeouts` (sdk.options). So a hung server
         costs a call about `timeout` seconds, an unreachable one `connect_timeout`.
         `spin_us`: how long a call polls for the answer of a server on this host before its thread
         sleeps (sdk.dataplane; 0: never poll). `read_index`: with shared memory, read the blobs of the
@@ -105,12 +106,9 @@ class RemoteBackend(Backend):
             if verify_tls is False:
                 tls.check_hostname = False
                 tls.verify_mode = ssl.CERT_NONE
-        self._conn_args: dict[str, Any] = dict(
-            timeout=timeout, connect_timeout=connect_timeout, retries=retries, backoff=backoff,
-            pool_size=pool_size, retry_timeouts=retry_timeouts,
-        )  # fmt: skip
+        self._options = ClientOptions(timeout, connect_timeout, retries, backoff, pool_size, retry_timeouts)
         self._tls, self._token = tls, token and check_token(token, "the token given to the SDK")
-        self.http = HttpClient(self.host, self.port, tls, token, **self._conn_args)
+        self.http = HttpClient(self.host, self.port, tls, token, self._options)
         self.wanted = transport
         self.shm_size = shm_size
         self._spin_us = spin_us
@@ -155,7 +153,7 @@ class RemoteBackend(Backend):
                             self.port,
                             self._tls,
                             self._token,
-                            **self._conn_args,
+                            self._options,
                             local=self.wanted in ("auto", "shm"),
                             spin_s=self._spin_us / 1e6,
                         )
@@ -164,7 +162,7 @@ class RemoteBackend(Backend):
                         log.info("%s does not speak the data plane: using HTTP", self.url)
                         self._plane_state = "off"
                     except TimeoutError as e:  # it accepted and did not answer: HTTP would wait as long
-                        raise failure(f"HELLO to {self.url}", e, self._conn_args["timeout"]) from None
+                        raise failure(f"HELLO to {self.url}", e, self._options.timeout) from None
                     except (OSError, ConnectionError) as e:  # try again on the next call; HTTP now
                         log.debug("data plane of %s not reachable (%s)", self.url, e)
         if self._plane_state == "off" and self.wanted in ("shm", "tcp"):
