@@ -1,24 +1,23 @@
-"""The engine loop: requests in, one scheduled model step per `step()`, RequestOutputs out."""
+"""The engine loop: requests in, one scheduled model step per `step()`, RequestOutputs out. The KV
+connector's part of a step (making the connectors, finishing loads and saves) is `kv_transfer.py`."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-from connectors.base import KVConnectorBase, KVConnectorRole
-from connectors.factory import create_connector
 from engine.block_manager import BlockManager
 from engine.config import ModelConfig, resolve_dtype
 from engine.engine_args import EngineArgs
-from engine.errors import InvalidRequest, KVBackendUnavailable
+from engine.errors import InvalidRequest
 from engine.kv_cache.fp8_scales import KVScales, engine_kv_scales
 from engine.kv_cache.spec import resolve_kv_cache_dtype
 from engine.kv_events import EngineKVEvents
+from engine.kv_transfer import finish_kv_transfers, make_kv_connectors
 from engine.metrics import EngineMetrics
 from engine.model_runner import ModelRunner, kv_bytes_per_block
 from engine.outputs import CompletionOutput, RequestOutput
@@ -26,13 +25,11 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
 from engine.structured_output.manager import StructuredOutputManager
-from kvstore.errors import KVStoreError
 from kvstore.events import parse_kv_events_config
-from kvstore.keys import KVLayout, model_layout, root_key
+from kvstore.keys import KVLayout, root_key
 
 logger = logging.getLogger(__name__)
 _MAX_DEFAULT_MODEL_LEN = 8192
-_IDLE_WAIT_S = 0.05  # a step with nothing to compute waits this long at most for a KV load to land
 
 
 def resolve_model_dir(model: str) -> Path:
@@ -41,9 +38,6 @@ def resolve_model_dir(model: str) -> Path:
 
         return ensure_smollm2()
     return Path(model).expanduser()
-
-
-GIL_SWITCH_S = 0.001  # sys.setswitchinterval with a KV connector (see _make_kv_connectors)
 
 
 def default_num_threads() -> int:
@@ -84,7 +78,9 @@ class LLMEngine:
                 f"{self.max_model_len}; give it more memory (kv_cache_memory) or lower max_model_len"
             )
         # Bad KV settings fail before the load; an fp8 cache's layout needs its scales, so it connects after.
-        kv_scheduler, kv_worker = (None, None) if fp8 else self._make_kv_connectors(args, cfg)
+        kv_scheduler, kv_worker = (
+            (None, None) if fp8 else make_kv_connectors(args, cfg, self.kv_cache_dtype, self.kv_scales)
+        )
         try:
             self.model, self.model_config = load_model(self.model_dir, self.dtype, self.device)
         except BaseException:
@@ -98,7 +94,7 @@ class LLMEngine:
         if fp8:
             self.kv_scales = engine_kv_scales(self.model, self.tokenizer.encode, cfg.vocab_size,
                                               self.max_model_len - 1, args.kv_scale_granularity)  # fmt: skip
-            kv_scheduler, kv_worker = self._make_kv_connectors(args, cfg)
+            kv_scheduler, kv_worker = make_kv_connectors(args, cfg, self.kv_cache_dtype, self.kv_scales)
         eos = set(cfg.eos_token_ids) | set(getattr(self.tokenizer, "eos_token_ids", ()) or ())
         self.structured_output = StructuredOutputManager(
             self.tokenizer.backend_tokenizer, cfg.vocab_size, eos, args.max_num_seqs
@@ -190,63 +186,6 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    # ---- the KV connector (--kv-backend kvstore) -----------------------------------------------
-    def _make_kv_connectors(
-        self, args: EngineArgs, cfg: ModelConfig
-    ) -> tuple[KVConnectorBase | None, KVConnectorBase | None]:
-        """The scheduler-side and worker-side connectors, sharing one store connection."""
-        if args.kv_backend == "none":
-            return None, None
-        # Only what the user set: the connector layers it over KVSTORE_* environment variables.
-        config = {
-            **args.kv_connector_extra_config, "kv_role": args.kv_role, "block_size": args.block_size,
-            # kvstore.keys.model_layout: the same fingerprint as every other engine (vLLM's connector)
-            "layout": model_layout(
-                cfg.raw, model=cfg.model_name, kv_dtype=str(self.kv_cache_dtype),
-                kv_scales=self.kv_scales.digest() if self.kv_scales is not None else "",
-            ),
-        }  # fmt: skip
-        try:
-            scheduler_side = create_connector(args.kv_backend, KVConnectorRole.SCHEDULER, config)
-            try:
-                worker_side = create_connector(args.kv_backend, KVConnectorRole.WORKER, config)
-            except BaseException:
-                scheduler_side.shutdown()
-                raise
-        except KVStoreError as e:
-            raise KVBackendUnavailable(f"--kv-backend {args.kv_backend}: {e}") from e
-        c = scheduler_side.config
-        logger.info("KV connector: %s, store %s, codec %s, role %s", args.kv_backend, c.store_url, c.codec,
-                    c.kv_role)  # fmt: skip
-        # The engine thread takes the GIL back after every kernel call; while the connector's save and
-        # load threads run Python it waits up to the switch interval each time (default 5 ms; measured
-        # on the short-turn chat: decode steps 2-4 ms slower with the store on). 1 ms bounds that wait.
-        if sys.getswitchinterval() > GIL_SWITCH_S:
-            sys.setswitchinterval(GIL_SWITCH_S)
-        return scheduler_side, worker_side
-
-    def _finish_kv_transfers(self, stepped: bool) -> None:
-        """Hand over the last KV of requests finished this step, then free the blocks of those whose
-        save is done and resume those whose asynchronous load is done."""
-        worker = self.runner.connector
-        if worker is None:
-            return
-        errors = set(self.runner.invalid_block_ids)
-        finished = self.scheduler.take_finished_req_ids()
-        if finished:  # their trailing partial chunk is saved now, while the blocks are still theirs
-            self.runner.execute_kv_transfers(self.scheduler.connector.build_connector_meta(SchedulerOutput()))
-            errors |= self.runner.invalid_block_ids
-        if finished and self.args.kv_producer:
-            worker.flush()  # a prefill instance answers only once the decode instance can load the KV
-        if not stepped and self.scheduler.loading:  # nothing to compute until a load lands: wait for it
-            worker.wait_for_finished(_IDLE_WAIT_S)
-        done, loaded = worker.get_finished(finished)
-        errors |= worker.get_block_ids_with_load_errors()  # after get_finished: covers every load it reports
-        if done:
-            self.scheduler.finish_saves(done)
-        if loaded or (errors and self.scheduler.loading):
-            self.scheduler.finish_loads(loaded or set(), errors)
-
     def render_metrics(self) -> bytes:
         """Prometheus text: the engine's metrics, then the KV connector's."""
         body = self.metrics.render()
@@ -280,7 +219,9 @@ class LLMEngine:
             outputs += self._run_scheduled(sched_out)
         elif self.runner.connector is not None:  # only loads to start (requests waiting for their KV)
             self.runner.execute_kv_transfers(sched_out.kv_connector_metadata)
-        self._finish_kv_transfers(stepped=not sched_out.is_empty)
+        finish_kv_transfers(
+            self.scheduler, self.runner, self.args.kv_producer, stepped=not sched_out.is_empty
+        )
         if self.kv_events is not None:
             self.kv_events.flush()
         self._update_gauges()

@@ -12,7 +12,7 @@ from torch import nn
 
 from engine.config import ModelConfig, parse_dtype
 from engine.errors import ModelLoadError
-from engine.layers import cpu_ops
+from engine.layers import cpu_lib
 from engine.layers.linear import default_weight_loader
 from engine.models import MODEL_REGISTRY
 
@@ -89,7 +89,7 @@ def load_model(
 ) -> tuple[nn.Module, ModelConfig]:
     """Build the model for `model_dir/config.json`, load its weights, cast to `dtype` (default: the
     checkpoint's dtype), move it to `device` and put it in eval mode. `use_cpu_kernels` (default: on
-    a CPU where `cpu_ops.available()`) lets the layers repack for the C kernels (models/llama.py)."""
+    a CPU where `cpu_lib.available()`) lets the layers repack for the C kernels (models/llama.py)."""
     model_dir = Path(model_dir)
     config = ModelConfig.from_pretrained(model_dir, model_name=model_name)
     dtype = parse_dtype(dtype, config.dtype)
@@ -98,7 +98,7 @@ def load_model(
     load_weights(model, model_dir)
     model = model.to(device=device, dtype=dtype).eval()
     if use_cpu_kernels is None:
-        use_cpu_kernels = torch.device(device).type == "cpu" and cpu_ops.available()
+        use_cpu_kernels = torch.device(device).type == "cpu" and cpu_lib.available()
     model.process_weights_after_loading(use_cpu_kernels)
     logger.info("loaded %s (%s, %s) from %s", config.model_name, config.model_type, dtype, model_dir)
     return model, config

@@ -17,7 +17,7 @@ from connectors.base import KVConnectorBase
 from engine.attention_metadata import AttentionMetadata
 from engine.errors import EngineError
 from engine.kv_cache.fp8_scales import KVScales
-from engine.layers import cpu_ops
+from engine.layers.huge_pages import zeros_huge_pages
 from engine.outputs import TokenLogprobs
 from engine.sampler import Sampler, token_logprobs
 from engine.scheduler import ScheduledSequence, SchedulerOutput
@@ -56,7 +56,7 @@ class ModelRunner:
         shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
         try:
             if device.type == "cpu":  # decode attention reads its blocks scattered over the cache
-                self.kv_cache = cpu_ops.zeros_huge_pages(shape, dtype)
+                self.kv_cache = zeros_huge_pages(shape, dtype)
             else:
                 self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         except (RuntimeError, MemoryError, OSError) as e:  # OSError: the huge-page mmap

@@ -1,4 +1,5 @@
-/* CPU kernels of the engine (AVX-512F), compiled on first use by engine/layers/cpu_ops.py.
+/* CPU kernels of the engine (AVX-512F), built and loaded on first use by engine/layers/cpu_lib.py;
+ * called through cpu_ops.py (one kernel a call) and fused_layers.py (decoder_layers).
  *
  * Why: on CPUs without AVX-512 BF16 or AMX (e.g. Ice Lake), oneDNN/MKL run bf16 GEMMs by emulation,
  * 2x slower than fp32 at decode sizes. These kernels keep 16-bit weights in memory (half the bytes a

@@ -15,9 +15,11 @@ from torch import nn
 
 from engine.attention_metadata import AttentionMetadata
 from engine.config import ModelConfig
-from engine.layers import cpu_ops
+from engine.layers import cpu_lib
 from engine.layers.activation import SiluAndMul
 from engine.layers.attention import Attention
+from engine.layers.fused_layers import DecodeLayerWeights, FusedLayers
+from engine.layers.huge_pages import to_huge_pages
 from engine.layers.layernorm import RMSNorm
 from engine.layers.linear import MergedLinear, QKVLinear, RowLinear
 from engine.layers.paged_attention import get_plan
@@ -102,16 +104,16 @@ class LlamaModel(nn.Module):
         # every layer of a step in one C call (set with 16-bit weights on the CPU kernels; built on
         # first use, once the runner has assigned the KV cache)
         self.use_fused_layers = False
-        self._fused: cpu_ops.FusedLayers | None = None
+        self._fused: FusedLayers | None = None
 
-    def _fused_layers(self) -> cpu_ops.FusedLayers | None:
+    def _fused_layers(self) -> FusedLayers | None:
         first = self.layers[0].self_attn.attn
         cache = first.kv_cache
         if not (
             self.use_fused_layers
             and torch.get_num_threads() == 1
             and cache.dim() == 5
-            and cache.dtype in cpu_ops.KV_TYPES
+            and cache.dtype in cpu_lib.KV_TYPES
         ):
             return None
         if self._fused is None or not self._fused.serves(cache[0], first.k_scale):
@@ -121,9 +123,9 @@ class LlamaModel(nn.Module):
             def linear(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
                 return m.packed, m._bias_f32
 
-            self._fused = cpu_ops.FusedLayers(
+            self._fused = FusedLayers(
                 [
-                    cpu_ops.DecodeLayerWeights(
+                    DecodeLayerWeights(
                         linear(layer.self_attn.qkv_proj), linear(layer.self_attn.o_proj),
                         linear(layer.mlp.gate_up_proj), linear(layer.mlp.down_proj),
                         layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data,
@@ -200,7 +202,7 @@ class LlamaForCausalLM(nn.Module):
                 module.process_weights_after_loading(w16)
         if w16:  # the GEMMs' weights, streamed by every decode step, on huge pages
             linears = [m for m in self.modules() if getattr(m, "packed", None) is not None]
-            for m, packed in zip(linears, cpu_ops.to_huge_pages([m.packed for m in linears]), strict=True):
+            for m, packed in zip(linears, to_huge_pages([m.packed for m in linears]), strict=True):
                 m.packed = packed
         self.model.act_dtype = torch.float32 if w16 else None
         self.model.use_fused_layers = w16 and all(

@@ -12,7 +12,7 @@ blob's header. `decode_segments` raises CodecError for any stream that is not ex
 (a table that does not sum to 4096, a length past the end, a rANS stream that does not end in the
 encoder's start state or leaves bytes over), so a damaged stream is a miss, never other codes.
 
-The C kernel (compiled on first use, kvstore.codecs.c_build) and ans_ref.py (pure Python: the
+The C kernel (compiled on first use, kvstore.c_build) and ans_ref.py (pure Python: the
 reference, and the fallback without a C compiler; KVSTORE_ANS_KERNEL=0 forces it) write the same
 bytes. The C decoder assumes a little-endian CPU, as the blob format does.
 """
@@ -29,8 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kvstore.c_build import build_library
 from kvstore.codecs import ans_ref
-from kvstore.codecs.c_build import build_library
 from kvstore.errors import CodecError
 
 logger = logging.getLogger(__name__)

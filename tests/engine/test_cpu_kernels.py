@@ -13,11 +13,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.layers import cpu_ops
+from engine.layers import cpu_lib, cpu_ops
 
 pytestmark = [
     pytest.mark.usefixtures("single_thread"),
-    pytest.mark.skipif(not cpu_ops.available(), reason="no AVX-512F CPU or no C compiler"),
+    pytest.mark.skipif(not cpu_lib.available(), reason="no AVX-512F CPU or no C compiler"),
 ]
 
 
@@ -233,7 +233,7 @@ def test_threads_split_the_work_without_changing_results() -> None:
 
 
 def _flags() -> list[str]:
-    return cpu_ops._cpu_flags().split()
+    return cpu_lib.cpu_flags().split()
 
 
 def test_each_gemm_kind_is_chosen_by_cpu_and_environment_in_a_fresh_process() -> None:

@@ -1,4 +1,4 @@
-"""The 16-bit CPU path's two guarantees: `cpu_ops.FusedLayers` (all decoder layers of a step in one C
+"""The 16-bit CPU path's two guarantees: `fused_layers.FusedLayers` (all decoder layers of a step in one C
 call) is bit-identical to the layer-by-layer kernels, and with every row's attention in the kernel
 (`paged_attention(every_row=True)`) a token's KV and hidden state do not depend on how its prompt was
 chunked or batched, which is what makes KV loaded from a store and KV recomputed the same bytes.
@@ -11,15 +11,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.layers import cpu_ops
+from engine.layers import cpu_lib, cpu_ops
 from engine.layers.attention import Attention
+from engine.layers.fused_layers import FusedLayers
 from engine.layers.paged_attention import FP8
 from engine.loader import load_model
 from tests.engine.conftest import TINY_ARCHS
 
 pytestmark = [
     pytest.mark.usefixtures("single_thread"),
-    pytest.mark.skipif(not cpu_ops.available(), reason="no AVX-512F CPU or no C compiler"),
+    pytest.mark.skipif(not cpu_lib.available(), reason="no AVX-512F CPU or no C compiler"),
 ]
 
 
@@ -31,13 +32,13 @@ def _run(model, kv, steps: list[list[tuple[int, list[int]]]]) -> list[torch.Tens
 @pytest.fixture
 def count_fused(monkeypatch) -> list[int]:
     calls = [0]
-    real = cpu_ops.FusedLayers.__call__
+    real = FusedLayers.__call__
 
     def counting(self, *args):
         calls[0] += 1
         return real(self, *args)
 
-    monkeypatch.setattr(cpu_ops.FusedLayers, "__call__", counting)
+    monkeypatch.setattr(FusedLayers, "__call__", counting)
     return calls
 
 

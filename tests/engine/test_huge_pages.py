@@ -1,4 +1,4 @@
-"""Weights and the KV cache on transparent huge pages (cpu_ops.empty_huge_pages): exact copies, one
+"""Weights and the KV cache on transparent huge pages (engine/layers/huge_pages.py): exact copies, one
 aligned buffer, and really backed by huge pages where the kernel's THP setting allows it."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.layers import cpu_ops
+from engine.layers import cpu_lib, huge_pages
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -32,19 +32,19 @@ def test_to_huge_pages_copies_exactly_into_one_aligned_buffer() -> None:
         torch.randn(3, 5, generator=g).bfloat16(), torch.randn(1000, 33, generator=g),
         torch.randint(0, 255, (7,), dtype=torch.uint8, generator=g), torch.randn(4096, 640, generator=g).half(),
     ]  # fmt: skip
-    out = cpu_ops.to_huge_pages(tensors)
+    out = huge_pages.to_huge_pages(tensors)
     for t, o in zip(tensors, out, strict=True):
         assert o.dtype == t.dtype and o.shape == t.shape and o.is_contiguous() and torch.equal(o, t)
         assert o.data_ptr() % 64 == 0
-    assert out[0].data_ptr() % cpu_ops.HUGE_PAGE == 0
+    assert out[0].data_ptr() % huge_pages.HUGE_PAGE == 0
     storage = {o.untyped_storage().data_ptr() for o in out}
     assert len(storage) == 1  # one buffer: small tensors do not each take a 2 MiB page
 
 
 def test_zeros_huge_pages_is_zeroed_and_aligned() -> None:
-    x = cpu_ops.zeros_huge_pages((3, 5, 7), torch.float16)
+    x = huge_pages.zeros_huge_pages((3, 5, 7), torch.float16)
     assert x.shape == (3, 5, 7) and x.dtype == torch.float16 and not x.any()
-    assert x.data_ptr() % cpu_ops.HUGE_PAGE == 0
+    assert x.data_ptr() % huge_pages.HUGE_PAGE == 0
 
 
 @pytest.mark.skipif(
@@ -53,14 +53,14 @@ def test_zeros_huge_pages_is_zeroed_and_aligned() -> None:
 def test_the_buffer_is_backed_by_huge_pages() -> None:
     # memory the allocator handed out and took back (touched, 4 KiB pages) must not be what we get
     for _ in range(3):
-        torch.ones(20 * cpu_ops.HUGE_PAGE, dtype=torch.uint8).sum()
-    x = cpu_ops.zeros_huge_pages((16 * cpu_ops.HUGE_PAGE,), torch.uint8)  # 32 MiB, touched by zero_()
+        torch.ones(20 * huge_pages.HUGE_PAGE, dtype=torch.uint8).sum()
+    x = huge_pages.zeros_huge_pages((16 * huge_pages.HUGE_PAGE,), torch.uint8)  # 32 MiB, touched by zero_()
     # at least half of it (the kernel falls back to small pages when it has no free huge ones)
-    assert _anon_huge_kib(x.data_ptr()) >= 8 * cpu_ops.HUGE_PAGE // 1024
+    assert _anon_huge_kib(x.data_ptr()) >= 8 * huge_pages.HUGE_PAGE // 1024
 
 
 def test_the_engine_places_packed_weights_and_the_kv_cache_on_huge_pages(smollm2_dir: Path) -> None:
-    if not cpu_ops.available():
+    if not cpu_lib.available():
         pytest.skip("no CPU kernels here: bf16 weights stay torch tensors")
     from engine import LLM
 
@@ -70,7 +70,7 @@ def test_the_engine_places_packed_weights_and_the_kv_cache_on_huge_pages(smollm2
         packed = [m.packed for m in runner.model.modules() if getattr(m, "packed", None) is not None]
         assert len(packed) == 4 * runner.model.config.num_hidden_layers + 1  # + lm_head
         assert len({p.untyped_storage().data_ptr() for p in packed}) == 1
-        assert runner.kv_cache.data_ptr() % cpu_ops.HUGE_PAGE == 0
+        assert runner.kv_cache.data_ptr() % huge_pages.HUGE_PAGE == 0
     finally:
         llm.shutdown()
 

@@ -11,7 +11,7 @@ import torch
 
 from engine.engine_args import EngineArgs
 from engine.kv_cache.fp8_scales import KVScales, calibrate_kv_scales
-from engine.layers import cpu_ops
+from engine.layers import cpu_lib
 from engine.layers.attention import Attention
 from engine.layers.paged_attention import FP8, FP8_MAX, dequantize_kv, quantize_kv
 from engine.llm_engine import LLMEngine
@@ -21,7 +21,7 @@ from engine.sampling_params import SamplingParams
 pytestmark = pytest.mark.usefixtures("single_thread")
 KERNELS = [
     False,
-    pytest.param(True, marks=pytest.mark.skipif(not cpu_ops.available(), reason="no CPU kernels")),
+    pytest.param(True, marks=pytest.mark.skipif(not cpu_lib.available(), reason="no CPU kernels")),
 ]
 
 

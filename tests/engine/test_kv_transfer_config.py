@@ -160,7 +160,7 @@ def test_a_connector_shortens_the_gil_switch_interval(tiny_engine_dir: Path) -> 
     """With the connector's threads running Python, the engine thread would wait up to 5 ms for the
     GIL after each kernel call (measured on the short-turn chat); the engine bounds that at 1 ms."""
     from engine import LLM
-    from engine.llm_engine import GIL_SWITCH_S
+    from engine.kv_transfer import GIL_SWITCH_S
 
     before = sys.getswitchinterval()
     try:

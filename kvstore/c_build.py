@@ -1,7 +1,9 @@
-"""Compile a C source of this package into a shared library on first use, cached under
+"""Compile a C source of this project into a shared library on first use, cached under
 `$KVSTORE_CACHE_DIR/kernels` (default `~/.cache/kvstore/kernels`), keyed by the source, the flags,
-the compiler's version and `extra_key`; written to a temp name, then renamed (concurrent builders are
-safe). Raises OSError without a C compiler (`$CC`, `cc` or `gcc`) or when it fails."""
+the libraries, the compiler's version and `extra_key`; written to a temp name, then renamed
+(concurrent builders are safe). Raises OSError without a C compiler (`$CC`, `cc` or `gcc`) or when
+it fails. The one build helper: the rANS kernel (`kvstore/codecs/ans.py`) and the engine's CPU
+kernels (`engine/layers/cpu_lib.py`) both build through it."""
 
 from __future__ import annotations
 
@@ -16,7 +18,10 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 
-def build_library(src: Path, flags: tuple[str, ...], extra_key: str = "") -> Path:
+def build_library(src: Path, flags: tuple[str, ...], extra_key: str = "", libs: tuple[str, ...] = ()) -> Path:
+    """The path of `src` built with `flags`, linked with `libs` (e.g. `("-lm",)`, given after the
+    source as the linker needs them); `extra_key` is whatever else the build depends on (e.g. the
+    CPU's flags for `-march=native`)."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise OSError("no C compiler (set CC, or install gcc)")
@@ -25,7 +30,7 @@ def build_library(src: Path, flags: tuple[str, ...], extra_key: str = "") -> Pat
     except subprocess.SubprocessError as e:
         raise OSError(f"{cc} --version: {e}") from None
     key = hashlib.sha256(
-        b"\0".join(s.encode() for s in (src.read_text(), " ".join(flags), version, extra_key))
+        b"\0".join(s.encode() for s in (src.read_text(), " ".join((*flags, *libs)), version, extra_key))
     ).hexdigest()[:16]
     root = os.environ.get("KVSTORE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kvstore")
     out = Path(root) / "kernels" / f"{src.stem}-{key}.so"
@@ -36,12 +41,12 @@ def build_library(src: Path, flags: tuple[str, ...], extra_key: str = "") -> Pat
         so = Path(tmp) / out.name
         try:
             r = subprocess.run(
-                [cc, *flags, str(src), "-o", str(so)], capture_output=True, text=True, timeout=300
+                [cc, *flags, str(src), "-o", str(so), *libs], capture_output=True, text=True, timeout=300
             )
         except subprocess.SubprocessError as e:
             raise OSError(f"{cc}: {e}") from None
         if r.returncode != 0:
             raise OSError(f"{cc} failed: {r.stderr[-2000:]}")
-        os.replace(so, out)
+        os.replace(so, out)  # atomic: a concurrent build by another process wins or loses whole
     logger.info("compiled %s", out)
     return out
