@@ -1,6 +1,7 @@
 """kvstore-server next to Valkey (redis-py + hiredis) and memcpy: same machine, same run, one client.
 
-Blobs of 256 KiB / 1 MiB / 4 MiB; single get and put, batches of 8 (Valkey: MGET / MSET); kvstore
+Blobs of 256 KiB / 1 MiB / 4 MiB, and of real chunks (`--sizes` 6MiB: a SmolLM2 chunk of 256 tokens is
+5.9 MB; 32MiB: a Llama-3-8B one is 33.5 MB); single get and put, batches of 8 (Valkey: MGET / MSET); kvstore
 over each transport of `sdk.remote.RemoteBackend`:
     http       HTTP/1.1 (the public API)
     tcp        the binary data plane on the same port (kvstore.protocol.dataplane)
@@ -13,6 +14,8 @@ over each transport of `sdk.remote.RemoteBackend`:
                engines' connectors do with a loaded chunk
     shm-lent   a lease without the index (`read_index=False`): the server answers where the blob
                lies in its arena and lends it there (no copy), verified before the lease ends
+    shm-inplace  a lease `in_place=True` (what the connectors ask for): views of the arena where the
+               index says the blobs lie, no request and no copy, verified, then `intact()` checked
     memcpy     np.copyto of the same bytes between prefaulted buffers: the machine's ceiling
 Keys are distinct: gets walk a pool of stored keys larger than the CPU caches, puts overwrite a pool
 of keys in order; the client sends from distinct source buffers. Before the timed rounds each system
@@ -24,6 +27,7 @@ per-round ratios to Valkey with their min-max; then the figures the design asks 
 
     .venv/bin/python benchmarks/bench_server.py                 # ~2-4 minutes on 2 cores
     .venv/bin/python benchmarks/bench_server.py --sizes 1MiB --rounds 3
+    .venv/bin/python benchmarks/bench_server.py --sizes 6MiB,32MiB --budget-mib 256 --pool-mib 2200
 """
 
 from __future__ import annotations
@@ -47,10 +51,16 @@ from kvstore.blob import encode_blob, verify_blob  # noqa: E402
 from sdk.remote import RemoteBackend  # noqa: E402
 from tests.valkey import ValkeyProcess  # noqa: E402
 
-SIZES = {"256KiB": 32, "1MiB": 128, "4MiB": 512}  # tokens of a [2, 4, T, 8, 64] fp16 chunk
+SIZES = {
+    "256KiB": 32,
+    "1MiB": 128,
+    "4MiB": 512,
+    "6MiB": 720,
+    "32MiB": 4096,
+}  # tokens of [2, 4, T, 8, 64] fp16
 OUT = Path.home() / ".cache" / "kvstore" / "bench"
-KVSTORE = ("http", "tcp", "shm", "shm-lease", "shm-lent")
-GET_ONLY = ("shm-lease", "shm-lent")  # their puts are shm's
+KVSTORE = ("http", "tcp", "shm", "shm-lease", "shm-lent", "shm-inplace")
+GET_ONLY = ("shm-lease", "shm-lent", "shm-inplace")  # their puts are shm's
 CELLS = [("get", 1), ("put", 1), ("get", 8), ("put", 8)]
 
 
@@ -121,9 +131,10 @@ class KVStoreSystem(System):
 
             def lease() -> int:  # noqa: E306
                 ks = self.next_keys(batch)
-                with be.lease(ks) as got:
+                with be.lease(ks, in_place=self.name == "shm-inplace") as got:
                     for k, blob, header in zip(ks, got.blobs, got.headers, strict=True):
                         header or verify_blob(blob, key=k)  # as the connectors do: once, by the SDK or here
+                    assert all(got.intact())
                     return sum(len(b) for b in got)
 
             return lease
@@ -208,7 +219,7 @@ def spread(xs: list[float]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes", default=",".join(SIZES), help="comma-separated, of " + ",".join(SIZES))
+    ap.add_argument("--sizes", default="256KiB,1MiB,4MiB", help="comma-separated, of " + ",".join(SIZES))
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--budget-mib", type=int, default=32, help="bytes each system moves per cell and round")
     ap.add_argument("--pool-mib", type=int, default=256, help="bytes of distinct stored keys per size")
@@ -289,6 +300,11 @@ def summarize(rows: list[dict]) -> None:
             if op == "get":
                 for n in GET_ONLY:
                     print(f"  {size:>6} batch get x8 {n} / valkey MGET: {spread(ratios(r, n, 'valkey'))}")
+    for (size, op, batch), r in cell.items():
+        if op == "get":  # what the arena index buys a lease: no request (in place) vs the lend round trip
+            print(
+                f"  {size:>6} lease x{batch} shm-inplace / shm-lent: {spread(ratios(r, 'shm-inplace', 'shm-lent'))}"
+            )
     for (size, op, batch), r in cell.items():
         if op == "get" and batch == 1:
             for n in GET_ONLY:

@@ -177,11 +177,14 @@ class KVStoreWorker:
                 futures.append((c, fut))
         finally:  # the lent blobs stay valid until every chunk is scattered
             wait([f for _, f in futures])
+            intact = lease.intact()  # in place: whether the server overwrote one while it was scattered
             lease.release()
         failed_at: tuple[int, str] | None = None
-        for c, fut in futures:
+        for (c, fut), whole in zip(futures, intact, strict=True):
             try:
                 nbytes, ntokens = fut.result()
+                if not whole:  # what was scattered may be torn: those blocks are recomputed
+                    raise _ChunkLoadError("evicted")
             except _ChunkLoadError as e:
                 failed_at = failed_at or (c, e.reason)
                 continue

@@ -4,8 +4,9 @@ Every blob holds a chunk as `[2, num_layers, chunk_tokens, num_kv_heads, head_di
 keeps in its paged cache, so KV stored by one engine loads into another. A layout moves whole blocks:
 `gather` copies blocks out of every layer's cache into a canonical chunk (a copy, so an asynchronous
 save is safe once it returns), `scatter` writes blocks of a canonical chunk back into a request's
-blocks. Per layer and call: one indexed copy of the blocks and one strided (permuting) copy; no
-per-token or per-block Python loops.
+blocks. Per layer and call: a strided (permuting) copy of K and one of V per run of consecutive
+blocks, or (more than MAX_RUNS runs) one indexed copy of the blocks and the strided ones through a
+scratch; no per-token loops.
 
 | layout | per-layer cache tensor | who |
 |---|---|---|
@@ -68,15 +69,41 @@ class EngineLayout:
         scatter_chunk(kv_caches, chunk, block_ids, first_block)
 
 
+# Block ids in at most this many runs of consecutive ids are copied run by run, straight between the
+# cache and the chunk; more, and one indexed copy through a scratch of the blocks costs less.
+MAX_RUNS = 4
+
+
+def block_runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(first block id, its index in `block_ids`, length) of each run of consecutive ids."""
+    runs: list[tuple[int, int, int]] = []
+    for i, b in enumerate(block_ids):
+        if runs and runs[-1][0] + runs[-1][2] == b:
+            first, at, r = runs[-1]
+            runs[-1] = (first, at, r + 1)
+        else:
+            runs.append((b, i, 1))
+    return runs
+
+
 class _BlockMajorLayout:
     """Shared by the vLLM layouts: a per-layer cache `[num_blocks, H, block_size, 2*D]` whose blocks are
-    selected with one `index_select` / `index_copy_` into a per-thread scratch of the selected blocks;
+    copied run by run where the block ids are a few runs of consecutive ids (vLLM's free-block queue
+    hands them out so), else selected with one `index_select` / `index_copy_` into a per-thread scratch;
     subclasses say how K and V sit inside a block (`_split`)."""
 
     name = "block-major"
 
     def __init__(self) -> None:
         self._scratch = threading.local()  # loads run on several threads, saves on the engine's
+        self._whole: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def _kv_of(self, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) views of every block of `cache` (`_split` of the whole cache, made once per cache)."""
+        got = self._whole.get(id(cache))
+        if got is None or got[0] is not cache:
+            got = self._whole[id(cache)] = (cache, *self._split(cache))
+        return got[1], got[2]
 
     def _check(self, cache: torch.Tensor) -> None:
         """Subclasses refuse a tensor whose memory they cannot read."""
@@ -126,8 +153,17 @@ class _BlockMajorLayout:
         if out is None:
             out = torch.empty(shape, dtype=first.dtype, device=first.device)
         assert tuple(out.shape) == shape and out.dtype == first.dtype and out.is_contiguous(), out.shape
-        idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=first.device)
         view = out.view(2, len(kv_caches), n, bs, h, d2 // 2)
+        runs = block_runs(block_ids)
+        if len(runs) <= MAX_RUNS:  # straight out of the cache: no scratch, no indexed copy
+            for layer, cache in enumerate(kv_caches):
+                k, v = self._kv_of(cache)
+                for b, i, r in runs:
+                    kb, vb, dst = k[b : b + r], v[b : b + r], view[:, layer, i : i + r]
+                    dst[0].view(kb.shape).copy_(kb)
+                    dst[1].view(vb.shape).copy_(vb)
+            return out
+        idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=first.device)
         for layer, cache in enumerate(kv_caches):
             blocks = torch.index_select(cache, 0, idx, out=self._blocks(cache, n))
             k, v = self._split(blocks)
@@ -154,6 +190,15 @@ class _BlockMajorLayout:
             raise InvalidArgument(
                 f"chunk {tuple(chunk.shape)} does not match the cache's heads/head_dim {(h, d2 // 2)}"
             )
+        runs = block_runs(block_ids)
+        if len(runs) <= MAX_RUNS:  # straight into the cache: no scratch, no indexed copy
+            for layer, cache in enumerate(kv_caches):
+                k, v = self._kv_of(cache)
+                for b, i, r in runs:
+                    kb, vb, src = k[b : b + r], v[b : b + r], chunk[:, layer, lo + i * bs : lo + (i + r) * bs]
+                    kb.copy_(src[0].view(kb.shape))  # casts and moves to the cache's device
+                    vb.copy_(src[1].view(vb.shape))
+            return
         idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=first.device)
         for layer, cache in enumerate(kv_caches):
             blocks = self._blocks(cache, n)

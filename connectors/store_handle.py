@@ -91,8 +91,8 @@ class StoreHandle:
     # ---- blob-level calls (the connector encodes and decodes itself) --------------------------
     def lease_blobs(self, keys: Sequence[str], reasons: list[str | None] | None = None) -> Any:
         """The chunks' blobs lent until `release()` (sdk.buffers.BlobLease): no copy from a server on
-        this host (shared memory) or from an in-process store."""
-        return self.store.lease_blobs(list(keys), reasons)
+        this host (shared memory; in place: check `intact()` after use) or from an in-process store."""
+        return self.store.lease_blobs(list(keys), reasons, in_place=True)
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         return self.store.batch_exists(list(keys))

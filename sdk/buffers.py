@@ -64,17 +64,27 @@ class LoanBook:
 
 class BlobLease:
     """Blobs lent by a backend until `release()`. `headers[i]` is the parsed header when this process
-    verified blob i already (the in-process store does on every read); None means verify before use."""
+    verified blob i already (the in-process store does on every read); None means verify before use.
+
+    An in-place lease (`lease(..., in_place=True)`) may hold blobs that the server can overwrite while
+    they are out: use them, then `intact()` says which were whole all along; what was made of one that
+    was not is to be thrown away (any other lease is intact throughout)."""
 
     def __init__(
         self,
         blobs: Sequence[Blob | None],
         headers: Sequence[BlobHeader | None] | None = None,
         on_release: Callable[[], None] | None = None,
+        intact: Callable[[], list[bool]] | None = None,
     ) -> None:
         self.blobs = list(blobs)
         self.headers = list(headers) if headers is not None else [None] * len(self.blobs)
         self._on_release = on_release
+        self._intact = intact
+
+    def intact(self) -> list[bool]:
+        """Per blob, whether it held the same bytes from the lease until now (ask after using them)."""
+        return [True] * len(self.blobs) if self._intact is None else self._intact()
 
     def release(self) -> None:
         on_release, self._on_release = self._on_release, None

@@ -28,7 +28,9 @@ class LocalBackend(Backend):
     def batch_get(self, keys: Sequence[str], reasons: list[str | None] | None = None) -> list[Blob | None]:
         return self.store.batch_get(keys, reasons)
 
-    def lease(self, keys: Sequence[str], reasons: list[str | None] | None = None) -> BlobLease:
+    def lease(
+        self, keys: Sequence[str], reasons: list[str | None] | None = None, in_place: bool = False
+    ) -> BlobLease:  # the tiers' buffers are immutable: every lease is in place and intact
         keys = list(keys)
         if len(keys) == 1 and reasons is None:  # the store's metrics tell single gets from batches
             hits = [self.store.get_verified(keys[0])]

@@ -128,7 +128,8 @@ class RemoteBackend(Backend):
         self._executor: ThreadPoolExecutor | None = None
         self._pool_size = pool_size
         self._closed = False
-        # calls by the path their blobs took: shm, tcp, http, or index (shm without a request)
+        # calls by the path their blobs took: shm, tcp, http, index (copied out of the arena without a
+        # request) or in_place (lent where they lie in the arena, without a request)
         self.counts: Counter[str] = Counter()
 
     # -- transport negotiation ---------------------------------------------------------------------------
@@ -282,6 +283,21 @@ class RemoteBackend(Backend):
             reasons[:] = tr.reasons_of(meta, blobs)
         return blobs, loan, None
 
+    def _lend_index(self, keys: list[str]) -> tuple[list[Blob | None], Loan, tr.Intact] | None:
+        """The blobs where they lie in a same-host server's arena, by its index (tr.lend_index)."""
+        if len(keys) > wire.MAX_BATCH_KEYS or self._data_plane() is None:
+            return None
+        self._loans.retry()
+        seg = self._shm()
+        if seg is None or seg.arena is None or seg.arena.index is None:
+            return None
+        started = time.perf_counter()
+        lent = tr.lend_index(seg.arena, keys)
+        if lent is not None:  # the server counts the reads as gets and refreshes their recency
+            self._touches.add(keys, time.perf_counter() - started)
+            self.counts["in_place"] += 1
+        return lent
+
     def get_blob(self, key: str) -> Blob | None:
         return self._fetch([validate_key(key)], lend=False)[0][0]
 
@@ -292,11 +308,20 @@ class RemoteBackend(Backend):
             return []
         return self._fetch([validate_key(k) for k in keys], lend=False, reasons=reasons)[0]
 
-    def lease(self, keys: Sequence[str], reasons: list[str | None] | None = None) -> BlobLease:
+    def lease(
+        self, keys: Sequence[str], reasons: list[str | None] | None = None, in_place: bool = False
+    ) -> BlobLease:
         if not keys:
             if reasons is not None:
                 reasons[:] = []
             return BlobLease([])
+        if in_place:
+            lent = self._lend_index([validate_key(k) for k in keys])
+            if lent is not None:
+                blobs, loan, intact = lent
+                if reasons is not None:
+                    reasons[:] = [None] * len(keys)
+                return BlobLease(blobs, on_release=lambda: self._loans.end(loan), intact=intact)
         blobs, loan, headers = self._fetch([validate_key(k) for k in keys], lend=True, reasons=reasons)
         if loan is None:
             return BlobLease(blobs, headers)

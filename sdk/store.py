@@ -130,18 +130,26 @@ class Store:
 
     def get(self, key: str, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """The KV tensor under `key` or None; `out` (right shape and dtype) receives it without allocating."""
-        with self.backend.lease([key]) as lease:
+        with self.backend.lease([key], in_place=True) as lease:
+            kv = self.decode(key, lease.blobs[0], out, header=lease.headers[0])
+            if lease.intact()[0]:
+                return kv
+        with self.backend.lease([key]) as lease:  # overwritten while decoded: ask the server
             return self.decode(key, lease.blobs[0], out, header=lease.headers[0])
 
     def get_blob(self, key: str) -> Blob | None:
         """The blob under `key` in a buffer the caller owns, or None; verify it before use."""
         return self.backend.get_blob(key)
 
-    def lease_blobs(self, keys: Sequence[str], reasons: list[str | None] | None = None) -> BlobLease:
+    def lease_blobs(
+        self, keys: Sequence[str], reasons: list[str | None] | None = None, in_place: bool = False
+    ) -> BlobLease:
         """The blobs of `keys` (None for misses) lent until `release()`: no copy on the way to the caller
         (from a same-host server: its shared memory). `lease.headers[i]` is set where blob i was
-        verified in this process already; a list given as `reasons` receives why each one missed."""
-        return self.backend.lease(keys, reasons)
+        verified in this process already; a list given as `reasons` receives why each one missed.
+        `in_place=True`: from a same-host server, without a request, where they lie in its arena; the
+        server may overwrite them meanwhile, so check `lease.intact()` after use (sdk.buffers)."""
+        return self.backend.lease(keys, reasons, in_place)
 
     def exists(self, key: str) -> bool:
         return self.backend.exists(key)
@@ -153,8 +161,14 @@ class Store:
         return self.backend.batch_put([(key, self.encode(x, key)) for key, x in items])
 
     def batch_get(self, keys: Sequence[str]) -> list[torch.Tensor | None]:
-        with self.backend.lease(keys) as lease:
-            return self._decode_all(keys, lease)
+        with self.backend.lease(keys, in_place=True) as lease:
+            kvs = self._decode_all(keys, lease)
+            torn = [i for i, whole in enumerate(lease.intact()) if not whole]
+        if torn:  # overwritten while decoded: those again from the server
+            with self.backend.lease([keys[i] for i in torn]) as lease:
+                for i, kv in zip(torn, self._decode_all([keys[i] for i in torn], lease), strict=True):
+                    kvs[i] = kv
+        return kvs
 
     def _decode_all(self, keys: Sequence[str], lease: BlobLease) -> list[torch.Tensor | None]:
         return [self.decode(k, b, header=h) for k, b, h in zip(keys, lease.blobs, lease.headers, strict=True)]

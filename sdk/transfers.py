@@ -4,7 +4,7 @@ and a same-host server's shared memory. Each get answers (blobs, Loan | None): b
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvstore.blob import BlobHeader, copy_verified
@@ -17,6 +17,7 @@ from sdk.http import HttpClient
 from sdk.shm import ClientArena, ClientSegment
 
 Got = tuple[list[Blob | None], Loan | None]
+Intact = Callable[[], list[bool]]
 
 
 class Receiver:
@@ -201,6 +202,32 @@ def fetch_index(
             return None
         blobs.append(buf)
     return rx.blobs(blobs, None), headers
+
+
+def lend_index(arena: ClientArena, keys: list[str]) -> tuple[list[Blob | None], Loan, Intact] | None:
+    """Every blob of `keys` where it lies in the server's arena, found by its index: no request, no
+    copy; and the check that says, per blob, whether it is still whole. None when one is not in the
+    index or the server's heartbeat is stale (the caller then asks the server).
+
+    Nothing stops the server from reusing a region once it has withdrawn its entry, so this is the
+    seqlock read of `fetch_index` stretched over the caller's use: the caller verifies and uses the
+    views, then asks `intact()` and throws away what it made of a blob that is not whole."""
+    index = arena.index
+    assert index is not None
+    if not index.alive():
+        return None
+    found = []
+    for key in keys:
+        where = index.find(key)
+        if where is None:
+            return None
+        found.append(where)
+    views: list[Blob | None] = [arena.view[offset : offset + n] for _, _, offset, n in found]
+
+    def intact() -> list[bool]:
+        return [index.unchanged(slot, gen) for slot, gen, _, _ in found]
+
+    return views, Loan([v for v in views if v is not None], lambda: None), intact
 
 
 def _hand_over(views: list[memoryview | None], done: Free, rx: Receiver) -> Got:

@@ -129,3 +129,33 @@ def test_server_killed_between_lookup_and_load(engines, kv_server) -> None:
     assert recompute_from_errors(b, req) == 0
     assert kv_equal(b, req)
     assert b.worker.metrics.snapshot()["kvstore_connector_chunk_misses_total{reason=unreachable}"] == 2
+
+
+def test_chunk_overwritten_during_an_in_place_load_is_recomputed(engines, kv_server, monkeypatch) -> None:
+    """A same-host server's chunks are scattered from its arena in place (no request, no copy); one the
+    server lets go of meanwhile (its region may be reused) may be torn: its blocks are recomputed."""
+    from connectors.kv_worker import KVStoreWorker  # noqa: PLC0415
+
+    config = make_config(store_url=kv_server.url)
+    a, b = engines(config, seed=1), engines(config, seed=2)
+    tokens = prompt(600, seed=7)
+    a.prefill(Req("r1", tokens))
+    a.worker.flush()
+    victim = a.scheduler.scheduler._keys["r1"].keys[1]
+    scatter = KVStoreWorker._load_chunk
+
+    def racing(self, key, *args):  # the server drops chunk 1 right after it was scattered
+        out = scatter(self, key, *args)
+        if key == victim:
+            assert a.scheduler.handle.store.delete(victim)
+        return out
+
+    monkeypatch.setattr(KVStoreWorker, "_load_chunk", racing)
+    req = Req("r2", tokens)
+    assert b.admit(req) == 512
+    assert b.step([(req, 600 - 512)]) == set(req.block_table[16:32])
+    assert b.worker.handle.store.backend.counts["in_place"] == 1
+    assert torch.equal(b.read(req, 0, 256), truth_kv(tokens, 0, 256, b.dtype)), "chunk 0 loaded"
+    assert recompute_from_errors(b, req) == 256
+    assert kv_equal(b, req)
+    assert b.worker.metrics.snapshot()["kvstore_connector_chunk_misses_total{reason=evicted}"] == 1

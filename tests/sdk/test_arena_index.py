@@ -13,6 +13,7 @@ import time
 import urllib.request
 
 import pytest
+import torch
 
 from kvstore.blob import verify_blob
 from kvstore.lru import LRUIndex
@@ -21,6 +22,7 @@ from kvstore.protocol import shm
 from kvstore.protocol.arena_table import STALE_S, IndexReader, usable_here
 from kvstore.tiers.arena_index import ArenaIndex, PublishedLRU
 from kvstore.tiers.cpu import CpuTier
+from sdk import Store
 from sdk import transfers as tr
 from sdk.buffers import BufferPool
 from sdk.remote import RemoteBackend
@@ -332,3 +334,71 @@ def test_a_touch_cannot_forge_hits_or_latency(server_factory):
     assert 'kvstore_request_seconds_count{op="get"}' not in text and 'op="get",status="200"' not in text
     sock.close()
     be.close()
+
+
+def test_in_place_leases_of_real_chunks_need_no_request_and_no_copy(server):
+    """A lease of SmolLM2-sized chunks (5.9 MB each) `in_place`: views of the arena where the index
+    says the blobs lie, whole (intact) while nothing overwrites them; no request, nothing lent."""
+    be = RemoteBackend(server.url, transport="shm")
+    blobs = [make_blob(i, tokens=46_000) for i in range(3)]  # 5.75 MiB each
+    be.batch_put([(key(i), b) for i, b in enumerate(blobs)])
+    seg = next(iter(server.thread.server.plane.shm._segments.values()))
+    asked = dict(be.counts)
+    reasons: list = []
+    with be.lease([key(2), key(0)], reasons, in_place=True) as got:
+        assert [bytes(b) for b in got] == [blobs[2], blobs[0]] and reasons == [None, None]
+        assert all(b.readonly for b in got) and got.headers == [None, None]  # the caller verifies
+        assert got.intact() == [True, True]
+        views = list(got.blobs)
+    assert be.counts["in_place"] == 1 and {k: be.counts[k] for k in asked} == asked  # no request
+    assert not seg.lent
+    with pytest.raises(ValueError):
+        bytes(views[0])  # released with the lease
+    wait_for(lambda: cpu_hits(be) == 2, timeout=5)  # the server still counts both reads (TOUCH)
+    with be.lease([key(0), key(9)], in_place=True) as got:  # a miss: the server answers, as before
+        assert bytes(got[0]) == blobs[0] and got[1] is None and got.intact() == [True, True]
+    assert be.counts["in_place"] == 1
+    be.close()
+
+
+def test_an_in_place_lease_says_which_blobs_were_overwritten_while_out(server_factory):
+    """The server may reuse a region while an in-place lease is out: `intact()` says so for exactly
+    the blobs deleted, replaced or evicted since the lease began."""
+    srv = server_factory(store={"cpu_capacity": "3MiB"})
+    be = RemoteBackend(srv.url, transport="shm")
+    for i in range(3):
+        be.put_blob(key(i), make_blob(i, tokens=4096))  # 512 KiB each
+    with be.lease([key(0), key(1), key(2)], in_place=True) as got:
+        assert got.intact() == [True, True, True]
+        be.put_blob(key(1), make_blob(11, tokens=4096))  # replaced
+        assert got.intact() == [True, False, True]
+        be.delete(key(2))
+        assert got.intact() == [True, False, False]
+    with be.lease([key(0), key(1)], in_place=True) as got:
+        for i in range(20, 26):  # 3 MiB more: key(0) and key(1) are evicted, their regions reused
+            be.put_blob(key(i), make_blob(i, tokens=4096))
+        assert got.intact() == [False, False]
+    be.close()
+
+
+def test_sdk_gets_decode_in_place_and_ask_again_for_a_blob_overwritten_meanwhile(server, monkeypatch):
+    """Store.get / batch_get read in place; a blob the server overwrote while it was decoded is asked
+    for again (never the torn decode)."""
+    store = Store.connect(server.url, transport="shm")
+    kvs = [torch.randn(2, 2, 256, 4, 64, generator=torch.Generator().manual_seed(i)).half() for i in range(3)]
+    store.batch_put([(key(i), kv) for i, kv in enumerate(kvs)])
+    assert torch.equal(store.get(key(0)), kvs[0]) and store.backend.counts["in_place"] == 1
+    decode, raced = store.decode, []
+
+    def racing_decode(k, blob, *args, **kw):  # the server replaces key(1) while the SDK decodes it
+        out = decode(k, blob, *args, **kw)
+        if k == key(1) and not raced:
+            raced.append(k)
+            store.backend.put_blob(key(1), store.encode(kvs[2], key(1)))
+        return out
+
+    monkeypatch.setattr(store, "decode", racing_decode)
+    got = store.batch_get([key(0), key(1)])
+    assert raced and torch.equal(got[0], kvs[0]) and torch.equal(got[1], kvs[2])  # asked again
+    assert store.backend.counts["in_place"] == 2
+    store.close()

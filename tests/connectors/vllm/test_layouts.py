@@ -165,3 +165,28 @@ def test_vllm_cuda_layout_matches_vllms_own_flash_cache_writer() -> None:
     fresh = [torch.zeros_like(c) for c in caches]
     layout.scatter(fresh, chunk.cpu(), [2, 0, 5])  # a chunk decoded on the host goes straight to the device
     assert all(torch.equal(a[[2, 0, 5]], b[[2, 0, 5]]) for a, b in zip(fresh, caches, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("blocks", "runs"), [([3, 4, 5, 6, 7, 8], 1), ([9, 10, 2, 3, 0, 1], 3), ([9, 1, 7, 3, 11, 5], 6)]
+)
+def test_blocks_in_runs_and_scattered_blocks_move_alike(blocks: list[int], runs: int, monkeypatch) -> None:
+    """Block ids in a few runs are copied run by run, more through the scratch: the caches and chunks
+    they make are the same either way, in every block-major layout."""
+    from connectors import layouts  # noqa: PLC0415
+
+    assert len(layouts.block_runs(blocks)) == runs
+    want = torch.randn(2, L, len(blocks) * BS, H, D, generator=torch.Generator().manual_seed(5))
+    made = {}
+    for max_runs in (layouts.MAX_RUNS, 0):  # 0: every call takes the indexed path
+        monkeypatch.setattr(layouts, "MAX_RUNS", max_runs)
+        for layout in (VllmCpuLayout(), VllmCpuAmxLayout(), VllmCudaLayout()):
+            cache = [torch.zeros(12, H, BS, 2 * D, dtype=torch.bfloat16) for _ in range(L)]
+            layout.scatter(cache, want, blocks)
+            out = layout.gather(cache, blocks)
+            assert torch.equal(out, want.to(torch.bfloat16)), (layout.name, max_runs)
+            untouched = [b for b in range(12) if b not in blocks]
+            assert not any(c[untouched].any() for c in cache)
+            made.setdefault(layout.name, []).append(cache)
+    for first, second in made.values():
+        assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
