@@ -33,7 +33,7 @@ test: $(STAMP) lint
 	$(BIN)/python -m pytest -q -rs
 
 demo: $(STAMP)
-	$(BIN)/python -m kvstore.demo
+	$(BIN)/python examples/demo.py
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_store.py

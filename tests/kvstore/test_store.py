@@ -314,14 +314,6 @@ def test_close_is_idempotent_and_final(tmp_path: Path) -> None:
     again.close()
 
 
-def test_demo_store_round_trip(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from kvstore.demo import store_round_trip
-
-    store_round_trip(tmp_path)
-    out = capsys.readouterr().out
-    assert "read back bit-exact" in out and "lookup_prefix = 4/4" in out
-
-
 @pytest.mark.parametrize(
     "bad",
     [{"write_back_queue": 0}, {"admission_hits": -1}, {"ttl": 0}]

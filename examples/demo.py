@@ -1,4 +1,4 @@
-"""`python -m kvstore.demo` (`make demo`): the store doing its job, end to end.
+"""`python examples/demo.py` (`make demo`): the store doing its job, end to end.
 
 Part 1, the store: a prompt is cut into chunk keys (Spec 1), KV chunks go into a cpu + disk store,
 `lookup_prefix` finds the reusable prefix of a second prompt, every chunk comes back bit-exact, and a
@@ -9,7 +9,8 @@ Part 2, the engine: SmolLM2 is prepared, `kvstore-server` (cpu,disk) starts, and
 --kv-backend kvstore` answers questions about one long shared document twice: cold, then as a NEW
 engine process after a restart. The restarted engine's first request finds the document's KV in the
 store instead of recomputing it: TTFT cold vs warm and the hit rates are printed. Everything the demo
-starts, it stops. (It talks to the engine and the server over HTTP only: kvstore imports no other room.)
+starts, it stops. It is no part of the core: it uses the store in process and runs the engine and the
+server as the commands a user runs, talking to them over HTTP.
 """
 
 from __future__ import annotations
