@@ -86,3 +86,24 @@ def test_lookup_and_exists_is_one_request_on_either_transport(shared_server, tra
         before = requests_served(shared_server.url)
         assert store.lookup_and_exists([k0, gone], [k1, gone2]) == (1, "not_stored", [True, False])
         assert requests_served(shared_server.url) - before == 1
+
+
+def test_a_whole_hit_is_one_round_trip_from_lookup_to_loaded_kv(engines, shared_server) -> None:
+    """A prefix hit from a same-host server, lookup and load: one request (the lookup); the chunks are
+    scattered from the server's arena in place, found by its index."""
+    from tests.connectors.sim import make_config, prompt, truth_kv  # noqa: PLC0415
+
+    config = make_config("float16", store_url=shared_server.url, namespace="whole-hit")
+    a, b = engines(config, seed=1), engines(config, seed=2)
+    tokens = prompt(1024 + 16, seed=11)
+    a.prefill(Req("r1", tokens))
+    a.worker.flush()
+    b.prefill(Req("warm", prompt(300, seed=12)))  # b's clients connect and map the server's segment
+    b.worker.flush()
+    req = Req("r2", tokens)
+    before = requests_served(shared_server.url)
+    assert b.admit(req) == 1024
+    b.step([(req, 16)])  # the load, then the 16 new tokens' forward (no full chunk to save)
+    assert requests_served(shared_server.url) - before == 1
+    assert not b.load_errors and b.worker.handle.store.backend.counts["in_place"] >= 1
+    assert torch.equal(b.read(req, 0, 1040), truth_kv(tokens, 0, 1040, torch.float16))
