@@ -2,9 +2,12 @@
 
 `copy_out` copies each chunk to save (a newly full chunk, or the partial chunk of a finished
 request) out of the paged cache — after it returns the engine may free or reuse the blocks — and
-hands the copies to a background thread that skips chunks the store already has, encodes the rest
-with the configured codec, puts them in one batch and then deletes the shorter partial chunks they
-supersede. A request's save is "in flight" until that thread is done with it; `flush` waits for all.
+hands the copies to a background thread that skips chunks the store already has (one round trip),
+encodes the rest with the configured codec and puts them in one batch that also names the shorter
+partial chunks they supersede, deleted once the batch is stored (a second round trip; a save with
+nothing to put deletes them in one). With a same-host server each blob is laid out straight in its
+shared memory (`kvstore.blob.PreparedBlob`: a raw payload goes from the copy-out buffer to the
+segment, once). A request's save is "in flight" until that thread is done with it; `flush` waits for all.
 The copy-out queue is bounded (`max_pending_saves`): beyond it, and while the store is unreachable,
 saves are dropped and counted, never waited for.
 """
@@ -24,7 +27,7 @@ from connectors.config import KVTransferConfig
 from connectors.layouts import PagedLayout
 from connectors.meta import SaveSpec
 from connectors.store_handle import StoreHandle, is_unreachable
-from kvstore.blob import encode_blob
+from kvstore.blob import prepare_blob
 from kvstore.errors import KVStoreError
 
 logger = logging.getLogger(__name__)
@@ -84,22 +87,23 @@ class ChunkSaver:
             keys = [spec.key for spec, _ in batch]
             replaced = list(dict.fromkeys(k for spec, _ in batch for k in spec.replaces))
             present = self.handle.batch_exists(keys + replaced)  # one round trip for both
+            stale = [k for k, have in zip(replaced, present[len(keys) :], strict=True) if have]
             items = [
-                (spec.key, encode_blob(kv, codec=self.codec, key=spec.key))
+                (spec.key, prepare_blob(kv, codec=self.codec, key=spec.key))
                 for (spec, kv), have in zip(batch, present[: len(keys)], strict=True)
                 if not have
             ]
-            self._recycle([kv for spec, kv in batch if not spec.partial])
-            if items:
-                self.handle.batch_put_blobs(items)
+            try:
+                if items:  # the superseded partials go in the same round trip, once the chunks are stored
+                    self.handle.batch_put_blobs(items, replaces=stale)
+                elif stale:
+                    self.handle.batch_delete(stale)
+            finally:  # a raw blob reads its buffer until it is written out
+                self._recycle([kv for spec, kv in batch if not spec.partial])
             self.metrics.saved_chunks.inc(len(items))
             self.metrics.skipped_saves.inc(len(batch) - len(items))
-            self.metrics.save_bytes.inc(sum(len(b) for _, b in items))
+            self.metrics.save_bytes.inc(sum(b.nbytes for _, b in items))
             self.metrics.partial_chunks.labels("saved").inc(sum(1 for spec, _ in batch if spec.partial))
-            # the longer chunk is stored: the shorter partials it supersedes only take room now
-            stale = [k for k, have in zip(replaced, present[len(keys) :], strict=True) if have]
-            for key in stale:
-                self.handle.delete(key)
             self.metrics.partial_chunks.labels("replaced").inc(len(stale))
             self.metrics.save_seconds.observe(time.perf_counter() - t0)
         except KVStoreError as e:
@@ -121,7 +125,7 @@ class ChunkSaver:
                 self.metrics.pending_saves.set(self._pending)
 
     def _recycle(self, buffers: list[torch.Tensor]) -> None:
-        """Encoding copied them into blobs: the buffers can take the next copy-out."""
+        """Their blobs are written out: the buffers can take the next copy-out."""
         with self._lock:
             room = self.config.max_pending_saves - len(self._spare)
             self._spare.extend(buffers[: max(0, room)])

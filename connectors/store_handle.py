@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 
 from connectors.config import KVTransferConfig
 from connectors.metrics import ConnectorMetrics
+from kvstore.blob import PreparedBlob
 from kvstore.breaker import Breaker
 from kvstore.errors import ConfigError, Forbidden, KVStoreError, Unauthorized, Unavailable
 from kvstore.protocol import Blob
@@ -97,11 +98,15 @@ class StoreHandle:
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         return self.store.batch_exists(list(keys))
 
-    def batch_put_blobs(self, items: Sequence[tuple[str, Blob]]) -> None:
-        self.store.batch_put(list(items))
+    def batch_put_blobs(
+        self, items: Sequence[tuple[str, Blob | PreparedBlob]], replaces: Sequence[str] = ()
+    ) -> None:
+        """Store the blobs (a PreparedBlob is laid out where it goes: a same-host server's shared
+        memory), then delete `replaces`, only once every blob is stored; one round trip to a server."""
+        self.store.batch_put(list(items), list(replaces))
 
-    def delete(self, key: str) -> bool:
-        return self.store.delete(key)
+    def batch_delete(self, keys: Sequence[str]) -> int:
+        return self.store.batch_delete(list(keys))
 
     def close(self) -> None:
         self._lookup_pool.shutdown(wait=False, cancel_futures=True)

@@ -100,10 +100,12 @@ def _checksum(head: bytes | memoryview, params: bytes | memoryview, payload: Any
     return h.intdigest()
 
 
-def encode_blob(
+def prepare_blob(
     kv: torch.Tensor, codec: str = "raw", lz4: bool = False, key: str | None = None, **options: Any
-) -> bytes:
-    """Encode a KV tensor `[2, L, T, H, D]` into a blob, bound to `key` when given (see the module doc).
+) -> PreparedBlob:
+    """Encode a KV tensor `[2, L, T, H, D]` into a blob not yet laid out in memory: its size is known,
+    and `write_into` puts it wherever the caller wants it (the SDK: straight into shared memory), once.
+    For raw the payload is a view of `kv`: keep `kv` unchanged until the blob is written.
 
     `lz4=True` compresses the codec's payload and keeps the compressed form only where it is smaller.
     """
@@ -127,26 +129,84 @@ def encode_blob(
         packed = compress(payload)
         if len(packed) < len(payload):
             payload, compression = packed, COMPRESSION_LZ4
-    return _pack(c.codec_id, compression, kv.dtype, tuple(kv.shape), params, payload, tag)
+    return PreparedBlob.of(c.codec_id, compression, kv.dtype, tuple(kv.shape), params, payload, tag)
 
 
-def _pack(
-    codec_id: int, compression: int, dtype: torch.dtype, shape: tuple, params: dict, payload: Any, tag: int
+def encode_blob(
+    kv: torch.Tensor, codec: str = "raw", lz4: bool = False, key: str | None = None, **options: Any
 ) -> bytes:
-    pbytes = _CHECK.pack(tag) + msgpack.packb(params)  # the key tag, then the params
-    head = _HEAD.pack(
-        MAGIC, FORMAT_VERSION, codec_id, compression, DTYPE_IDS[dtype], 5, 0,
-        *shape, len(pbytes) - _CHECK.size, len(payload),
-    )  # fmt: skip
-    check = _CHECK.pack(_checksum(head, pbytes, payload))
-    return b"".join((head, check, pbytes, payload))
+    """Encode a KV tensor `[2, L, T, H, D]` into a blob, bound to `key` when given (see the module doc);
+    `prepare_blob` laid out in a fresh `bytes`."""
+    return prepare_blob(kv, codec, lz4, key, **options).to_bytes()
+
+
+@dataclass(frozen=True)
+class PreparedBlob:
+    """A blob in two pieces: `head` (the header but its checksum, the key tag, the params) and the
+    codec's `payload`. `nbytes` is its size; `write_into` lays it out in a buffer of that size (the
+    copy and the checksum in one pass), `to_bytes` in a fresh `bytes`, `parts` as buffers to send
+    back to back (the checksum filled in)."""
+
+    head: bytes  # HEADER_SIZE + P bytes, the checksum field zero
+    payload: memoryview
+
+    @classmethod
+    def of(
+        cls,
+        codec_id: int,
+        compression: int,
+        dtype: torch.dtype,
+        shape: tuple,
+        params: dict,
+        payload: Any,
+        tag: int,
+    ) -> PreparedBlob:
+        pbytes = msgpack.packb(params)
+        view = memoryview(payload).cast("B")
+        head = _HEAD.pack(
+            MAGIC, FORMAT_VERSION, codec_id, compression, DTYPE_IDS[dtype], 5, 0, *shape, len(pbytes), len(view)
+        )  # fmt: skip
+        return cls(head + bytes(_CHECK.size) + _CHECK.pack(tag) + pbytes, view)
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.head) + len(self.payload)
+
+    def _checksummed_head(self, checksum: int) -> bytes:
+        return self.head[: _HEAD.size] + _CHECK.pack(checksum) + self.head[V1_HEADER_SIZE:]
+
+    def parts(self) -> list[bytes | memoryview]:
+        """The blob as two buffers (header, payload), nothing copied but the header."""
+        check = _checksum(self.head[: _HEAD.size], self.head[V1_HEADER_SIZE:], self.payload)
+        return [self._checksummed_head(check), self.payload]
+
+    def to_bytes(self) -> bytes:
+        return b"".join(self.parts())
+
+    def write_into(self, out: bytearray | memoryview) -> None:
+        """Lay the blob out in `out` (exactly `nbytes`), hashing each piece of the payload right after
+        it is copied, from the cache: the payload is read once."""
+        d = memoryview(out).cast("B")
+        if len(d) != self.nbytes:
+            raise InvalidArgument(f"a {self.nbytes}-byte blob does not fit {len(d)} bytes")
+        n = len(self.head)
+        d[:n] = self.head
+        h = xxhash.xxh3_64(self.head[: _HEAD.size])
+        h.update(self.head[V1_HEADER_SIZE:])
+        for pos in range(0, len(self.payload), _PIECE):
+            piece = d[n + pos : n + pos + _PIECE]
+            piece[:] = self.payload[pos : pos + _PIECE]
+            h.update(piece)
+        _CHECK.pack_into(d, _HEAD.size, h.intdigest())
 
 
 def wrap_payload(header: BlobHeader, codec_id: int, payload: Any, params: dict, key: str | None) -> bytes:
     """A blob of the same KV as `header`'s, another codec's uncompressed payload (kvstore.codecs.
     transcode), bound to `key`."""
     tag = 0 if key is None else key_tag(key)
-    return _pack(codec_id, COMPRESSION_NONE, header.dtype, header.shape, params, payload, tag)
+    return PreparedBlob.of(
+        codec_id, COMPRESSION_NONE, header.dtype, header.shape, params, payload, tag
+    ).to_bytes()
 
 
 def verify_blob(

@@ -10,7 +10,10 @@ Semantics every backend keeps:
 - `put_blob` / `batch_put` store nothing from a request with a blob that does not verify (CorruptBlob)
   or is over the size limit (TooLarge): the store verifies on receipt, so the client does not. They
   return the tiers that stored each blob, and raise NotStored / Unavailable when no tier did (a full
-  disk is an error, never an acknowledgement);
+  disk is an error, never an acknowledgement). A blob may be a `kvstore.blob.PreparedBlob`, laid out
+  where it goes (a same-host server's shared memory) instead of in a buffer of its own first.
+  `batch_put(items, replaces)` deletes `replaces` only once every blob is stored (a failed put
+  deletes nothing): the shorter partial chunks a save supersedes;
 - a missing key is `None` / `False`, never an exception;
 - batch calls keep the order of their inputs; `lookup` is (the number of leading keys present, why the
   next one is missing: kvstore/miss_log.py's reasons), `lookup_prefix` its first half;
@@ -26,11 +29,13 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from kvstore.blob import PreparedBlob
 from kvstore.protocol import Blob
 from sdk.buffers import BlobLease
 from sdk.health import StoreHealth
 
 T = TypeVar("T")
+Outgoing = Blob | PreparedBlob  # what a put sends: a blob, or one laid out on the way
 
 
 class Backend(ABC):
@@ -48,10 +53,12 @@ class Backend(ABC):
     ) -> BlobLease: ...
 
     @abstractmethod
-    def put_blob(self, key: str, blob: Blob) -> list[str]: ...
+    def put_blob(self, key: str, blob: Outgoing) -> list[str]: ...
 
     @abstractmethod
-    def batch_put(self, items: Sequence[tuple[str, Blob]]) -> list[list[str]]: ...
+    def batch_put(
+        self, items: Sequence[tuple[str, Outgoing]], replaces: Sequence[str] = ()
+    ) -> list[list[str]]: ...
 
     @abstractmethod
     def exists(self, key: str) -> bool: ...
@@ -61,6 +68,10 @@ class Backend(ABC):
 
     @abstractmethod
     def delete(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def batch_delete(self, keys: Sequence[str]) -> int:
+        """Delete every key; how many were stored."""
 
     @abstractmethod
     def lookup(self, keys: Sequence[str]) -> tuple[int, str | None]: ...
@@ -102,8 +113,10 @@ class Backend(ABC):
     async def aput_blob(self, key: str, blob: Blob) -> list[str]:
         return await self._run(self.put_blob, key, blob)
 
-    async def abatch_put(self, items: Sequence[tuple[str, Blob]]) -> list[list[str]]:
-        return await self._run(self.batch_put, items)
+    async def abatch_put(
+        self, items: Sequence[tuple[str, Outgoing]], replaces: Sequence[str] = ()
+    ) -> list[list[str]]:
+        return await self._run(self.batch_put, items, replaces)
 
     async def aexists(self, key: str) -> bool:
         return await self._run(self.exists, key)
@@ -113,6 +126,9 @@ class Backend(ABC):
 
     async def adelete(self, key: str) -> bool:
         return await self._run(self.delete, key)
+
+    async def abatch_delete(self, keys: Sequence[str]) -> int:
+        return await self._run(self.batch_delete, keys)
 
     async def alookup(self, keys: Sequence[str]) -> tuple[int, str | None]:
         return await self._run(self.lookup, keys)

@@ -11,9 +11,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvstore import __version__
+from kvstore.blob import PreparedBlob
 from kvstore.protocol import Blob
 from kvstore.store import TieredStore
-from sdk.backend import Backend
+from sdk.backend import Backend, Outgoing
 from sdk.buffers import BlobLease
 from sdk.health import StoreHealth
 
@@ -38,11 +39,16 @@ class LocalBackend(Backend):
             hits = self.store.batch_get_verified(keys, reasons)
         return BlobLease([h and h[0] for h in hits], [h and h[1] for h in hits])
 
-    def put_blob(self, key: str, blob: Blob) -> list[str]:
-        return self.store.put_blob(key, blob)
+    def put_blob(self, key: str, blob: Outgoing) -> list[str]:
+        return self.store.put_blob(key, _laid_out(blob))
 
-    def batch_put(self, items: Sequence[tuple[str, Blob]]) -> list[list[str]]:
-        return self.store.batch_put(items)
+    def batch_put(
+        self, items: Sequence[tuple[str, Outgoing]], replaces: Sequence[str] = ()
+    ) -> list[list[str]]:
+        stored_in = self.store.batch_put([(k, _laid_out(b)) for k, b in items])
+        putting = {k for k, _ in items}
+        self.batch_delete([k for k in replaces if k not in putting])  # once every blob is stored
+        return stored_in
 
     def exists(self, key: str) -> bool:
         return self.store.exists(key)
@@ -52,6 +58,9 @@ class LocalBackend(Backend):
 
     def delete(self, key: str) -> bool:
         return self.store.delete(key)
+
+    def batch_delete(self, keys: Sequence[str]) -> int:
+        return sum(bool(self.store.delete(k)) for k in keys)
 
     def lookup(self, keys: Sequence[str]) -> tuple[int, str | None]:
         return self.store.lookup(keys)
@@ -69,3 +78,8 @@ class LocalBackend(Backend):
 
     def close(self) -> None:
         self.store.close()
+
+
+def _laid_out(blob: Outgoing) -> Blob:
+    """A blob in one buffer (the tiers keep `bytes` as they are)."""
+    return blob.to_bytes() if isinstance(blob, PreparedBlob) else blob

@@ -32,7 +32,7 @@ from kvstore.protocol import dataplane as dp
 from kvstore.protocol.arena_table import IndexReader, usable_here
 from kvstore.settings import check_token
 from sdk import transfers as tr
-from sdk.backend import Backend
+from sdk.backend import Backend, Outgoing
 from sdk.buffers import BlobLease, BufferPool, Loan, LoanBook
 from sdk.dataplane import SPIN_S, DataPlaneClient, NotSpoken, SegmentGone
 from sdk.health import StoreHealth
@@ -329,36 +329,48 @@ class RemoteBackend(Backend):
 
     # -- puts and the rest -------------------------------------------------------------------------------
 
-    def put_blob(self, key: str, blob: Blob) -> list[str]:
+    def put_blob(self, key: str, blob: Outgoing) -> list[str]:
         return self.batch_put([(key, blob)])[0]
 
-    def batch_put(self, items: Sequence[tuple[str, Blob]]) -> list[list[str]]:
-        """Store the blobs; returns the tiers that stored each one (the server's acknowledgement)."""
+    def batch_put(
+        self, items: Sequence[tuple[str, Outgoing]], replaces: Sequence[str] = ()
+    ) -> list[list[str]]:
+        """Store the blobs; returns the tiers that stored each one (the server's acknowledgement). Then
+        `replaces` go: in the put's own request (`x`: the server deletes them once every blob is stored),
+        or, from a server that does not say it did, in one DELETE after it."""
         if not items:
             return []
         keys = [validate_key(k) for k, _ in items]
         blobs = [b for _, b in items]
-        lens = [memoryview(b).nbytes for b in blobs]
+        lens = [tr.nbytes(b) for b in blobs]
+        putting = set(keys)
+        gone = [k for k in dict.fromkeys(validate_key(k) for k in replaces) if k not in putting]
         plane = self._data_plane()
         if plane is None:
             self.counts["http"] += 1
-            return tr.put_http(self.http, keys, blobs)
+            stored_in = tr.put_http(self.http, keys, blobs)
+            if gone:
+                self.batch_delete(gone)
+            return stored_in
         limit = plane.hello["max_blob"] if len(items) == 1 else plane.hello["max_request"]
         if sum(lens) > limit or max(lens) > plane.hello["max_blob"]:
             raise TooLarge(f"put of {sum(lens)} bytes is over the server's limit ({limit})")
         self._loans.retry()
         seg = self._shm() if sum(lens) >= SHM_MIN_BLOB else None
+        answer = None
         if seg is not None:
             try:
-                stored_in = tr.put_shm(plane, seg, keys, lens, blobs)
+                answer = tr.put_shm(plane, seg, keys, lens, blobs, gone)
             except SegmentGone:
                 self._forget_segment(seg)
-                stored_in = None
-            if stored_in is not None:
+            if answer is not None:
                 self.counts["shm"] += 1
-                return stored_in
-        self.counts["tcp"] += 1
-        return tr.put_socket(plane, keys, lens, blobs)
+        if answer is None:
+            self.counts["tcp"] += 1
+            answer = tr.put_socket(plane, keys, lens, blobs, gone)
+        if gone and not isinstance(answer.get("x"), list):  # a server that predates `x` ignored it
+            self.batch_delete(gone)
+        return answer["stored_in"]
 
     def _keys_call(self, op: int, keys: Sequence[str]) -> dict:
         plane = self._data_plane()
@@ -383,6 +395,14 @@ class RemoteBackend(Backend):
         if self._data_plane() is None:
             return self.http.request("DELETE", wire.chunk_path(key)).status != 404
         return bool(self._keys_call(dp.DELETE, [key])["d"][0])
+
+    def batch_delete(self, keys: Sequence[str]) -> int:
+        if not keys:
+            return 0
+        keys = [validate_key(k) for k in keys]
+        if self._data_plane() is None:
+            return int(self.http.keys_request(wire.BATCH_DELETE_PATH, keys).json()["deleted"])
+        return sum(bool(x) for x in self._keys_call(dp.DELETE, keys)["d"])
 
     def lookup(self, keys: Sequence[str]) -> tuple[int, str | None]:
         if not keys:

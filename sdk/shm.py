@@ -17,6 +17,7 @@ import logging
 import mmap
 from collections.abc import Sequence
 
+from kvstore.blob import PreparedBlob
 from kvstore.errors import InvalidArgument
 from kvstore.protocol import Blob, shm
 from kvstore.protocol.arena_table import IndexReader
@@ -78,11 +79,17 @@ class ClientSegment:
         if n:
             self.allocator.free(offset, n)
 
-    def write(self, offset: int, blobs: Sequence[Blob]) -> None:
+    def write(self, offset: int, blobs: Sequence[Blob | PreparedBlob]) -> None:
+        """The blobs back to back from `offset`: a PreparedBlob laid out in place (its payload copied
+        once, from where the codec left it), a blob copied."""
         pos = offset
         for blob in blobs:
-            n = memoryview(blob).nbytes
-            self.view[pos : pos + n] = memoryview(blob).cast("B")
+            if isinstance(blob, PreparedBlob):
+                n = blob.nbytes
+                blob.write_into(self.view[pos : pos + n])
+            else:
+                n = memoryview(blob).nbytes
+                self.view[pos : pos + n] = memoryview(blob).cast("B")
             pos += n
 
     def views(self, offset: int, lens: Sequence[int]) -> list[memoryview | None]:

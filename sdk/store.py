@@ -25,18 +25,18 @@ from typing import Any
 import torch
 from pydantic import ValidationError
 
-from kvstore.blob import BlobHeader, decode_blob, encode_blob
+from kvstore.blob import BlobHeader, PreparedBlob, decode_blob, prepare_blob
 from kvstore.config import StoreConfig, default_data_dir
 from kvstore.errors import ConfigError, CorruptBlob, InvalidArgument
 from kvstore.protocol import Blob
 from kvstore.store import TieredStore
-from sdk.backend import Backend
+from sdk.backend import Backend, Outgoing
 from sdk.buffers import BlobLease
 from sdk.health import StoreHealth
 from sdk.local import LocalBackend
 
 logger = logging.getLogger(__name__)
-KVOrBlob = torch.Tensor | bytes | bytearray | memoryview
+KVOrBlob = torch.Tensor | bytes | bytearray | memoryview | PreparedBlob
 
 
 class Store:
@@ -102,12 +102,14 @@ class Store:
 
     # -- encoding (client side) -------------------------------------------------------------------------
 
-    def encode(self, kv_or_blob: KVOrBlob, key: str | None = None) -> Blob:
-        """A tensor becomes a blob with this store's codec, bound to `key` (kvstore.blob); a bytes-like
-        must already be a valid blob (the store verifies it on receipt: CorruptBlob and nothing stored)."""
+    def encode(self, kv_or_blob: KVOrBlob, key: str | None = None) -> Outgoing:
+        """A tensor becomes a blob with this store's codec, bound to `key`, not yet laid out: the backend
+        writes it where it goes, once (kvstore.blob.PreparedBlob; a raw one reads the tensor then, so
+        leave it unchanged until the put returns); a bytes-like (or a PreparedBlob) must already be a
+        valid blob (the store verifies it on receipt: CorruptBlob and nothing stored)."""
         if isinstance(kv_or_blob, torch.Tensor):
-            return encode_blob(kv_or_blob, codec=self.codec, lz4=self.lz4, key=key, **self.codec_options)
-        if isinstance(kv_or_blob, (bytes, bytearray, memoryview)):
+            return prepare_blob(kv_or_blob, codec=self.codec, lz4=self.lz4, key=key, **self.codec_options)
+        if isinstance(kv_or_blob, (bytes, bytearray, memoryview, PreparedBlob)):
             return kv_or_blob
         raise InvalidArgument(f"put takes a KV tensor or a blob, got {type(kv_or_blob).__name__}")
 
@@ -157,8 +159,16 @@ class Store:
     def delete(self, key: str) -> bool:
         return self.backend.delete(key)
 
-    def batch_put(self, items: Sequence[tuple[str, KVOrBlob]]) -> list[list[str]]:
-        return self.backend.batch_put([(key, self.encode(x, key)) for key, x in items])
+    def batch_put(
+        self, items: Sequence[tuple[str, KVOrBlob]], replaces: Sequence[str] = ()
+    ) -> list[list[str]]:
+        """Store the chunks; then delete `replaces` (keys the new chunks supersede), only once every one
+        is stored (a failed put deletes nothing): with a kvstore-server, in the same round trip."""
+        return self.backend.batch_put([(key, self.encode(x, key)) for key, x in items], replaces)
+
+    def batch_delete(self, keys: Sequence[str]) -> int:
+        """Delete every key, in one round trip; how many were stored."""
+        return self.backend.batch_delete(keys)
 
     def batch_get(self, keys: Sequence[str]) -> list[torch.Tensor | None]:
         with self.backend.lease(keys, in_place=True) as lease:
@@ -238,9 +248,14 @@ class Store:
     async def adelete(self, key: str) -> bool:
         return await self.backend.adelete(key)
 
-    async def abatch_put(self, items: Sequence[tuple[str, KVOrBlob]]) -> list[list[str]]:
+    async def abatch_put(
+        self, items: Sequence[tuple[str, KVOrBlob]], replaces: Sequence[str] = ()
+    ) -> list[list[str]]:
         blobs = await asyncio.to_thread(lambda: [(key, self.encode(x, key)) for key, x in items])
-        return await self.backend.abatch_put(blobs)
+        return await self.backend.abatch_put(blobs, replaces)
+
+    async def abatch_delete(self, keys: Sequence[str]) -> int:
+        return await self.backend.abatch_delete(keys)
 
     async def abatch_get(self, keys: Sequence[str]) -> list[torch.Tensor | None]:
         with await self.backend.alease(keys) as lease:

@@ -7,10 +7,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvstore.blob import BlobHeader, copy_verified
+from kvstore.blob import BlobHeader, PreparedBlob, copy_verified
 from kvstore.errors import CorruptBlob, InvalidArgument
 from kvstore.protocol import Blob, shm, wire
 from kvstore.protocol import dataplane as dp
+from sdk.backend import Outgoing
 from sdk.buffers import BufferPool, Free, Loan, fresh_buffer
 from sdk.dataplane import DataPlaneClient
 from sdk.http import HttpClient
@@ -102,13 +103,13 @@ def fetch_http(http: HttpClient, keys: list[str], rx: Receiver, reasons: list[st
     return rx.blobs(blobs, memoryview(resp.body))
 
 
-def put_http(http: HttpClient, keys: list[str], blobs: list[Blob]) -> list[list[str]]:
+def put_http(http: HttpClient, keys: list[str], blobs: Sequence[Outgoing]) -> list[list[str]]:
     """The tiers that stored each blob (the server's acknowledgement)."""
     if len(keys) == 1:
-        resp = http.request("PUT", wire.chunk_path(keys[0]), blobs)
+        resp = http.request("PUT", wire.chunk_path(keys[0]), body_of(blobs))
         header = resp.headers.get(wire.STORED_IN_HEADER.lower()) or ""  # `cpu,disk`
         return [[t for t in header.split(",") if t]]
-    frame = wire.encode_frame(keys, blobs)
+    frame = [wire.frame_header(keys, [nbytes(b) for b in blobs]), *body_of(blobs)]
     return http.request("POST", wire.BATCH_PUT_PATH, frame, wire.BATCH_CONTENT_TYPE).json()["stored_in"]
 
 
@@ -245,9 +246,16 @@ def _hand_over(views: list[memoryview | None], done: Free, rx: Receiver) -> Got:
 
 
 def put_shm(
-    plane: DataPlaneClient, seg: ClientSegment, keys: list[str], lens: list[int], blobs: list[Blob]
-) -> list[list[str]] | None:
-    """A put through a free region of `seg` (None while there is none); the tiers that stored each."""
+    plane: DataPlaneClient,
+    seg: ClientSegment,
+    keys: list[str],
+    lens: list[int],
+    blobs: Sequence[Outgoing],
+    replaces: list[str],
+) -> dict | None:
+    """A put through a free region of `seg` (None while there is none): each blob written into it once
+    (a PreparedBlob laid out there, not copied from a blob laid out first); the server's answer
+    (`stored_in`: the tiers that stored each; `x`: which of `replaces` it deleted once they were)."""
     total = sum(lens)
     offset = seg.reserve(total)
     if offset is None:
@@ -255,8 +263,10 @@ def put_shm(
     pins = seg.pins_to_give_back()
     try:
         seg.write(offset, blobs)
-        meta = {"k": keys, "l": lens, "s": [seg.seg_id, offset, total], "u": pins}
-        return plane.call(dp.PUT, meta, flags=dp.FLAG_SHM, segment=seg)[1]["stored_in"]
+        meta: dict[str, Any] = {"k": keys, "l": lens, "s": [seg.seg_id, offset, total], "u": pins}
+        if replaces:
+            meta["x"] = replaces
+        return plane.call(dp.PUT, meta, flags=dp.FLAG_SHM, segment=seg)[1]
     except BaseException:
         seg.unpin.extend(pins)
         raise
@@ -264,5 +274,26 @@ def put_shm(
         seg.free(offset, total)
 
 
-def put_socket(plane: DataPlaneClient, keys: list[str], lens: list[int], blobs: list[Blob]) -> Any:
-    return plane.call(dp.PUT, {"k": keys, "l": lens}, blobs)[1]["stored_in"]
+def put_socket(
+    plane: DataPlaneClient, keys: list[str], lens: list[int], blobs: Sequence[Outgoing], replaces: list[str]
+) -> dict:
+    """A put with the blobs on the socket; the server's answer as `put_shm`'s."""
+    meta: dict[str, Any] = {"k": keys, "l": lens}
+    if replaces:
+        meta["x"] = replaces
+    return plane.call(dp.PUT, meta, body_of(blobs))[1]
+
+
+def nbytes(blob: Outgoing) -> int:
+    return blob.nbytes if isinstance(blob, PreparedBlob) else memoryview(blob).nbytes
+
+
+def body_of(blobs: Sequence[Outgoing]) -> list[Blob]:
+    """The blobs as buffers to send back to back: a PreparedBlob as its header and payload, unjoined."""
+    out: list[Blob] = []
+    for b in blobs:
+        if isinstance(b, PreparedBlob):
+            out.extend(b.parts())
+        else:
+            out.append(b)
+    return out

@@ -4,6 +4,7 @@ metric names as the HTTP routes, so the two transports cannot drift apart in wha
 from __future__ import annotations
 
 import hmac
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -15,6 +16,7 @@ from kvstore.protocol.arena_table import usable_here
 from kvstore.protocol.wire import MAX_BATCH_KEYS
 from server.state import ServerState
 
+log = logging.getLogger(__name__)
 MAX_SEGMENTS_PER_CONNECTION = 4
 inline_ops = frozenset({dp.HELLO, dp.SHM_OPEN, dp.SHM_ATTACH})  # never touch the store
 
@@ -183,6 +185,7 @@ def _put(conn: Connection, req: Request, keys: list[str]) -> Reply:
     st = conn.st
     lens = dp.meta_lens(req.meta, len(keys))
     total = sum(lens)
+    replaces = dp.meta_keys({"k": req.meta["x"]}) if "x" in req.meta else []  # checked before any put
     limit = st.store_config.max_blob_size if len(keys) == 1 else st.config.max_request_size
     if total > limit:
         raise TooLarge(f"put of {total} bytes is over the limit ({limit})")
@@ -204,8 +207,20 @@ def _put(conn: Connection, req: Request, keys: list[str]) -> Reply:
         stored_in = [st.store.put_blob(keys[0], blobs[0])]
     else:
         stored_in = st.store.batch_put(list(zip(keys, blobs, strict=True)))
-    meta = {"stored": len(keys), "stored_in": stored_in}
+    meta: dict[str, Any] = {"stored": len(keys), "stored_in": stored_in}
+    if replaces:  # the keys the new blobs supersede go now that every one of them is stored
+        meta["x"] = [k not in keys and _delete_superseded(st, k) for k in replaces]
     return Reply(201, meta, op_name="put" if len(keys) == 1 else "batch_put", bytes_in=total)
+
+
+def _delete_superseded(st: ServerState, key: str) -> bool:
+    """Whether `key` was stored and is gone; one a tier could not delete only takes room (the put it
+    follows succeeded: its answer says so)."""
+    try:
+        return bool(st.store.delete(key))
+    except KVStoreError as e:
+        log.warning("a superseded chunk %s stays: %s", key, e)
+        return False
 
 
 def _touch(conn: Connection, req: Request, keys: list[str]) -> Reply:

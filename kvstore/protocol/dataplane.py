@@ -14,7 +14,9 @@ by one byte) and then speak lean request/response messages, one at a time per co
     16      M     meta
     16+M    B     body
 
-Request metas: `k` the keys; PUT adds `l` (blob lengths); with FLAG_SHM a put or get names its
+Request metas: `k` the keys; PUT adds `l` (blob lengths) and may add `x`: keys the new blobs
+supersede, deleted only once every blob is stored (answered `x`: whether each was deleted; a server
+that does not answer `x` deleted nothing, and the client deletes them itself); with FLAG_SHM a put or get names its
 region `s` = [segment id, offset, capacity] instead of carrying bytes on the socket. A FLAG_SHM get
 may add `a`, the nonce of the server's arena (HELLO's `arena` = [path, size, nonce]: the cpu tier's
 blobs, kvstore.tiers.arena) that the client has mapped read-only: when every hit lies there, the

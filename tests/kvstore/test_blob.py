@@ -18,6 +18,7 @@ from kvstore.blob import (
     copy_verified,
     decode_blob,
     encode_blob,
+    prepare_blob,
     verify_blob,
 )
 from kvstore.errors import CorruptBlob, InvalidArgument
@@ -246,3 +247,22 @@ def test_copy_verified_finds_flipped_bits_in_any_piece(data: st.DataObject) -> N
     for bit in data.draw(st.sets(st.integers(0, len(blob) * 8 - 1), min_size=1, max_size=4)):
         blob[bit // 8] ^= 1 << (bit % 8)
     _must_be_corrupt(bytes(blob))
+
+
+@pytest.mark.parametrize("codec,lz4", [("raw", False), ("raw", True), ("fp8", False), ("kivi4", False),
+                                       ("kivi4+ans", False)])  # fmt: skip
+def test_a_prepared_blob_laid_out_anywhere_is_the_encoded_blob(codec: str, lz4: bool) -> None:
+    """`write_into` (the SDK's shared-memory put) and `to_bytes` (`encode_blob`) are one layout:
+    the same bytes, the payload copied once and hashed as it goes, into a buffer of exactly its size."""
+    kv = _kv((2, 2, 600, 2, 64), torch.bfloat16, seed=3)  # payload over the 256 KiB hashing piece
+    key = "ab" * 16
+    prepared = prepare_blob(kv, codec=codec, lz4=lz4, key=key)
+    blob = encode_blob(kv, codec=codec, lz4=lz4, key=key)
+    assert prepared.nbytes == len(blob)
+    room = bytearray(prepared.nbytes + 10)
+    prepared.write_into(memoryview(room)[5 : 5 + prepared.nbytes])
+    assert bytes(room[5:-5]) == blob and room[:5] == room[-5:] == bytes(5)
+    assert b"".join(prepared.parts()) == blob
+    verify_blob(room[5:-5], key=key)
+    with pytest.raises(InvalidArgument):
+        prepared.write_into(bytearray(prepared.nbytes - 1))
