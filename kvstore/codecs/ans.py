@@ -51,7 +51,7 @@ def _lib() -> ctypes.CDLL | None:
         return None
     p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.ans_encode.argtypes, lib.ans_encode.restype = [p, i64, i, p, p, i64], i64
-    lib.ans_decode.argtypes, lib.ans_decode.restype = [p, i64, i64, i, p, p], i
+    lib.ans_decode_stream.argtypes, lib.ans_decode_stream.restype = [p, i64, p, i64, i, p, p], i
     return lib
 
 
@@ -91,16 +91,6 @@ def _encode_one(codes: np.ndarray, n: int, bits: int, freq: np.ndarray, use_c: b
     return None if m < 0 else out[:m].tobytes()
 
 
-def _decode_one(data: memoryview, n: int, bits: int, freq: np.ndarray, use_c: bool) -> np.ndarray | None:
-    lib = _lib() if use_c else None
-    if lib is None:
-        return ans_ref.decode(data, n, bits, freq)
-    out = np.empty(packed_nbytes(n, bits), np.uint8)
-    src = np.frombuffer(data, np.uint8)
-    ok = lib.ans_decode(src.ctypes.data, len(src), n, bits, freq.ctypes.data, out.ctypes.data) == 0
-    return out if ok else None
-
-
 def encode_segments(
     segments: Sequence[np.ndarray], ns: Sequence[int], bits: int, use_c: bool = True
 ) -> bytes:
@@ -118,10 +108,43 @@ def encode_segments(
     return b"".join(out)
 
 
+def decode_into(
+    stream: bytes | bytearray | memoryview,
+    ns: Sequence[int],
+    bits: int,
+    out: np.ndarray,
+    offsets: Sequence[int],
+    use_c: bool = True,
+) -> None:
+    """Every segment's packed codes written into the uint8 array `out` at `offsets[i]` (segments must
+    not overlap; the bytes between them are left as they are): with the C kernel one call for the
+    whole stream, tables and records parsed in C. CodecError unless `stream` is exactly such records."""
+    sizes = [packed_nbytes(n, bits) for n in ns]
+    if len(offsets) != len(ns) or any(o < 0 or o + s > out.size for o, s in zip(offsets, sizes, strict=True)):
+        raise ValueError("ans: segment offsets outside the output")
+    lib = _lib() if use_c else None
+    if lib is None:
+        for codes, at, size in zip(decode_segments(stream, ns, bits, use_c), offsets, sizes, strict=True):
+            out[at : at + size] = codes
+        return
+    assert out.dtype == np.uint8 and out.flags.c_contiguous and out.flags.writeable
+    src = np.frombuffer(memoryview(stream).cast("B"), np.uint8)
+    n_arr, at_arr = np.array(ns, np.int64), np.array(offsets, np.int64)
+    dst, at = out.ctypes.data, at_arr.ctypes.data
+    if lib.ans_decode_stream(src.ctypes.data, src.size, n_arr.ctypes.data, n_arr.size, bits, dst, at) != 0:
+        raise CodecError("ans: damaged stream (a bad record, table or rANS stream, or bytes over)")
+
+
 def decode_segments(
     stream: bytes | bytearray | memoryview, ns: Sequence[int], bits: int, use_c: bool = True
 ) -> list[np.ndarray]:
     """The packed codes of every segment; CodecError unless `stream` is exactly such records."""
+    if use_c and _lib() is not None:
+        sizes = [packed_nbytes(n, bits) for n in ns]
+        offsets = np.cumsum([0, *sizes])
+        out = np.empty(int(offsets[-1]), np.uint8)
+        decode_into(stream, ns, bits, out, offsets[:-1].tolist())
+        return [out[a:b] for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist(), strict=True)]
     view, pos, out = memoryview(stream).cast("B"), 0, []
     nsym = 1 << bits
     for n in ns:
@@ -142,7 +165,7 @@ def decode_segments(
         pos += 2 * nsym + _LEN.size
         if int(freq.astype(np.int64).sum()) != PROB_SCALE or m > len(view) - pos:
             raise CodecError("ans: bad segment table or length")
-        codes = _decode_one(view[pos : pos + m], n, bits, freq, use_c)
+        codes = ans_ref.decode(view[pos : pos + m], n, bits, freq)
         if codes is None:
             raise CodecError("ans: damaged rANS stream")
         out.append(codes)

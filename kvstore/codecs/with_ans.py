@@ -119,17 +119,16 @@ class AnsCodec:
             raise CodecError(f"{self.name}: payload of {len(view)} bytes does not match its params")
         base_params, n, bits, sections = self._split(params, shape, dtype)
         ns = [size // nseg * 8 // bits for _, size, nseg in sections for _ in range(nseg)]
-        decoded = iter(ans.decode_segments(view[:n], ns, bits))
-        base = bytearray(self.base.payload_nbytes(base_params, shape, dtype))
-        out, src, pos = memoryview(base), n, 0
-        for off, size, nseg in sections:
+        at = [off + k * size // nseg for off, size, nseg in sections for k in range(nseg)]
+        out = np.empty(self.base.payload_nbytes(base_params, shape, dtype), np.uint8)
+        src, pos = n, 0
+        for off, size, _ in sections:  # the base payload between its code sections, as it was
             out[pos:off] = view[src : src + off - pos]
             src += off - pos
-            for k in range(nseg):
-                out[off + k * size // nseg : off + (k + 1) * size // nseg] = next(decoded)
             pos = off + size
         out[pos:] = view[src:]
-        return out, base_params
+        ans.decode_into(view[:n], ns, bits, out, at)  # the codes straight into their sections
+        return memoryview(out), base_params
 
 
 def codecs() -> list[AnsCodec]:

@@ -41,6 +41,37 @@ def test_c_and_python_write_and_read_the_same_bytes(bits: int, n: int) -> None:
         assert all(np.array_equal(a, b) for a, b in zip(out, segs, strict=True))
 
 
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_decode_into_writes_each_segment_at_its_offset_as_the_reference_does(bits: int) -> None:
+    """The one-call C stream decoder and the Python reference fill the same bytes, coded and raw
+    segments alike, and leave the bytes between segments as they were."""
+    rng = np.random.default_rng(bits)
+    ns = [4099, 1, 64, 1000, 9]
+    segs = [_packed(rng, n, bits, skew) for n, skew in zip(ns, (0.3, 1.0, 50.0, 1e6, 0.5), strict=True)]
+    stream = ans.encode_segments(segs, ns, bits)
+    assert stream[0] == 1 and ans.encode_segments(segs[1:2], ns[1:2], bits)[0] == 0  # coded and raw records
+    offsets, pos = [], 3
+    for s in segs:
+        offsets.append(pos)
+        pos += s.size + 5  # gaps between the segments
+    outs = []
+    for use_c in (True, False):
+        out = np.full(pos, 0xA5, np.uint8)
+        ans.decode_into(stream, ns, bits, out, offsets, use_c=use_c)
+        outs.append(out)
+    assert np.array_equal(outs[0], outs[1])
+    for s, at in zip(segs, offsets, strict=True):
+        assert np.array_equal(outs[0][at : at + s.size], s)
+    mask = np.ones(pos, bool)
+    for s, at in zip(segs, offsets, strict=True):
+        mask[at : at + s.size] = False
+    assert (outs[0][mask] == 0xA5).all()
+    with pytest.raises(CodecError):
+        ans.decode_into(stream[:-1], ns, bits, np.zeros(pos, np.uint8), offsets)
+    with pytest.raises(ValueError):
+        ans.decode_into(stream, ns, bits, np.zeros(pos - 6, np.uint8), offsets)
+
+
 @pytest.mark.parametrize("codec", ANS)
 @pytest.mark.parametrize("shape", [(2, 3, 256, 3, 64), (2, 2, 37, 2, 64), (2, 1, 1, 1, 64)])
 def test_lossless_over_the_base_codec(codec: str, shape: tuple) -> None:
