@@ -283,7 +283,7 @@ class RemoteBackend(Backend):
             reasons[:] = tr.reasons_of(meta, blobs)
         return blobs, loan, None
 
-    def _lend_index(self, keys: list[str]) -> tuple[list[Blob | None], Loan, tr.Intact] | None:
+    def _lend_index(self, keys: list[str]) -> tuple[list[Blob | None], list, Loan, tr.Intact] | None:
         """The blobs where they lie in a same-host server's arena, by its index (tr.lend_index)."""
         if len(keys) > wire.MAX_BATCH_KEYS or self._data_plane() is None:
             return None
@@ -318,10 +318,10 @@ class RemoteBackend(Backend):
         if in_place:
             lent = self._lend_index([validate_key(k) for k in keys])
             if lent is not None:
-                blobs, loan, intact = lent
+                blobs, headers, loan, intact = lent
                 if reasons is not None:
                     reasons[:] = [None] * len(keys)
-                return BlobLease(blobs, on_release=lambda: self._loans.end(loan), intact=intact)
+                return BlobLease(blobs, headers, on_release=lambda: self._loans.end(loan), intact=intact)
         blobs, loan, headers = self._fetch([validate_key(k) for k in keys], lend=True, reasons=reasons)
         if loan is None:
             return BlobLease(blobs, headers)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvstore.blob import BlobHeader, PreparedBlob, copy_verified
+from kvstore.blob import BlobHeader, PreparedBlob, copy_verified, verify_blob
 from kvstore.errors import CorruptBlob, InvalidArgument
 from kvstore.protocol import Blob, shm, wire
 from kvstore.protocol import dataplane as dp
@@ -205,14 +205,19 @@ def fetch_index(
     return rx.blobs(blobs, None), headers
 
 
-def lend_index(arena: ClientArena, keys: list[str]) -> tuple[list[Blob | None], Loan, Intact] | None:
+def lend_index(
+    arena: ClientArena, keys: list[str]
+) -> tuple[list[Blob | None], list[BlobHeader], Loan, Intact] | None:
     """Every blob of `keys` where it lies in the server's arena, found by its index: no request, no
-    copy; and the check that says, per blob, whether it is still whole. None when one is not in the
-    index or the server's heartbeat is stale (the caller then asks the server).
+    copy; their headers; and the check that says, per blob, whether it is still whole. None when one
+    is not in the index, or its header does not parse, or the server's heartbeat is stale (the caller
+    then asks the server).
 
-    Nothing stops the server from reusing a region once it has withdrawn its entry, so this is the
-    seqlock read of `fetch_index` stretched over the caller's use: the caller verifies and uses the
-    views, then asks `intact()` and throws away what it made of a blob that is not whole."""
+    The arena is the server's cpu tier, which holds only blobs it verified (a trusted tier, design §3)
+    and no client can write (sealed): the headers are parsed, the checksums not recomputed. Nothing
+    stops the server from reusing a region once it has withdrawn its entry, so this is the seqlock read
+    of `fetch_index` stretched over the caller's use: the caller uses the views, then asks `intact()`
+    and throws away what it made of a blob that is not whole."""
     index = arena.index
     assert index is not None
     if not index.alive():
@@ -224,11 +229,15 @@ def lend_index(arena: ClientArena, keys: list[str]) -> tuple[list[Blob | None], 
             return None
         found.append(where)
     views: list[Blob | None] = [arena.view[offset : offset + n] for _, _, offset, n in found]
+    try:
+        headers = [verify_blob(v, checksum=False, key=k) for k, v in zip(keys, views, strict=True)]
+    except CorruptBlob:  # a region reused under the entry just now (or a bug): the server decides
+        return None
 
     def intact() -> list[bool]:
         return [index.unchanged(slot, gen) for slot, gen, _, _ in found]
 
-    return views, Loan([v for v in views if v is not None], lambda: None), intact
+    return views, headers, Loan([v for v in views if v is not None], lambda: None), intact
 
 
 def _hand_over(views: list[memoryview | None], done: Free, rx: Receiver) -> Got:
