@@ -6,8 +6,10 @@ One 256-token chunk of a novel document (bench_codec_quality.DOCUMENTS[0], bf16 
 each base codec; its code sections go through `kvstore.codecs.ans` (one table per layer and K/V
 half, as the `+ans` codecs do). Printed per codec: the codes' size after the stage, the whole blob's
 size change, and on one core the C kernel's encode / decode speed in codes per second and in GB/s of
-bf16 KV those codes stand for — for one segment (best of `--reps` runs: the figure other processes on
-a shared box disturb least) and for the whole chunk (best of 5) — and the Python fallback's decode.
+bf16 KV those codes stand for — for one segment (best of `--reps` runs of the same segment: a branch
+predictor may learn it, so an upper bound) and for the whole chunk (best of 5) — the Python fallback's
+decode, and the whole blob's decode (`decode_blob`: the stage and the base codec) for the base codec
+alone and with `+ans`, in GB/s of bf16 KV on one core (best of 11, then the median).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import numpy as np
 import torch
 
 from benchmarks.bench_codec_quality import DOCUMENTS, default_model_dir, load, prefill_kv, texts
-from kvstore.blob import encode_blob, verify_blob
+from kvstore.blob import decode_blob, encode_blob, verify_blob
 from kvstore.codecs import ans, get_codec
 
 
@@ -31,6 +33,16 @@ def best(fn, reps: int) -> float:
         t = time.perf_counter()
         fn()
         out = min(out, time.perf_counter() - t)
+    return out
+
+
+def times(blob: bytes, reps: int = 11) -> list[float]:
+    decode_blob(blob)
+    out = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        decode_blob(blob)
+        out.append(time.perf_counter() - t)
     return out
 
 
@@ -45,9 +57,10 @@ def main() -> None:
     kv = prefill_kv(model, ids)[:, :, 256:512].to(torch.bfloat16).contiguous()
     print(f"one {list(kv.shape)} bf16 chunk (text {digest}); C kernel: {ans.kernel_available()}\n")
     print(
-        "| codec | codes after rANS | blob | segment decode (best of reps) | chunk encode / decode | Python decode |"
+        "| codec | codes after rANS | blob | segment decode (best of reps) | chunk encode / decode | Python decode "
+        "| blob decode: base / +ans (best, median) |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for base in ("fp8", "int4", "kivi4", "kivi2"):
         codec = get_codec(base + "+ans")
         blob = encode_blob(kv, codec=base)
@@ -64,11 +77,14 @@ def main() -> None:
         te = best(lambda s=segs, n=ns, b=bits: ans.encode_segments(s, n, b), 5)
         td = best(lambda s=stream, n=ns, b=bits: ans.decode_segments(s, n, b), 5)
         tp = best(lambda o=one, n=ns[:1], b=bits: ans.decode_segments(o, n, b, use_c=False), 1)
-        coded = len(encode_blob(kv, codec=base + "+ans"))
+        coded_blob = encode_blob(kv, codec=base + "+ans")
+        coded, nbytes = len(coded_blob), kv.numel() * kv.element_size()
+        blob_gbs = [(nbytes / min(t), nbytes / np.median(t)) for t in (times(blob), times(coded_blob))]
         print(f"| {base} ({bits}-bit codes) | {len(stream) / codes:.3f} | {len(blob)} -> {coded} B "
               f"({1 - coded / len(blob):.1%} smaller) | {ns[0] / t1 / 1e6:.0f} M codes/s = "
               f"{2 * ns[0] / t1 / 1e9:.2f} GB/s bf16 | {total / te / 1e6:.0f} / {total / td / 1e6:.0f} M codes/s "
-              f"| {ns[0] / tp / 1e6:.2f} M codes/s |")  # fmt: skip
+              f"| {ns[0] / tp / 1e6:.2f} M codes/s | "
+              + " / ".join(f"{b / 1e9:.2f} ({m / 1e9:.2f})" for b, m in blob_gbs) + " GB/s |")  # fmt: skip
 
 
 if __name__ == "__main__":
