@@ -97,8 +97,9 @@ def test_a_save_that_supersedes_three_partials_is_two_round_trips_and_two_copies
     assert blob_size > truth.numel() * truth.element_size()
     assert count.gathers == 1 and count.shm_bytes == blob_size, "one chunk, written into shm once"
     assert round_trips == 2, f"EXISTS and PUT only, got {round_trips} (one DELETE per partial?)"
-    # (msgpack's packer takes 256 KiB a call for a moment: the peak of a path that lays nothing out)
-    assert count.laid_out_before == 0 and count.peak < blob_size // 2, (
+    # a blob-sized buffer alone would reach blob_size; msgpack's packer takes 256 KiB for a moment
+    # per call, which is what a path that lays nothing out peaks at
+    assert count.laid_out_before == 0 and count.peak < blob_size, (
         f"the blob was laid out in a buffer of its own before shm (peak {count.peak} of {blob_size})"
     )
     assert count.copies() == 2  # out of the cache, into shm (the server's: one more)
