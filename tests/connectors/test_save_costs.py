@@ -3,7 +3,8 @@ trips, counted by the server's own request counters, and copies of the chunk's b
 this process makes them. A full chunk that supersedes three stored partials of itself is saved in two
 round trips (EXISTS of the chunk and its partials; the PUT, which names the partials for the server
 to delete once the chunk is stored) and two copies here (out of the paged cache; the blob laid out
-in the shared-memory segment, once), then the server's one into its tier."""
+in the shared-memory segment, once), then the server's one into its tier. A save with nothing new to
+put (the chunk is stored already) deletes the partials in one DELETE: two round trips too."""
 
 from __future__ import annotations
 
@@ -108,3 +109,32 @@ def test_a_save_that_supersedes_three_partials_is_two_round_trips_and_two_copies
     snap = eng.worker.metrics.snapshot()
     assert snap["kvstore_connector_partial_chunks_total{event=replaced}"] == 3
     assert snap["kvstore_connector_saved_chunks_total"] == 2
+
+
+def test_a_save_of_a_stored_chunk_deletes_its_partials_in_one_round_trip(engines, kv_server) -> None:
+    """Nothing to put (another engine stored the chunk): EXISTS, then one DELETE of every partial."""
+    config = make_config("float16", store_url=kv_server.url)
+    eng = engines(config)
+    store, layout = eng.scheduler.handle.store, config.layout
+    tokens = prompt(600, seed=32)
+    req = Req("r", tokens)
+    assert eng.admit(req) == 0
+    eng.step([(req, CS)])
+    eng.worker.flush()
+    partials = [partial_key(tokens[: CS + n], layout) for n in (16, 48, 160)]
+    chunk1 = chunk_keys(tokens[: 2 * CS], layout)[1]
+    store.batch_put(
+        [(chunk1, truth_kv(tokens, CS, 2 * CS, torch.float16))]
+        + [
+            (k, truth_kv(tokens, CS, CS + n, torch.float16))
+            for k, n in zip(partials, (16, 48, 160), strict=True)
+        ]
+    )
+    before = requests_served(kv_server.url)
+    eng.step([(req, CS)])
+    eng.worker.flush()
+    assert requests_served(kv_server.url) - before == 2
+    assert store.batch_exists([chunk1, *partials]) == [True, False, False, False]
+    snap = eng.worker.metrics.snapshot()
+    assert snap["kvstore_connector_skipped_saves_total"] == 1
+    assert snap["kvstore_connector_partial_chunks_total{event=replaced}"] == 3
