@@ -11,6 +11,12 @@
  * The decoder never reads outside [in, in + len) (an unchecked step runs only while every lane has
  * the 2 bytes it may read), never writes past n symbols, runs n steps, and fails (returns -1)
  * unless each lane consumes exactly its stream and ends in the encoder's start state (2^16).
+ *
+ * ans_decode_stream decodes a blob's whole stream of segment records in one call. On a CPU with
+ * AVX-512 (checked at run time; the file builds without -march) it decodes 4 segments of equal n at
+ * once, two per 16-lane vector (gathers for the table and for each lane's next word, 4 bytes read
+ * only where 2 more than needed are left in the lane): the same arithmetic, so the same bits; each
+ * segment's last steps and checks are the scalar code's.
  */
 #include <stdint.h>
 #include <string.h>
@@ -74,6 +80,41 @@ static inline uint32_t rd32(const uint8_t *p) {
     return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
 }
 
+/* A segment being decoded: each lane's state, read pointer and end; `k` steps (8 symbols each) done. */
+typedef struct {
+    uint32_t x[LANES];
+    const uint8_t *p[LANES], *end[LANES];
+    int64_t k, n;
+    uint8_t *codes;
+} Segment;
+
+/* The decoding table of a frequency table (symbol | (freq - 1) << 8 | cum << 20 per slot); -1 unless
+ * the table sums to PROB_SCALE. */
+static int build_lut(const uint16_t *freq, int nsym, uint32_t *lut) {
+    uint32_t cum[256];
+    if (cumulate(freq, nsym, cum)) return -1;
+    for (int s = 0; s < nsym; s++)
+        for (uint32_t j = cum[s]; j < cum[s] + freq[s]; j++)
+            lut[j] = (uint32_t)s | ((uint32_t)(freq[s] - 1) << 8) | (cum[s] << 20);
+    return 0;
+}
+
+/* The lane table of a rANS stream [in, in + len); -1 unless the lanes fill it exactly. */
+static int start(const uint8_t *in, int64_t len, int64_t n, uint8_t *codes, Segment *g) {
+    if (len < 4 * LANES) return -1;
+    int64_t pos = 4 * LANES;
+    for (int l = 0; l < LANES; l++) {
+        uint32_t m = rd32(in + 4 * l);
+        if (m < 4 || (int64_t)m > len - pos) return -1;
+        g->x[l] = rd32(in + pos);
+        g->p[l] = in + pos + 4;
+        g->end[l] = in + pos + m;
+        pos += m;
+    }
+    g->k = 0, g->n = n, g->codes = codes;
+    return pos == len ? 0 : -1;
+}
+
 /* The 8 symbols of one step (i % 8 == 0) into their packed bytes. */
 static inline __attribute__((always_inline)) void pack8(const uint32_t *sym, uint8_t *codes, int64_t i, const int bits) {
     if (bits == 8)
@@ -85,7 +126,9 @@ static inline __attribute__((always_inline)) void pack8(const uint32_t *sym, uin
             codes[i / 4 + l / 4] = (uint8_t)(sym[l] | sym[l + 1] << 2 | sym[l + 2] << 4 | sym[l + 3] << 6);
 }
 
-/* One decoding step of one lane: the symbol, the state renormalised from its own stream. */
+/* One decoding step of one lane: the symbol, the state renormalised from its own stream. Unchecked,
+ * it reads 2 bytes at p[l] whether it needs them or not, and renormalises by arithmetic, not a
+ * select: gcc makes `need ? :` a branch, mispredicted on real codes (2x slower). */
 #define STEP(l, checked)                                                                  \
     do {                                                                                  \
         uint32_t v = x[l], slot = v & (PROB_SCALE - 1), e = lut[slot];                    \
@@ -98,8 +141,8 @@ static inline __attribute__((always_inline)) void pack8(const uint32_t *sym, uin
                 p[l] += 2;                                                                \
             }                                                                             \
         } else {                                                                          \
-            uint16_t w; /* arithmetic, not a select: gcc makes `need ? :` a branch, */    \
-            memcpy(&w, p[l], 2); /* mispredicted on real codes (2x slower) */             \
+            uint16_t w;                                                                   \
+            memcpy(&w, p[l], 2);                                                          \
             uint32_t need = v < LOW, sh = need << 4;                                      \
             v = (v << sh) | (w & (0u - need));                                            \
             p[l] += 2 * need;                                                             \
@@ -107,28 +150,16 @@ static inline __attribute__((always_inline)) void pack8(const uint32_t *sym, uin
         x[l] = v;                                                                         \
     } while (0)
 
-/* Decode n symbols of `bits` from the stream into codes (n * bits / 8 bytes, rounded up; a partial
- * last byte's unused bits are zero). Returns 0, or -1 for a damaged stream or a bad table. */
-static inline __attribute__((always_inline)) int decode(const uint8_t *in, int64_t len, int64_t n,
-                                                          const int bits, const uint16_t *freq, uint8_t *codes) {
-    int nsym = 1 << bits, per = 8 / bits;
-    uint32_t cum[256], lut[PROB_SCALE], x[LANES], sym[LANES] = {0};
+/* The steps of a started segment from its k-th on, then its last n % 8 symbols (a partial last
+ * byte's unused bits are zero). Returns 0, or -1 for a damaged stream: every lane must consume
+ * exactly its stream and end in the encoder's start state. */
+static inline __attribute__((always_inline)) int finish(Segment *g, const int bits, const uint32_t *lut) {
+    int per = 8 / bits;
+    int64_t n = g->n, steps = n / LANES, k = g->k;
+    uint32_t x[LANES], sym[LANES] = {0}; /* copies: stores to codes may alias g, these cannot */
     const uint8_t *p[LANES], *end[LANES];
-    if (cumulate(freq, nsym, cum) || len < 4 * LANES) return -1;
-    for (int s = 0; s < nsym; s++)
-        for (uint32_t j = cum[s]; j < cum[s] + freq[s]; j++)
-            lut[j] = (uint32_t)s | ((uint32_t)(freq[s] - 1) << 8) | (cum[s] << 20);
-    int64_t pos = 4 * LANES;
-    for (int l = 0; l < LANES; l++) {
-        uint32_t m = rd32(in + 4 * l);
-        if (m < 4 || (int64_t)m > len - pos) return -1;
-        x[l] = rd32(in + pos);
-        p[l] = in + pos + 4;
-        end[l] = in + pos + m;
-        pos += m;
-    }
-    if (pos != len) return -1;
-    int64_t steps = n / LANES, k = 0;
+    uint8_t *codes = g->codes;
+    memcpy(x, g->x, sizeof x), memcpy(p, g->p, sizeof p), memcpy(end, g->end, sizeof end);
     while (k < steps) { /* the bulk: 8 symbols a step, unchecked while every lane has 2 bytes a step */
         int64_t safe = steps - k;
         for (int l = 0; l < LANES; l++) {
@@ -137,19 +168,13 @@ static inline __attribute__((always_inline)) int decode(const uint8_t *in, int64
         }
         if (safe == 0) { /* a lane near its end: one checked step */
             for (int l = 0; l < LANES; l++) STEP(l, 1);
-            safe = 1;
-        } else {
-            for (int64_t j = 0; j < safe; j++) {
-                for (int l = 0; l < LANES; l++) STEP(l, 0);
-                if (j + 1 < safe) { /* pack these 8 symbols, go on */
-                    pack8(sym, codes, 8 * (k + j), bits);
-                }
-            }
-            k += safe - 1; /* the last step of the run is packed below */
+            pack8(sym, codes, 8 * k++, bits);
+            continue;
         }
-        int64_t i = 8 * k;
-        pack8(sym, codes, i, bits);
-        k++;
+        for (int64_t j = 0; j < safe; j++, k++) {
+            for (int l = 0; l < LANES; l++) STEP(l, 0);
+            pack8(sym, codes, 8 * k, bits);
+        }
     }
     int64_t i = steps * LANES;
     memset(codes + i / per, 0, (size_t)((n * bits + 7) / 8 - i / per));
@@ -162,22 +187,130 @@ static inline __attribute__((always_inline)) int decode(const uint8_t *in, int64
     return 0;
 }
 
-static int ans_decode(const uint8_t *in, int64_t len, int64_t n, int bits, const uint16_t *freq, uint8_t *codes) {
+static int finish_any(Segment *g, int bits, const uint32_t *lut) {
     switch (bits) { /* one specialised copy per width */
-    case 2: return decode(in, len, n, 2, freq, codes);
-    case 4: return decode(in, len, n, 4, freq, codes);
-    case 8: return decode(in, len, n, 8, freq, codes);
-    default: return -1;
+    case 2: return finish(g, 2, lut);
+    case 4: return finish(g, 4, lut);
+    default: return finish(g, 8, lut);
     }
 }
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define NVEC 2 /* 16-lane vectors in flight */
+#define GROUP (2 * NVEC) /* segments decoded together by the AVX-512 path, 2 per vector */
+
+/* The unchecked steps of GROUP segments at once, all at the same step k (equal n): `steps` steps,
+ * each lane with at least 2 bytes more than `steps` words to read (so the 4-byte gathers stay inside
+ * it). Exactly the scalar steps' arithmetic, so the same bits. `lut` holds GROUP tables. */
+__attribute__((target("avx512f,avx512bw,avx512vl"))) static void bulk_avx512(Segment *g, const uint32_t *lut,
+                                                                              int64_t steps, int bits,
+                                                                              const uint8_t *base) {
+    __m512i x[NVEC], off[NVEC], tab[NVEC];
+    for (int v = 0; v < NVEC; v++) {
+        uint32_t xs[16];
+        int32_t os[16], ts[16];
+        for (int j = 0; j < 16; j++) {
+            Segment *s = &g[2 * v + j / 8];
+            xs[j] = s->x[j % 8];
+            os[j] = (int32_t)(s->p[j % 8] - base);
+            ts[j] = (2 * v + j / 8) * (int32_t)PROB_SCALE;
+        }
+        x[v] = _mm512_loadu_si512(xs), off[v] = _mm512_loadu_si512(os), tab[v] = _mm512_loadu_si512(ts);
+    }
+    const __m512i mslot = _mm512_set1_epi32(PROB_SCALE - 1), m8 = _mm512_set1_epi32(255),
+                  m16 = _mm512_set1_epi32(0xFFFF), one = _mm512_set1_epi32(1), two = _mm512_set1_epi32(2),
+                  low = _mm512_set1_epi32(LOW);
+    const __m128i lo8 = _mm_set1_epi16(0xFF);
+    int64_t k = g[0].k;
+    for (int64_t j = 0; j < steps; j++, k++) {
+        for (int v = 0; v < NVEC; v++) {
+            __m512i slot = _mm512_and_si512(x[v], mslot);
+            __m512i e = _mm512_i32gather_epi32(_mm512_add_epi32(slot, tab[v]), (const void *)lut, 4);
+            __m512i f = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(e, 8), mslot), one);
+            __m512i y = _mm512_mullo_epi32(f, _mm512_srli_epi32(x[v], PROB_BITS));
+            y = _mm512_sub_epi32(_mm512_add_epi32(y, slot), _mm512_srli_epi32(e, 20));
+            __mmask16 need = _mm512_cmplt_epu32_mask(y, low);
+            __m512i w = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), need, off[v], (const void *)base, 1);
+            w = _mm512_and_si512(w, m16);
+            x[v] = _mm512_mask_or_epi32(y, need, _mm512_slli_epi32(y, 16), w);
+            off[v] = _mm512_mask_add_epi32(off[v], need, off[v], two);
+            __m128i b = _mm512_cvtepi32_epi8(_mm512_and_si512(e, m8)); /* 8 symbols of each segment */
+            uint8_t *ca = g[2 * v].codes, *cb = g[2 * v + 1].codes;
+            if (bits == 8) {
+                _mm_storel_epi64((__m128i *)(ca + 8 * k), b);
+                _mm_storel_epi64((__m128i *)(cb + 8 * k), _mm_unpackhi_epi64(b, b));
+                continue;
+            }
+            if (bits == 2) /* symbol pairs into nibbles, then as for 4 */
+                b = _mm_packus_epi16(_mm_and_si128(_mm_or_si128(b, _mm_srli_epi16(b, 6)), lo8), _mm_setzero_si128());
+            b = _mm_packus_epi16(_mm_and_si128(_mm_or_si128(b, _mm_srli_epi16(b, 4)), lo8), _mm_setzero_si128());
+            uint64_t q = (uint64_t)_mm_cvtsi128_si64(b);
+            if (bits == 4) {
+                uint32_t a = (uint32_t)q, c = (uint32_t)(q >> 32);
+                memcpy(ca + 4 * k, &a, 4), memcpy(cb + 4 * k, &c, 4);
+            } else {
+                uint16_t a = (uint16_t)q, c = (uint16_t)(q >> 16);
+                memcpy(ca + 2 * k, &a, 2), memcpy(cb + 2 * k, &c, 2);
+            }
+        }
+    }
+    for (int v = 0; v < NVEC; v++) {
+        uint32_t xs[16];
+        int32_t os[16];
+        _mm512_storeu_si512(xs, x[v]), _mm512_storeu_si512(os, off[v]);
+        for (int j = 0; j < 16; j++) {
+            Segment *s = &g[2 * v + j / 8];
+            s->x[j % 8] = xs[j], s->p[j % 8] = base + os[j];
+        }
+    }
+    for (int s = 0; s < GROUP; s++) g[s].k = k;
+}
+
+/* GROUP started segments of equal n (their tables in lut): the bulk 4 at a time while every lane of
+ * every segment has room, then each finished alone. */
+static int decode_group(Segment *g, const uint32_t *lut, int bits, const uint8_t *base) {
+    int64_t steps = g[0].n / LANES;
+    for (;;) {
+        int64_t safe = steps - g[0].k;
+        for (int s = 0; s < GROUP; s++)
+            for (int l = 0; l < LANES; l++) {
+                int64_t r = (g[s].end[l] - g[s].p[l]) / 2 - 1;
+                safe = r < safe ? r : safe;
+            }
+        if (safe < 64) break;
+        if (bits == 2) bulk_avx512(g, lut, safe, 2, base);
+        else if (bits == 4) bulk_avx512(g, lut, safe, 4, base);
+        else bulk_avx512(g, lut, safe, 8, base);
+    }
+    for (int s = 0; s < GROUP; s++)
+        if (finish_any(&g[s], bits, lut + s * PROB_SCALE)) return -1;
+    return 0;
+}
+
+static int have_avx512(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl");
+}
+#else
+#define GROUP 1
+static int have_avx512(void) { return 0; }
+static int decode_group(Segment *g, const uint32_t *lut, int bits, const uint8_t *base) { return -1; }
+#endif
+
 /* A whole stream of segment records (ans.py documents them) in one call: segment i, ns[i] symbols,
  * decoded into out + offs[i] (the packed bytes of segments must not overlap). Returns 0, or -1
- * unless the stream is exactly such records, each one sound (the checks of ans.decode_segments). */
+ * unless the stream is exactly such records, each one sound (the checks of ans.decode_segments).
+ * With simd (and an AVX-512 CPU) runs of GROUP coded segments of equal n decode together. */
 int ans_decode_stream(const uint8_t *s, int64_t len, const int64_t *ns, int64_t nseg, int bits, uint8_t *out,
-                      const int64_t *offs) {
+                      const int64_t *offs, int simd) {
     if (bits != 2 && bits != 4 && bits != 8) return -1;
-    int64_t nsym = 1 << bits, pos = 0;
+    int nsym = 1 << bits, pending = 0; /* started segments waiting for a full group */
+    int vec = simd && GROUP > 1 && len < ((int64_t)1 << 31) - 8 && have_avx512();
+    uint32_t lut[GROUP * PROB_SCALE];
+    Segment g[GROUP];
+    int64_t pos = 0;
     for (int64_t i = 0; i < nseg; i++) {
         int64_t size = (ns[i] * bits + 7) / 8;
         if (pos >= len) return -1;
@@ -193,8 +326,23 @@ int ans_decode_stream(const uint8_t *s, int64_t len, const int64_t *ns, int64_t 
         memcpy(freq, s + pos, (size_t)(2 * nsym));
         int64_t m = rd32(s + pos + 2 * nsym);
         pos += 2 * nsym + 4;
-        if (m > len - pos || ans_decode(s + pos, m, ns[i], bits, freq, out + offs[i])) return -1;
+        if (m > len - pos) return -1;
+        if (pending && ns[i] != g[0].n) { /* a run of equal n ends: its segments one by one */
+            for (int j = 0; j < pending; j++)
+                if (finish_any(&g[j], bits, lut + j * PROB_SCALE)) return -1;
+            pending = 0;
+        }
+        uint32_t *t = lut + pending * PROB_SCALE;
+        if (build_lut(freq, nsym, t) || start(s + pos, m, ns[i], out + offs[i], &g[pending])) return -1;
         pos += m;
+        if (!vec) {
+            if (finish_any(&g[0], bits, t)) return -1;
+        } else if (++pending == GROUP) {
+            if (decode_group(g, lut, bits, s)) return -1;
+            pending = 0;
+        }
     }
+    for (int j = 0; j < pending; j++)
+        if (finish_any(&g[j], bits, lut + j * PROB_SCALE)) return -1;
     return pos == len ? 0 : -1;
 }

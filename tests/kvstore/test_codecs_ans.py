@@ -72,6 +72,30 @@ def test_decode_into_writes_each_segment_at_its_offset_as_the_reference_does(bit
         ans.decode_into(stream, ns, bits, np.zeros(pos - 6, np.uint8), offsets)
 
 
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_simd_groups_decode_as_the_scalar_c_path_and_the_reference(
+    bits: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Runs of 4 coded segments of equal n (the AVX-512 path's groups, long enough for its bulk), a
+    run cut short by another n, a raw record inside a run, a constant segment in a group: the same
+    codes from the vector path, the scalar C path and the Python reference."""
+    rng = np.random.default_rng(100 + bits)
+    ns = [20000] * 4 + [20001] * 2 + [3] + [20001] * 3 + [20000] * 4 + [9]
+    skews = [0.3, 1.0, 5.0, 50.0, 0.5, 2.0, 1.0, 0.2, 1.0, 3.0, 1.0, 0.4, 0.0, 0.7, 1.0]
+    segs = [
+        _packed(rng, n, bits, s) if s else np.zeros(-(-n * bits // 8), np.uint8)
+        for n, s in zip(ns, skews, strict=True)
+    ]
+    stream = ans.encode_segments(segs, ns, bits)
+    outs = []
+    for simd in ("1", "0"):
+        monkeypatch.setenv("KVSTORE_ANS_SIMD", simd)
+        outs.append(ans.decode_segments(stream, ns, bits))
+    outs.append(ans.decode_segments(stream, ns, bits, use_c=False))
+    for out in outs:
+        assert all(np.array_equal(a, b) for a, b in zip(out, segs, strict=True))
+
+
 @pytest.mark.parametrize("codec", ANS)
 @pytest.mark.parametrize("shape", [(2, 3, 256, 3, 64), (2, 2, 37, 2, 64), (2, 1, 1, 1, 64)])
 def test_lossless_over_the_base_codec(codec: str, shape: tuple) -> None:
@@ -116,11 +140,22 @@ def _mutate(rng: np.random.Generator, data: bytes) -> bytes:
     return bytes(b) if bytes(b) != data else bytes(b) + b"\0"
 
 
+def _decode_or_none(
+    stream: bytes, ns: list[int], bits: int, use_c: bool = True, simd: str = "1"
+) -> list | None:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KVSTORE_ANS_SIMD", simd)
+        try:
+            return ans.decode_segments(stream, ns, bits, use_c=use_c)
+        except CodecError:
+            return None
+
+
 def test_fuzz_damaged_streams_are_refused_or_decode_to_the_same_length_never_crash() -> None:
     """10,000 random mutations of a real-looking stream, decoded by the C kernel in bounded time: each
     is refused (CodecError) or decodes to codes of the right size; C and Python agree on a sample."""
     rng = np.random.default_rng(7)
-    ns, bits = [4096, 4096, 3000], 4
+    ns, bits = [8192] * 4 + [3000], 4  # a group of 4 for the AVX-512 path, then one alone
     segs = [_packed(rng, n, bits, 0.3) for n in ns]
     stream = ans.encode_segments(segs, ns, bits)
     assert stream[0] == 1 and len(stream) < sum(ns) // 2  # coded, not stored raw
@@ -134,13 +169,13 @@ def test_fuzz_damaged_streams_are_refused_or_decode_to_the_same_length_never_cra
             out = None
         else:
             assert [len(o) for o in out] == [len(s) for s in segs]
-        if i % 500 == 0:  # the reference decides the same
-            try:
-                ref = ans.decode_segments(bad, ns, bits, use_c=False)
-            except CodecError:
-                ref = None
-            assert (out is None) == (ref is None)
-            assert out is None or all(np.array_equal(a, b) for a, b in zip(out, ref, strict=True))
+        if i % 500 == 0:  # the reference and the scalar C path decide the same
+            for ref in (
+                _decode_or_none(bad, ns, bits, use_c=False),
+                _decode_or_none(bad, ns, bits, simd="0"),
+            ):
+                assert (out is None) == (ref is None)
+                assert out is None or all(np.array_equal(a, b) for a, b in zip(out, ref, strict=True))
     assert time.monotonic() - t0 < 60
     assert refused >= 9_900, refused  # the end-state and length checks catch nearly every damage
 
