@@ -19,6 +19,11 @@ Layout, all little-endian:
     60     P    params
     60+P   N    payload
 
+A blob is written one way: `prepare_blob` encodes the tensor (a `PreparedBlob`: the header and params
+in one small buffer, the codec's payload where the codec left it) and `write_into` lays it out in any
+buffer of its size, hashing the payload as it copies it (the SDK: straight into a same-host server's
+shared memory); `encode_blob` is its `to_bytes`.
+
 Any flipped bit anywhere makes `decode_blob`/`verify_blob` raise CorruptBlob; nothing else escapes them.
 So does a header whose payload length contradicts its codec, shape, dtype and params, checksum or not.
 
