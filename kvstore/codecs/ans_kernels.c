@@ -13,8 +13,8 @@
  * unless each lane consumes exactly its stream and ends in the encoder's start state (2^16).
  *
  * ans_decode_stream decodes a blob's whole stream of segment records in one call. On a CPU with
- * AVX-512 (checked at run time; the file builds without -march) it decodes 4 segments of equal n at
- * once, two per 16-lane vector (gathers for the table and for each lane's next word, 4 bytes read
+ * AVX-512 (checked at run time; the file builds without -march) it decodes 4 segments at once, two
+ * per 16-lane vector (gathers for the table and for each lane's next word, 4 bytes read
  * only where 2 more than needed are left in the lane): the same arithmetic, so the same bits; each
  * segment's last steps and checks are the scalar code's.
  */
@@ -200,7 +200,8 @@ static int finish_any(Segment *g, int bits, const uint32_t *lut) {
 #define NVEC 2 /* 16-lane vectors in flight */
 #define GROUP (2 * NVEC) /* segments decoded together by the AVX-512 path, 2 per vector */
 
-/* The unchecked steps of GROUP segments at once, all at the same step k (equal n): `steps` steps,
+/* The unchecked steps of GROUP segments at once, all at the same step k: `steps` steps (no more than
+ * any of them has),
  * each lane with at least 2 bytes more than `steps` words to read (so the 4-byte gathers stay inside
  * it). Exactly the scalar steps' arithmetic, so the same bits. `lut` holds GROUP tables. */
 __attribute__((target("avx512f,avx512bw,avx512vl"))) static void bulk_avx512(Segment *g, const uint32_t *lut,
@@ -267,14 +268,15 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) static void bulk_avx512(Seg
     for (int s = 0; s < GROUP; s++) g[s].k = k;
 }
 
-/* GROUP started segments of equal n (their tables in lut): the bulk 4 at a time while every lane of
- * every segment has room, then each finished alone. */
+/* GROUP started segments (their tables in lut): the bulk 4 at a time while every lane of every
+ * segment has room and every segment steps left, then each finished alone. */
 static int decode_group(Segment *g, const uint32_t *lut, int bits, const uint8_t *base) {
-    int64_t steps = g[0].n / LANES;
     for (;;) {
-        int64_t safe = steps - g[0].k;
+        int64_t safe = INT64_MAX;
         for (int s = 0; s < GROUP; s++)
             for (int l = 0; l < LANES; l++) {
+                int64_t left = g[s].n / LANES - g[s].k;
+                safe = left < safe ? left : safe;
                 int64_t r = (g[s].end[l] - g[s].p[l]) / 2 - 1;
                 safe = r < safe ? r : safe;
             }
@@ -302,7 +304,7 @@ static int decode_group(Segment *g, const uint32_t *lut, int bits, const uint8_t
 /* A whole stream of segment records (ans.py documents them) in one call: segment i, ns[i] symbols,
  * decoded into out + offs[i] (the packed bytes of segments must not overlap). Returns 0, or -1
  * unless the stream is exactly such records, each one sound (the checks of ans.decode_segments).
- * With simd (and an AVX-512 CPU) runs of GROUP coded segments of equal n decode together. */
+ * With simd (and an AVX-512 CPU) every GROUP coded segments in a row decode together. */
 int ans_decode_stream(const uint8_t *s, int64_t len, const int64_t *ns, int64_t nseg, int bits, uint8_t *out,
                       const int64_t *offs, int simd) {
     if (bits != 2 && bits != 4 && bits != 8) return -1;
@@ -327,11 +329,6 @@ int ans_decode_stream(const uint8_t *s, int64_t len, const int64_t *ns, int64_t 
         int64_t m = rd32(s + pos + 2 * nsym);
         pos += 2 * nsym + 4;
         if (m > len - pos) return -1;
-        if (pending && ns[i] != g[0].n) { /* a run of equal n ends: its segments one by one */
-            for (int j = 0; j < pending; j++)
-                if (finish_any(&g[j], bits, lut + j * PROB_SCALE)) return -1;
-            pending = 0;
-        }
         uint32_t *t = lut + pending * PROB_SCALE;
         if (build_lut(freq, nsym, t) || start(s + pos, m, ns[i], out + offs[i], &g[pending])) return -1;
         pos += m;

@@ -76,9 +76,9 @@ def test_decode_into_writes_each_segment_at_its_offset_as_the_reference_does(bit
 def test_simd_groups_decode_as_the_scalar_c_path_and_the_reference(
     bits: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Runs of 4 coded segments of equal n (the AVX-512 path's groups, long enough for its bulk), a
-    run cut short by another n, a raw record inside a run, a constant segment in a group: the same
-    codes from the vector path, the scalar C path and the Python reference."""
+    """Groups of 4 coded segments (the AVX-512 path's, long enough for its bulk) of equal and of
+    unequal n, a raw record inside a group, a constant segment in a group, a group left short at the
+    end: the same codes from the vector path, the scalar C path and the Python reference."""
     rng = np.random.default_rng(100 + bits)
     ns = [20000] * 4 + [20001] * 2 + [3] + [20001] * 3 + [20000] * 4 + [9]
     skews = [0.3, 1.0, 5.0, 50.0, 0.5, 2.0, 1.0, 0.2, 1.0, 3.0, 1.0, 0.4, 0.0, 0.7, 1.0]
