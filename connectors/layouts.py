@@ -24,6 +24,7 @@ from typing import Protocol
 
 import torch
 
+from connectors import layout_c
 from connectors.chunks import CacheGeometry, gather_chunk, scatter_chunk
 from kvstore.errors import InvalidArgument
 
@@ -138,6 +139,21 @@ class _BlockMajorLayout:
             )
         return buf[: cache[0].numel() * n].view(shape)
 
+    def _gather_c(
+        self, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int], out: torch.Tensor
+    ) -> bool:
+        """A subclass's C path (True: done); the torch path below otherwise."""
+        return False
+
+    def _scatter_c(
+        self,
+        kv_caches: Sequence[torch.Tensor],
+        chunk: torch.Tensor,
+        block_ids: Sequence[int],
+        first_block: int,
+    ) -> bool:
+        return False
+
     def _split(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) of `blocks` `[n, H, bs, 2*D]`, each viewed as `[n, block_size, H, D]` or as a shape
         that only splits those dimensions (a tiled block cannot be one strided view of them)."""
@@ -153,6 +169,8 @@ class _BlockMajorLayout:
         if out is None:
             out = torch.empty(shape, dtype=first.dtype, device=first.device)
         assert tuple(out.shape) == shape and out.dtype == first.dtype and out.is_contiguous(), out.shape
+        if self._gather_c(kv_caches, block_ids, out):
+            return out
         view = out.view(2, len(kv_caches), n, bs, h, d2 // 2)
         runs = block_runs(block_ids)
         if len(runs) <= MAX_RUNS:  # straight out of the cache: no scratch, no indexed copy
@@ -190,6 +208,8 @@ class _BlockMajorLayout:
             raise InvalidArgument(
                 f"chunk {tuple(chunk.shape)} does not match the cache's heads/head_dim {(h, d2 // 2)}"
             )
+        if self._scatter_c(kv_caches, chunk, block_ids, first_block):
+            return
         runs = block_runs(block_ids)
         if len(runs) <= MAX_RUNS:  # straight into the cache: no scratch, no indexed copy
             for layer, cache in enumerate(kv_caches):
@@ -226,6 +246,20 @@ class VllmCpuLayout(_BlockMajorLayout):
         v = slab[:, :, 1].view(n, h, bs, d2 // 2).permute(0, 2, 1, 3)
         return k, v
 
+    def _gather_c(
+        self, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int], out: torch.Tensor
+    ) -> bool:
+        return layout_c.gather(kv_caches, block_ids, out)
+
+    def _scatter_c(
+        self,
+        kv_caches: Sequence[torch.Tensor],
+        chunk: torch.Tensor,
+        block_ids: Sequence[int],
+        first_block: int,
+    ) -> bool:
+        return layout_c.scatter(kv_caches, chunk, block_ids, first_block)
+
 
 class VllmCpuAmxLayout(VllmCpuLayout):
     """vLLM's CPU attention on AMX tiles (what `_get_attn_isa` picks for bf16 with a block_size that is
@@ -233,6 +267,8 @@ class VllmCpuAmxLayout(VllmCpuLayout):
     V as `[D/16, block_size/2, 16, 2]` (checked against vLLM's writer at startup and by the tests)."""
 
     name = "vllm-cpu-amx"
+    _gather_c = _BlockMajorLayout._gather_c  # tiles: the torch path
+    _scatter_c = _BlockMajorLayout._scatter_c
 
     def _check(self, cache: torch.Tensor) -> None:
         super()._check(cache)

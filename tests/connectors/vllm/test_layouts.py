@@ -190,3 +190,42 @@ def test_blocks_in_runs_and_scattered_blocks_move_alike(blocks: list[int], runs:
             made.setdefault(layout.name, []).append(cache)
     for first, second in made.values():
         assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("bs", [16, 128, 12])  # 12: not a multiple of the 8x8 tiles
+def test_the_c_path_moves_vllm_cpu_caches_as_the_torch_path_does(dtype, bs: int, monkeypatch) -> None:
+    """connectors/layout_kernels.c against the torch path, bit for bit: scatter (whole and from a later
+    block of the chunk) and gather, for every element size the kernel takes."""
+    from connectors import layout_c  # noqa: PLC0415
+
+    if layout_c._lib() is None:
+        pytest.skip("no C compiler")
+    gen = torch.Generator().manual_seed(6)
+    chunk = torch.randn(2, L, 3 * bs, H, D, generator=gen).to(dtype)
+    made = []
+    for c_path in (True, False):
+        monkeypatch.setattr(layout_c, "_lib", layout_c._lib if c_path else lambda: None)
+        layout = VllmCpuLayout()
+        cache = [torch.zeros(NB, H, bs, 2 * D, dtype=dtype) for _ in range(L)]
+        layout.scatter(cache, chunk, [4, 0])
+        layout.scatter(cache, chunk, [2], first_block=2)
+        made.append((cache, layout.gather(cache, [4, 0, 2]), layout.gather(cache, [1])))
+    (c_cache, c_all, c_none), (t_cache, t_all, t_none) = made
+    assert all(torch.equal(a, b) for a, b in zip(c_cache, t_cache, strict=True))
+    assert torch.equal(c_all, t_all) and torch.equal(c_all, chunk) and not c_none.any()
+
+
+def test_the_c_path_refuses_block_ids_outside_the_cache() -> None:
+    from connectors import layout_c  # noqa: PLC0415
+
+    if layout_c._lib() is None:
+        pytest.skip("no C compiler")
+    cache = [torch.zeros(NB, H, BS, 2 * D, dtype=torch.bfloat16) for _ in range(L)]
+    chunk = torch.zeros(2, L, BS, H, D, dtype=torch.bfloat16)
+    for bad in ([NB], [-1]):
+        with pytest.raises(InvalidArgument):
+            layout_c.scatter(cache, chunk, bad, 0)
+        with pytest.raises(InvalidArgument):
+            layout_c.gather(cache, bad, chunk)
+    assert not any(c.any() for c in cache)
