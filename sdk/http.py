@@ -25,6 +25,17 @@ _SMALL = 64 * 1024  # bodies up to this size are sent in one write with the head
 Into = Callable[[int], memoryview]  # gives the buffer a body of n bytes is received into
 
 
+def _busy(resp: Response) -> float | None:
+    """Busy (502/503/504): retried after the server's Retry-After (seconds, at most 1 s), as the data
+    plane's are; None for an answer to return."""
+    if resp.status not in RETRY_STATUSES:
+        return None
+    try:
+        return min(max(float(resp.headers.get("retry-after", 0)), 0.0), 1.0)
+    except ValueError:  # an HTTP date, or garbage: the policy's own backoff
+        return 0.0
+
+
 class Response:
     __slots__ = ("status", "headers", "body")
 
@@ -192,9 +203,7 @@ class HttpClient:
                 conn.close()
             return resp
 
-        resp = self.options.with_retries(
-            f"{method} {self.base}{path}", once, lambda r: 0.0 if r.status in RETRY_STATUSES else None
-        )
+        resp = self.options.with_retries(f"{method} {self.base}{path}", once, _busy)
         if resp.status >= 400 and not (resp.status == 404 and path.startswith(wire.CHUNKS_PATH)):
             raise wire.error_from_response(resp.status, bytes(resp.body))
         return resp

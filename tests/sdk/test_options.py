@@ -75,3 +75,37 @@ def test_a_busy_answer_is_asked_again_then_returned_as_it_is(slept: list[float])
     assert slept == [0.3, 0.3]  # at least what the server asked for
     assert opts(retries=1).with_retries("x", lambda: 503, lambda s: 0.0) == 503  # given up: the caller raises
     assert slept == [0.3, 0.3, 0.05]
+
+
+def test_an_http_503_is_retried_after_its_retry_after(slept: list[float]) -> None:
+    """Over HTTP as over the data plane: a busy server's Retry-After (capped at 1 s) is waited for."""
+    import socket  # noqa: PLC0415
+    import threading  # noqa: PLC0415
+
+    from sdk.http import HttpClient  # noqa: PLC0415
+
+    answers = [
+        b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 0.4\r\nContent-Length: 0\r\n\r\n",
+        b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 30\r\nContent-Length: 0\r\n\r\n",
+        b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: Fri, 04 Dec 2026 18:00:00 GMT\r\nContent-Length: 0\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}",
+    ]
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        for answer in answers:
+            conn, _ = listener.accept()
+            with conn:
+                conn.recv(65536)
+                conn.sendall(answer.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n", 1))
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    client = HttpClient("127.0.0.1", listener.getsockname()[1], None, None, opts(retries=5))
+    try:
+        assert client.request("GET", "/v1/stats").status == 200
+    finally:
+        client.close()
+        listener.close()
+    thread.join(5)
+    assert slept == [0.4, 1.0, 0.2]  # the server's 0.4 s; 30 s capped at 1 s; a date: the backoff (0.05 x 4)
