@@ -27,6 +27,7 @@ from aiohttp import web
 from engine.errors import InvalidRequest
 from engine.proxy import CONFIG_KEY, INFLIGHT_KEY, SESSION_KEY, BadGateway, EngineUnreachable, forward
 from engine.router.calibrate import Calibrator
+from engine.router.dashboard import dashboard
 from engine.router.index import PrefixIndex
 from engine.router.metrics import RouterMetrics
 from engine.router.scoring import POLICIES, Choice, EngineState, Request, choose
@@ -86,7 +87,7 @@ class Router:
         self.config = config
         self.tokens = tokens
         self.index = PrefixIndex()
-        self.metrics = RouterMetrics()
+        self.metrics = RouterMetrics(config.engines, config.policy)
         self.calibrator = Calibrator()
         self.loads = {u: EngineLoad(u) for u in config.engines}
         window = config.share_window * len(config.engines)
@@ -153,7 +154,7 @@ class Router:
             "costs": vars(self.calibrator.costs),
         }
 
-    def state(self) -> dict[str, Any]:
+    def state(self, now: float) -> dict[str, Any]:
         return {
             "policy": self.config.policy,
             "ready": self.subscriber.ready.is_set(),
@@ -162,8 +163,14 @@ class Router:
                 s.name: {"last_seq": s.last_seq, "batches": s.batches} for s in self.subscriber.sources
             },
             "costs": vars(self.calibrator.costs),
-            "engines": {u: vars(load) for u, load in self.loads.items()},
+            "engines": {u: self.engine_state(u, now) for u in self.loads},
         }
+
+    def engine_state(self, url: str, now: float) -> dict[str, Any]:
+        """One engine's load (`url`, `in_flight`, `waiting_tokens`, `down_until`, `up`) and its figures
+        (engine.router.metrics.EngineTally.summary): the dashboard's panel."""
+        load = self.loads[url]
+        return {**vars(load), "up": load.down_until <= now, **self.metrics.summary(url)}
 
 
 async def _route(request: web.Request, path: str, chat: bool) -> web.StreamResponse:
@@ -246,14 +253,14 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def state(request: web.Request) -> web.Response:
-    return web.json_response(request.app[ROUTER_KEY].state())
+    return web.json_response(request.app[ROUTER_KEY].state(time.monotonic()))
 
 
 async def metrics(request: web.Request) -> web.Response:
     router: Router = request.app[ROUTER_KEY]
+    now = time.monotonic()
     for url, load in router.loads.items():
-        router.metrics.in_flight.labels(url).set(load.in_flight)
-        router.metrics.waiting.labels(url).set(load.waiting_tokens)
+        router.metrics.set_load(url, load.in_flight, load.waiting_tokens, load.down_until <= now)
     router.metrics.set_costs(router.calibrator.costs)
     return web.Response(body=router.metrics.render(), content_type="text/plain")
 
@@ -302,4 +309,5 @@ def build_router_app(config: RouterConfig, tokens: PromptTokens) -> web.Applicat
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/router/state", state)
+    app.router.add_get("/dashboard", dashboard)
     return app
