@@ -298,7 +298,10 @@ static int have_avx512(void) {
 #else
 #define GROUP 1
 static int have_avx512(void) { return 0; }
-static int decode_group(Segment *g, const uint32_t *lut, int bits, const uint8_t *base) { return -1; }
+static int decode_group(Segment *g, const uint32_t *lut, int bits, const uint8_t *base) { /* never called */
+    (void)g, (void)lut, (void)bits, (void)base;
+    return -1;
+}
 #endif
 
 /* A whole stream of segment records (ans.py documents them) in one call: segment i, ns[i] symbols,
