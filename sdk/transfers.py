@@ -175,14 +175,9 @@ def fetch_index(
     of more than `lease_max` bytes is None too: lent where they lie, such blobs need no copy at all."""
     index = arena.index
     assert index is not None
-    if not index.alive():  # the server died or stopped: ask it (and find out)
+    found = index.find_all(keys)
+    if found is None:
         return None
-    found = []
-    for key in keys:
-        where = index.find(key)
-        if where is None:
-            return None
-        found.append(where)
     if rx.pool is not None and sum(n for *_, n in found) > lease_max:
         return None
     blobs: list[Blob | None] = []
@@ -220,14 +215,9 @@ def lend_index(
     and throws away what it made of a blob that is not whole."""
     index = arena.index
     assert index is not None
-    if not index.alive():
+    found = index.find_all(keys)
+    if found is None:
         return None
-    found = []
-    for key in keys:
-        where = index.find(key)
-        if where is None:
-            return None
-        found.append(where)
     views: list[Blob | None] = [arena.view[offset : offset + n] for _, _, offset, n in found]
     try:
         headers = [verify_blob(v, checksum=False, key=k) for k, v in zip(keys, views, strict=True)]

@@ -121,6 +121,19 @@ class IndexReader(Table):
             return None  # a torn read of an entry being rewritten: the generation check would say so too
         return s, gen, offset, length
 
+    def find_all(self, keys: list[str]) -> list[tuple[int, int, int, int]] | None:
+        """`find` of every key, or None when one is not in the table or the server's heartbeat is
+        stale (it died or stopped: the caller asks it, and finds out)."""
+        if not self.alive():
+            return None
+        found = []
+        for key in keys:
+            where = self.find(key)
+            if where is None:
+                return None
+            found.append(where)
+        return found
+
     def unchanged(self, slot: int, gen: int) -> bool:
         """Whether the entry `find` read still has generation `gen`: a copy made since is whole."""
         return int(self.words[slot, 0]) == gen
