@@ -248,3 +248,27 @@ async def test_the_dashboard_polls_a_json_state_with_a_panel_per_engine(tiny) ->
             if p["tokens"]:
                 assert p["local"] + p["remote"] + p["miss"] == pytest.approx(1)
                 assert p["miss"] == pytest.approx(e["tokens"]["miss"] / sum(e["tokens"].values()))
+        shown = _render(page, state)
+        assert shown["policy"] == "ttft" and shown["kpi-decisions"] == "5"
+        for url in urls:
+            assert f'data-engine="{url}"' in shown["engines"], "a panel per engine"
+        assert shown["engines"].count('data-field="in_flight">0<') == 3
+
+
+def _render(page: str, state: dict) -> dict[str, str]:
+    """The page's scripts run in node with `fetch` answering `state` and a stub document: each
+    element's text or HTML by id."""
+    scripts = "\n".join(re.findall(r"<script>(.*?)</script>", page, re.S))
+    harness = (
+        "const els = {}; global.document = {getElementById: id => (els[id] = els[id] || {textContent: '', innerHTML: ''})};"
+        "global.setTimeout = () => {}; const state = JSON.parse(require('fs').readFileSync(0, 'utf8'));"
+        "global.fetch = async () => ({ok: true, json: async () => state});"
+        f"eval({json.dumps(scripts)});"
+        "setImmediate(() => process.stdout.write(JSON.stringify(Object.fromEntries("
+        "Object.entries(els).map(([k, e]) => [k, e.innerHTML || e.textContent])))));"
+    )
+    run = subprocess.run(
+        ["node", "-e", harness], input=json.dumps(state), capture_output=True, text=True, timeout=30
+    )
+    assert run.returncode == 0, run.stderr
+    return json.loads(run.stdout)
