@@ -36,6 +36,7 @@ from kvstore.blob import decode_blob, encode_blob
 OLD = {"value_meta": "fp16", "rotate_values": False}  # the value metadata before the defaults
 K128 = {"key_tokens": 128, "key_meta": "8bit"}  # finer key groups paid for by 8-bit key metadata
 K64 = {"key_tokens": 64, "key_meta": "8bit"}
+CLIP = {"key_clip": True}  # each key group's range clipped where that lowers its squared error
 CONFIGS: list[tuple[str, str, dict]] = [
     ("raw (noise floor)", "raw", {}),
     ("fp8 e4m3, scale per token per head", "fp8", {}),
@@ -48,6 +49,8 @@ CONFIGS: list[tuple[str, str, dict]] = [
     ("kivi4 V per token per head, fp16 V metadata", "kivi4", OLD),
     ("kivi4 K x 128 tokens, 8-bit K metadata", "kivi4", K128),
     ("kivi4 K x 64 tokens, 8-bit K metadata", "kivi4", K64),
+    ("kivi4 clipped key groups", "kivi4", CLIP),
+    ("kivi4 K x 128 tokens, 8-bit K metadata, clipped", "kivi4", {**K128, **CLIP}),
     ("kivi4 V per token x all heads, fp16 V metadata", "kivi4", {"value_group": "row", **OLD}),
     ("kivi4 K x 128 tokens, V x all heads, fp16", "kivi4", {"key_tokens": 128, "value_group": "row", **OLD}),
     ("kivi4 no sink key, V x all heads, fp16", "kivi4", {"sink_tokens": 0, "value_group": "row", **OLD}),
@@ -63,6 +66,8 @@ CONFIGS: list[tuple[str, str, dict]] = [
     ("kivi4+ans, V fp16 metadata", "kivi4+ans", OLD),
     ("kivi4+ans K x 128 tokens, 8-bit K metadata", "kivi4+ans", K128),
     ("kivi4+ans K x 64 tokens, 8-bit K metadata", "kivi4+ans", K64),
+    ("kivi4+ans clipped key groups", "kivi4+ans", CLIP),
+    ("kivi4+ans K x 128 tokens, 8-bit K metadata, clipped", "kivi4+ans", {**K128, **CLIP}),
     ("kivi2+ans (the kivi2 default, then rANS)", "kivi2+ans", {}),
     ("kivi2+ans K x 32 tokens, V g32, fp16", "kivi2+ans", {"key_tokens": 32, "value_group": 32, **OLD}),
     ("fp8+ans", "fp8+ans", {}),

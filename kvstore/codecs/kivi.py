@@ -54,13 +54,14 @@ from kvstore.errors import CodecError
 
 DEFAULTS: dict[str, Any] = {
     "key_tokens": None, "value_group": None, "sink_tokens": 1, "value_meta": "8bit", "rotate_values": None,
-    "key_meta": "fp16",
+    "key_meta": "fp16", "key_clip": False,
 }  # fmt: skip
 KEY_TOKENS = {4: 256, 2: 64}  # the default key_tokens per width (bench_codec_quality.py chose them)
 VALUE_META = ("fp16", "8bit")
 _STEPS = 16  # 8bit value scales: r * 2^(-c / 16), c = 0..255 (steps of 4.4%)
 _ZP = 16  # 8bit value zero points: multiples of 1/16 code, 0..2^b-1 (<= 240: 8 bits)
 _POW = torch.tensor([2.0 ** (-c / _STEPS) for c in range(256)], dtype=torch.float32)
+_CLIP = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6)  # key_clip: the ranges tried, x the min-max range
 SINK_MIN_TOKENS = 16  # shorter chunks keep no sink keys
 MAX_SINK_TOKENS = 64
 
@@ -198,6 +199,32 @@ def _f16_bits(x: torch.Tensor, what: str) -> torch.Tensor:
     return h
 
 
+def clip_groups(x: torch.Tensor, dim: int, bits: int) -> torch.Tensor:
+    """float32 `x` clamped, per group along `dim`, to the range (the min-max range shrunk about its
+    centre by one of `_CLIP`) whose b-bit min-max codes give the least squared error: a few far values
+    then no longer stretch the steps of all the others."""
+    top = (1 << bits) - 1
+    mn, mx = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
+    mid, half = (mn + mx) / 2, (mx - mn) / 2
+    best_err = best_lo = best_hi = None
+    for r in _CLIP:
+        lo, hi = mid - half * r, mid + half * r
+        s = (hi - lo) / top
+        inv = torch.where(s > 0, 1 / s, torch.zeros_like(s))
+        err = (
+            ((x - lo).mul(inv).add_(0.5).floor_().clamp_(0, top).mul_(s).add_(lo).sub_(x))
+            .square_()
+            .sum(dim, True)
+        )
+        if best_err is None:
+            best_err, best_lo, best_hi = err, lo, hi
+            continue
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_lo, best_hi = torch.where(better, lo, best_lo), torch.where(better, hi, best_hi)
+    return torch.maximum(torch.minimum(x, best_hi), best_lo)
+
+
 def quantize(x: torch.Tensor, dim: int, bits: int, what: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Asymmetric min-max quantisation of float32 `x` in groups along `dim`: codes (uint8, x's shape)
     and the groups' fp16 (scale, zero): x's shape with `dim` of size 1, then a trailing axis of 2."""
@@ -291,6 +318,7 @@ class KiviCodec:
     def encode(self, kv: torch.Tensor, **options: Any) -> tuple[memoryview, dict]:
         kv = common.check_kv(kv, self.name).cpu().contiguous()
         lay = layout_for(tuple(kv.shape), kv.dtype, self.bits, **options)
+        o = common.take_options(self.name, options, DEFAULTS)
         # NaN/Inf reach every group's min or max, so quantize's check of the scales finds them; the
         # sink keys are stored as they are, so they are checked here
         if lay.sink and not bool(torch.isfinite(kv[0, :, : lay.sink]).all()):
@@ -302,15 +330,19 @@ class KiviCodec:
         c = nh * d
         x = kv.reshape(2, nl, nt, c)
         keys, values = x[0, :, lay.sink :].float(), x[1].float()
+        clip = o["key_clip"]
         if lay.key_meta == "fp16":
             for g, (a, b) in enumerate(_key_groups(keys, lay.key_tokens)):
-                q, sz = quantize(keys[:, a:b], 1, self.bits, self.name)  # per channel over tokens a..b
+                group = clip_groups(keys[:, a:b], 1, self.bits) if clip else keys[:, a:b]
+                q, sz = quantize(group, 1, self.bits, self.name)  # per channel over tokens a..b
                 p["k_codes"][:, a:b] = pack(q, self.bits)
                 p["k_sz"][:, g] = sz[:, 0].view(torch.int16)
         else:  # [L, groups, C, key_tokens]: the last group padded with its last token (same min, max)
             n, kt = keys.shape[1], lay.key_tokens
             padded = torch.cat([keys, keys[:, -1:].expand(nl, lay.key_groups * kt - n, c)], 1)
             grouped_k = padded.reshape(nl, lay.key_groups, kt, c).transpose(2, 3)
+            if clip:
+                grouped_k = clip_groups(grouped_k, 3, self.bits)
             kq, kmeta, kref = quantize_8bit(grouped_k, self.bits, self.name)
             p["k_codes"][:] = pack(kq.transpose(2, 3).reshape(nl, -1, c)[:, :n], self.bits)
             parts["k_meta"][:] = kmeta.numpy().astype(np.uint16)
