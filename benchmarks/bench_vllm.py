@@ -91,7 +91,7 @@ def drop_page_cache(disk: Path, keys: list[str]) -> None:
 
 
 def spread(xs: list[float]) -> str:
-    return f"{statistics.median(xs):6.1f}x ({min(xs):.1f}-{max(xs):.1f})"
+    return f"{statistics.median(xs):6.2f}x ({min(xs):.2f}-{max(xs):.2f})"
 
 
 def main() -> int:
@@ -124,9 +124,12 @@ def main() -> int:
             start_all(servers)
             a, b, c = (s.url for s in servers)
             with Store.connect(cpu.url) as cpu_client, Store.connect(disk.url) as disk_client:
-                warm = [random.Random(-1).randrange(49152) for _ in range(300)]
-                for url in (a, b, c):
-                    ttft(url, warm)  # first-request warm-up of each server, not measured
+                # First-request warm-up of each server, not measured: a short prompt, then one as long as
+                # the longest measured (vLLM's first long-context step grows its buffers: ~0.1 s that A's
+                # prefix hit never pays, its cold run came first). Each server computes its own.
+                for i, url in enumerate((a, b, c)):
+                    ttft(url, [random.Random(-1).randrange(49152) for _ in range(300)])
+                    ttft(url, [random.Random(-2 - i).randrange(49152) for _ in range(max(args.lengths))])
                 return run(args, layout, (a, b, c), cpu_client, disk_client, tmp / "disk")
         finally:
             for s in servers:
