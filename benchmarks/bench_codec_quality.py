@@ -33,27 +33,25 @@ import torch
 
 from kvstore.blob import decode_blob, encode_blob
 
+K256 = {"key_tokens": 256, "key_meta": "fp16"}  # kivi4's default key groups before the 8-bit ones
 OLD = {"value_meta": "fp16", "rotate_values": False}  # the value metadata before the defaults
-K128 = {"key_tokens": 128, "key_meta": "8bit"}  # finer key groups paid for by 8-bit key metadata
+OLD4 = {**K256, **OLD}  # kivi4 as the rows measured before either default ran
 K64 = {"key_tokens": 64, "key_meta": "8bit"}
-CLIP = {"key_clip": True}  # each key group's range clipped where that lowers its squared error
 CONFIGS: list[tuple[str, str, dict]] = [
     ("raw (noise floor)", "raw", {}),
     ("fp8 e4m3, scale per token per head", "fp8", {}),
     ("int4 (id 2): K per channel g64, V per token g64, first token exact", "int4", {}),
     (
-        "kivi4 DEFAULT: K per channel x 256 tokens, V per token per head, Hadamard, 8-bit V metadata",
+        "kivi4 DEFAULT: K per channel x 128 tokens, 8-bit K and V metadata, V per token per head, Hadamard",
         "kivi4",
         {},
     ),
-    ("kivi4 V per token per head, fp16 V metadata", "kivi4", OLD),
-    ("kivi4 K x 128 tokens, 8-bit K metadata", "kivi4", K128),
+    ("kivi4 V per token per head, fp16 V metadata", "kivi4", OLD4),
+    ("kivi4 K x 256 tokens, fp16 K metadata (the default before 8-bit K metadata)", "kivi4", K256),
     ("kivi4 K x 64 tokens, 8-bit K metadata", "kivi4", K64),
-    ("kivi4 clipped key groups", "kivi4", CLIP),
-    ("kivi4 K x 128 tokens, 8-bit K metadata, clipped", "kivi4", {**K128, **CLIP}),
-    ("kivi4 V per token x all heads, fp16 V metadata", "kivi4", {"value_group": "row", **OLD}),
-    ("kivi4 K x 128 tokens, V x all heads, fp16", "kivi4", {"key_tokens": 128, "value_group": "row", **OLD}),
-    ("kivi4 no sink key, V x all heads, fp16", "kivi4", {"sink_tokens": 0, "value_group": "row", **OLD}),
+    ("kivi4 V per token x all heads, fp16 V metadata", "kivi4", {"value_group": "row", **OLD4}),
+    ("kivi4 K x 128 tokens, V x all heads, fp16", "kivi4", {**OLD4, "key_tokens": 128, "value_group": "row"}),
+    ("kivi4 no sink key, V x all heads, fp16", "kivi4", {"sink_tokens": 0, "value_group": "row", **OLD4}),
     (
         "kivi2 DEFAULT: K per channel x 64 tokens, V per token per head, Hadamard, 8-bit V metadata",
         "kivi2",
@@ -63,11 +61,9 @@ CONFIGS: list[tuple[str, str, dict]] = [
     ("kivi2 K x 64 tokens, V g64, fp16", "kivi2", {"key_tokens": 64, "value_group": 64, **OLD}),
     ("kivi2 K x 32 tokens, V g32, fp16", "kivi2", {"key_tokens": 32, "value_group": 32, **OLD}),
     ("kivi4+ans (the kivi4 default, then rANS)", "kivi4+ans", {}),
-    ("kivi4+ans, V fp16 metadata", "kivi4+ans", OLD),
-    ("kivi4+ans K x 128 tokens, 8-bit K metadata", "kivi4+ans", K128),
+    ("kivi4+ans, V fp16 metadata", "kivi4+ans", OLD4),
+    ("kivi4+ans K x 256 tokens, fp16 K metadata (the earlier default)", "kivi4+ans", K256),
     ("kivi4+ans K x 64 tokens, 8-bit K metadata", "kivi4+ans", K64),
-    ("kivi4+ans clipped key groups", "kivi4+ans", CLIP),
-    ("kivi4+ans K x 128 tokens, 8-bit K metadata, clipped", "kivi4+ans", {**K128, **CLIP}),
     ("kivi2+ans (the kivi2 default, then rANS)", "kivi2+ans", {}),
     ("kivi2+ans K x 32 tokens, V g32, fp16", "kivi2+ans", {"key_tokens": 32, "value_group": 32, **OLD}),
     ("fp8+ans", "fp8+ans", {}),

@@ -7,18 +7,20 @@ share a group over many tokens, and a value group's scale and zero take 2 bytes,
 were chosen by benchmarks/bench_codec_quality.py.
 
 Options (`encode_blob(kv, codec="kivi4", key_tokens=..., ...)`):
-    key_tokens:    tokens per key group (per channel; fp16 scale and zero); the last group of a chunk
-                   takes what is left. Default 256 for kivi4 (one group per channel of a 256-token
-                   chunk), 64 for kivi2.
+    key_tokens:    tokens per key group (per channel); the last group of a chunk takes what is left.
+                   Default 128 for kivi4 (two groups per channel of a 256-token chunk), 64 for kivi2.
     value_group:   channels per value group along the token's row of kv_heads * head_dim channels (it
                    must divide the row; "row": all of them); default head_dim: one group per head.
     value_meta:    "8bit" (default): one uint16 per value group: a zero point in 1/16 codes (0..2^b-1)
                    and a scale on a log grid of 2^(1/16) steps under an fp16 reference per layer and
                    group index (`v_ref`); "fp16": an fp16 scale and zero per group (4 bytes).
-    key_meta:      "fp16" (default): an fp16 scale and zero per key group; "8bit": one uint16 per key
-                   group as value_meta's 8bit (a 1/16-code zero point, a log-grid scale) under an fp16
-                   reference per layer and channel (`k_ref`): half the bytes, so that key groups of 128
-                   tokens cost what 256 did (keys carry most of kivi4's error: bench_codec_quality.py).
+    key_meta:      "fp16": an fp16 scale and zero per key group (kivi2's default); "8bit" (kivi4's
+                   default): one uint16 per key group as value_meta's 8bit (a 1/16-code zero point, a
+                   log-grid scale) under an fp16 reference per layer and channel (`k_ref`): half the
+                   bytes, so that key groups of 128 tokens cost what 256 did in fp16 (keys carry most of
+                   kivi4's error: KL 0.0085 -> 0.0074 on SmolLM2, bench_codec_quality.py). Blobs of
+                   the earlier kivi4 default (256 tokens, fp16) carry kt/km in their params and decode
+                   as before.
     rotate_values: each head's value vector is multiplied by the orthonormal Hadamard matrix before
                    it is quantised, and back on decode (the matrix is its own inverse): outliers spread
                    over the group. Default: where it can (a power-of-two head_dim, value groups inside a head).
@@ -31,8 +33,8 @@ head_dim), key scale/zero fp16 pairs `[L, ceil((T - sink) / key_tokens), C, 2]` 
 `[L, groups, C]`, then the fp16 references `[L, C]`), the value metadata
 (8bit: uint16 `[L, T, C / value_group]`, then the fp16 references `[L, C / value_group]`; fp16: pairs
 `[L, T, C / value_group, 2]`), the sink keys' raw bits `[L, sink, C]`. At the defaults, for a
-256-token SmolLM2-135M chunk (C = 192), header included: kivi4 3.80x smaller than bf16, kivi2 6.66x
-(with the rANS stage, with_ans.py, about 4.1x and 7.9x: it depends on the data).
+256-token SmolLM2-135M chunk (C = 192), header included: kivi4 3.77x smaller than bf16, kivi2 6.66x
+(with the rANS stage, with_ans.py, about 4.0x and 7.9x: it depends on the data).
 
 Error bound: |x - x'| <= scale/2 per element (keys: scale = fp16((max - min) / (2^b - 1)) of the
 group; 8bit values: at most 2^(1/16) x (1 + 1/16) x that), plus the fp16 rounding of scale and zero
@@ -54,14 +56,14 @@ from kvstore.errors import CodecError
 
 DEFAULTS: dict[str, Any] = {
     "key_tokens": None, "value_group": None, "sink_tokens": 1, "value_meta": "8bit", "rotate_values": None,
-    "key_meta": "fp16", "key_clip": False,
+    "key_meta": None,
 }  # fmt: skip
-KEY_TOKENS = {4: 256, 2: 64}  # the default key_tokens per width (bench_codec_quality.py chose them)
+KEY_TOKENS = {4: 128, 2: 64}  # the default key_tokens per width (bench_codec_quality.py chose them)
+KEY_META = {4: "8bit", 2: "fp16"}  # the default key_meta per width
 VALUE_META = ("fp16", "8bit")
 _STEPS = 16  # 8bit value scales: r * 2^(-c / 16), c = 0..255 (steps of 4.4%)
 _ZP = 16  # 8bit value zero points: multiples of 1/16 code, 0..2^b-1 (<= 240: 8 bits)
 _POW = torch.tensor([2.0 ** (-c / _STEPS) for c in range(256)], dtype=torch.float32)
-_CLIP = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6)  # key_clip: the ranges tried, x the min-max range
 SINK_MIN_TOKENS = 16  # shorter chunks keep no sink keys
 MAX_SINK_TOKENS = 64
 
@@ -164,6 +166,8 @@ def layout_for(shape: tuple[int, ...], dtype: torch.dtype, bits: int, **options:
     vg = {None: d, "row": int(shape[3]) * d}.get(o["value_group"], o["value_group"])
     if o["key_tokens"] is None:
         o["key_tokens"] = KEY_TOKENS[bits]
+    if o["key_meta"] is None:
+        o["key_meta"] = KEY_META[bits]
     if o["rotate_values"] is None:  # where it can: a power-of-two head_dim, groups inside a head
         o["rotate_values"] = d & (d - 1) == 0 and type(vg) is int and vg > 0 and d % vg == 0
     for name, v in (("key_tokens", o["key_tokens"]), ("value_group", vg), ("sink_tokens", o["sink_tokens"])):
@@ -197,32 +201,6 @@ def _f16_bits(x: torch.Tensor, what: str) -> torch.Tensor:
     if not bool(torch.isfinite(h).all()):
         raise CodecError(f"{what}: KV contains NaN, Inf or values beyond the float16 range of its scales")
     return h
-
-
-def clip_groups(x: torch.Tensor, dim: int, bits: int) -> torch.Tensor:
-    """float32 `x` clamped, per group along `dim`, to the range (the min-max range shrunk about its
-    centre by one of `_CLIP`) whose b-bit min-max codes give the least squared error: a few far values
-    then no longer stretch the steps of all the others."""
-    top = (1 << bits) - 1
-    mn, mx = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
-    mid, half = (mn + mx) / 2, (mx - mn) / 2
-    best_err = best_lo = best_hi = None
-    for r in _CLIP:
-        lo, hi = mid - half * r, mid + half * r
-        s = (hi - lo) / top
-        inv = torch.where(s > 0, 1 / s, torch.zeros_like(s))
-        err = (
-            ((x - lo).mul(inv).add_(0.5).floor_().clamp_(0, top).mul_(s).add_(lo).sub_(x))
-            .square_()
-            .sum(dim, True)
-        )
-        if best_err is None:
-            best_err, best_lo, best_hi = err, lo, hi
-            continue
-        better = err < best_err
-        best_err = torch.where(better, err, best_err)
-        best_lo, best_hi = torch.where(better, lo, best_lo), torch.where(better, hi, best_hi)
-    return torch.maximum(torch.minimum(x, best_hi), best_lo)
 
 
 def quantize(x: torch.Tensor, dim: int, bits: int, what: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -318,7 +296,6 @@ class KiviCodec:
     def encode(self, kv: torch.Tensor, **options: Any) -> tuple[memoryview, dict]:
         kv = common.check_kv(kv, self.name).cpu().contiguous()
         lay = layout_for(tuple(kv.shape), kv.dtype, self.bits, **options)
-        o = common.take_options(self.name, options, DEFAULTS)
         # NaN/Inf reach every group's min or max, so quantize's check of the scales finds them; the
         # sink keys are stored as they are, so they are checked here
         if lay.sink and not bool(torch.isfinite(kv[0, :, : lay.sink]).all()):
@@ -330,19 +307,15 @@ class KiviCodec:
         c = nh * d
         x = kv.reshape(2, nl, nt, c)
         keys, values = x[0, :, lay.sink :].float(), x[1].float()
-        clip = o["key_clip"]
         if lay.key_meta == "fp16":
             for g, (a, b) in enumerate(_key_groups(keys, lay.key_tokens)):
-                group = clip_groups(keys[:, a:b], 1, self.bits) if clip else keys[:, a:b]
-                q, sz = quantize(group, 1, self.bits, self.name)  # per channel over tokens a..b
+                q, sz = quantize(keys[:, a:b], 1, self.bits, self.name)  # per channel over tokens a..b
                 p["k_codes"][:, a:b] = pack(q, self.bits)
                 p["k_sz"][:, g] = sz[:, 0].view(torch.int16)
         else:  # [L, groups, C, key_tokens]: the last group padded with its last token (same min, max)
             n, kt = keys.shape[1], lay.key_tokens
             padded = torch.cat([keys, keys[:, -1:].expand(nl, lay.key_groups * kt - n, c)], 1)
             grouped_k = padded.reshape(nl, lay.key_groups, kt, c).transpose(2, 3)
-            if clip:
-                grouped_k = clip_groups(grouped_k, 3, self.bits)
             kq, kmeta, kref = quantize_8bit(grouped_k, self.bits, self.name)
             p["k_codes"][:] = pack(kq.transpose(2, 3).reshape(nl, -1, c)[:, :n], self.bits)
             parts["k_meta"][:] = kmeta.numpy().astype(np.uint16)

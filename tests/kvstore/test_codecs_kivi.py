@@ -3,6 +3,8 @@ partial key group, tiny chunks), bad input and forged params."""
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 import torch
 
@@ -107,23 +109,46 @@ def test_all_equal_groups_decode_exactly(codec: str) -> None:
     kv[0, :, :, 1, 3] = 0.75  # one key channel constant over every token
     kv[1, 1] = -2.5  # a layer of constant values
     kv[:, 0, 5] = 0  # a token of zeros (its values' group)
-    out = decode_blob(encode_blob(kv, codec=codec, value_meta="fp16", rotate_values=False))
+    fp16 = {"value_meta": "fp16", "key_meta": "fp16"}
+    out = decode_blob(encode_blob(kv, codec=codec, rotate_values=False, **fp16))
     assert torch.equal(out[0, :, :, 1, 3], kv[0, :, :, 1, 3])
     assert torch.equal(out[1, 1], kv[1, 1]) and torch.equal(out[1, 0, 5], kv[1, 0, 5])
-    eight = decode_blob(encode_blob(kv, codec=codec, rotate_values=False))  # 8bit: a scale on a grid
+    eight = decode_blob(encode_blob(kv, codec=codec, rotate_values=False, key_meta="fp16"))  # 8bit V
     assert torch.equal(eight[1, 0, 5], kv[1, 0, 5]) and torch.equal(eight[0, :, :, 1, 3], kv[0, :, :, 1, 3])
     assert bool(((eight[1, 1].float() + 2.5).abs() <= 2.5 * 2 ** (1 / 16) - 2.5 + 1e-3).all())
     rotated = decode_blob(encode_blob(kv, codec=codec))  # the defaults: within 5% too
     assert bool(((rotated[1, 1].float() + 2.5).abs() <= 0.125).all())
+    keys8 = decode_blob(encode_blob(kv, codec=codec, key_meta="8bit"))  # a key scale on a grid: an fp16 step
+    assert bool(((keys8[0, 1, :, 1, 3].float() - 0.75).abs() <= 0.75 * 2**-10).all())  # layer 0: token 5 is 0
 
 
 @pytest.mark.parametrize(
-    "codec,floor", [("kivi4", 3.79), ("kivi2", 6.65), ("kivi4+ans", 3.85), ("kivi2+ans", 6.7)]
+    "codec,floor", [("kivi4", 3.77), ("kivi2", 6.65), ("kivi4+ans", 4.0), ("kivi2+ans", 6.7)]
 )
 def test_size_vs_bf16_with_the_header(codec: str, floor: float) -> None:
     kv = make_kv((2, 30, 256, 3, 64), torch.bfloat16)  # a SmolLM2-135M chunk
     blob = encode_blob(kv, codec=codec)
     assert kv.numel() * 2 / len(blob) >= floor
+
+
+@pytest.mark.parametrize("codec", ["kivi4", "kivi4+ans"])
+def test_kivi4_default_is_128_token_key_groups_with_8bit_key_metadata(codec: str) -> None:
+    kv = make_kv((2, 2, 256, 3, 64), torch.bfloat16)
+    params = verify_blob(encode_blob(kv, codec=codec)).params
+    assert params["kt"] == 128 and params["km"] == 1  # bench_codec_quality: KL 0.0085 -> 0.0074
+    assert "km" not in verify_blob(encode_blob(kv, codec="kivi2")).params  # kivi2 keeps fp16 key metadata
+
+
+def test_a_blob_of_the_earlier_kivi4_default_is_written_and_read_as_before() -> None:
+    """kivi4's default was 256-token key groups with fp16 metadata (until the 8-bit ones): the same
+    options still write the same bytes, and those decode to the same bits (digests taken then)."""
+    g = torch.Generator().manual_seed(34)
+    kv = (torch.randn(2, 2, 300, 3, 64, generator=g) * 2).to(torch.bfloat16)
+    blob = encode_blob(kv, codec="kivi4", key_tokens=256, key_meta="fp16")
+    assert verify_blob(blob).params == {"kt": 256, "vg": 64, "sink": 1, "vm": 1, "rv": 1}
+    assert hashlib.sha256(blob).hexdigest()[:16] == "0c2b44e7cca33b98"
+    out = decode_blob(blob).view(torch.int16).numpy().tobytes()
+    assert hashlib.sha256(out).hexdigest()[:16] == "2164a05f4889e465"
 
 
 @pytest.mark.parametrize("codec", CODECS)
