@@ -200,10 +200,10 @@ static int finish_any(Segment *g, int bits, const uint32_t *lut) {
 #define NVEC 2 /* 16-lane vectors in flight */
 #define GROUP (2 * NVEC) /* segments decoded together by the AVX-512 path, 2 per vector */
 
-/* The unchecked steps of GROUP segments at once, all at the same step k: `steps` steps (no more than
- * any of them has),
- * each lane with at least 2 bytes more than `steps` words to read (so the 4-byte gathers stay inside
- * it). Exactly the scalar steps' arithmetic, so the same bits. `lut` holds GROUP tables. */
+/* `steps` unchecked steps of GROUP segments at once, all at the same step k: no more steps than any
+ * of them has left, and each lane holds at least 2 bytes more than `steps` words (so the 4-byte
+ * gathers stay inside it). Exactly the scalar steps' arithmetic (uint32, wrapping alike), so the same
+ * bits. `lut` holds the GROUP tables back to back. */
 __attribute__((target("avx512f,avx512bw,avx512vl"))) static void bulk_avx512(Segment *g, const uint32_t *lut,
                                                                               int64_t steps, int bits,
                                                                               const uint8_t *base) {
