@@ -127,9 +127,10 @@ def main() -> int:
                 # First-request warm-up of each server, not measured: a short prompt, then one as long as
                 # the longest measured (vLLM's first long-context step grows its buffers: ~0.1 s that A's
                 # prefix hit never pays, its cold run came first). Each server computes its own.
+                # (string seeds: the measured prompts are Random(1), Random(2), ...; Random(-n) is Random(n))
                 for i, url in enumerate((a, b, c)):
-                    ttft(url, [random.Random(-1).randrange(49152) for _ in range(300)])
-                    ttft(url, [random.Random(-2 - i).randrange(49152) for _ in range(max(args.lengths))])
+                    ttft(url, [random.Random("warm").randrange(49152) for _ in range(300)])
+                    ttft(url, [random.Random(f"warm-{i}").randrange(49152) for _ in range(max(args.lengths))])
                 return run(args, layout, (a, b, c), cpu_client, disk_client, tmp / "disk")
         finally:
             for s in servers:
