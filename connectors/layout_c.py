@@ -8,29 +8,22 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from kvstore.c_build import build_library
+from kvstore.c_build import load_library
 from kvstore.errors import InvalidArgument
 
-logger = logging.getLogger(__name__)
 _SRC = Path(__file__).with_name("layout_kernels.c")
 _FLAGS = ("-O3", "-shared", "-fPIC", "-std=c11")  # no -march: the .so may run on another CPU
 
 
 @functools.cache
 def _lib() -> ctypes.CDLL | None:
-    if os.environ.get("KVSTORE_LAYOUT_KERNEL", "1") == "0":
-        return None
-    try:
-        lib = ctypes.CDLL(str(build_library(_SRC, _FLAGS)))
-    except OSError as e:
-        logger.warning("layout kernel unavailable (%s): vLLM CPU caches are moved with torch", e)
+    lib = load_library(_SRC, _FLAGS, "KVSTORE_LAYOUT_KERNEL", "vLLM CPU caches are moved with torch")
+    if lib is None:
         return None
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.vllm_cpu_scatter.argtypes, lib.vllm_cpu_scatter.restype = [p, p, p, i, i, i, i, i, i, i, i], None

@@ -7,6 +7,7 @@ kernels (`engine/layers/cpu_lib.py`) both build through it."""
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import os
@@ -50,3 +51,15 @@ def build_library(src: Path, flags: tuple[str, ...], extra_key: str = "", libs: 
         os.replace(so, out)  # atomic: a concurrent build by another process wins or loses whole
     logger.info("compiled %s", out)
     return out
+
+
+def load_library(src: Path, flags: tuple[str, ...], switch: str, fallback: str) -> ctypes.CDLL | None:
+    """`src` built (`build_library`) and loaded; None when the environment variable `switch` is "0", or
+    when it cannot be built (logged as a warning that says what serves instead: `fallback`)."""
+    if os.environ.get(switch, "1") == "0":
+        return None
+    try:
+        return ctypes.CDLL(str(build_library(src, flags)))
+    except OSError as e:
+        logger.warning("%s unavailable (%s): %s", src.name, e, fallback)
+        return None

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 import os
 import struct
 from collections.abc import Sequence
@@ -30,11 +29,10 @@ from pathlib import Path
 
 import numpy as np
 
-from kvstore.c_build import build_library
+from kvstore.c_build import load_library
 from kvstore.codecs import ans_ref
 from kvstore.errors import CodecError
 
-logger = logging.getLogger(__name__)
 _SRC = Path(__file__).with_name("ans_kernels.c")
 _FLAGS = ("-O3", "-shared", "-fPIC", "-std=c11")  # no -march: the .so may run on another CPU
 PROB_SCALE = ans_ref.PROB_SCALE
@@ -43,12 +41,8 @@ _LEN = struct.Struct("<I")
 
 @functools.cache
 def _lib() -> ctypes.CDLL | None:
-    if os.environ.get("KVSTORE_ANS_KERNEL", "1") == "0":
-        return None
-    try:
-        lib = ctypes.CDLL(str(build_library(_SRC, _FLAGS)))
-    except OSError as e:
-        logger.warning("rANS kernel unavailable (%s): the Python fallback decodes ~1 µs a code", e)
+    lib = load_library(_SRC, _FLAGS, "KVSTORE_ANS_KERNEL", "the Python fallback decodes ~1 µs a code")
+    if lib is None:
         return None
     p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.ans_encode.argtypes, lib.ans_encode.restype = [p, i64, i, p, p, i64], i64
