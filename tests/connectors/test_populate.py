@@ -22,12 +22,14 @@ def resident_bytes() -> int:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE is Linux's")
 def test_populate_maps_every_page_and_changes_nothing() -> None:
-    t = torch.empty(64 * MiB, dtype=torch.uint8)
+    fresh = mmap.mmap(-1, 64 * MiB)  # pages of its own, none present yet (an allocator may reuse some)
+    t = torch.frombuffer(fresh, dtype=torch.uint8)
     t[: 8 * MiB] = 7  # already written: must stay so
     before = resident_bytes()
     kv_worker.populate([t[: 32 * MiB], t[32 * MiB :]])
     assert resident_bytes() - before >= 48 * MiB  # the 56 MiB never touched, less what else was freed
-    assert bool((t[: 8 * MiB] == 7).all())
+    assert bool((t[: 8 * MiB] == 7).all()) and not t[8 * MiB :].any()
+    del t
 
 
 def test_registering_kv_caches_populates_them(engines, monkeypatch) -> None:
