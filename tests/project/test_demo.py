@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,8 +21,17 @@ def test_demo_store_round_trip(tmp_path: Path, capsys: pytest.CaptureFixture[str
 
 
 def test_make_demo_runs_the_demo_script() -> None:
-    """The Makefile's `demo` target runs examples/demo.py (make -n: printed, not run)."""
-    out = subprocess.run(["make", "-n", "demo"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    """The Makefile's `demo` target runs examples/demo.py (make -n: printed, not run). Under `make test`
+    this make is a sub-make: without the parent's MAKEFLAGS/MAKELEVEL it prints no "Entering directory"."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+    out = subprocess.run(
+        ["make", "--no-print-directory", "-n", "demo"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert out.strip().splitlines()[-1].endswith("python examples/demo.py")
     help_out = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "demo.py"), "--help"],
