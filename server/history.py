@@ -9,7 +9,8 @@ whatever window it shows, treating a drop as a counter reset):
      "misses": reads no tier served, "miss_reasons": {not_stored, evicted, expired, corrupt, unreachable},
      "requests": n, "errors": n,
      "lookups": prefix lookups, "lookups_cut_short": those a missing key cut short (not in "misses"),
-     "latency": {"get" | "put" | "lookup": [cumulative count per bucket of LATENCY_BUCKETS, ..., +Inf]},
+     "latency": {"get" | "put" | "lookup" | "get (same host)": [cumulative count per bucket of
+                 LATENCY_BUCKETS, ..., +Inf]},
      "engines": {prompt_tokens, engine_hit_tokens, store_hit_tokens, prefill_seconds, ...} or absent}
 """
 
@@ -30,6 +31,9 @@ from server.metrics import BUCKETS
 
 log = logging.getLogger(__name__)
 LATENCY_OPS = {"get": ("get", "batch_get"), "put": ("put", "batch_put"), "lookup": ("lookup", "batch_exists")}
+# Gets a same-host client served itself from the arena (in place or copied, by the index) and reported
+# with TOUCH: not requests the server measured, so a group of their own
+REPORTED_GETS = "get (same host)"
 LATENCY_BUCKETS = [*BUCKETS, math.inf]
 _TIER_FIELDS = ("hits", "misses", "bytes", "capacity", "keys", "evictions", "expired", "corrupt", "errors",
                 "read_bytes", "written_bytes")  # fmt: skip
@@ -48,16 +52,17 @@ def summarize(stats: dict[str, Any]) -> dict[str, dict[str, float]]:
 
 def latency_buckets(registry: CollectorRegistry | None) -> dict[str, list[float]]:
     """Cumulative bucket counts of the server's request latency, per dashboard op group."""
-    out = {group: [0.0] * len(LATENCY_BUCKETS) for group in LATENCY_OPS}
+    out = {group: [0.0] * len(LATENCY_BUCKETS) for group in (*LATENCY_OPS, REPORTED_GETS)}
     if registry is None:
         return out
     index = {le: i for i, le in enumerate(LATENCY_BUCKETS)}
     group_of = {op: g for g, ops in LATENCY_OPS.items() for op in ops}
     for family in registry.collect():
-        if family.name != "kvstore_request_seconds":
+        if family.name not in ("kvstore_request_seconds", "kvstore_reported_get_seconds"):
             continue
+        reported = family.name == "kvstore_reported_get_seconds"
         for s in family.samples:
-            group = group_of.get(s.labels.get("op", ""))
+            group = REPORTED_GETS if reported else group_of.get(s.labels.get("op", ""))
             if group is None or not s.name.endswith("_bucket"):
                 continue
             i = index.get(float(s.labels["le"]))

@@ -58,6 +58,8 @@ def test_sample_holds_latency_buckets_and_miss_reasons() -> None:
     for seconds in (0.0002, 0.003, 0.003):
         metrics.observe("get", 200, seconds, 0, 10)
     metrics.observe("batch_put", 201, 0.04, 10, 0)
+    metrics.observe_reported("batch_get", 0.0004)  # a same-host client's own read (TOUCH): apart
+    metrics.observe_reported("get", 0.0004)
     history = StatsHistory(3)
     stats = {"tiers": [{"name": "cpu", "hits": 2, "bytes": 5, "capacity": 10, "expired": 1}], "misses": 1,
              "miss_reasons": {"evicted": 1}}  # fmt: skip
@@ -67,6 +69,8 @@ def test_sample_holds_latency_buckets_and_miss_reasons() -> None:
     get = sample["latency"]["get"]
     assert len(get) == len(LATENCY_BUCKETS) and get[-1] == 3 and get[LATENCY_BUCKETS.index(0.00025)] == 1
     assert sample["latency"]["put"][-1] == 1 and sample["latency"]["lookup"][-1] == 0
+    same_host = sample["latency"]["get (same host)"]
+    assert same_host[-1] == 2 and same_host[LATENCY_BUCKETS.index(0.0005)] == 2
     assert sample["tiers"]["cpu"]["expired"] == 1 and sample["miss_reasons"] == {"evicted": 1.0}
     assert sample["engines"] == {"prompt_tokens": 7.0}
 
