@@ -140,7 +140,9 @@ def test_dashboard_tells_the_cache_story_with_real_engines(server_factory, chrom
             "get (same host) p99",
             "put p99",
         } <= series
-        assert re.search(r'id="kpi-get-p99"[^>]*>[\d.]+ (µs|ms|s)<', dom), "get latency from the reported gets"
+        assert re.search(r'id="kpi-get-p99"[^>]*>[\d.]+ (µs|ms|s)<', dom), (
+            "get latency from the reported gets"
+        )
         assert "0.0" not in re.findall(r'class="label"[^>]*>([^<]*)<', dom), "axes read in units, not 0.0"
         assert re.search(r"<tr><td>cpu</td><td>[1-9]", dom), "the tier table shows the stored chunks"
         ARTIFACTS.mkdir(exist_ok=True)
