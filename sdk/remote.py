@@ -250,21 +250,14 @@ class RemoteBackend(Backend):
             self.counts["http"] += 1
             return (*tr.fetch_http(self.http, keys, rx, reasons), None)
         seg = self._shm()
-        if (
-            seg is not None
-            and seg.arena is not None
-            and seg.arena.index is not None
-            and len(keys) <= wire.MAX_BATCH_KEYS
-        ):
-            started = time.perf_counter()
-            read = tr.fetch_index(seg.arena, keys, rx, INDEX_LEASE_MAX)
-            if read is not None:  # the server counts the reads as gets and refreshes their recency
-                self._touches.add(keys, time.perf_counter() - started)
-                self.counts["index"] += 1
-                if reasons is not None:
-                    reasons[:] = [None] * len(keys)
-                (blobs, loan), headers = read
-                return blobs, loan, headers
+        read = self._via_index(
+            seg, keys, lambda arena: tr.fetch_index(arena, keys, rx, INDEX_LEASE_MAX), "index"
+        )
+        if read is not None:
+            if reasons is not None:
+                reasons[:] = [None] * len(keys)
+            (blobs, loan), headers = read
+            return blobs, loan, headers
         got = None
         if seg is not None:
             try:
@@ -283,20 +276,19 @@ class RemoteBackend(Backend):
             reasons[:] = tr.reasons_of(meta, blobs)
         return blobs, loan, None
 
-    def _lend_index(self, keys: list[str]) -> tuple[list[Blob | None], list, Loan, tr.Intact] | None:
-        """The blobs where they lie in a same-host server's arena, by its index (tr.lend_index)."""
-        if len(keys) > wire.MAX_BATCH_KEYS or self._data_plane() is None:
-            return None
-        self._loans.retry()
-        seg = self._shm()
-        if seg is None or seg.arena is None or seg.arena.index is None:
+    def _via_index(
+        self, seg: ClientSegment | None, keys: list[str], read: Callable[[ClientArena], T | None], path: str
+    ) -> T | None:
+        """`read(arena)`: blobs of a same-host server's arena found by its index, without a request
+        (None: ask the server). What it read is reported to the server and counted as `path`."""
+        if seg is None or seg.arena is None or seg.arena.index is None or len(keys) > wire.MAX_BATCH_KEYS:
             return None
         started = time.perf_counter()
-        lent = tr.lend_index(seg.arena, keys)
-        if lent is not None:  # the server counts the reads as gets and refreshes their recency
+        got = read(seg.arena)
+        if got is not None:  # the server counts the reads as gets and refreshes their recency
             self._touches.add(keys, time.perf_counter() - started)
-            self.counts["in_place"] += 1
-        return lent
+            self.counts[path] += 1
+        return got
 
     def get_blob(self, key: str) -> Blob | None:
         return self._fetch([validate_key(key)], lend=False)[0][0]
@@ -315,14 +307,17 @@ class RemoteBackend(Backend):
             if reasons is not None:
                 reasons[:] = []
             return BlobLease([])
+        keys = [validate_key(k) for k in keys]
         if in_place:
-            lent = self._lend_index([validate_key(k) for k in keys])
+            self._loans.retry()
+            seg = self._shm() if self._data_plane() is not None else None
+            lent = self._via_index(seg, keys, lambda arena: tr.lend_index(arena, keys), "in_place")
             if lent is not None:
                 blobs, headers, loan, intact = lent
                 if reasons is not None:
                     reasons[:] = [None] * len(keys)
                 return BlobLease(blobs, headers, on_release=lambda: self._loans.end(loan), intact=intact)
-        blobs, loan, headers = self._fetch([validate_key(k) for k in keys], lend=True, reasons=reasons)
+        blobs, loan, headers = self._fetch(keys, lend=True, reasons=reasons)
         if loan is None:
             return BlobLease(blobs, headers)
         return BlobLease(blobs, headers, on_release=lambda: self._loans.end(loan))
