@@ -94,6 +94,7 @@ class _BlockMajorLayout:
     subclasses say how K and V sit inside a block (`_split`)."""
 
     name = "block-major"
+    c_path = False  # connectors/layout_c.py moves this layout's blocks (where it can; else torch)
 
     def __init__(self) -> None:
         self._scratch = threading.local()  # loads run on several threads, saves on the engine's
@@ -139,21 +140,6 @@ class _BlockMajorLayout:
             )
         return buf[: cache[0].numel() * n].view(shape)
 
-    def _gather_c(
-        self, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int], out: torch.Tensor
-    ) -> bool:
-        """A subclass's C path (True: done); the torch path below otherwise."""
-        return False
-
-    def _scatter_c(
-        self,
-        kv_caches: Sequence[torch.Tensor],
-        chunk: torch.Tensor,
-        block_ids: Sequence[int],
-        first_block: int,
-    ) -> bool:
-        return False
-
     def _split(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) of `blocks` `[n, H, bs, 2*D]`, each viewed as `[n, block_size, H, D]` or as a shape
         that only splits those dimensions (a tiled block cannot be one strided view of them)."""
@@ -169,7 +155,7 @@ class _BlockMajorLayout:
         if out is None:
             out = torch.empty(shape, dtype=first.dtype, device=first.device)
         assert tuple(out.shape) == shape and out.dtype == first.dtype and out.is_contiguous(), out.shape
-        if self._gather_c(kv_caches, block_ids, out):
+        if self.c_path and layout_c.gather(kv_caches, block_ids, out):
             return out
         view = out.view(2, len(kv_caches), n, bs, h, d2 // 2)
         runs = block_runs(block_ids)
@@ -208,7 +194,7 @@ class _BlockMajorLayout:
             raise InvalidArgument(
                 f"chunk {tuple(chunk.shape)} does not match the cache's heads/head_dim {(h, d2 // 2)}"
             )
-        if self._scatter_c(kv_caches, chunk, block_ids, first_block):
+        if self.c_path and layout_c.scatter(kv_caches, chunk, block_ids, first_block):
             return
         runs = block_runs(block_ids)
         if len(runs) <= MAX_RUNS:  # straight into the cache: no scratch, no indexed copy
@@ -234,6 +220,7 @@ class VllmCpuLayout(_BlockMajorLayout):
     connector at startup and by the tests)."""
 
     name = "vllm-cpu"
+    c_path = True
 
     def _check(self, cache: torch.Tensor) -> None:
         if not cache.is_contiguous():
@@ -246,20 +233,6 @@ class VllmCpuLayout(_BlockMajorLayout):
         v = slab[:, :, 1].view(n, h, bs, d2 // 2).permute(0, 2, 1, 3)
         return k, v
 
-    def _gather_c(
-        self, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int], out: torch.Tensor
-    ) -> bool:
-        return layout_c.gather(kv_caches, block_ids, out)
-
-    def _scatter_c(
-        self,
-        kv_caches: Sequence[torch.Tensor],
-        chunk: torch.Tensor,
-        block_ids: Sequence[int],
-        first_block: int,
-    ) -> bool:
-        return layout_c.scatter(kv_caches, chunk, block_ids, first_block)
-
 
 class VllmCpuAmxLayout(VllmCpuLayout):
     """vLLM's CPU attention on AMX tiles (what `_get_attn_isa` picks for bf16 with a block_size that is
@@ -267,8 +240,7 @@ class VllmCpuAmxLayout(VllmCpuLayout):
     V as `[D/16, block_size/2, 16, 2]` (checked against vLLM's writer at startup and by the tests)."""
 
     name = "vllm-cpu-amx"
-    _gather_c = _BlockMajorLayout._gather_c  # tiles: the torch path
-    _scatter_c = _BlockMajorLayout._scatter_c
+    c_path = False  # tiles: the torch path
 
     def _check(self, cache: torch.Tensor) -> None:
         super()._check(cache)
