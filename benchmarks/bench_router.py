@@ -7,7 +7,15 @@ kvstore-server behind `kvstore-engine router`, the policies interleaved round by
 The slice. From the first `--window` requests of `../shared/traces/mooncake_conversation_trace.jsonl`
 the conversations are kept: requests that share their first two 512-token blocks (`hash_ids[:2]`;
 block 0 is one system prompt shared by nearly every request) with another request of the window, in
-trace order. Each round takes the next `--conversations` of them; every policy replays the same round.
+trace order of their first turns. A round takes `--conversations` of them spread evenly over that
+order (round r of R: the r-th of every R, at a stride of all / (conversations x R)), so that its
+first turns arrive over the round as the trace's do (`--slice first`: the first ones, which all
+begin within the trace's first seconds, a burst of cold prompts once time is compressed); every
+policy replays the same round.
+
+Baseline. `round_robin/no-store` is a second fleet of 3 engines with no KV connector (each its own
+prefix cache only, as a fleet without kvstore) behind a second router, round robin, run in the same
+rounds (`--no-store-baseline 0` leaves it out).
 
 Scaling. A 512-token block becomes `--block-tokens` tokens (32: SmolLM2 on 2 cores serves a 16-block
 prompt, 512 tokens, in about a second instead of 8,192 tokens in minutes), drawn from a PRNG seeded
@@ -53,6 +61,7 @@ from engine.router.scoring import POLICIES  # noqa: E402
 from tests.router.fleet import start_engine, start_router, start_store, wait_healthy  # noqa: E402
 
 TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+NO_STORE = "round_robin/no-store"  # the baseline: a fleet without kvstore
 VOCAB = (1000, 40000)  # SmolLM2 ids drawn from the ordinary part of its 49,152-token vocabulary
 
 
@@ -64,6 +73,18 @@ def conversations(path: Path, window: int) -> list[list[dict]]:
             groups[tuple(r["hash_ids"][:2])].append(r)
     convs = [g for g in groups.values() if len(g) >= 2]
     return sorted(convs, key=lambda g: g[0]["timestamp"])
+
+
+def rounds(
+    convs: list[list[dict]], per_round: int, n_rounds: int, how: str = "spread"
+) -> list[list[list[dict]]]:
+    """Each round's conversations (see the module docstring)."""
+    if len(convs) < per_round * n_rounds:
+        raise SystemExit(f"the window has {len(convs)} conversations, {per_round * n_rounds} needed")
+    if how == "first":
+        return [convs[r * per_round : (r + 1) * per_round] for r in range(n_rounds)]
+    stride = len(convs) / (per_round * n_rounds)
+    return [[convs[int((i * n_rounds + r) * stride)] for i in range(per_round)] for r in range(n_rounds)]
 
 
 def prompt(
@@ -103,7 +124,7 @@ async def one(session, router, policy, tokens, max_tokens, record) -> None:
     record.append((engine, ttft if ttft is not None else time.monotonic() - sent))
 
 
-async def run_round(router: str, policy: str, convs: list[list[dict]], args) -> tuple[list, float]:
+async def run_round(router: str, policy: str, salt: str, convs: list[list[dict]], args) -> tuple[list, float]:
     rows = [r for c in convs for r in c]
     t0 = min(r["timestamp"] for r in rows)
     span_ms = max(r["timestamp"] for r in rows) - t0
@@ -115,7 +136,7 @@ async def run_round(router: str, policy: str, convs: list[list[dict]], args) -> 
         for r in conv:
             due = start + (r["timestamp"] - t0) / 1000 * scale
             await asyncio.sleep(max(0.0, due - time.monotonic()))
-            tokens = prompt(r, policy, args.block_tokens, args.max_blocks, args.vocab)
+            tokens = prompt(r, salt, args.block_tokens, args.max_blocks, args.vocab)
             max_tokens = max(1, min(8, round(r["output_length"] / 64)))
             await one(session, router, policy, tokens, max_tokens, record)
 
@@ -135,11 +156,15 @@ def main() -> int:
     p.add_argument("--window", type=int, default=1500, help="trace requests the conversations come from")
     p.add_argument("--conversations", type=int, default=12, help="conversations per round")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument(
+        "--slice", choices=("spread", "first"), default="spread", help="which conversations a round takes"
+    )
     p.add_argument("--rps", type=float, default=1.5, help="mean arrival rate of a round (requests/s)")
     p.add_argument("--block-tokens", type=int, default=32, help="tokens per scaled 512-token trace block")
     p.add_argument("--max-blocks", type=int, default=24)
     p.add_argument("--kv-cache-memory", default="64MiB", help="each engine's KV cache")
     p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--no-store-baseline", type=int, default=1, help="1: also run round_robin/no-store")
     p.add_argument("--model", default="smollm2", help="the engines' model (a tiny one checks the plumbing)")
     p.add_argument("--max-model-len", default="1024")
     args = p.parse_args()
@@ -147,11 +172,8 @@ def main() -> int:
     if args.model != "smollm2":
         vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
         args.vocab = (min(VOCAB[0], vocab // 4), min(VOCAB[1], vocab))
-    policies = args.policies.split(",")
-    convs = conversations(TRACE, args.window)
-    need = args.conversations * args.rounds
-    if len(convs) < need:
-        raise SystemExit(f"the window has {len(convs)} conversations, {need} needed")
+    policies = args.policies.split(",") + ([NO_STORE] if args.no_store_baseline else [])
+    plan = rounds(conversations(TRACE, args.window), args.conversations, args.rounds, args.slice)
     tmp = Path(tempfile.mkdtemp(prefix="bench-router-"))
     ktc = json.dumps(
         {"kv_connector": "KVStoreConnector", "kv_connector_extra_config": {"chunk_size": args.block_tokens}}
@@ -159,39 +181,33 @@ def main() -> int:
     store, store_cfg = start_store(tmp, "--cpu-capacity", "3GiB")
     procs = []
     try:
-        engine_args = (
-            "--model",
-            args.model,
-            "--max-model-len",
-            args.max_model_len,
-            "--kv-cache-memory",
-            args.kv_cache_memory,
-            "--kv-transfer-config",
-            ktc,
-        )
-        engines = [start_engine(tmp, f"e{i}", store.url, *engine_args) for i in range(3)]
+        common = ("--model", args.model, "--max-model-len", args.max_model_len, "--kv-cache-memory",
+                  args.kv_cache_memory)  # fmt: skip
+        engines = [
+            start_engine(tmp, f"e{i}", store.url, *common, "--kv-transfer-config", ktc) for i in range(3)
+        ]
+        if args.no_store_baseline:
+            engines += [start_engine(tmp, f"n{i}", None, *common) for i in range(3)]
         procs += [e[0] for e in engines]
         for proc, url, _ in engines:
             wait_healthy(url, proc)
-        urls = [url for _, url, _ in engines]
-        router_proc, router = start_router(
-            [(u, c) for _, u, c in engines],
-            store_cfg,
-            "--chunk-size",
-            str(args.block_tokens),
-            "--model",
-            args.model,
-        )
+        router_args = ("--chunk-size", str(args.block_tokens), "--model", args.model)
+        router_proc, router = start_router([(u, c) for _, u, c in engines[:3]], store_cfg, *router_args)
         procs.append(router_proc)
+        fleets = {pol: (router, [u for _, u, _ in engines[:3]]) for pol in policies if pol != NO_STORE}
+        if args.no_store_baseline:
+            proc, bare = start_router([(u, c) for _, u, c in engines[3:]], None, *router_args)
+            procs.append(proc)
+            fleets[NO_STORE] = (bare, [u for _, u, _ in engines[3:]])
         results = {
             pol: {"records": [], "wall": 0.0, "prompt": 0.0, "local": 0.0, "store": 0.0} for pol in policies
         }
-        for rnd in range(args.rounds):
-            chunk = convs[rnd * args.conversations : (rnd + 1) * args.conversations]
+        for rnd, chunk in enumerate(plan):
             order = policies[rnd % len(policies) :] + policies[: rnd % len(policies)]
             for pol in order:
+                url, urls = fleets[pol]
                 before = [engine_counters(u) for u in urls]
-                record, wall = asyncio.run(run_round(router, pol, chunk, args))
+                record, wall = asyncio.run(run_round(url, pol.split("/")[0], pol, chunk, args))
                 time.sleep(1.0)  # the last saves reach the store, the last counters the scrape
                 after = [engine_counters(u) for u in urls]
                 res = results[pol]
@@ -199,25 +215,35 @@ def main() -> int:
                 res["wall"] += wall
                 for k in ("prompt", "local", "store"):
                     res[k] += sum(a[k] - b[k] for a, b in zip(after, before, strict=True))
-                print(f"round {rnd + 1} {pol:>12}: {len(record)} requests in {wall:.1f} s", file=sys.stderr)
-        print(f"\nMooncake conversation trace, {args.rounds} rounds x {args.conversations} conversations "
-              f"({sum(len(c) for c in convs[:need])} requests per policy), {args.block_tokens} tokens per "
-              f"512-token block, {args.rps} req/s, 3 engines (KV cache {args.kv_cache_memory} each) + 1 kvstore-server\n")  # fmt: skip
-        print(f"{'policy':>12} {'local hit':>9} {'store hit':>9} {'recompute':>9} {'TTFT p50':>9} {'TTFT p90':>9} "
-              f"{'req/s':>6} {'imbalance':>9}")  # fmt: skip
-        for pol in policies:
-            res = results[pol]
-            ttfts = [t for _, t in res["records"]]
-            per_engine = collections.Counter(e for e, _ in res["records"])
-            counts = [per_engine.get(u, 0) for u in urls]
-            local, stored = res["local"] / res["prompt"], res["store"] / res["prompt"]
-            print(f"{pol:>12} {local:>9.1%} {stored:>9.1%} {1 - local - stored:>9.1%} {statistics.median(ttfts):>8.3f}s "
-                  f"{pct(ttfts, 0.9):>8.3f}s {len(ttfts) / res['wall']:>6.2f} {max(counts) / statistics.mean(counts):>9.2f}")  # fmt: skip
+                print(f"round {rnd + 1} {pol:>20}: {len(record)} requests in {wall:.1f} s", file=sys.stderr)
+        report(args, plan, policies, results, fleets)
         return 0
     finally:
         for proc in procs:
             proc.stop()
         store.stop()
+
+
+def report(args, plan, policies, results, fleets) -> None:
+    n = sum(len(c) for chunk in plan for c in chunk)
+    print(f"\nMooncake conversation trace, {args.rounds} rounds x {args.conversations} conversations ({args.slice}; "
+          f"{n} requests per policy), {args.block_tokens} tokens per 512-token block, {args.rps} req/s, "
+          f"3 engines (KV cache {args.kv_cache_memory} each) + 1 kvstore-server\n")  # fmt: skip
+    print(f"{'policy':>20} {'local hit':>9} {'store hit':>9} {'recompute':>9} {'TTFT p50':>9} {'TTFT p90':>9} "
+          f"{'req/s':>6} {'imbalance':>9}")  # fmt: skip
+    p90 = {}
+    for pol in policies:
+        res = results[pol]
+        ttfts = [t for _, t in res["records"]]
+        per_engine = collections.Counter(e for e, _ in res["records"])
+        counts = [per_engine.get(u, 0) for u in fleets[pol][1]]
+        local, stored = res["local"] / res["prompt"], res["store"] / res["prompt"]
+        p90[pol] = pct(ttfts, 0.9)
+        print(f"{pol:>20} {local:>9.1%} {stored:>9.1%} {1 - local - stored:>9.1%} {statistics.median(ttfts):>8.3f}s "
+              f"{p90[pol]:>8.3f}s {len(ttfts) / res['wall']:>6.2f} {max(counts) / statistics.mean(counts):>9.2f}")  # fmt: skip
+    if "ttft" in p90:
+        ratios = ", ".join(f"{p90['ttft'] / v:.2f}x {pol}'s" for pol, v in p90.items() if pol != "ttft")
+        print(f"\nttft's TTFT p90: {ratios}")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import argparse
 
 import pytest
 
+from benchmarks import bench_router
 from benchmarks.fleet_sim import validate
 
 REAL = """
@@ -38,10 +39,37 @@ def test_compare_judges_the_residuals() -> None:
 
 
 def test_the_replay_simulates_every_policy(tmp_path) -> None:
-    args = argparse.Namespace(profile="llama3-8b-h100", window=1500, conversations=3, rounds=2, rps=1.5,
+    args = argparse.Namespace(profile="llama3-8b-h100", window=1500, conversations=3, rounds=2, rps=1.5, slice="spread",
+                              no_store_baseline=True,
                               block_tokens=32, max_blocks=24, kv_cache_memory="64MiB", cpu_cores=2.0,
                               policies=["round_robin", "ttft"])  # fmt: skip
     sim = validate.run_sim(args)
-    assert set(sim) == {"round_robin", "ttft"}
+    assert set(sim) == {"round_robin", "ttft", "round_robin/no-store"}
     for r in sim.values():
         assert 0 < r["local"] + r["store"] < 1 and 0 < r["p50"] <= r["p90"]
+
+
+def test_rounds_spread_their_conversations_over_the_window() -> None:
+    convs = bench_router.conversations(bench_router.TRACE, 1500)
+    plan = bench_router.rounds(convs, 12, 2)
+    firsts = [[c[0]["timestamp"] for c in chunk] for chunk in plan]
+    assert len(plan) == 2 and all(len(chunk) == 12 for chunk in plan)
+    assert len({id(c) for chunk in plan for c in chunk}) == 24  # no conversation twice
+    span = convs[-1][0]["timestamp"] - convs[0][0]["timestamp"]
+    for f in firsts:  # each round's first turns reach over most of the window, not its first seconds
+        assert f == sorted(f) and f[-1] - f[0] > 0.6 * span
+    burst = bench_router.rounds(convs, 12, 2, "first")
+    assert burst[1][0] is convs[12] and burst[0][-1][0]["timestamp"] - burst[0][0][0]["timestamp"] < 0.01 * span
+    with pytest.raises(SystemExit, match="conversations"):
+        bench_router.rounds(convs, 200, 2)
+
+
+def test_orders_count_only_where_the_real_run_orders_the_policies() -> None:
+    real = {"a": {"local": 0.30, "store": 0.20, "p50": 0.40, "p90": 1.0},
+            "b": {"local": 0.31, "store": 0.20, "p50": 0.41, "p90": 1.0},  # a tie with a: 1 point, 2.5%
+            "c": {"local": 0.10, "store": 0.0, "p50": 0.80, "p90": 2.0}}  # fmt: skip
+    swapped = {**real, "a": real["b"], "b": real["a"]}  # a and b in the other order: still fine
+    table, ok = validate.compare(real, swapped)
+    assert ok and table.count("2 pairs apart") == 2, table
+    table, ok = validate.compare(real, {**real, "c": {**real["c"], "p50": 0.35}})  # c fastest: wrong
+    assert not ok and "DIFFERENT: c before a, c before b" in table

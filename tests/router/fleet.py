@@ -31,12 +31,13 @@ def start_store(tmp: Path, *args: str) -> tuple[ServerProcess, dict]:
     return server.start(), cfg
 
 
-def start_engine(tmp: Path, name: str, store_url: str, *args: str) -> tuple[Proc, str, dict]:
+def start_engine(tmp: Path, name: str, store_url: str | None, *args: str) -> tuple[Proc, str, dict]:
+    """An engine on the kvstore-server at `store_url` (None: its own prefix cache only)."""
     cfg = events_config(tmp, name)
     port = free_port()
+    store = ["--kv-backend", "kvstore", "--kv-store-url", store_url] if store_url else []
     proc = Proc([
-        "serve", "--port", str(port), "--kv-backend", "kvstore", "--kv-store-url", store_url,
-        "--num-threads", "1", "--kv-events-config", json.dumps(cfg), *args,
+        "serve", "--port", str(port), *store, "--num-threads", "1", "--kv-events-config", json.dumps(cfg), *args,
     ])  # fmt: skip
     proc.drain()
     return proc, f"http://127.0.0.1:{port}", cfg
@@ -55,7 +56,7 @@ def wait_healthy(url: str, proc: Proc, timeout_s: float = 300) -> None:
     raise RuntimeError(f"{url} did not become healthy")
 
 
-def start_router(engines: list[tuple[str, dict]], store_cfg: dict, *args: str) -> tuple[Proc, str]:
+def start_router(engines: list[tuple[str, dict]], store_cfg: dict | None, *args: str) -> tuple[Proc, str]:
     cmd = ["router", "--port", "0", "--calibrate-interval", "1"]
     for url, cfg in engines:
         cmd += [
@@ -66,7 +67,9 @@ def start_router(engines: list[tuple[str, dict]], store_cfg: dict, *args: str) -
             "--engine-replay",
             cfg["replay_endpoint"],
         ]
-    cmd += ["--store-events", store_cfg["endpoint"], "--store-replay", store_cfg["replay_endpoint"], *args]
+    if store_cfg:
+        cmd += ["--store-events", store_cfg["endpoint"], "--store-replay", store_cfg["replay_endpoint"]]
+    cmd += args
     proc = Proc(cmd)
     try:
         url = proc.wait_line(r"listening on (http://\S+)", timeout=120).group(1)
