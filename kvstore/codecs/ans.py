@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from kvstore.c_build import load_library
 from kvstore.codecs import ans_ref
@@ -107,13 +108,18 @@ def decode_into(
     stream: bytes | bytearray | memoryview,
     ns: Sequence[int],
     bits: int,
-    out: np.ndarray,
+    out: np.ndarray | torch.Tensor,
     offsets: Sequence[int],
     use_c: bool = True,
 ) -> None:
     """Every segment's packed codes written into the uint8 array `out` at `offsets[i]` (segments must
     not overlap; the bytes between them are left as they are): with the C kernel one call for the
-    whole stream, tables and records parsed in C. CodecError unless `stream` is exactly such records."""
+    whole stream, tables and records parsed in C; `out` a torch tensor (CUDA, or CPU under
+    TRITON_INTERPRET=1): the Triton decoder, triton_ans.py. CodecError unless `stream` is exactly such records."""
+    if isinstance(out, torch.Tensor):
+        from kvstore.codecs import triton_ans  # noqa: PLC0415 (Triton: only on this path)
+
+        return triton_ans.decode_into(stream, ns, bits, out, offsets)
     sizes = [packed_nbytes(n, bits) for n in ns]
     if len(offsets) != len(ns) or any(o < 0 or o + s > out.size for o, s in zip(offsets, sizes, strict=True)):
         raise ValueError("ans: segment offsets outside the output")

@@ -101,9 +101,32 @@ class AnsCodec:
         params: dict,
         shape: tuple[int, ...],
         dtype: torch.dtype,
+        device: torch.device | str | None = None,
     ) -> torch.Tensor:
+        """Decode to a CPU tensor, or with `device="cuda"` on the GPU through the Triton kernels."""
+        if device is not None and torch.device(device).type == "cuda":
+            return self.decode_device(payload, params, shape, dtype, device)
         base, base_params = self.unwrap(payload, params, shape, dtype)
         return self.base.decode(base, base_params, common.check_shape(shape, dtype, self.name), dtype)
+
+    def _plan(
+        self, view: memoryview, params: dict, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> tuple[dict, int, int, list[int], list[int], list[tuple[int, int, int]], int]:
+        """(base params, stream length, bits, each segment's n and offset in the base payload, the
+        (source, destination, length) copies of the base payload between its code sections, its size)."""
+        if len(view) != self.payload_nbytes(params, shape, dtype):
+            raise CodecError(f"{self.name}: payload of {len(view)} bytes does not match its params")
+        base_params, n, bits, sections = self._split(params, shape, dtype)
+        ns = [size // nseg * 8 // bits for _, size, nseg in sections for _ in range(nseg)]
+        at = [off + k * size // nseg for off, size, nseg in sections for k in range(nseg)]
+        total = self.base.payload_nbytes(base_params, shape, dtype)
+        copies, src, pos = [], n, 0
+        for off, size, _ in sections:  # the base payload between its code sections, as it was
+            copies.append((src, pos, off - pos))
+            src += off - pos
+            pos = off + size
+        copies.append((src, pos, total - pos))
+        return base_params, n, bits, ns, at, copies, total
 
     def unwrap(
         self,
@@ -115,20 +138,34 @@ class AnsCodec:
         """The base codec's payload and params (CodecError for a payload that does not decode)."""
         shape = common.check_shape(shape, dtype, self.name)
         view = memoryview(payload).cast("B")
-        if len(view) != self.payload_nbytes(params, shape, dtype):
-            raise CodecError(f"{self.name}: payload of {len(view)} bytes does not match its params")
-        base_params, n, bits, sections = self._split(params, shape, dtype)
-        ns = [size // nseg * 8 // bits for _, size, nseg in sections for _ in range(nseg)]
-        at = [off + k * size // nseg for off, size, nseg in sections for k in range(nseg)]
-        out = np.empty(self.base.payload_nbytes(base_params, shape, dtype), np.uint8)
-        src, pos = n, 0
-        for off, size, _ in sections:  # the base payload between its code sections, as it was
-            out[pos:off] = view[src : src + off - pos]
-            src += off - pos
-            pos = off + size
-        out[pos:] = view[src:]
+        base_params, n, bits, ns, at, copies, total = self._plan(view, params, shape, dtype)
+        out = np.empty(total, np.uint8)
+        for src, dst, size in copies:
+            out[dst : dst + size] = view[src : src + size]
         ans.decode_into(view[:n], ns, bits, out, at)  # the codes straight into their sections
         return memoryview(out), base_params
+
+    def decode_device(
+        self,
+        payload: bytes | bytearray | memoryview,
+        params: dict,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> torch.Tensor:
+        """The KV on `device` (CUDA; a CPU device under TRITON_INTERPRET=1 in tests): the payload
+        copied there once, the codes decoded there (triton_ans.py), then the base codec's kernels."""
+        from kvstore.codecs import triton_ans  # noqa: PLC0415 (Triton: only on this path)
+
+        shape = common.check_shape(shape, dtype, self.name)
+        view = memoryview(payload).cast("B")
+        base_params, n, bits, ns, at, copies, total = self._plan(view, params, shape, dtype)
+        src = torch.frombuffer(bytearray(view), dtype=torch.uint8).to(device)
+        out = torch.empty(total, dtype=torch.uint8, device=src.device)
+        for s, d, size in copies:
+            out[d : d + size] = src[s : s + size]
+        triton_ans.decode_into(view[:n], ns, bits, out, at, src=src[:n])
+        return triton_ans.decode_base(self.base, out, base_params, shape, dtype)
 
 
 def codecs() -> list[AnsCodec]:
