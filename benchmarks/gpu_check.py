@@ -1,10 +1,13 @@
-"""On a CUDA machine: run the gpu tier tests and the vLLM connector's CUDA tests, then print the gpu
-tier's put/get GB/s side by side with a raw pinned host<->device copy and a device-to-device copy of
-the same size, measured in this run.
+"""On a CUDA machine: run the gpu tier tests, the vLLM connector's CUDA tests and the codecs' Triton
+tests, then print the gpu tier's put/get GB/s side by side with a raw pinned host<->device copy and a
+device-to-device copy of the same size, and the codecs' Triton decodes (rANS stage, kivi, `+ans`)
+against their CPU decodes: GB/s of KV out and whether they agree, measured in this run.
 
-    python benchmarks/gpu_check.py [--sizes-mib 1 4 16 64] [--reps 10] [--skip-tests]
+    python benchmarks/gpu_check.py [--sizes-mib 1 4 16 64] [--reps 10] [--skip-tests] [--skip-codecs]
+    python benchmarks/gpu_check.py --interpret   # no GPU: the codec check on tiny shapes, interpreted
 
-Without CUDA it says so and exits 0 (nothing to check).
+Without CUDA it says so and exits 0 (nothing to check); `--interpret` runs the codec check's code
+under TRITON_INTERPRET=1 on CPU tensors (slow: it checks the script, not the kernels' speed).
 """
 
 from __future__ import annotations
@@ -26,13 +29,14 @@ sys.path.insert(0, str(ROOT))
 
 def timed(fn: Callable[[], object], reps: int) -> float:
     """Median seconds of fn() over reps runs (after one warm-up), with the device synchronised."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
     fn()
-    torch.cuda.synchronize()
+    sync()
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -41,7 +45,9 @@ def run_tests() -> int:
     """The gpu tier tests, then the vLLM connector tests on CUDA (their [cuda] variants and the CUDA
     layout test; they need vLLM's CUDA build: `pip install vllm`, the [cpu] variants then skip)."""
     rc = 0
-    for target in ("tests/kvstore/test_gpu_tier.py", "tests/connectors/vllm"):
+    targets = ("tests/kvstore/test_gpu_tier.py", "tests/connectors/vllm", "tests/kvstore/test_codecs_triton.py",
+               "tests/kvstore/test_triton_ans.py", "tests/kvstore/test_triton_kivi.py")  # fmt: skip
+    for target in targets:
         cmd = [sys.executable, "-m", "pytest", "-q", "-rs", target]
         print("$", " ".join(cmd), flush=True)
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -85,17 +91,108 @@ def bench(sizes_mib: list[int], reps: int) -> None:
     print("pinned H2D/D2H are the raw DMA ceiling; D2D is device memory bandwidth (read+write counted once).")
 
 
+CODECS = ("int4+ans", "fp8+ans", "kivi4+ans", "kivi2+ans", "kivi4", "kivi2")
+
+
+def _kv(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """KV with what real keys have: an outlier channel and a big first token (tests' make_kv)."""
+    kv = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    kv[0, ..., 3] *= 12
+    kv[0, :, 0] *= 8
+    return kv.to(dtype)
+
+
+def _agree(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, str]:
+    """0 for bit for bit, else the largest error over the bound for rotated values (one rounding step
+    of the dtype plus 2^-18 of the largest value of the head: the two float32 rotations' sums differ
+    in order), and in words."""
+    ib = torch.int32 if ref.dtype == torch.float32 else torch.int16
+    if torch.equal(out.view(ib), ref.view(ib)):
+        return 0.0, "bit for bit"
+    o, r = out.float(), ref.float()
+    tol = torch.finfo(ref.dtype).eps * r.abs() + 2**-18 * r.abs().amax(-1, keepdim=True)
+    worst = ((o - r).abs() / tol.clamp(min=1e-30)).nan_to_num(nan=float("inf")).max().item()
+    return worst, f"{worst:.2f} of the bound, {(o != r).float().mean().item():.2%} differ"
+
+
+def codec_check(device: str, shape: tuple[int, ...], reps: int) -> int:
+    """Each codec's decode from host payload bytes to a device tensor (Triton) vs its CPU decode
+    (to a CPU tensor), then the rANS stage alone (device stream -> device codes vs the C kernel).
+    Returns how many disagree beyond the documented bound (one rounding step on rotated values)."""
+    from kvstore.codecs import ans, get_codec, triton_ans, triton_kivi
+    from kvstore.codecs.kivi import KiviLayout
+
+    dtype, bad = torch.bfloat16, 0
+    kv = _kv(shape, dtype)
+    nbytes = kv.numel() * kv.element_size()
+    print(f"\ncodec decodes, KV {shape} {dtype} ({nbytes / 2**20:.1f} MiB), GB/s of KV out, device {device}")
+    header = f"{'codec':>10} | {'CPU':>7} {'Triton':>7} {'ratio':>6} | agreement"
+    print(header + "\n" + "-" * len(header))
+    for name in CODECS:
+        c = get_codec(name)
+        payload, params = c.encode(kv)
+        ref = c.decode(payload, params, shape, dtype)
+        if name.endswith("+ans"):
+
+            def dev(c=c, payload=payload, params=params):  # noqa: ANN202
+                return c.decode_device(payload, params, shape, dtype, device)
+        else:
+            lay = KiviLayout.from_params(shape, params, dtype, c.bits)
+
+            def dev(payload=payload, lay=lay):  # noqa: ANN202
+                buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+                return triton_kivi.kivi_decode(buf, lay, dtype)
+
+        worst, agree = _agree(dev().cpu(), ref)
+        bad += worst > (1 if "rv" in params else 0)
+        cpu_s = timed(
+            lambda c=c, payload=payload, params=params: c.decode(payload, params, shape, dtype), reps
+        )
+        dev_s = timed(dev, reps)
+        print(
+            f"{name:>10} | {nbytes / cpu_s / 1e9:>7.2f} {nbytes / dev_s / 1e9:>7.2f} {cpu_s / dev_s:>6.2f} | {agree}"
+        )
+    c = get_codec("kivi2+ans")
+    payload, params = c.encode(kv)
+    _, n, bits, ns, at, _, total = c._plan(memoryview(payload), params, shape, dtype)
+    stream = bytes(memoryview(payload)[:n])
+    ref_codes = torch.zeros(total, dtype=torch.uint8)
+    ans.decode_into(stream, ns, bits, ref_codes.numpy(), at)
+    src = torch.frombuffer(bytearray(stream), dtype=torch.uint8).to(device)
+    out = torch.zeros(total, dtype=torch.uint8, device=device)
+    plan = triton_ans.parse(stream, ns, bits, at)
+    triton_ans.decode_plan(src, plan, out)
+    same = torch.equal(out.cpu(), ref_codes)
+    bad += not same
+    code_bytes = sum((k * bits + 7) // 8 for k in ns)
+    c_s = timed(lambda: ans.decode_into(stream, ns, bits, ref_codes.numpy(), at), reps)
+    dev_s = timed(lambda: triton_ans.decode_plan(src, plan, out), reps)
+    print(f"\nrANS stage alone (kivi2+ans's stream, {len(ns)} segments, {code_bytes / 2**20:.2f} MiB of codes):"
+          f" C {code_bytes / c_s / 1e9:.2f} GB/s, Triton {code_bytes / dev_s / 1e9:.3f} GB/s,"
+          f" {'bit for bit' if same else 'DIFFERENT CODES'}")  # fmt: skip
+    return bad
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument("--skip-codecs", action="store_true")
+    parser.add_argument("--interpret", action="store_true", help="the codec check only, on CPU, interpreted")
+    parser.add_argument("--codec-shape", type=int, nargs=5, default=[2, 30, 256, 3, 64])  # SmolLM2-135M chunk
     args = parser.parse_args()
+    if args.interpret:
+        assert "triton.language" not in sys.modules, "TRITON_INTERPRET must be set before triton is imported"
+        os.environ["TRITON_INTERPRET"] = "1"
+        return int(codec_check("cpu", (2, 1, 16, 1, 64), 1) > 0)
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to check (the gpu tier tests skip on this machine)")
         return 0
     rc = 0 if args.skip_tests else run_tests()
     bench(args.sizes_mib, args.reps)
+    if not args.skip_codecs:
+        rc = rc or int(codec_check("cuda", tuple(args.codec_shape), args.reps) > 0)
     return rc
 
 

@@ -66,11 +66,14 @@ def check(codec: str, shape: tuple, dtype: torch.dtype, options: dict, device: s
     if "rv" not in params:
         assert torch.equal(_bits(out[1]), _bits(ref[1])), "values differ"
         return
-    # the CPU path rotates with a matmul (its own summation order): a rounding step of the output
-    # dtype at most, and rarely that
-    ulp = torch.finfo(dtype).eps * ref[1].float().abs().clamp(min=torch.finfo(dtype).tiny)
-    err = (out[1].float() - ref[1].float()).abs()
-    assert bool((err <= ulp * 1.01 + 1e-6).all()), f"max error {err.max().item():.3g}"
+    # the CPU path rotates with a matmul (its own summation order): one rounding step of the output
+    # dtype, plus 2^-18 of the head's largest value where the value is near 0, and rarely that
+    o, r = out[1].float(), ref[1].float()
+    tol = torch.finfo(dtype).eps * r.abs() + 2**-18 * r.abs().amax(-1, keepdim=True)
+    err = (o - r).abs()
+    assert bool((err <= tol).all()), (
+        f"{(err > tol).sum().item()} values past the bound, max error {err.max():.3g}"
+    )
     assert (err > 0).float().mean().item() < 0.05
 
 
