@@ -12,18 +12,37 @@ The sink keys' raw bits are copied by torch on the device.
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from kvstore.codecs import kivi
-from kvstore.codecs.kivi import KiviLayout
 from kvstore.codecs.triton_kernels import _out, _out_view
 
 _BLOCK_R = 16  # head rows per program
 _EXACT = {"enable_fp_fusion": False}  # the CPU path rounds after every float32 operation
+POW = torch.tensor([2.0 ** (-c / 16) for c in range(256)], dtype=torch.float32)  # kivi._POW (a test checks)
+
+
+class KiviLayout(Protocol):
+    """What this module reads of a kivi.KiviLayout (not imported: kivi.py imports this module)."""
+
+    shape: tuple[int, int, int, int, int]
+    bits: int
+    key_tokens: int
+    value_group: int
+    sink: int
+    itemsize: int
+    value_meta: str
+    rotate_values: bool
+    key_meta: str
+
+    @property
+    def key_groups(self) -> int: ...
+
+    def sections(self) -> list[tuple[str, type, tuple[int, ...]]]: ...
 
 
 @triton.jit
@@ -101,7 +120,7 @@ def kivi_decode(buf: torch.Tensor, lay: KiviLayout, dtype: torch.dtype) -> torch
     at = _offsets(lay)
     out = torch.empty(lay.shape, dtype=dtype, device=buf.device)
     ov, bf16 = _out_view(out)
-    pow_table = kivi._POW.to(buf.device)
+    pow_table = POW.to(buf.device)
     bd = triton.next_power_of_2(d)
     kmeta8, vmeta8 = lay.key_meta == "8bit", lay.value_meta == "8bit"
     jobs = [  # (half, tokens, first output token, codes, meta, ref, TDIV, A, MDIV, M, 8bit, rotate)

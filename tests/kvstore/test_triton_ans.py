@@ -27,6 +27,7 @@ from kvstore.errors import CodecError
 from tests.kvstore.test_codecs import make_kv
 
 REPO = Path(__file__).resolve().parents[2]
+pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(not ans.kernel_available(), reason="no C compiler for the rANS kernel")
 
 

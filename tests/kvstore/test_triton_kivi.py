@@ -21,6 +21,7 @@ from kvstore.codecs.kivi import KiviLayout
 from tests.kvstore.test_codecs import make_kv
 
 REPO = Path(__file__).resolve().parents[2]
+pytest.importorskip("triton")
 
 CASES = {  # name: (codec, shape, dtype, options)
     "kivi4-default-bf16": ("kivi4", (2, 2, 40, 2, 64), torch.bfloat16, {"key_tokens": 16}),
@@ -75,6 +76,12 @@ def check(codec: str, shape: tuple, dtype: torch.dtype, options: dict, device: s
         f"{(err > tol).sum().item()} values past the bound, max error {err.max():.3g}"
     )
     assert (err > 0).float().mean().item() < 0.05
+
+
+def test_the_scale_table_is_kivis() -> None:
+    from kvstore.codecs import kivi  # noqa: PLC0415
+
+    assert torch.equal(importlib.import_module("kvstore.codecs.triton_kivi").POW, kivi._POW)
 
 
 @pytest.fixture(scope="module")
