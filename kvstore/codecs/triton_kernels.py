@@ -48,10 +48,11 @@ def _from_e4m3(c):
 @triton.jit
 def _out(x, BF16: tl.constexpr):
     """float32 -> what the output pointer holds: bfloat16 bits (int16) rounded to nearest even by hand,
-    since the interpreter truncates, or the value itself (the store casts, nearest even)."""
+    since the interpreter truncates, or the value itself (the store casts, nearest even). One return:
+    compiled (not interpreted) Triton refuses two of different types, constexpr branch or not."""
     if BF16:
         w = x.to(tl.int32, bitcast=True)
-        return ((w + 0x7FFF + ((w >> 16) & 1)) >> 16).to(tl.int16)
+        x = ((w + 0x7FFF + ((w >> 16) & 1)) >> 16).to(tl.int16)
     return x
 
 

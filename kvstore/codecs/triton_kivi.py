@@ -62,9 +62,8 @@ def _f16(w):
 def _butterflies(x, R: tl.constexpr, D: tl.constexpr, LOG_D: tl.constexpr):
     """The unnormalised Walsh-Hadamard transform of each row: stages of span 1, 2, 4, ... D/2, each
     (a, b) -> (a + b, a - b) in float32."""
-    for s in tl.static_range(LOG_D):
-        span: tl.constexpr = 1 << s
-        y = tl.permute(tl.reshape(x, (R, D // (2 * span), 2, span)), (0, 1, 3, 2))
+    for s in tl.static_range(LOG_D):  # s is a constant: the shapes are
+        y = tl.permute(tl.reshape(x, (R, D >> (s + 1), 2, 1 << s)), (0, 1, 3, 2))
         a, b = tl.split(y)
         x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (R, D))
     return x
