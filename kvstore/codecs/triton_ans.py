@@ -210,7 +210,8 @@ def decode_base(base: Any, buf: torch.Tensor, params: dict, shape: tuple, dtype:
         return triton_kivi.kivi_decode(buf, KiviLayout.from_params(shape, params, dtype, base.bits), dtype)
     if isinstance(base, Fp8Codec):
         n = math.prod(shape)
-        return triton_kernels.fp8_decode(buf[:n], buf[n:].view(torch.float32), params["scale"], shape, dtype)
+        scales = buf[n:] if n % 4 == 0 else buf[n:].clone()  # float32 views need aligned storage
+        return triton_kernels.fp8_decode(buf[:n], scales.view(torch.float32), params["scale"], shape, dtype)
     return triton_kernels.int4_decode(buf, Int4Layout.from_params(shape, params, dtype), dtype)
 
 

@@ -138,10 +138,10 @@ def case_damaged(device: str) -> None:
         assert ref is None or out is None or np.array_equal(ref, out)
 
 
-def case_codec(codec: str, device: str) -> None:
+def case_codec(codec: str, device: str, shape: tuple = (2, 1, 16, 1, 64)) -> None:
     """A blob's payload of real-looking KV through the codec's device path decodes to what its CPU
     path decodes to (the base codec's Triton kernels after the codes: int4, fp8 bit for bit)."""
-    shape, dtype = (2, 1, 16, 1, 64), torch.bfloat16
+    dtype = torch.bfloat16
     c = get_codec(codec)
     payload, params = c.encode(make_kv(shape, dtype, seed=3))
     ref = c.decode(payload, params, shape, dtype)
@@ -153,6 +153,7 @@ CASES: dict[str, Callable[[str], None]] = {
     **{f"decode-{b}bit": (lambda dev, b=b: case_decode(b, dev)) for b in (2, 4, 8)},
     "damaged": case_damaged,
     **{f"codec-{c}": (lambda dev, c=c: case_codec(c, dev)) for c in ("int4+ans", "fp8+ans")},
+    "codec-fp8+ans-odd-codes": lambda dev: case_codec("fp8+ans", dev, (2, 1, 3, 1, 5)),  # unaligned scales
 }
 
 
