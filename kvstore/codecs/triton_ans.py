@@ -103,17 +103,19 @@ def _luts(freqs: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _step(x, p, end, bad, active, src_ptr, lut_ptr):
-    """One step of every active lane: (state, read offset, symbol, error) as the C kernel's STEP."""
+    """One step of every active lane: (state, read offset, symbol, error) as the C kernel's STEP. The
+    lane's next word is read whether the step needs it or not (so the read overlaps the table's),
+    never past the lane's end."""
+    ok = p + 2 <= end
+    w = tl.load(src_ptr + p, mask=ok & active, other=0).to(tl.int64)
+    w = w | (tl.load(src_ptr + p + 1, mask=ok & active, other=0).to(tl.int64) << 8)
     slot = x & (4096 - 1)
     e = tl.load(lut_ptr + slot, mask=active, other=0).to(tl.int64) & 0xFFFFFFFF
     f = ((e >> 8) & (4096 - 1)) + 1
     v = f * (x >> 12) + slot - (e >> 20)
     need = (v < 65536) & active
-    ok = p + 2 <= end
     bad = bad | (need & ~ok).to(tl.int32)
     rd = need & ok
-    w = tl.load(src_ptr + p, mask=rd, other=0).to(tl.int64)
-    w = w | (tl.load(src_ptr + p + 1, mask=rd, other=0).to(tl.int64) << 8)
     v = tl.where(rd, (v << 16) | w, v)
     return tl.where(active, v, x), tl.where(rd, p + 2, p), tl.where(active, e & 255, 0), bad
 
