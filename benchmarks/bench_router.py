@@ -32,7 +32,10 @@ its own history exists.
 Per policy it prints: local hit rate (prompt tokens from the chosen engine's own prefix cache), store
 hit rate (loaded from the kvstore-server), recompute share (the rest), TTFT p50 / p90 (client side,
 streamed: request sent to first token), throughput (requests per second of round wall time) and load
-imbalance (max / mean requests per engine). Hit rates come from the engines' own counters
+imbalance (max / mean requests per engine); then ttft's TTFT p90 against each other's, over all
+requests and round by round (the median and range of the rounds' ratios), and the CPU the routers,
+the kvstore-server and this client used beside the engines (fleet_sim.validate gives the simulated
+engines the rest of the box). Hit rates come from the engines' own counters
 (vllm:prefix_cache_hits, vllm:external_prefix_cache_hits over vllm:prompt_tokens), read before and
 after each policy's part of a round, when nothing else runs.
 """
@@ -43,6 +46,7 @@ import argparse
 import asyncio
 import collections
 import json
+import os
 import random
 import statistics
 import sys
@@ -58,7 +62,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from engine.router.scoring import POLICIES  # noqa: E402
-from tests.router.fleet import start_engine, start_router, start_store, wait_healthy  # noqa: E402
+from tests.router.fleet import router_state, start_engine, start_router, start_store, wait_healthy  # noqa: E402
 
 TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 NO_STORE = "round_robin/no-store"  # the baseline: a fleet without kvstore
@@ -97,6 +101,12 @@ def prompt(
         out += [rng.randrange(*vocab) for _ in range(block_tokens)]
     n = min(len(out), max(1, round(row["input_length"] * block_tokens / 512)))
     return out[:n]
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def engine_counters(url: str) -> dict[str, float]:
@@ -199,24 +209,37 @@ def main() -> int:
             proc, bare = start_router([(u, c) for _, u, c in engines[3:]], None, *router_args)
             procs.append(proc)
             fleets[NO_STORE] = (bare, [u for _, u, _ in engines[3:]])
+        beside = [store.proc.pid] + [proc.proc.pid for proc in procs[len(engines) :]]  # server, routers
+        overhead = {"cpu": 0.0, "wall": 0.0}
         results = {
-            pol: {"records": [], "wall": 0.0, "prompt": 0.0, "local": 0.0, "store": 0.0} for pol in policies
+            pol: {"records": [], "rounds": [], "wall": 0.0, "prompt": 0.0, "local": 0.0, "store": 0.0}
+            for pol in policies
         }
         for rnd, chunk in enumerate(plan):
             order = policies[rnd % len(policies) :] + policies[: rnd % len(policies)]
             for pol in order:
                 url, urls = fleets[pol]
                 before = [engine_counters(u) for u in urls]
+                cpu0 = sum(map(cpu_s, beside)) + time.process_time()
                 record, wall = asyncio.run(run_round(url, pol.split("/")[0], pol, chunk, args))
+                overhead["cpu"] += sum(map(cpu_s, beside)) + time.process_time() - cpu0
+                overhead["wall"] += wall
                 time.sleep(1.0)  # the last saves reach the store, the last counters the scrape
                 after = [engine_counters(u) for u in urls]
                 res = results[pol]
                 res["records"] += record
+                res["rounds"].append([t for _, t in record])
                 res["wall"] += wall
                 for k in ("prompt", "local", "store"):
                     res[k] += sum(a[k] - b[k] for a, b in zip(after, before, strict=True))
                 print(f"round {rnd + 1} {pol:>20}: {len(record)} requests in {wall:.1f} s", file=sys.stderr)
         report(args, plan, policies, results, fleets)
+        print(f"CPU beside the engines (routers, kvstore-server, this client): {overhead['cpu']:.1f} s in "
+              f"{overhead['wall']:.1f} s of rounds: {overhead['cpu'] / overhead['wall']:.2f} cores")  # fmt: skip
+        costs = router_state(router)["costs"]
+        print(
+            "the router's calibrated costs at the end: " + ", ".join(f"{k} {v:.3g}" for k, v in costs.items())
+        )
         return 0
     finally:
         for proc in procs:
@@ -243,7 +266,15 @@ def report(args, plan, policies, results, fleets) -> None:
               f"{p90[pol]:>8.3f}s {len(ttfts) / res['wall']:>6.2f} {max(counts) / statistics.mean(counts):>9.2f}")  # fmt: skip
     if "ttft" in p90:
         ratios = ", ".join(f"{p90['ttft'] / v:.2f}x {pol}'s" for pol, v in p90.items() if pol != "ttft")
-        print(f"\nttft's TTFT p90: {ratios}")
+        print(f"\nttft's TTFT p90 (all rounds' requests): {ratios}")
+        print("ttft's TTFT p90 round by round, median (min-max) of the rounds' ratios:")
+        for pol in policies:
+            if pol != "ttft":
+                r = [
+                    pct(t, 0.9) / pct(b, 0.9)
+                    for t, b in zip(results["ttft"]["rounds"], results[pol]["rounds"], strict=True)
+                ]
+                print(f"  / {pol:<20} {statistics.median(r):.2f}x ({min(r):.2f}-{max(r):.2f})")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ prompt token is computed):
   hand: the median of the steps where all B decode is the step time at batch B;
 - the store: a real kvstore-server (cpu tier) on 127.0.0.1; a prompt run twice (prefix caching off) is
   loaded back the second time; load seconds over loaded tokens from the engine's own metrics (the
-  counters `kvstore-engine router` calibrates from).
+  counters `kvstore-engine router` calibrates from); the first run computes and saves it: its time
+  over the same prompt's without a store, per token, is the engine's cost of saving (save_s_per_token).
 
 The minimum of REPEATS runs is kept. Writes the profile JSON (date, machine, every measured point).
 """
@@ -171,10 +172,10 @@ def measure_store(rng: random.Random, prompt_tokens: int = 2048) -> dict:
             _wait_up(port, server)
             llm = LLM("smollm2", enable_prefix_caching=False, kv_store_url=f"http://127.0.0.1:{port}")
             try:
-                per_token = []
+                per_token, saved = [], []
                 for _ in range(REPEATS):
                     prompt = _tokens(prompt_tokens, rng)
-                    _timed(llm, [prompt], 1)  # computes and saves
+                    saved.append(_timed(llm, [prompt], 1))  # computes and saves
                     before = parse_totals(llm.engine.render_metrics().decode())
                     _timed(llm, [prompt], 1)  # loads
                     after = parse_totals(llm.engine.render_metrics().decode())
@@ -182,7 +183,8 @@ def measure_store(rng: random.Random, prompt_tokens: int = 2048) -> dict:
                     if loaded <= 0:
                         raise RuntimeError("the second run loaded nothing from the kvstore-server")
                     per_token.append((after["load_s"] - before["load_s"]) / loaded)
-                return {"load_s_per_token": min(per_token), "prompt_tokens": prompt_tokens}
+                return {"load_s_per_token": min(per_token), "prompt_tokens": prompt_tokens,
+                        "prefill_saved_s": min(saved)}  # fmt: skip
             finally:
                 llm.engine.shutdown()
         finally:
@@ -197,6 +199,7 @@ def measured_of(compute: dict, store: dict) -> dict:
         "decode_step_s": {str(b): t for b, t in sorted(compute["decode"].items())},
         "load_s_per_token": store["load_s_per_token"],
         "store_prompt_tokens": store["prompt_tokens"],
+        "prefill_saved_s": store["prefill_saved_s"],
         "kv": compute["kv"],
         "kv_dtype": compute["dtype"],
         "max_batched_tokens": compute["max_batched_tokens"],
@@ -214,6 +217,8 @@ def build_profile(measured: dict, machine: str, date: str, host: str) -> dict:
     kv_bytes_per_token = 2 * kv["layers"] * kv["kv_heads"] * kv["head_dim"] * kv["dtype_bytes"]  # K and V
     load_s_per_token = measured["load_s_per_token"]
     load_gbps = kv_bytes_per_token / load_s_per_token / 1e9
+    n_store = measured["store_prompt_tokens"]
+    save_s = max(measured.get("prefill_saved_s", 0.0) - prefill.get(n_store, math.inf), 0.0) / n_store
     here = f"measured by benchmarks/fleet_sim/calibrate.py on {host}"
     return {
         "name": "smollm2-cpu",
@@ -231,6 +236,11 @@ def build_profile(measured: dict, machine: str, date: str, host: str) -> dict:
         },
         "prefill_s_per_token_ctx": {"value": per_ctx, "source": f"{here}: b of the same fit (attention)"},
         "prefill_step_s": {"value": per_step, "source": f"{here}: c of the same fit"},
+        "save_s_per_token": {
+            "value": save_s,
+            "source": f"{here}: a {n_store}-token prompt computed and saved to a real kvstore-server "
+            "(measured.prefill_saved_s) minus the same length without a store (measured.prefill_s), per token",
+        },
         "decode_step_s": {
             "value": {str(b): step_a + step_b * b for b in sorted(decode)},
             "source": f"{here}: the least-squares line {step_a * 1e3:.2f} ms + {step_b * 1e3:.3f} ms x batch "
@@ -290,7 +300,7 @@ def main(argv: list[str] | None = None) -> None:
     args.out.write_text(json.dumps(profile, indent=2) + "\n")
     print(f"wrote {args.out} in {time.perf_counter() - started:.0f} s")
     print(json.dumps({k: profile[k]["value"] for k in ("prefill_s_per_token", "prefill_s_per_token_ctx",
-                                                        "prefill_step_s", "decode_step_s")}, indent=2))  # fmt: skip
+                                                        "prefill_step_s", "save_s_per_token", "decode_step_s")}, indent=2))  # fmt: skip
 
 
 if __name__ == "__main__":

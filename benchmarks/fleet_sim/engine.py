@@ -8,7 +8,8 @@
   the request queues for prefill.
 - A step prefills up to `max_batched_tokens` (minus one per decoding request) from the queue head and
   decodes one token for every running request; it takes prefill_step_s + each prefilled token's
-  prefill_s_per_token (+ prefill_s_per_token_ctx per token before it) + decode_step_s(batch). The first token comes with the end of a request's last prefill step; then its
+  prefill_s_per_token (+ prefill_s_per_token_ctx per token before it, + save_s_per_token with a store)
+  + decode_step_s(batch). The first token comes with the end of a request's last prefill step; then its
   prompt chunks join the prefix cache (a twin computed concurrently stays anonymous, as in vLLM).
 - Engines sharing `cpu_cores` (one box's CPUs, as in benchmarks/bench_router.py) run a step
   busy-engines / cores times slower when more of them are busy than there are cores (judged when the
@@ -185,6 +186,8 @@ class SimEngine:
                 parts.append((job, n))
                 tokens += n
                 dt += profile.prefill_s(n, job.req.input_tokens - job.prefill_left)
+                if self.fleet.store.enabled:  # the connector saves what the step computed, inside it
+                    dt += n * profile.save_s_per_token
                 if math.isnan(job.scheduled_s):
                     job.scheduled_s = loop.now
             self._set_busy(True)

@@ -4,6 +4,7 @@
     prefill_s_per_token     compute per uncached prompt token
     prefill_s_per_token_ctx and per token of context before it (attention; optional, default 0)
     prefill_step_s          fixed cost of a step that prefills
+    save_s_per_token        engine time per computed token it also saves to the store (optional, 0)
     decode_step_s           {batch size: seconds of one decode step}; linear in between and beyond
     max_batched_tokens      chunked-prefill budget of one step (decode tokens count too)
     max_num_seqs            requests an engine runs at once
@@ -64,6 +65,7 @@ class Profile:
     valkey_aggregate_bps: float
     hop_latency_s: float
     nic_bps: float
+    save_s_per_token: float = 0.0
 
     def decode_step_s(self, batch: int) -> float:
         """Seconds of one decode step of `batch` requests: the measured table, linear between its
@@ -112,10 +114,12 @@ class Profile:
             valkey_aggregate_bps=_bandwidth(_value(doc, "tiers", "valkey", "aggregate_gbps")),
             hop_latency_s=float(_value(doc, "network", "hop_latency_s")),
             nic_bps=_bandwidth(_value(doc, "network", "nic_gbps")),
+            save_s_per_token=float(_value(doc, "save_s_per_token") if "save_s_per_token" in doc else 0.0),
         )
         if p.kv_bytes_per_token <= 0 or p.max_batched_tokens <= 0 or p.max_num_seqs <= 0:
             raise InvalidArgument(f"profile {p.name!r}: sizes must be positive")
-        if min(p.prefill_s_per_token, p.prefill_step_s, p.prefill_s_per_token_ctx, p.hop_latency_s) < 0:
+        if min(p.prefill_s_per_token, p.prefill_step_s, p.prefill_s_per_token_ctx, p.hop_latency_s,
+               p.save_s_per_token) < 0:  # fmt: skip
             raise InvalidArgument(f"profile {p.name!r}: costs must be >= 0")
         return p
 

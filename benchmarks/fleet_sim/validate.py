@@ -36,6 +36,7 @@ ROW = re.compile(
     r"^\s*(?P<policy>[\w/-]+)\s+(?P<local>[\d.]+)%\s+(?P<store>[\d.]+)%\s+(?P<recompute>-?[\d.]+)%\s+"
     r"(?P<p50>[\d.]+)s\s+(?P<p90>[\d.]+)s\s+(?P<rps>[\d.]+)\s+(?P<imbalance>[\d.]+)\s*$"
 )
+BESIDE = re.compile(r"^CPU beside the engines .*: (?P<cores>[\d.]+) cores$", re.M)
 HIT_POINTS = 2.0  # the tolerances
 TTFT_P50 = 0.15
 
@@ -192,16 +193,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-tokens", type=int, default=32)
     p.add_argument("--max-blocks", type=int, default=24)
     p.add_argument("--kv-cache-memory", default="64MiB")
-    p.add_argument("--cpu-cores", type=float, default=float(os.cpu_count() or 1),
-                   help="CPUs the real engines share (default: this machine's)")  # fmt: skip
+    p.add_argument("--cpu-cores", type=float, default=None,
+                   help="CPUs the real engines share (default: this machine's, less the cores the real run "
+                        "measured beside its engines)")  # fmt: skip
     p.add_argument("--policies", type=lambda t: t.split(","), default=list(bench_router.POLICIES))
     args = p.parse_args(argv)
     text = args.real.read_text() if args.real else run_real(args)
     if args.save:
         args.save.write_text(text)
     real = parse_real(text)
+    if args.cpu_cores is None:  # the box's CPUs less what the routers, the server and the client used
+        m = BESIDE.search(text)
+        args.cpu_cores = max(float(os.cpu_count() or 1) - (float(m["cores"]) if m else 0.0), 0.5)
     sim = run_sim(args)
-    print(f"bench_router.py {' '.join(_bench_args(args))}  vs  the simulator, profile {args.profile}\n")
+    print(f"bench_router.py {' '.join(_bench_args(args))}  vs  the simulator, profile {args.profile}, "
+          f"the engines sharing {args.cpu_cores:.2f} CPUs\n")  # fmt: skip
     table, ok = compare(real, sim)
     print(table)
     return 0 if ok else 1

@@ -13,6 +13,7 @@ from benchmarks.fleet_sim.engine import Job
 from benchmarks.fleet_sim.profile import PROFILES, Profile, load_profile
 from benchmarks.fleet_sim.sim import SimConfig, run_jobs
 from benchmarks.fleet_sim.trace import ChunkKeys, TraceRequest
+from kvstore.errors import InvalidArgument
 
 from .conftest import profile_doc
 
@@ -179,3 +180,13 @@ def test_engines_sharing_fewer_cores_run_slower() -> None:
         assert a.engine != b.engine
         # the first step starts alone; the second finds the other engine busy
         assert (a.first_token_s, b.first_token_s) == pytest.approx((dt, second))
+
+
+def test_saving_what_a_step_computed_costs_the_engine_only_with_a_store() -> None:
+    p = Profile.from_dict(profile_doc(**TIMED, save_s_per_token=2e-5))
+    bare = run_jobs(_jobs([(0.0, 600, 1)]), SimConfig(1, store_gib=0), p).jobs[0]
+    saved = run_jobs(_jobs([(0.0, 600, 1)]), SimConfig(1, store_gib=math.inf), p).jobs[0]
+    assert bare.first_token_s == pytest.approx(0.002 + 600 * 1e-4)
+    assert saved.first_token_s == pytest.approx(0.002 + 600 * (1e-4 + 2e-5))
+    with pytest.raises(InvalidArgument, match="costs must be >= 0"):
+        Profile.from_dict(profile_doc(**TIMED, save_s_per_token=-1e-5))
