@@ -34,8 +34,8 @@ hit rate (loaded from the kvstore-server), recompute share (the rest), TTFT p50 
 streamed: request sent to first token), throughput (requests per second of round wall time) and load
 imbalance (max / mean requests per engine); then ttft's TTFT p90 against each other's, over all
 requests and round by round (the median and range of the rounds' ratios), and the CPU the routers,
-the kvstore-server and this client used beside the engines (fleet_sim.validate gives the simulated
-engines the rest of the box). Hit rates come from the engines' own counters
+the kvstore-server and this client used beside the engines, and what the rest of the box used
+(other processes: fleet_sim.validate gives the simulated engines only the cores left). Hit rates come from the engines' own counters
 (vllm:prefix_cache_hits, vllm:external_prefix_cache_hits over vllm:prompt_tokens), read before and
 after each policy's part of a round, when nothing else runs.
 """
@@ -107,6 +107,14 @@ def cpu_s(pid: int) -> float:
     """User + system CPU seconds of process `pid` so far (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def box_busy_s() -> float:
+    """CPU seconds the whole machine has been busy (every process, /proc/stat: all but idle and iowait)."""
+    user, nice, system, _idle, _iowait, irq, softirq, steal = map(
+        int, Path("/proc/stat").read_text().split()[1:9]
+    )
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
 def engine_counters(url: str) -> dict[str, float]:
@@ -210,7 +218,8 @@ def main() -> int:
             procs.append(proc)
             fleets[NO_STORE] = (bare, [u for _, u, _ in engines[3:]])
         beside = [store.proc.pid] + [proc.proc.pid for proc in procs[len(engines) :]]  # server, routers
-        overhead = {"cpu": 0.0, "wall": 0.0}
+        engine_pids = [proc.proc.pid for proc, _, _ in engines]
+        overhead = {"cpu": 0.0, "box": 0.0, "wall": 0.0}  # ours beside the engines; all but the engines
         results = {
             pol: {"records": [], "rounds": [], "wall": 0.0, "prompt": 0.0, "local": 0.0, "store": 0.0}
             for pol in policies
@@ -221,8 +230,10 @@ def main() -> int:
                 url, urls = fleets[pol]
                 before = [engine_counters(u) for u in urls]
                 cpu0 = sum(map(cpu_s, beside)) + time.process_time()
+                box0 = box_busy_s() - sum(map(cpu_s, engine_pids))
                 record, wall = asyncio.run(run_round(url, pol.split("/")[0], pol, chunk, args))
                 overhead["cpu"] += sum(map(cpu_s, beside)) + time.process_time() - cpu0
+                overhead["box"] += box_busy_s() - sum(map(cpu_s, engine_pids)) - box0
                 overhead["wall"] += wall
                 time.sleep(1.0)  # the last saves reach the store, the last counters the scrape
                 after = [engine_counters(u) for u in urls]
@@ -234,8 +245,10 @@ def main() -> int:
                     res[k] += sum(a[k] - b[k] for a, b in zip(after, before, strict=True))
                 print(f"round {rnd + 1} {pol:>20}: {len(record)} requests in {wall:.1f} s", file=sys.stderr)
         report(args, plan, policies, results, fleets)
-        print(f"CPU beside the engines (routers, kvstore-server, this client): {overhead['cpu']:.1f} s in "
-              f"{overhead['wall']:.1f} s of rounds: {overhead['cpu'] / overhead['wall']:.2f} cores")  # fmt: skip
+        w = overhead["wall"]
+        print(f"CPU beside the engines in {w:.1f} s of rounds: the routers, kvstore-server and this client "
+              f"{overhead['cpu'] / w:.2f} cores, the rest of the box {(overhead['box'] - overhead['cpu']) / w:.2f}; "
+              f"in all {overhead['box'] / w:.2f} cores")  # fmt: skip
         costs = router_state(router)["costs"]
         print(
             "the router's calibrated costs at the end: " + ", ".join(f"{k} {v:.3g}" for k, v in costs.items())

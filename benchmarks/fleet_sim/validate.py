@@ -36,7 +36,7 @@ ROW = re.compile(
     r"^\s*(?P<policy>[\w/-]+)\s+(?P<local>[\d.]+)%\s+(?P<store>[\d.]+)%\s+(?P<recompute>-?[\d.]+)%\s+"
     r"(?P<p50>[\d.]+)s\s+(?P<p90>[\d.]+)s\s+(?P<rps>[\d.]+)\s+(?P<imbalance>[\d.]+)\s*$"
 )
-BESIDE = re.compile(r"^CPU beside the engines .*: (?P<cores>[\d.]+) cores$", re.M)
+BESIDE = re.compile(r"^CPU beside the engines .*in all (?P<cores>[\d.]+) cores$", re.M)
 HIT_POINTS = 2.0  # the issue's tolerances
 TTFT_P50 = 0.15
 
@@ -58,6 +58,13 @@ def _bench_args(args: argparse.Namespace) -> list[str]:
     return ["--window", str(args.window), "--conversations", str(args.conversations), "--rounds", str(args.rounds),
             "--slice", args.slice, "--no-store-baseline", str(int(args.no_store_baseline)), "--rps", str(args.rps), "--block-tokens", str(args.block_tokens), "--max-blocks", str(args.max_blocks),
             "--kv-cache-memory", args.kv_cache_memory, "--policies", ",".join(args.policies)]  # fmt: skip
+
+
+def engine_cores(text: str, cpus: float) -> float:
+    """The CPUs the real engines had: the box's less what everything else used during the rounds
+    (bench_router.py's "CPU beside the engines" line; all of them when the output has none)."""
+    m = BESIDE.search(text)
+    return max(cpus - (float(m["cores"]) if m else 0.0), 0.5)
 
 
 def run_real(args: argparse.Namespace) -> str:
@@ -202,9 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.save:
         args.save.write_text(text)
     real = parse_real(text)
-    if args.cpu_cores is None:  # the box's CPUs less what the routers, the server and the client used
-        m = BESIDE.search(text)
-        args.cpu_cores = max(float(os.cpu_count() or 1) - (float(m["cores"]) if m else 0.0), 0.5)
+    if args.cpu_cores is None:
+        args.cpu_cores = engine_cores(text, float(os.cpu_count() or 1))
     sim = run_sim(args)
     print(f"bench_router.py {' '.join(_bench_args(args))}  vs  the simulator, profile {args.profile}, "
           f"the engines sharing {args.cpu_cores:.2f} CPUs\n")  # fmt: skip

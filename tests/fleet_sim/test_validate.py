@@ -59,7 +59,9 @@ def test_rounds_spread_their_conversations_over_the_window() -> None:
     for f in firsts:  # each round's first turns reach over most of the window, not its first seconds
         assert f == sorted(f) and f[-1] - f[0] > 0.6 * span
     burst = bench_router.rounds(convs, 12, 2, "first")
-    assert burst[1][0] is convs[12] and burst[0][-1][0]["timestamp"] - burst[0][0][0]["timestamp"] < 0.01 * span
+    assert (
+        burst[1][0] is convs[12] and burst[0][-1][0]["timestamp"] - burst[0][0][0]["timestamp"] < 0.01 * span
+    )
     with pytest.raises(SystemExit, match="conversations"):
         bench_router.rounds(convs, 200, 2)
 
@@ -73,3 +75,13 @@ def test_orders_count_only_where_the_real_run_orders_the_policies() -> None:
     assert ok and table.count("2 pairs apart") == 2, table
     table, ok = validate.compare(real, {**real, "c": {**real["c"], "p50": 0.35}})  # c fastest: wrong
     assert not ok and "DIFFERENT: c before a, c before b" in table
+
+
+def test_the_simulated_engines_get_the_cores_the_real_ones_had() -> None:
+    line = ("CPU beside the engines in 150.0 s of rounds: the routers, kvstore-server and this client 0.09 "
+            "cores, the rest of the box 0.40; in all 0.49 cores")  # fmt: skip
+    assert validate.engine_cores(REAL + line + "\n", 2.0) == pytest.approx(1.51)
+    assert validate.engine_cores(REAL, 2.0) == 2.0
+    assert (
+        validate.engine_cores(line.replace("0.49 cores", "1.90 cores"), 2.0) == 0.5
+    )  # never below half a core
