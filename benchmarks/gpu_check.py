@@ -103,23 +103,23 @@ def _kv(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return kv.to(dtype)
 
 
-def _agree(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, str]:
-    """0 for bit for bit, else the largest error over the bound for rotated values (one rounding step
-    of the dtype plus 2^-18 of the largest value of the head: the two float32 rotations' sums differ
-    in order), and in words."""
+def _agree(out: torch.Tensor, ref: torch.Tensor) -> tuple[bool, str]:
+    """(bit for bit, in words: else how many differ and by how much)."""
     ib = torch.int32 if ref.dtype == torch.float32 else torch.int16
     if torch.equal(out.view(ib), ref.view(ib)):
-        return 0.0, "bit for bit"
+        return True, "bit for bit"
     o, r = out.float(), ref.float()
-    tol = torch.finfo(ref.dtype).eps * r.abs() + 2**-18 * r.abs().amax(-1, keepdim=True)
-    worst = ((o - r).abs() / tol.clamp(min=1e-30)).nan_to_num(nan=float("inf")).max().item()
-    return worst, f"{worst:.2f} of the bound, {(o != r).float().mean().item():.2%} differ"
+    return (
+        False,
+        f"DIFFERENT: {(o != r).float().mean().item():.2%} of values, max error {(o - r).abs().max().item():.3g}",
+    )
 
 
 def codec_check(device: str, shape: tuple[int, ...], reps: int) -> int:
     """Each codec's decode from host payload bytes to a device tensor (Triton) vs its CPU decode
     (to a CPU tensor), then the rANS stage alone (device stream -> device codes vs the C kernel).
-    Returns how many disagree beyond the documented bound (one rounding step on rotated values)."""
+    Returns how many are not bit for bit (the kernels do the CPU decodes' float32 operations in their
+    order, the Hadamard butterflies included)."""
     from kvstore.codecs import ans, get_codec, triton_ans, triton_kivi
     from kvstore.codecs.kivi import KiviLayout
 
@@ -144,8 +144,8 @@ def codec_check(device: str, shape: tuple[int, ...], reps: int) -> int:
                 buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
                 return triton_kivi.kivi_decode(buf, lay, dtype)
 
-        worst, agree = _agree(dev().cpu(), ref)
-        bad += worst > (1 if "rv" in params else 0)
+        same, agree = _agree(dev().cpu(), ref)
+        bad += not same
         cpu_s = timed(
             lambda c=c, payload=payload, params=params: c.decode(payload, params, shape, dtype), reps
         )

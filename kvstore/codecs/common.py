@@ -85,10 +85,12 @@ class Cursor:
             raise CodecError(f"payload of {self.buf.size} bytes is too short for its shape")
         arr = self.buf[self.pos : self.pos + n].view(dtype).reshape(shape)
         self.pos += n
-        # a blob's payload starts wherever its header and params end: realign the (small) scale arrays
-        if arr.ctypes.data % arr.itemsize:
+        # a blob's payload starts wherever its header and params end: a reader realigns the (small)
+        # scale arrays; a writer must write where they lie (a copy lost every scale of a section at an
+        # odd offset: fp8 of 2 * L * T * H * D codes not a multiple of 4, kivi of an odd code row)
+        if arr.ctypes.data % arr.itemsize and not self.buf.flags.writeable:
             arr = arr.copy()
-            arr.flags.writeable = self.buf.flags.writeable  # numba compiles read-only arrays separately
+            arr.flags.writeable = False  # numba compiles read-only arrays separately
         return arr
 
     def finish(self) -> None:
@@ -124,6 +126,19 @@ def hadamard(d: int, device: torch.device | str = "cpu") -> torch.Tensor:
     while h.shape[0] < d:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     return (h * (1 / math.sqrt(d))).to(device)
+
+
+def hadamard_rows(x: torch.Tensor) -> torch.Tensor:
+    """The orthonormal Walsh-Hadamard transform of each row of float32 `x` (..., d), d a power of two,
+    by butterflies: spans 1, 2, ..., d/2, each (a, b) -> (a + b, a - b), then times float32(1/sqrt(d)).
+    The order of cpu_bits.fwht and triton_kivi, so the three round alike (a matmul sums otherwise)."""
+    shape, d = x.shape, x.shape[-1]
+    h = 1
+    while h < d:
+        y = x.reshape(-1, d // (2 * h), 2, h)
+        x = torch.stack([y[:, :, 0] + y[:, :, 1], y[:, :, 0] - y[:, :, 1]], 2)
+        h *= 2
+    return x.reshape(shape).mul_(torch.tensor(1 / math.sqrt(d), dtype=torch.float32))
 
 
 _POOL: ThreadPoolExecutor | None = None

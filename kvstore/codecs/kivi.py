@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvstore.codecs import common
+from kvstore.codecs import common, cpu_kivi
 from kvstore.errors import CodecError
 
 DEFAULTS: dict[str, Any] = {
@@ -302,7 +302,9 @@ class KiviCodec:
             raise CodecError(f"{self.name}: KV contains NaN or Inf")
         buf = np.empty(lay.nbytes(), np.uint8)
         parts = lay.carve(buf)
-        p = {n: torch.from_numpy(a) for n, a in parts.items() if n not in ("sink", "v_meta", "k_meta")}
+        # codes through torch; 16-bit sections through numpy, which writes them at any alignment (torch
+        # over an odd address wrote garbage: kv_heads * head_dim * bits / 8 odd, an odd token count)
+        p = {n: torch.from_numpy(parts[n]) for n in ("k_codes", "v_codes")}
         _, nl, nt, nh, d = lay.shape
         c = nh * d
         x = kv.reshape(2, nl, nt, c)
@@ -311,7 +313,7 @@ class KiviCodec:
             for g, (a, b) in enumerate(_key_groups(keys, lay.key_tokens)):
                 q, sz = quantize(keys[:, a:b], 1, self.bits, self.name)  # per channel over tokens a..b
                 p["k_codes"][:, a:b] = pack(q, self.bits)
-                p["k_sz"][:, g] = sz[:, 0].view(torch.int16)
+                parts["k_sz"][:, g] = sz[:, 0].view(torch.int16).numpy()
         else:  # [L, groups, C, key_tokens]: the last group padded with its last token (same min, max)
             n, kt = keys.shape[1], lay.key_tokens
             padded = torch.cat([keys, keys[:, -1:].expand(nl, lay.key_groups * kt - n, c)], 1)
@@ -319,17 +321,17 @@ class KiviCodec:
             kq, kmeta, kref = quantize_8bit(grouped_k, self.bits, self.name)
             p["k_codes"][:] = pack(kq.transpose(2, 3).reshape(nl, -1, c)[:, :n], self.bits)
             parts["k_meta"][:] = kmeta.numpy().astype(np.uint16)
-            p["k_ref"][:] = kref.view(torch.int16)
+            parts["k_ref"][:] = kref.view(torch.int16).numpy()
         if lay.rotate_values:  # each head's value vector in the Hadamard basis (orthonormal)
             values = (values.reshape(nl, nt, nh, d) @ common.hadamard(d)).reshape(nl, nt, c)
         grouped = values.reshape(nl, nt, c // lay.value_group, lay.value_group)
         if lay.value_meta == "fp16":
             vq, vsz = quantize(grouped, 3, self.bits, self.name)
-            p["v_sz"][:] = vsz[..., 0, :].view(torch.int16)
+            parts["v_sz"][:] = vsz[..., 0, :].view(torch.int16).numpy()
         else:
             vq, meta, ref = quantize_8bit(grouped, self.bits, self.name)
             parts["v_meta"][:] = meta.numpy().astype(np.uint16)
-            p["v_ref"][:] = ref.view(torch.int16)
+            parts["v_ref"][:] = ref.view(torch.int16).numpy()
         p["v_codes"][:] = pack(vq.reshape(nl, nt, c), self.bits)
         if lay.sink:
             parts["sink"][:] = common.bits(x[0, :, : lay.sink].contiguous())
@@ -352,34 +354,39 @@ class KiviCodec:
             raise CodecError(
                 f"{self.name}: payload is {len(payload)} bytes, shape {shape} needs {lay.nbytes()}"
             )
-        parts = lay.carve(np.frombuffer(bytearray(payload), np.uint8))  # writable: torch wants that
-        p = {n: torch.from_numpy(a) for n, a in parts.items() if n not in ("sink", "v_meta", "k_meta")}
-        _, nl, nt, nh, d = lay.shape
-        c = nh * d
-        out = torch.empty((2, nl, nt, c), dtype=dtype)
-        kq = unpack(p["k_codes"], self.bits)
-        if lay.key_meta == "fp16":
-            ksz = p["k_sz"].view(torch.float16)
-            for g, (a, b) in enumerate(_key_groups(kq, lay.key_tokens)):
-                out[0, :, lay.sink + a : lay.sink + b] = dequantize(kq[:, a:b], ksz[:, g : g + 1]).to(dtype)
-        else:
-            n, kt = kq.shape[1], lay.key_tokens
-            padded = torch.cat([kq, kq.new_zeros(nl, lay.key_groups * kt - n, c)], 1)
-            grouped_k = padded.reshape(nl, lay.key_groups, kt, c).transpose(2, 3)
-            meta = torch.from_numpy(parts["k_meta"].astype(np.int32))
-            k = dequantize_8bit(grouped_k, meta, p["k_ref"].view(torch.float16))
-            out[0, :, lay.sink :] = k.transpose(2, 3).reshape(nl, -1, c)[:, :n].to(dtype)
-        vq = unpack(p["v_codes"], self.bits).reshape(nl, nt, c // lay.value_group, lay.value_group)
-        if lay.value_meta == "fp16":
-            v = dequantize(vq, p["v_sz"].view(torch.float16)[..., None, :])
-        else:
-            v = dequantize_8bit(
-                vq, torch.from_numpy(parts["v_meta"].astype(np.int32)), p["v_ref"].view(torch.float16)
-            )
-        if lay.rotate_values:
-            v = v.reshape(nl, nt, nh, d) @ common.hadamard(d)  # its own inverse
-        out[1] = v.reshape(nl, nt, c).to(dtype)
-        out = out.reshape(shape)
+        parts = lay.carve(common.payload_array(payload))
+        out, ob = common.empty_bits((2, lay.shape[1], lay.shape[2], lay.channels), dtype)
+        if not cpu_kivi.decode(parts, lay, common.KINDS[dtype], ob):  # no C compiler: torch, bit for bit
+            _decode_torch(parts, lay, self.bits, out)
         if lay.sink:
-            common.bits(out)[0, :, : lay.sink] = parts["sink"].reshape(nl, lay.sink, nh, d)
-        return out
+            ob[0, :, : lay.sink] = parts["sink"]
+        return out.reshape(shape)
+
+
+def _decode_torch(parts: dict[str, np.ndarray], lay: KiviLayout, bits: int, out: torch.Tensor) -> None:
+    p = {n: torch.from_numpy(a.copy()) for n, a in parts.items() if n not in ("sink", "v_meta", "k_meta")}
+    _, nl, nt, nh, d = lay.shape
+    c = nh * d
+    dtype = out.dtype
+    kq = unpack(p["k_codes"], bits)
+    if lay.key_meta == "fp16":
+        ksz = p["k_sz"].view(torch.float16)
+        for g, (a, b) in enumerate(_key_groups(kq, lay.key_tokens)):
+            out[0, :, lay.sink + a : lay.sink + b] = dequantize(kq[:, a:b], ksz[:, g : g + 1]).to(dtype)
+    else:
+        n, kt = kq.shape[1], lay.key_tokens
+        padded = torch.cat([kq, kq.new_zeros(nl, lay.key_groups * kt - n, c)], 1)
+        grouped_k = padded.reshape(nl, lay.key_groups, kt, c).transpose(2, 3)
+        meta = torch.from_numpy(parts["k_meta"].astype(np.int32))
+        k = dequantize_8bit(grouped_k, meta, p["k_ref"].view(torch.float16))
+        out[0, :, lay.sink :] = k.transpose(2, 3).reshape(nl, -1, c)[:, :n].to(dtype)
+    vq = unpack(p["v_codes"], bits).reshape(nl, nt, c // lay.value_group, lay.value_group)
+    if lay.value_meta == "fp16":
+        v = dequantize(vq, p["v_sz"].view(torch.float16)[..., None, :])
+    else:
+        v = dequantize_8bit(
+            vq, torch.from_numpy(parts["v_meta"].astype(np.int32)), p["v_ref"].view(torch.float16)
+        )
+    if lay.rotate_values:
+        v = common.hadamard_rows(v.reshape(nl, nt, nh, d))  # the butterflies of cpu_kivi, in their order
+    out[1] = v.reshape(nl, nt, c).to(dtype)

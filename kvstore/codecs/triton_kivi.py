@@ -5,7 +5,7 @@ One kernel serves keys and values: each program takes rows of one head's channel
 a head), unpacks their b-bit codes from wherever they sit in the payload (16-bit metadata is read
 byte by byte: a payload's sections need not be aligned), dequantises them with the CPU path's float32
 operations in its order (no fused multiply-add), rotates values back through the Hadamard butterflies
-(`hadamard_rows`, the order kivi.py's CPU decode uses) and rounds to the KV dtype to nearest even.
+(common.hadamard_rows' order, which the CPU decodes use) and rounds to the KV dtype to nearest even.
 The sink keys' raw bits are copied by torch on the device.
 """
 

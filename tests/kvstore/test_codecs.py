@@ -48,6 +48,18 @@ def test_fp8_relative_error_bound(dtype: torch.dtype, mode: str) -> None:
     assert (x - y).abs().max() > 0  # it is lossy: the test would notice a silent raw copy
 
 
+@pytest.mark.parametrize("mode", ["token", "tensor"])
+@pytest.mark.parametrize("shape", [(2, 1, 1, 1, 5), (2, 1, 3, 1, 7)])
+def test_fp8_scales_at_an_odd_offset_are_written(shape: tuple, mode: str) -> None:
+    """2 * L * T * H * D codes not a multiple of 4 put the float32 scales at an unaligned offset: the
+    encoder wrote them into a realigned copy, and decoded values came out scaled by garbage."""
+    kv = make_kv(shape, torch.bfloat16, seed=5)
+    p, params = get_codec("fp8").encode(kv, fp8_scale=mode)
+    out = get_codec("fp8").decode(p, params, shape, kv.dtype).float()
+    scale = kv.float().abs().amax() if mode == "tensor" else kv.float().abs().amax(-1, keepdim=True)
+    assert bool(((out - kv.float()).abs() <= scale * 2**-4 + 1e-6).all())  # e4m3: 3 mantissa bits
+
+
 def test_fp8_size_and_zero_heads() -> None:
     kv = make_kv((2, 30, 256, 3, 64))
     kv[:, 1] = 0  # whole layer of zeros

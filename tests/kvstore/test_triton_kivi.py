@@ -64,18 +64,8 @@ def check(codec: str, shape: tuple, dtype: torch.dtype, options: dict, device: s
     out = out.cpu()
     assert out.shape == ref.shape and out.dtype == ref.dtype
     assert torch.equal(_bits(out[0]), _bits(ref[0])), "keys (and sinks) differ"
-    if "rv" not in params:
-        assert torch.equal(_bits(out[1]), _bits(ref[1])), "values differ"
-        return
-    # the CPU path rotates with a matmul (its own summation order): one rounding step of the output
-    # dtype, plus 2^-18 of the head's largest value where the value is near 0, and rarely that
-    o, r = out[1].float(), ref[1].float()
-    tol = torch.finfo(dtype).eps * r.abs() + 2**-18 * r.abs().amax(-1, keepdim=True)
-    err = (o - r).abs()
-    assert bool((err <= tol).all()), (
-        f"{(err > tol).sum().item()} values past the bound, max error {err.max():.3g}"
-    )
-    assert (err > 0).float().mean().item() < 0.05
+    # values rotated back too: the CPU paths' butterflies are the kernel's (common.hadamard_rows)
+    assert torch.equal(_bits(out[1]), _bits(ref[1])), "values differ"
 
 
 def test_the_scale_table_is_kivis() -> None:

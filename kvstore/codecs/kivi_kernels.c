@@ -1,0 +1,193 @@
+/* kivi4 / kivi2 decode on the CPU (kivi.py holds the format; built by kvstore/c_build.py).
+ *
+ * The float32 operations are kivi.py's torch decode's, one rounding each and in its order, so that
+ * both agree bit for bit (tests/kvstore/test_codecs_kivi.py): 8bit metadata (q - zp / 16) *
+ * (2^(-c/16) * ref), fp16 pairs q * scale + zero, values rotated back by Hadamard butterflies of
+ * span 1, 2, 4, ... then times 1/sqrt(d) (common.hadamard_rows), rounded to the KV dtype to nearest
+ * even. Built with -std=c11, which keeps gcc from fusing a multiply and an add (-ffp-contract=off).
+ * Sections of a payload need not be aligned: 16-bit words are read byte by byte.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __SSE2__
+#include <emmintrin.h>
+#endif
+
+enum { KIND_F16 = 0, KIND_BF16 = 1, KIND_F32 = 2 };
+
+static inline uint32_t ld16(const uint8_t *p) { return (uint32_t)p[0] | ((uint32_t)p[1] << 8); }
+static inline float f32_from(uint32_t w) { float f; memcpy(&f, &w, 4); return f; }
+static inline uint32_t bits_of(float f) { uint32_t w; memcpy(&w, &f, 4); return w; }
+
+/* IEEE half bits -> float32, exact (cpu_bits.f16_to_f32). */
+static inline float f16_to_f32(uint32_t h) {
+    uint32_t w = h << 16, sign = w & 0x80000000u, two_w = w + w;
+    float normalized = f32_from((two_w >> 4) + (0xE0u << 23)) * f32_from(0x7800000u);
+    float denormalized = f32_from((two_w >> 17) | (126u << 23)) - 0.5f;
+    return f32_from(sign | bits_of(two_w < (1u << 27) ? denormalized : normalized));
+}
+
+/* float32 -> half bits, nearest even (cpu_bits.f32_to_f16; torch's cast). */
+static inline uint16_t f32_to_f16(float x) {
+    float base = (f32_from(bits_of(x) & 0x7FFFFFFFu) * f32_from(0x77800000u)) * f32_from(0x08800000u);
+    uint32_t w = bits_of(x), shl1_w = w + w, sign = w & 0x80000000u, bias = shl1_w & 0xFF000000u;
+    if (bias < 0x71000000u) bias = 0x71000000u;
+    uint32_t b = bits_of(f32_from((bias >> 1) + 0x07800000u) + base);
+    uint32_t nonsign = ((b >> 13) & 0x7C00u) + (b & 0x0FFFu);
+    return (uint16_t)((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+}
+
+/* float32 -> bfloat16 bits, nearest even (finite inputs). */
+static inline uint16_t f32_to_bf16(float x) {
+    uint32_t w = bits_of(x);
+    return (uint16_t)((w + 0x7FFFu + ((w >> 16) & 1u)) >> 16);
+}
+
+static void store_row(const float *restrict buf, int64_t n, int kind, uint8_t *restrict out) {
+    if (kind == KIND_BF16) {
+        uint16_t *o = (uint16_t *)out;
+        for (int64_t i = 0; i < n; i++) o[i] = f32_to_bf16(buf[i]);
+    } else if (kind == KIND_F16) {
+        uint16_t *o = (uint16_t *)out;
+        for (int64_t i = 0; i < n; i++) o[i] = f32_to_f16(buf[i]);
+    } else {
+        memcpy(out, buf, (size_t)n * 4);
+    }
+}
+
+/* b-bit codes (the first in the lowest bits) of n values -> float32. */
+static void unpack(const uint8_t *restrict codes, int64_t n, int bits, float *restrict q) {
+    if (bits == 4) {
+        for (int64_t j = 0; j < n / 2; j++) {
+            q[2 * j] = (float)(codes[j] & 15);
+            q[2 * j + 1] = (float)(codes[j] >> 4);
+        }
+    } else {
+        for (int64_t j = 0; j < n / 4; j++) {
+            uint8_t b = codes[j];
+            q[4 * j] = (float)(b & 3);
+            q[4 * j + 1] = (float)((b >> 2) & 3);
+            q[4 * j + 2] = (float)((b >> 4) & 3);
+            q[4 * j + 3] = (float)(b >> 6);
+        }
+    }
+}
+
+/* The first three butterfly stages (spans 1, 2, 4) of each octet: a loop of 1 to 4 iterations does
+ * not vectorise, so SSE2 does them in registers, two 4-float vectors at a time. */
+static void butterflies_1_2_4(float *restrict buf, int64_t n) {
+#ifdef __SSE2__
+    for (int64_t i = 0; i < n; i += 8) {
+        __m128 v = _mm_loadu_ps(buf + i), w = _mm_loadu_ps(buf + i + 4);
+        __m128 e = _mm_shuffle_ps(v, w, _MM_SHUFFLE(2, 0, 2, 0)), o = _mm_shuffle_ps(v, w, _MM_SHUFFLE(3, 1, 3, 1));
+        __m128 s = _mm_add_ps(e, o), d = _mm_sub_ps(e, o); /* span 1: (x0+x1, x2+x3, ...), (x0-x1, ...) */
+        v = _mm_unpacklo_ps(s, d);
+        w = _mm_unpackhi_ps(s, d);
+        __m128 vs = _mm_shuffle_ps(v, v, _MM_SHUFFLE(1, 0, 3, 2)), ws = _mm_shuffle_ps(w, w, _MM_SHUFFLE(1, 0, 3, 2));
+        /* span 2: lanes 0, 1 take a + b (v + its swapped halves), lanes 2, 3 a - b (swapped - v) */
+        v = _mm_shuffle_ps(_mm_add_ps(v, vs), _mm_sub_ps(vs, v), _MM_SHUFFLE(3, 2, 1, 0));
+        w = _mm_shuffle_ps(_mm_add_ps(w, ws), _mm_sub_ps(ws, w), _MM_SHUFFLE(3, 2, 1, 0));
+        _mm_storeu_ps(buf + i, _mm_add_ps(v, w)); /* span 4 */
+        _mm_storeu_ps(buf + i + 4, _mm_sub_ps(v, w));
+    }
+#else
+    for (int64_t h = 1; h < 8; h *= 2)
+        for (int64_t i = 0; i < n; i += 2 * h)
+            for (int64_t j = i; j < i + h; j++) {
+                float a = buf[j], b = buf[j + h];
+                buf[j] = a + b;
+                buf[j + h] = a - b;
+            }
+#endif
+}
+
+/* In place: the orthonormal Walsh-Hadamard transform of a power-of-two vector (its own inverse). */
+static void fwht(float *restrict buf, int64_t n, float norm) {
+    int64_t h = 1;
+    if (n >= 8) {
+        butterflies_1_2_4(buf, n);
+        h = 8;
+    }
+    for (; h < n; h *= 2)
+        for (int64_t i = 0; i < n; i += 2 * h) {
+            float *restrict a = buf + i, *restrict b = buf + i + h;
+            for (int64_t j = 0; j < h; j++) {
+                float x = a[j], y = b[j];
+                a[j] = x + y;
+                b[j] = x - y;
+            }
+        }
+    for (int64_t i = 0; i < n; i++) buf[i] *= norm;
+}
+
+/* Keys: codes (L, N, C*b/8) per channel over groups of key_tokens tokens -> rows of C values at
+ * out + layer * out_layer + t * C * itemsize. meta8: meta (L, G, C) uint16, ref (L, C) fp16 bits;
+ * else meta holds fp16 (scale, zero) pairs (L, G, C, 2). Returns 0, or -1 without memory. */
+int kivi_decode_keys(const uint8_t *codes, int64_t nl, int64_t n, int64_t nc, int bits, int64_t key_tokens,
+                     int meta8, const uint8_t *meta, const uint8_t *ref, const float *pow_table, int kind,
+                     uint8_t *out, int64_t out_layer) {
+    int64_t isz = kind == KIND_F32 ? 4 : 2, row = nc * bits / 8, groups = (n + key_tokens - 1) / key_tokens;
+    float *s = malloc(4 * (size_t)nc * 4);
+    if (s == NULL) return -1;
+    float *z = s + nc, *q = z + nc, *buf = q + nc;
+    for (int64_t l = 0; l < nl; l++)
+        for (int64_t g = 0; g < groups; g++) {
+            for (int64_t c = 0; c < nc; c++) {
+                if (meta8) {
+                    uint32_t m = ld16(meta + 2 * ((l * groups + g) * nc + c));
+                    s[c] = pow_table[m & 255] * f16_to_f32(ld16(ref + 2 * (l * nc + c)));
+                    z[c] = (float)(m >> 8) / 16.0f;
+                } else {
+                    s[c] = f16_to_f32(ld16(meta + 4 * ((l * groups + g) * nc + c)));
+                    z[c] = f16_to_f32(ld16(meta + 4 * ((l * groups + g) * nc + c) + 2));
+                }
+            }
+            int64_t end = (g + 1) * key_tokens < n ? (g + 1) * key_tokens : n;
+            for (int64_t t = g * key_tokens; t < end; t++) {
+                unpack(codes + (l * n + t) * row, nc, bits, q);
+                if (meta8)
+                    for (int64_t c = 0; c < nc; c++) buf[c] = (q[c] - z[c]) * s[c];
+                else
+                    for (int64_t c = 0; c < nc; c++) buf[c] = q[c] * s[c] + z[c];
+                store_row(buf, nc, kind, out + l * out_layer + t * nc * isz);
+            }
+        }
+    free(s);
+    return 0;
+}
+
+/* Values: codes (L, T, C*b/8) per token in groups of `group` channels -> out (L, T, C), each head of
+ * `head_dim` channels rotated back when `rotate`. meta8: meta (L, T, G) uint16, ref (L, G) fp16
+ * bits; else meta holds fp16 (scale, zero) pairs (L, T, G, 2). Returns 0, or -1 without memory. */
+int kivi_decode_values(const uint8_t *codes, int64_t nl, int64_t nt, int64_t nc, int bits, int64_t group,
+                       int64_t head_dim, int rotate, float norm, int meta8, const uint8_t *meta, const uint8_t *ref,
+                       const float *pow_table, int kind, uint8_t *out) {
+    int64_t isz = kind == KIND_F32 ? 4 : 2, row = nc * bits / 8, ng = nc / group;
+    float *q = malloc(2 * (size_t)nc * 4);
+    if (q == NULL) return -1;
+    float *buf = q + nc;
+    for (int64_t l = 0; l < nl; l++)
+        for (int64_t t = 0; t < nt; t++) {
+            unpack(codes + (l * nt + t) * row, nc, bits, q);
+            for (int64_t g = 0; g < ng; g++) {
+                int64_t at = (l * nt + t) * ng + g;
+                float *restrict b = buf + g * group;
+                const float *restrict qg = q + g * group;
+                if (meta8) {
+                    uint32_t m = ld16(meta + 2 * at);
+                    float sc = pow_table[m & 255] * f16_to_f32(ld16(ref + 2 * (l * ng + g)));
+                    float zp = (float)(m >> 8) / 16.0f;
+                    for (int64_t c = 0; c < group; c++) b[c] = (qg[c] - zp) * sc;
+                } else {
+                    float sc = f16_to_f32(ld16(meta + 4 * at)), zero = f16_to_f32(ld16(meta + 4 * at + 2));
+                    for (int64_t c = 0; c < group; c++) b[c] = qg[c] * sc + zero;
+                }
+            }
+            if (rotate)
+                for (int64_t h = 0; h < nc; h += head_dim) fwht(buf + h, head_dim, norm);
+            store_row(buf, nc, kind, out + (l * nt + t) * nc * isz);
+        }
+    free(q);
+    return 0;
+}
