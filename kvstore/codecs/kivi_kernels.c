@@ -13,6 +13,14 @@
 #ifdef __SSE2__
 #include <emmintrin.h>
 #endif
+#if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)
+#include <immintrin.h>
+#define KIVI_AVX2 1 /* a target("avx2") path, taken where the CPU has it (checked at run time) */
+/* each kernel compiled twice, for AVX2 and for the baseline; the loader picks one (an ifunc) */
+#define CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define CLONES
+#endif
 
 enum { KIND_F16 = 0, KIND_BF16 = 1, KIND_F32 = 2 };
 
@@ -102,13 +110,93 @@ static void butterflies_1_2_4(float *restrict buf, int64_t n) {
 #endif
 }
 
+#ifdef __SSE2__
+/* The spans 8, 16, 32 of each 64-float block: an 8-point transform of rows of an 8 x 8 matrix, four
+ * columns at a time in SSE2 registers (the same additions as the stage loop, in the same order). */
+static void butterflies_8_16_32(float *restrict buf, int64_t n) {
+    for (int64_t base = 0; base < n; base += 64)
+        for (int64_t k = 0; k < 8; k += 4) {
+            float *p = buf + base + k;
+            __m128 x0 = _mm_loadu_ps(p), x1 = _mm_loadu_ps(p + 8), x2 = _mm_loadu_ps(p + 16);
+            __m128 x3 = _mm_loadu_ps(p + 24), x4 = _mm_loadu_ps(p + 32), x5 = _mm_loadu_ps(p + 40);
+            __m128 x6 = _mm_loadu_ps(p + 48), x7 = _mm_loadu_ps(p + 56);
+            __m128 a0 = _mm_add_ps(x0, x1), a1 = _mm_sub_ps(x0, x1), a2 = _mm_add_ps(x2, x3), a3 = _mm_sub_ps(x2, x3);
+            __m128 a4 = _mm_add_ps(x4, x5), a5 = _mm_sub_ps(x4, x5), a6 = _mm_add_ps(x6, x7), a7 = _mm_sub_ps(x6, x7);
+            __m128 b0 = _mm_add_ps(a0, a2), b1 = _mm_add_ps(a1, a3), b2 = _mm_sub_ps(a0, a2), b3 = _mm_sub_ps(a1, a3);
+            __m128 b4 = _mm_add_ps(a4, a6), b5 = _mm_add_ps(a5, a7), b6 = _mm_sub_ps(a4, a6), b7 = _mm_sub_ps(a5, a7);
+            _mm_storeu_ps(p, _mm_add_ps(b0, b4));
+            _mm_storeu_ps(p + 8, _mm_add_ps(b1, b5));
+            _mm_storeu_ps(p + 16, _mm_add_ps(b2, b6));
+            _mm_storeu_ps(p + 24, _mm_add_ps(b3, b7));
+            _mm_storeu_ps(p + 32, _mm_sub_ps(b0, b4));
+            _mm_storeu_ps(p + 40, _mm_sub_ps(b1, b5));
+            _mm_storeu_ps(p + 48, _mm_sub_ps(b2, b6));
+            _mm_storeu_ps(p + 56, _mm_sub_ps(b3, b7));
+        }
+}
+#endif
+
+#ifdef KIVI_AVX2
+/* Spans 1, 2, 4 inside an 8-float register: a permute brings each b beside its a, a blend keeps a + b
+ * where a sits and a - b where b sits. */
+__attribute__((target("avx2"))) static inline __m256 octet_avx2(__m256 v) {
+    __m256 s = _mm256_permute_ps(v, 0xB1);
+    v = _mm256_blend_ps(_mm256_add_ps(v, s), _mm256_sub_ps(s, v), 0xAA);
+    s = _mm256_permute_ps(v, 0x4E);
+    v = _mm256_blend_ps(_mm256_add_ps(v, s), _mm256_sub_ps(s, v), 0xCC);
+    s = _mm256_permute2f128_ps(v, v, 0x01);
+    return _mm256_blend_ps(_mm256_add_ps(v, s), _mm256_sub_ps(s, v), 0xF0);
+}
+
+/* One 64-float block whole in registers (row o of an 8 x 8 matrix in register o): spans 1, 2, 4 in
+ * each, spans 8, 16, 32 across them, then times norm. */
+__attribute__((target("avx2"))) static void fwht64_avx2(float *restrict p, float norm) {
+    __m256 x0 = octet_avx2(_mm256_loadu_ps(p)), x1 = octet_avx2(_mm256_loadu_ps(p + 8));
+    __m256 x2 = octet_avx2(_mm256_loadu_ps(p + 16)), x3 = octet_avx2(_mm256_loadu_ps(p + 24));
+    __m256 x4 = octet_avx2(_mm256_loadu_ps(p + 32)), x5 = octet_avx2(_mm256_loadu_ps(p + 40));
+    __m256 x6 = octet_avx2(_mm256_loadu_ps(p + 48)), x7 = octet_avx2(_mm256_loadu_ps(p + 56));
+    __m256 a0 = _mm256_add_ps(x0, x1), a1 = _mm256_sub_ps(x0, x1), a2 = _mm256_add_ps(x2, x3);
+    __m256 a3 = _mm256_sub_ps(x2, x3), a4 = _mm256_add_ps(x4, x5), a5 = _mm256_sub_ps(x4, x5);
+    __m256 a6 = _mm256_add_ps(x6, x7), a7 = _mm256_sub_ps(x6, x7);
+    __m256 b0 = _mm256_add_ps(a0, a2), b1 = _mm256_add_ps(a1, a3), b2 = _mm256_sub_ps(a0, a2);
+    __m256 b3 = _mm256_sub_ps(a1, a3), b4 = _mm256_add_ps(a4, a6), b5 = _mm256_add_ps(a5, a7);
+    __m256 b6 = _mm256_sub_ps(a4, a6), b7 = _mm256_sub_ps(a5, a7), k = _mm256_set1_ps(norm);
+    _mm256_storeu_ps(p, _mm256_mul_ps(_mm256_add_ps(b0, b4), k));
+    _mm256_storeu_ps(p + 8, _mm256_mul_ps(_mm256_add_ps(b1, b5), k));
+    _mm256_storeu_ps(p + 16, _mm256_mul_ps(_mm256_add_ps(b2, b6), k));
+    _mm256_storeu_ps(p + 24, _mm256_mul_ps(_mm256_add_ps(b3, b7), k));
+    _mm256_storeu_ps(p + 32, _mm256_mul_ps(_mm256_sub_ps(b0, b4), k));
+    _mm256_storeu_ps(p + 40, _mm256_mul_ps(_mm256_sub_ps(b1, b5), k));
+    _mm256_storeu_ps(p + 48, _mm256_mul_ps(_mm256_sub_ps(b2, b6), k));
+    _mm256_storeu_ps(p + 56, _mm256_mul_ps(_mm256_sub_ps(b3, b7), k));
+}
+
+static int have_avx2(void) {
+    static int known = -1;
+    if (known < 0) known = __builtin_cpu_supports("avx2") ? 1 : 0;
+    return known;
+}
+#endif
+
 /* In place: the orthonormal Walsh-Hadamard transform of a power-of-two vector (its own inverse). */
 static void fwht(float *restrict buf, int64_t n, float norm) {
     int64_t h = 1;
+#ifdef KIVI_AVX2
+    if (n == 64 && have_avx2()) {
+        fwht64_avx2(buf, norm);
+        return;
+    }
+#endif
     if (n >= 8) {
         butterflies_1_2_4(buf, n);
         h = 8;
     }
+#ifdef __SSE2__
+    if (n >= 64) {
+        butterflies_8_16_32(buf, n);
+        h = 64;
+    }
+#endif
     for (; h < n; h *= 2)
         for (int64_t i = 0; i < n; i += 2 * h) {
             float *restrict a = buf + i, *restrict b = buf + i + h;
@@ -124,7 +212,7 @@ static void fwht(float *restrict buf, int64_t n, float norm) {
 /* Keys: codes (L, N, C*b/8) per channel over groups of key_tokens tokens -> rows of C values at
  * out + layer * out_layer + t * C * itemsize. meta8: meta (L, G, C) uint16, ref (L, C) fp16 bits;
  * else meta holds fp16 (scale, zero) pairs (L, G, C, 2). Returns 0, or -1 without memory. */
-int kivi_decode_keys(const uint8_t *codes, int64_t nl, int64_t n, int64_t nc, int bits, int64_t key_tokens,
+CLONES int kivi_decode_keys(const uint8_t *codes, int64_t nl, int64_t n, int64_t nc, int bits, int64_t key_tokens,
                      int meta8, const uint8_t *meta, const uint8_t *ref, const float *pow_table, int kind,
                      uint8_t *out, int64_t out_layer) {
     int64_t isz = kind == KIND_F32 ? 4 : 2, row = nc * bits / 8, groups = (n + key_tokens - 1) / key_tokens;
@@ -160,7 +248,7 @@ int kivi_decode_keys(const uint8_t *codes, int64_t nl, int64_t n, int64_t nc, in
 /* Values: codes (L, T, C*b/8) per token in groups of `group` channels -> out (L, T, C), each head of
  * `head_dim` channels rotated back when `rotate`. meta8: meta (L, T, G) uint16, ref (L, G) fp16
  * bits; else meta holds fp16 (scale, zero) pairs (L, T, G, 2). Returns 0, or -1 without memory. */
-int kivi_decode_values(const uint8_t *codes, int64_t nl, int64_t nt, int64_t nc, int bits, int64_t group,
+CLONES int kivi_decode_values(const uint8_t *codes, int64_t nl, int64_t nt, int64_t nc, int bits, int64_t group,
                        int64_t head_dim, int rotate, float norm, int meta8, const uint8_t *meta, const uint8_t *ref,
                        const float *pow_table, int kind, uint8_t *out) {
     int64_t isz = kind == KIND_F32 ? 4 : 2, row = nc * bits / 8, ng = nc / group;
