@@ -1,12 +1,14 @@
 """The kivi4 / kivi2 decode in C (kivi_kernels.c, built on first use by kvstore.c_build): the
 torch decode in kivi.py, bit for bit, at several GB/s on one core (bench_codec_quality.py). Without
-a C compiler, or with KVSTORE_KIVI_KERNEL=0, kivi.py decodes with torch."""
+a C compiler, or with KVSTORE_KIVI_KERNEL=0, kivi.py decodes with torch. A head of 64 values is
+rotated back in AVX2 registers where the CPU has them (KVSTORE_KIVI_SIMD=0: SSE2, the same bits)."""
 
 from __future__ import annotations
 
 import ctypes
 import functools
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +30,9 @@ def _lib() -> ctypes.CDLL | None:
     p, i64, i, f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     lib.kivi_decode_keys.argtypes = [p, i64, i64, i64, i, i64, i, p, p, p, i, p, i64]
     lib.kivi_decode_values.argtypes = [p, i64, i64, i64, i, i64, i64, i, f, i, p, p, p, i, p]
-    lib.kivi_decode_keys.restype = lib.kivi_decode_values.restype = i
+    lib.kivi_decode_keys.restype = lib.kivi_decode_values.restype = lib.kivi_simd.restype = i
+    lib.kivi_simd.argtypes = [i]
+    lib.kivi_simd(int(os.environ.get("KVSTORE_KIVI_SIMD", "1") != "0"))
     return lib
 
 

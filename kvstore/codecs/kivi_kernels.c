@@ -171,12 +171,25 @@ __attribute__((target("avx2"))) static void fwht64_avx2(float *restrict p, float
     _mm256_storeu_ps(p + 56, _mm256_mul_ps(_mm256_sub_ps(b3, b7), k));
 }
 
+static int use_avx2 = -1; /* -1: as the CPU can */
+
 static int have_avx2(void) {
-    static int known = -1;
-    if (known < 0) known = __builtin_cpu_supports("avx2") ? 1 : 0;
-    return known;
+    if (use_avx2 < 0) use_avx2 = __builtin_cpu_supports("avx2") ? 1 : 0;
+    return use_avx2;
 }
 #endif
+
+/* 0 turns the AVX2 rotation off (tests take the SSE2 path with it; same bits), 1 back to what the CPU
+ * has. Returns whether it is on. */
+int kivi_simd(int on) {
+#ifdef KIVI_AVX2
+    use_avx2 = on ? -1 : 0;
+    return have_avx2();
+#else
+    (void)on;
+    return 0;
+#endif
+}
 
 /* In place: the orthonormal Walsh-Hadamard transform of a power-of-two vector (its own inverse). */
 static void fwht(float *restrict buf, int64_t n, float norm) {

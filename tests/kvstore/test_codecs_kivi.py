@@ -260,6 +260,22 @@ def test_the_c_decode_is_the_torch_decode_bit_for_bit(name: str) -> None:
     assert torch.equal(_bits(out), _bits(_torch_decode(codec, payload, params, shape, dtype)))
 
 
+def test_the_sse2_rotation_is_the_avx2_one() -> None:
+    """A 64-value head is rotated back in AVX2 registers where the CPU has them; the SSE2 path (CPUs
+    without AVX2, other head sizes) must give the same bits."""
+    codec, shape, dtype, opts = KERNEL_CASES["kivi4-default-bf16"]
+    payload, params = get_codec(codec).encode(make_kv(shape, dtype, seed=7), **opts)
+    lib = cpu_kivi._lib()
+    assert lib is not None
+    try:
+        assert lib.kivi_simd(0) == 0
+        sse2 = get_codec(codec).decode(payload, params, shape, dtype)
+    finally:
+        lib.kivi_simd(1)
+    assert torch.equal(_bits(sse2), _bits(get_codec(codec).decode(payload, params, shape, dtype)))
+    assert torch.equal(_bits(sse2), _bits(_torch_decode(codec, payload, params, shape, dtype)))
+
+
 def test_without_the_kernel_torch_decodes(monkeypatch: pytest.MonkeyPatch) -> None:
     kv = make_kv((2, 2, 64, 2, 64), torch.bfloat16)
     payload, params = get_codec("kivi4").encode(kv)
