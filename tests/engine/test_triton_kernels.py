@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.triton_interpret import interpreted_rows
 
 # name: (q... per-seq context lengths, heads, kv_heads, head_dim, block_size, window, dtype)
 DECODE_CASES = {
@@ -114,17 +113,7 @@ def run_all(device: str, model_dir: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def interpreted(tiny_checkpoints) -> dict[str, dict]:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.engine.test_triton_kernels", str(tiny_checkpoints["llama"])],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    rows = interpreted_rows("tests.engine.test_triton_kernels", str(tiny_checkpoints["llama"]))
     return {r["case"]: r for r in rows}
 
 

@@ -4,12 +4,6 @@ shapes, the interpreter runs at a few MB/s), and compiled on CUDA when a GPU is 
 from __future__ import annotations
 
 import importlib
-import json
-import os
-import subprocess
-import sys
-import traceback
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,6 +12,7 @@ import torch
 from kvstore.blob import decode_blob, encode_blob
 from kvstore.codecs import get_codec
 from kvstore.codecs.int4 import Int4Layout, layout_for
+from tests.triton_interpret import interpreted_errors, report
 
 CASES = [  # (name, shape, dtype, codec, options)
     ("fp8-token-f16", (2, 2, 64, 2, 64), torch.float16, "fp8", {}),
@@ -35,25 +30,9 @@ CASES = [  # (name, shape, dtype, codec, options)
 ]
 
 
-REPO = Path(__file__).resolve().parents[2]
-
-
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, str]:
-    """Every case run under TRITON_INTERPRET=1 in a fresh interpreter: the decision to interpret is
-    taken when triton.language is first imported, which other test modules have done already."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.kvstore.test_codecs_triton"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    return {r["case"]: r["error"] for r in rows}
+    return interpreted_errors("tests.kvstore.test_codecs_triton")
 
 
 def _kv(shape: tuple[int, ...], dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
@@ -131,13 +110,5 @@ def test_triton_matches_cpu_path_on_cuda(name, shape, dtype, codec, options) -> 
 
 
 if __name__ == "__main__":
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    torch.set_num_threads(1)
     _tk = importlib.import_module("kvstore.codecs.triton_kernels")
-    for _name, _shape, _dtype, _codec, _options in CASES:
-        try:
-            _check_case(_tk, _shape, _dtype, _codec, _options, "cpu")
-            _err = ""
-        except Exception:  # reported to the parent test, which fails on it
-            _err = traceback.format_exc()
-        print(json.dumps({"case": _name, "error": _err}), flush=True)
+    report({c[0]: (lambda c=c: _check_case(_tk, *c[1:], "cpu")) for c in CASES})

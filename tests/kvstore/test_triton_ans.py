@@ -10,13 +10,7 @@ one JSON line per case; each pytest test checks its line.
 from __future__ import annotations
 
 import importlib
-import json
-import os
-import subprocess
-import sys
-import traceback
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,8 +19,8 @@ import torch
 from kvstore.codecs import ans, get_codec
 from kvstore.errors import CodecError
 from tests.kvstore.test_codecs import make_kv
+from tests.triton_interpret import interpreted_errors, report
 
-REPO = Path(__file__).resolve().parents[2]
 pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(not ans.kernel_available(), reason="no C compiler for the rANS kernel")
 
@@ -159,18 +153,7 @@ CASES: dict[str, Callable[[str], None]] = {
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, str]:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.kvstore.test_triton_ans"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    return {r["case"]: r["error"] for r in rows}
+    return interpreted_errors("tests.kvstore.test_triton_ans")
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -188,12 +171,4 @@ def test_triton_rans_matches_the_c_kernel_on_cuda(name: str) -> None:
 
 
 if __name__ == "__main__":
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    torch.set_num_threads(1)
-    for _name, _case in CASES.items():
-        try:
-            _case("cpu")
-            _err = ""
-        except Exception:  # reported to the parent test, which fails on it
-            _err = traceback.format_exc()
-        print(json.dumps({"case": _name, "error": _err}), flush=True)
+    report({name: (lambda case=case: case("cpu")) for name, case in CASES.items()})

@@ -6,12 +6,6 @@ test_triton_ans.py, the interpreted cases run in one subprocess that prints one 
 from __future__ import annotations
 
 import importlib
-import json
-import os
-import subprocess
-import sys
-import traceback
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,8 +13,8 @@ import torch
 from kvstore.codecs import get_codec
 from kvstore.codecs.kivi import KiviLayout
 from tests.kvstore.test_codecs import make_kv
+from tests.triton_interpret import interpreted_errors, report
 
-REPO = Path(__file__).resolve().parents[2]
 pytest.importorskip("triton")
 
 CASES = {  # name: (codec, shape, dtype, options)
@@ -76,18 +70,7 @@ def test_the_scale_table_is_kivis() -> None:
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, str]:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.kvstore.test_triton_kivi"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    return {r["case"]: r["error"] for r in rows}
+    return interpreted_errors("tests.kvstore.test_triton_kivi")
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -104,12 +87,4 @@ def test_triton_kivi_matches_the_cpu_decode_on_cuda(name: str) -> None:
 
 
 if __name__ == "__main__":
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    torch.set_num_threads(1)
-    for _name, _case in CASES.items():
-        try:
-            check(*_case, "cpu")
-            _err = ""
-        except Exception:  # reported to the parent test, which fails on it
-            _err = traceback.format_exc()
-        print(json.dumps({"case": _name, "error": _err}), flush=True)
+    report({name: (lambda case=case: check(*case, "cpu")) for name, case in CASES.items()})
