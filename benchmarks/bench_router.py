@@ -129,6 +129,18 @@ def engine_counters(url: str) -> dict[str, float]:
     return out
 
 
+def router_expected(url: str) -> dict[str, dict[str, float]]:
+    """policy -> the router's expectation of where its requests' prompt tokens come from (source ->
+    tokens: local, remote, miss), summed over the engines (kvstore_router_prompt_tokens)."""
+    text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+    out: dict[str, dict[str, float]] = collections.defaultdict(lambda: collections.defaultdict(float))
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == "kvstore_router_prompt_tokens_total":
+                out[s.labels["policy"]][s.labels["source"]] += s.value
+    return out
+
+
 async def one(session, router, policy, tokens, max_tokens, record) -> None:
     body = {"prompt": tokens, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
     sent = time.monotonic()
@@ -249,6 +261,13 @@ def main() -> int:
         print(f"CPU beside the engines in {w:.1f} s of rounds: the routers, kvstore-server and this client "
               f"{overhead['cpu'] / w:.2f} cores, the rest of the box {(overhead['box'] - overhead['cpu']) / w:.2f}; "
               f"in all {overhead['box'] / w:.2f} cores")  # fmt: skip
+        expected = router_expected(router)  # the router's index against what the engines reported
+        for pol in policies:
+            e = expected.get(pol.split("/")[0]) if pol != NO_STORE else None
+            if e and sum(e.values()):
+                n = sum(e.values())
+                print(f"{pol}: the router expected local {e['local'] / n:.1%}, store {e['remote'] / n:.1%}, "
+                      f"computed {e['miss'] / n:.1%} of its prompt tokens")  # fmt: skip
         costs = router_state(router)["costs"]
         print(
             "the router's calibrated costs at the end: " + ", ".join(f"{k} {v:.3g}" for k, v in costs.items())

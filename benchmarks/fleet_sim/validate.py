@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 from benchmarks import bench_router
+from benchmarks.fleet_sim import calibrate
 from benchmarks.fleet_sim.engine import Job
 from benchmarks.fleet_sim.profile import load_profile
 from benchmarks.fleet_sim.sim import Fleet, SimConfig
@@ -191,6 +192,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--real", type=Path, help="bench_router.py's saved output (default: run it now)")
     p.add_argument("--save", type=Path, help="write bench_router.py's output here")
     p.add_argument("--profile", default="smollm2-cpu")
+    p.add_argument("--calibrate", type=Path, metavar="OUT",
+                   help="measure the smollm2-cpu profile now (calibrate.py --out OUT) and simulate with it: "
+                        "this shared box's speed moves by up to 2x between days, and a profile of another "
+                        "day times another machine")  # fmt: skip
     p.add_argument("--window", type=int, default=1500)
     p.add_argument("--conversations", type=int, default=12)
     p.add_argument("--rounds", type=int, default=2)
@@ -205,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
                         "measured beside its engines)")  # fmt: skip
     p.add_argument("--policies", type=lambda t: t.split(","), default=list(bench_router.POLICIES))
     args = p.parse_args(argv)
+    if args.calibrate:
+        calibrate.main(["--out", str(args.calibrate)])
+        args.profile = str(args.calibrate)
     text = args.real.read_text() if args.real else run_real(args)
     if args.save:
         args.save.write_text(text)
