@@ -49,7 +49,8 @@ def parse_real(text: str) -> dict[str, dict[str, float]]:
         m = ROW.match(line)
         if m:
             out[m["policy"]] = {"local": float(m["local"]) / 100, "store": float(m["store"]) / 100,
-                                "p50": float(m["p50"]), "p90": float(m["p90"]), "rps": float(m["rps"])}  # fmt: skip
+                                "p50": float(m["p50"]), "p90": float(m["p90"]), "rps": float(m["rps"]),
+                                "imbalance": float(m["imbalance"])}  # fmt: skip
     if not out:
         raise ValueError("no policy rows in bench_router.py's output")
     return out
@@ -131,9 +132,10 @@ def run_sim(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     for pol, jobs in per_policy.items():
         prompt = sum(j.req.input_tokens for j in jobs)
         ttfts = [j.first_token_s - j.sent_s for j in jobs]
+        counts = [sum(j.engine == e for j in jobs) for e in range(3)]
         out[pol] = {"local": sum(j.local_tokens for j in jobs) / prompt, "store": sum(j.store_tokens for j in jobs) / prompt,
                     "p50": statistics.median(ttfts), "p90": bench_router.pct(ttfts, 0.9),
-                    "rps": len(jobs) / walls[pol]}  # fmt: skip
+                    "rps": len(jobs) / walls[pol], "imbalance": max(counts) / statistics.mean(counts)}  # fmt: skip
     return out
 
 
@@ -152,7 +154,8 @@ def compare(real: dict[str, dict[str, float]], sim: dict[str, dict[str, float]])
     TTFT p50 per policy, and the policies' orders by each wherever the real run orders them."""
     pols = [p for p in real if p in sim]
     lines = [f"{'policy':>20} | {'hit real':>8} {'sim':>6} {'diff':>6} | {'local real':>10} {'sim':>6} | "
-             f"{'store real':>10} {'sim':>6} | {'p50 real':>8} {'sim':>7} {'diff':>6} | {'p90 real':>8} {'sim':>7}"]  # fmt: skip
+             f"{'store real':>10} {'sim':>6} | {'p50 real':>8} {'sim':>7} {'diff':>6} | {'p90 real':>8} {'sim':>7} | "
+             f"{'imbalance real':>14} {'sim':>5}"]  # fmt: skip
     ok = True
     for p in pols:
         r, s = real[p], sim[p]
@@ -162,7 +165,7 @@ def compare(real: dict[str, dict[str, float]], sim: dict[str, dict[str, float]])
         ok &= abs(dh) <= HIT_POINTS and abs(dt) <= TTFT_P50
         lines.append(f"{p:>20} | {hr:>8.1%} {hs:>6.1%} {dh:>+5.1f}p | {r['local']:>10.1%} {s['local']:>6.1%} | "
                      f"{r['store']:>10.1%} {s['store']:>6.1%} | {r['p50']:>7.3f}s {s['p50']:>6.3f}s {dt:>+6.0%} | "
-                     f"{r['p90']:>7.3f}s {s['p90']:>6.3f}s")  # fmt: skip
+                     f"{r['p90']:>7.3f}s {s['p90']:>6.3f}s | {r['imbalance']:>14.2f} {s['imbalance']:>5.2f}")  # fmt: skip
     for key, name, reverse in (
         ("p50", "TTFT p50 (fastest first)", False),
         (None, "hit rate (highest first)", True),
