@@ -21,7 +21,14 @@ Mooncake conversation trace, 2 rounds x 12 conversations (...)
 
 def test_parse_real() -> None:
     real = validate.parse_real(REAL)
-    assert real["round_robin"] == {"local": 0.05, "store": 0.40, "p50": 0.4, "p90": 0.9, "rps": 1.4}
+    assert real["round_robin"] == {
+        "local": 0.05,
+        "store": 0.40,
+        "p50": 0.4,
+        "p90": 0.9,
+        "rps": 1.4,
+        "imbalance": 1.1,
+    }
     assert real["ttft"]["local"] == pytest.approx(0.2)
     with pytest.raises(ValueError):
         validate.parse_real("no table here")
@@ -29,10 +36,11 @@ def test_parse_real() -> None:
 
 def test_compare_judges_the_residuals() -> None:
     real = validate.parse_real(REAL)
-    close = {"round_robin": {"local": 0.06, "store": 0.40, "p50": 0.44, "p90": 1.0},
-             "ttft": {"local": 0.19, "store": 0.30, "p50": 0.29, "p90": 0.8}}  # fmt: skip
+    close = {"round_robin": {"local": 0.06, "store": 0.40, "p50": 0.44, "p90": 1.0, "imbalance": 1.0},
+             "ttft": {"local": 0.19, "store": 0.30, "p50": 0.29, "p90": 0.8, "imbalance": 1.25}}  # fmt: skip
     table, ok = validate.compare(real, close)
     assert ok and "+1.0p" in table and "same" in table
+    assert "1.30  1.25" in table  # imbalance, real and simulated: shown, not judged
     far = {**close, "ttft": {**close["ttft"], "p50": 0.5}}  # +67%, and now slower than round_robin
     table, ok = validate.compare(real, far)
     assert not ok and "DIFFERENT" in table
@@ -46,7 +54,7 @@ def test_the_replay_simulates_every_policy(tmp_path) -> None:
     sim = validate.run_sim(args)
     assert set(sim) == {"round_robin", "ttft", "round_robin/no-store"}
     for r in sim.values():
-        assert 0 < r["local"] + r["store"] < 1 and 0 < r["p50"] <= r["p90"]
+        assert 0 < r["local"] + r["store"] < 1 and 0 < r["p50"] <= r["p90"] and r["imbalance"] >= 1
 
 
 def test_rounds_spread_their_conversations_over_the_window() -> None:
@@ -67,9 +75,9 @@ def test_rounds_spread_their_conversations_over_the_window() -> None:
 
 
 def test_orders_count_only_where_the_real_run_orders_the_policies() -> None:
-    real = {"a": {"local": 0.30, "store": 0.20, "p50": 0.40, "p90": 1.0},
-            "b": {"local": 0.31, "store": 0.20, "p50": 0.41, "p90": 1.0},  # a tie with a: 1 point, 2.5%
-            "c": {"local": 0.10, "store": 0.0, "p50": 0.80, "p90": 2.0}}  # fmt: skip
+    real = {"a": {"local": 0.30, "store": 0.20, "p50": 0.40, "p90": 1.0, "imbalance": 1.0},
+            "b": {"local": 0.31, "store": 0.20, "p50": 0.41, "p90": 1.0, "imbalance": 1.0},  # a tie with a
+            "c": {"local": 0.10, "store": 0.0, "p50": 0.80, "p90": 2.0, "imbalance": 1.0}}  # fmt: skip
     swapped = {**real, "a": real["b"], "b": real["a"]}  # a and b in the other order: still fine
     table, ok = validate.compare(real, swapped)
     assert ok and table.count("2 pairs apart") == 2, table
