@@ -111,7 +111,9 @@ class SimEngine:
             self.fleet.learn(self.index, key)
 
     def _release(self, job: Job) -> None:
-        for key in job.held:
+        # tail chunks join the LRU first, so they are evicted first and a shared head (a system prompt)
+        # last: kvstore-engine's and vLLM's free queue order (BlockManager.free)
+        for key in reversed(job.held):
             n = self.holders[key] - 1
             if n:
                 self.holders[key] = n
