@@ -19,7 +19,6 @@ from kvstore.codecs import common
 
 _SRC = Path(__file__).with_name("kivi_kernels.c")
 _FLAGS = ("-O3", "-shared", "-fPIC", "-std=c11", "-ffp-contract=off")  # no -march: the .so may move
-POW = np.array([2.0 ** (-c / 16) for c in range(256)], dtype=np.float32)  # kivi._POW (a test checks)
 
 
 @functools.cache
@@ -40,13 +39,15 @@ def kernel_available() -> bool:
     return _lib() is not None
 
 
-def decode(parts: dict[str, np.ndarray], lay: Any, kind: int, ob: np.ndarray) -> bool:
+def decode(parts: dict[str, np.ndarray], lay: Any, kind: int, ob: np.ndarray, pow_table: np.ndarray) -> bool:
     """A kivi payload's sections (kivi.KiviLayout.carve) -> ob, the KV's bits as a C-contiguous
-    (2, L, T, C); the sink keys are the caller's. False (nothing written) without the kernel."""
+    (2, L, T, C); the sink keys are the caller's. `pow_table`: kivi's 8bit scale grid (float32 [256]).
+    False (nothing written) without the kernel."""
     lib = _lib()
     if lib is None:
         return False
     assert ob.flags.c_contiguous and ob.shape == (2, lay.shape[1], lay.shape[2], lay.channels)
+    assert pow_table.dtype == np.float32 and pow_table.shape == (256,) and pow_table.flags.c_contiguous
     _, nl, nt, _, d = lay.shape
     c, bits = lay.channels, lay.bits
     ptr = {n: a.ctypes.data for n, a in parts.items()}
@@ -57,7 +58,7 @@ def decode(parts: dict[str, np.ndarray], lay: Any, kind: int, ob: np.ndarray) ->
         meta, ref = (ptr["k_meta"], ptr["k_ref"]) if k8 else (ptr["k_sz"], None)
         out = ob[0].ctypes.data + lay.sink * c * ob.itemsize
         err = lib.kivi_decode_keys(
-            ptr["k_codes"], nl, nt - lay.sink, c, bits, lay.key_tokens, k8, meta, ref, POW.ctypes.data, kind,
+            ptr["k_codes"], nl, nt - lay.sink, c, bits, lay.key_tokens, k8, meta, ref, pow_table.ctypes.data, kind,
             out, layer_bytes,
         )  # fmt: skip
         if err:
@@ -67,7 +68,7 @@ def decode(parts: dict[str, np.ndarray], lay: Any, kind: int, ob: np.ndarray) ->
         meta, ref = (ptr["v_meta"], ptr["v_ref"]) if v8 else (ptr["v_sz"], None)
         err = lib.kivi_decode_values(
             ptr["v_codes"], nl, nt, c, bits, lay.value_group, d, lay.rotate_values, 1 / math.sqrt(d), v8,
-            meta, ref, POW.ctypes.data, kind, ob[1].ctypes.data,
+            meta, ref, pow_table.ctypes.data, kind, ob[1].ctypes.data,
         )  # fmt: skip
         if err:
             raise MemoryError("kivi: the value decode's buffers")

@@ -356,7 +356,7 @@ class KiviCodec:
             )
         parts = lay.carve(common.payload_array(payload))
         out, ob = common.empty_bits((2, lay.shape[1], lay.shape[2], lay.channels), dtype)
-        if not cpu_kivi.decode(parts, lay, common.KINDS[dtype], ob):  # no C compiler: torch, bit for bit
+        if not cpu_kivi.decode(parts, lay, common.KINDS[dtype], ob, _POW.numpy()):  # no compiler: torch
             _decode_torch(parts, lay, self.bits, out)
         if lay.sink:
             ob[0, :, : lay.sink] = parts["sink"]

@@ -82,10 +82,10 @@ static void unpack(const uint8_t *restrict codes, int64_t n, int bits, float *re
     }
 }
 
+#ifdef __SSE2__
 /* The first three butterfly stages (spans 1, 2, 4) of each octet: a loop of 1 to 4 iterations does
  * not vectorise, so SSE2 does them in registers, two 4-float vectors at a time. */
 static void butterflies_1_2_4(float *restrict buf, int64_t n) {
-#ifdef __SSE2__
     for (int64_t i = 0; i < n; i += 8) {
         __m128 v = _mm_loadu_ps(buf + i), w = _mm_loadu_ps(buf + i + 4);
         __m128 e = _mm_shuffle_ps(v, w, _MM_SHUFFLE(2, 0, 2, 0)), o = _mm_shuffle_ps(v, w, _MM_SHUFFLE(3, 1, 3, 1));
@@ -99,18 +99,8 @@ static void butterflies_1_2_4(float *restrict buf, int64_t n) {
         _mm_storeu_ps(buf + i, _mm_add_ps(v, w)); /* span 4 */
         _mm_storeu_ps(buf + i + 4, _mm_sub_ps(v, w));
     }
-#else
-    for (int64_t h = 1; h < 8; h *= 2)
-        for (int64_t i = 0; i < n; i += 2 * h)
-            for (int64_t j = i; j < i + h; j++) {
-                float a = buf[j], b = buf[j + h];
-                buf[j] = a + b;
-                buf[j + h] = a - b;
-            }
-#endif
 }
 
-#ifdef __SSE2__
 /* The spans 8, 16, 32 of each 64-float block: an 8-point transform of rows of an 8 x 8 matrix, four
  * columns at a time in SSE2 registers (the same additions as the stage loop, in the same order). */
 static void butterflies_8_16_32(float *restrict buf, int64_t n) {
@@ -200,11 +190,11 @@ static void fwht(float *restrict buf, int64_t n, float norm) {
         return;
     }
 #endif
+#ifdef __SSE2__ /* without it, the stage loop below does every span */
     if (n >= 8) {
         butterflies_1_2_4(buf, n);
         h = 8;
     }
-#ifdef __SSE2__
     if (n >= 64) {
         butterflies_8_16_32(buf, n);
         h = 64;
