@@ -32,7 +32,8 @@ its own history exists.
 Per policy it prints: local hit rate (prompt tokens from the chosen engine's own prefix cache), store
 hit rate (loaded from the kvstore-server), recompute share (the rest), TTFT p50 / p90 (client side,
 streamed: request sent to first token), throughput (requests per second of round wall time) and load
-imbalance (max / mean requests per engine); then ttft's TTFT p90 against each other's, over all
+imbalance (max / mean requests per engine); where the mean TTFT goes (before the request's first
+prefill step: queued or loading; in prefill; outside the engines: router and HTTP); then ttft's TTFT p90 against each other's, over all
 requests and round by round (the median and range of the rounds' ratios), and the CPU the routers,
 the kvstore-server and this client used beside the engines, and what the rest of the box used
 (other processes: fleet_sim.validate gives the simulated engines only the cores left). Hit rates come from the engines' own counters
@@ -66,6 +67,7 @@ from tests.router.fleet import router_state, start_engine, start_router, start_s
 
 TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 NO_STORE = "round_robin/no-store"  # the baseline: a fleet without kvstore
+COUNTED = ("prompt", "local", "store", "ttft_s", "firsts", "prefill_s")  # engine counters summed per policy
 VOCAB = (1000, 40000)  # SmolLM2 ids drawn from the ordinary part of its 49,152-token vocabulary
 
 
@@ -119,7 +121,9 @@ def box_busy_s() -> float:
 
 def engine_counters(url: str) -> dict[str, float]:
     names = {"vllm:prompt_tokens_total": "prompt", "vllm:prefix_cache_hits_total": "local",
-             "vllm:external_prefix_cache_hits_total": "store"}  # fmt: skip
+             "vllm:external_prefix_cache_hits_total": "store",
+             "vllm:time_to_first_token_seconds_sum": "ttft_s", "vllm:time_to_first_token_seconds_count": "firsts",
+             "vllm:request_prefill_time_seconds_sum": "prefill_s"}  # fmt: skip
     text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
     out = dict.fromkeys(names.values(), 0.0)
     for fam in text_string_to_metric_families(text):
@@ -233,8 +237,7 @@ def main() -> int:
         engine_pids = [proc.proc.pid for proc, _, _ in engines]
         overhead = {"cpu": 0.0, "box": 0.0, "wall": 0.0}  # ours beside the engines; all but the engines
         results = {
-            pol: {"records": [], "rounds": [], "wall": 0.0, "prompt": 0.0, "local": 0.0, "store": 0.0}
-            for pol in policies
+            pol: {"records": [], "rounds": [], "wall": 0.0, **dict.fromkeys(COUNTED, 0.0)} for pol in policies
         }
         for rnd, chunk in enumerate(plan):
             order = policies[rnd % len(policies) :] + policies[: rnd % len(policies)]
@@ -253,7 +256,7 @@ def main() -> int:
                 res["records"] += record
                 res["rounds"].append([t for _, t in record])
                 res["wall"] += wall
-                for k in ("prompt", "local", "store"):
+                for k in COUNTED:
                     res[k] += sum(a[k] - b[k] for a, b in zip(after, before, strict=True))
                 print(f"round {rnd + 1} {pol:>20}: {len(record)} requests in {wall:.1f} s", file=sys.stderr)
         report(args, plan, policies, results, fleets)
@@ -296,6 +299,18 @@ def report(args, plan, policies, results, fleets) -> None:
         p90[pol] = pct(ttfts, 0.9)
         print(f"{pol:>20} {local:>9.1%} {stored:>9.1%} {1 - local - stored:>9.1%} {statistics.median(ttfts):>8.3f}s "
               f"{p90[pol]:>8.3f}s {len(ttfts) / res['wall']:>6.2f} {max(counts) / statistics.mean(counts):>9.2f}")  # fmt: skip
+    print(
+        "\nwhere a request's TTFT goes, mean seconds (the engines' histograms): before its first prefill step "
+        "(queued, loading), in prefill, outside the engines (router, HTTP)"
+    )
+    for pol in policies:
+        res = results[pol]
+        if res["firsts"]:
+            inside, prefill = res["ttft_s"] / res["firsts"], res["prefill_s"] / res["firsts"]
+            client = statistics.mean(t for _, t in res["records"])
+            print(
+                f"{pol:>20} before prefill {inside - prefill:.3f}s  prefill {prefill:.3f}s  outside {client - inside:.3f}s"
+            )
     if "ttft" in p90:
         ratios = ", ".join(f"{p90['ttft'] / v:.2f}x {pol}'s" for pol, v in p90.items() if pol != "ttft")
         print(f"\nttft's TTFT p90 (all rounds' requests): {ratios}")

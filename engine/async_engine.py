@@ -1,7 +1,8 @@
 """`AsyncEngine`: one `LLMEngine` shared by every HTTP request of the OpenAI server.
 
 The engine steps in a worker thread; an asyncio lock keeps `add_request` and `step` apart, so new
-requests join the running batch between two steps. Tokenization (and chat templating) runs in a
+requests join the running batch between two steps (their TTFT counts from their arrival, the wait for
+the running step included). Tokenization (and chat templating) runs in a
 second small pool, so a huge prompt never blocks the event loop or the running streams.
 
 Faults: a request the engine gives up on (its output carries `error`) raises `RequestFailed` in its
@@ -124,8 +125,9 @@ class AsyncEngine:
         if self.draining:
             raise RequestFailed("the server is shutting down", status=503)
         q: asyncio.Queue = asyncio.Queue()
+        arrived = time.monotonic()  # TTFT counts the wait for a running step to end, as vLLM's does
         async with self._lock:
-            self.engine.add_request(prompt_token_ids, params, request_id)
+            self.engine.add_request(prompt_token_ids, params, request_id, arrival_time=arrived)
             self._queues[request_id] = q
         self._wake.set()
         finished = False

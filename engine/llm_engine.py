@@ -136,8 +136,14 @@ class LLMEngine:
         return list(prompt)
 
     def add_request(
-        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
     ) -> Sequence:
+        """Queue a request. `arrival_time` (time.monotonic()): when it reached the server, if earlier than
+        now (a request that waited for a running step to end); TTFT and e2e latency count from it."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequest(f"sampling params must be SamplingParams, got {type(params).__name__}")
@@ -151,6 +157,8 @@ class LLMEngine:
         token_ids = self.tokenize(prompt)
         self.check_request(token_ids, params)
         seq = Sequence(request_id, token_ids, params, prompt=prompt if isinstance(prompt, str) else None)
+        if arrival_time is not None:
+            seq.arrival_time = min(arrival_time, seq.arrival_time)
         if params.structured_outputs is not None:  # compiled (or a cache hit) before anything is queued
             seq.structured_output = self.structured_output.new_request(params.structured_outputs)
         self.requests[request_id] = seq

@@ -37,6 +37,10 @@ ROW = re.compile(
     r"^\s*(?P<policy>[\w/-]+)\s+(?P<local>[\d.]+)%\s+(?P<store>[\d.]+)%\s+(?P<recompute>-?[\d.]+)%\s+"
     r"(?P<p50>[\d.]+)s\s+(?P<p90>[\d.]+)s\s+(?P<rps>[\d.]+)\s+(?P<imbalance>[\d.]+)\s*$"
 )
+PHASES = re.compile(
+    r"^\s*(?P<policy>[\w/-]+) before prefill (?P<before>[\d.]+)s\s+prefill (?P<prefill>[\d.]+)s\s+"
+    r"outside (?P<outside>-?[\d.]+)s\s*$"
+)
 BESIDE = re.compile(r"^CPU beside the engines .*in all (?P<cores>[\d.]+) cores$", re.M)
 HIT_POINTS = 2.0  # the tolerances
 TTFT_P50 = 0.15
@@ -53,6 +57,10 @@ def parse_real(text: str) -> dict[str, dict[str, float]]:
                                 "imbalance": float(m["imbalance"])}  # fmt: skip
     if not out:
         raise ValueError("no policy rows in bench_router.py's output")
+    for line in text.splitlines():  # where the mean TTFT goes (bench_router.py since this was added)
+        m = PHASES.match(line)
+        if m and m["policy"] in out:
+            out[m["policy"]].update({k: float(m[k]) for k in ("before", "prefill", "outside")})
     return out
 
 
@@ -133,9 +141,12 @@ def run_sim(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         prompt = sum(j.req.input_tokens for j in jobs)
         ttfts = [j.first_token_s - j.sent_s for j in jobs]
         counts = [sum(j.engine == e for j in jobs) for e in range(3)]
+        before = statistics.mean(j.scheduled_s - j.sent_s for j in jobs)
+        prefill = statistics.mean(j.first_token_s - j.scheduled_s for j in jobs)
         out[pol] = {"local": sum(j.local_tokens for j in jobs) / prompt, "store": sum(j.store_tokens for j in jobs) / prompt,
                     "p50": statistics.median(ttfts), "p90": bench_router.pct(ttfts, 0.9),
-                    "rps": len(jobs) / walls[pol], "imbalance": max(counts) / statistics.mean(counts)}  # fmt: skip
+                    "rps": len(jobs) / walls[pol], "imbalance": max(counts) / statistics.mean(counts),
+                    "before": before, "prefill": prefill, "outside": 0.0}  # fmt: skip
     return out
 
 
@@ -166,6 +177,14 @@ def compare(real: dict[str, dict[str, float]], sim: dict[str, dict[str, float]])
         lines.append(f"{p:>20} | {hr:>8.1%} {hs:>6.1%} {dh:>+5.1f}p | {r['local']:>10.1%} {s['local']:>6.1%} | "
                      f"{r['store']:>10.1%} {s['store']:>6.1%} | {r['p50']:>7.3f}s {s['p50']:>6.3f}s {dt:>+6.0%} | "
                      f"{r['p90']:>7.3f}s {s['p90']:>6.3f}s | {r['imbalance']:>14.2f} {s['imbalance']:>5.2f}")  # fmt: skip
+    phased = [p for p in pols if "before" in real[p]]
+    if phased:
+        lines.append("mean TTFT, seconds: before the first prefill step (queued, loading) | in prefill | "
+                     "outside the engines (router, HTTP; none simulated)")  # fmt: skip
+        for p in phased:
+            r, s = real[p], sim[p]
+            lines.append(f"{p:>20} | {r['before']:>7.3f}s {s['before']:>6.3f}s | {r['prefill']:>7.3f}s "
+                         f"{s['prefill']:>6.3f}s | {r['outside']:>7.3f}s")  # fmt: skip
     for key, name, reverse in (
         ("p50", "TTFT p50 (fastest first)", False),
         (None, "hit rate (highest first)", True),

@@ -12,8 +12,10 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine.async_engine import AsyncEngine
 from engine.engine_args import EngineArgs
 from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
 from engine.server import build_app
 
 pytestmark = pytest.mark.slow
@@ -202,6 +204,33 @@ async def test_metrics_parse_and_carry_vllm_names(base_url: str, http: aiohttp.C
     assert value("vllm:prompt_tokens", "vllm:prompt_tokens_total") >= 2
     assert value("vllm:time_to_first_token_seconds", "vllm:time_to_first_token_seconds_count") >= 1
     assert value("vllm:num_requests_running", "vllm:num_requests_running") == 0
+
+
+async def test_ttft_counts_the_wait_for_a_running_step(engine: LLMEngine) -> None:
+    """A request that arrives while a step runs joins the batch after it; its TTFT (the engine's
+    histogram and its output's metrics) counts from its arrival, as vLLM's does, not from the join."""
+    aengine = AsyncEngine(engine)
+    await aengine.start()
+    hist = "vllm:time_to_first_token_seconds_sum"
+    before = sum(s.value for f in text_string_to_metric_families(engine.render_metrics().decode())
+                 for s in f.samples if s.name == hist)  # fmt: skip
+    try:
+        outs = []
+
+        async def one() -> None:
+            async for out in aengine.generate([1, 2, 3, 4], SamplingParams(max_tokens=2), "late"):
+                outs.append(out)
+
+        async with aengine._lock:  # the running step: it holds the engine for 0.5 s
+            task = asyncio.create_task(one())
+            await asyncio.sleep(0.5)
+        await asyncio.wait_for(task, 60)
+    finally:
+        await aengine.stop()
+    after = sum(s.value for f in text_string_to_metric_families(engine.render_metrics().decode())
+                for s in f.samples if s.name == hist)  # fmt: skip
+    assert outs[-1].finished and outs[-1].metrics["time_to_first_token"] >= 0.5
+    assert after - before >= 0.5
 
 
 async def test_sigterm_drains_then_fails_what_is_left_and_exits(smollm2_dir: Path, tmp_path: Path) -> None:

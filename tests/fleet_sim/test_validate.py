@@ -34,6 +34,32 @@ def test_parse_real() -> None:
         validate.parse_real("no table here")
 
 
+def test_where_the_ttft_goes_is_parsed_and_shown_beside_the_simulated() -> None:
+    text = (
+        REAL
+        + """
+where a request's TTFT goes, mean seconds (the engines' histograms): before its first prefill step (...)
+         round_robin before prefill 0.250s  prefill 0.300s  outside 0.020s
+"""
+    )
+    real = validate.parse_real(text)
+    assert (real["round_robin"]["before"], real["round_robin"]["prefill"], real["round_robin"]["outside"]) == (
+        0.25, 0.3, 0.02)  # fmt: skip
+    assert "before" not in real["ttft"]
+    sim = {p: {"local": 0.1, "store": 0.4, "p50": 0.4, "p90": 0.9, "imbalance": 1.0, "before": 0.125,
+               "prefill": 0.5, "outside": 0.0} for p in real}  # fmt: skip
+    table, _ = validate.compare(real, sim)
+    assert "  0.250s  0.125s |   0.300s  0.500s |   0.020s" in table
+    assert validate.parse_real(REAL)["round_robin"].keys() == {
+        "local",
+        "store",
+        "p50",
+        "p90",
+        "rps",
+        "imbalance",
+    }
+
+
 def test_compare_judges_the_residuals() -> None:
     real = validate.parse_real(REAL)
     close = {"round_robin": {"local": 0.06, "store": 0.40, "p50": 0.44, "p90": 1.0, "imbalance": 1.0},
@@ -55,6 +81,7 @@ def test_the_replay_simulates_every_policy(tmp_path) -> None:
     assert set(sim) == {"round_robin", "ttft", "round_robin/no-store"}
     for r in sim.values():
         assert 0 < r["local"] + r["store"] < 1 and 0 < r["p50"] <= r["p90"] and r["imbalance"] >= 1
+        assert r["before"] >= 0 and 0 < r["prefill"] < r["p90"]
 
 
 def test_rounds_spread_their_conversations_over_the_window() -> None:
