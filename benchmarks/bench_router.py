@@ -145,17 +145,22 @@ def router_expected(url: str) -> dict[str, dict[str, float]]:
     return out
 
 
-async def one(session, router, policy, tokens, max_tokens, record) -> None:
+async def one(session, router, policy, tokens, max_tokens, record, log=None, log_t0=0.0) -> None:
     body = {"prompt": tokens, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
     sent = time.monotonic()
     ttft = None
     async with session.post(router + "/v1/completions", json=body, headers={"X-KVStore-Policy": policy}) as r:
         r.raise_for_status()
         engine = r.headers["X-KVStore-Engine"]
+        decision = r.headers.get("X-KVStore-Decision")
         async for chunk in r.content.iter_any():
             if ttft is None and b"data:" in chunk:
                 ttft = time.monotonic() - sent
     record.append((engine, ttft if ttft is not None else time.monotonic() - sent))
+    if log is not None:
+        log.write(json.dumps({"policy": policy, "sent_s": round(sent - log_t0, 3), "prompt_tokens": len(tokens),
+                              "engine": engine, "ttft_s": round(record[-1][1], 4),
+                              "decision": json.loads(decision) if decision else None}) + "\n")  # fmt: skip
 
 
 async def run_round(router: str, policy: str, salt: str, convs: list[list[dict]], args) -> tuple[list, float]:
@@ -172,7 +177,7 @@ async def run_round(router: str, policy: str, salt: str, convs: list[list[dict]]
             await asyncio.sleep(max(0.0, due - time.monotonic()))
             tokens = prompt(r, salt, args.block_tokens, args.max_blocks, args.vocab)
             max_tokens = max(1, min(8, round(r["output_length"] / 64)))
-            await one(session, router, policy, tokens, max_tokens, record)
+            await one(session, router, policy, tokens, max_tokens, record, args.decisions_file, start)
 
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout) as session:
@@ -199,10 +204,13 @@ def main() -> int:
     p.add_argument("--kv-cache-memory", default="64MiB", help="each engine's KV cache")
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--no-store-baseline", type=int, default=1, help="1: also run round_robin/no-store")
+    p.add_argument("--decisions", type=Path, help="write each request's routing decision here (JSON lines: "
+                   "policy, send time in its round, engine, TTFT, the router's X-KVStore-Decision)")  # fmt: skip
     p.add_argument("--model", default="smollm2", help="the engines' model (a tiny one checks the plumbing)")
     p.add_argument("--max-model-len", default="1024")
     args = p.parse_args()
     args.vocab = VOCAB
+    args.decisions_file = args.decisions.open("w") if args.decisions else None
     if args.model != "smollm2":
         vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
         args.vocab = (min(VOCAB[0], vocab // 4), min(VOCAB[1], vocab))
@@ -280,6 +288,8 @@ def main() -> int:
         for proc in procs:
             proc.stop()
         store.stop()
+        if args.decisions_file is not None:
+            args.decisions_file.close()
 
 
 def report(args, plan, policies, results, fleets) -> None:

@@ -9,8 +9,11 @@
 - A step prefills up to `max_batched_tokens` (minus one per decoding request) from the queue head and
   decodes one token for every running request; it takes prefill_step_s + each prefilled token's
   prefill_s_per_token (+ prefill_s_per_token_ctx per token before it, + save_s_per_token with a store)
-  + decode_step_s(batch). The first token comes with the end of a request's last prefill step; then its
-  prompt chunks join the prefix cache (a twin computed concurrently stays anonymous, as in vLLM).
+  + decode_step_s(batch). The first token comes with the end of a request's last prefill step. Prompt
+  chunks join the prefix cache (and the router's index) as kvstore-engine caches its blocks: loaded ones
+  when their load finishes, computed ones at the end of the step that filled them, the last partial
+  one with the first token (a twin computed concurrently stays anonymous, as in vLLM); the connector
+  saves the computed ones to the store at the same points.
 - Engines sharing `cpu_cores` (one box's CPUs, as in benchmarks/bench_router.py) run a step
   busy-engines / cores times slower when more of them are busy than there are cores (judged when the
   step starts).
@@ -55,6 +58,7 @@ class Job:
     held: list[bytes] = field(default_factory=list)  # cache chunks it holds a reference on
     scheduled_s: float = math.nan  # its first prefill step began
     load_s: float = 0.0  # seconds its store load took
+    saved: int = 0  # its prompt's chunks before this one were sent to the store (or reused)
     first_token_s: float = math.nan
     finish_s: float = math.nan
     served: int = 0  # how many times it finished (1, or the simulator is wrong)
@@ -99,9 +103,9 @@ class SimEngine:
             self.holders[key] = 1
         job.held.append(key)
 
-    def publish(self, job: Job) -> None:
-        """The prompt chunks `job` computed or loaded join the prefix cache."""
-        for key in job.keys[job.local :]:
+    def publish(self, job: Job, upto: int | None = None) -> None:
+        """The prompt chunks `job` computed or loaded (up to chunk `upto`) join the prefix cache."""
+        for key in job.keys[job.local : upto]:
             if self.has(key):
                 continue  # a twin: this copy stays anonymous in job.reserved
             self.holders[key] = 1
@@ -170,6 +174,9 @@ class SimEngine:
 
     def loaded(self, job: Job) -> None:
         self.loading -= 1
+        self.publish(
+            job, job.local + job.loaded
+        )  # a finished load's blocks are cached (and published) at once
         self.ready.append(job)
         self.kick()
 
@@ -214,7 +221,11 @@ class SimEngine:
         self._advance(decoders, 1)
         for job, n in parts:
             job.prefill_left -= n
-            if job.prefill_left <= 0:
+            if job.prefill_left > 0:  # a chunked prefill: the chunks it filled are cached after each step
+                self.fleet.computed_upto(
+                    job, self, (job.req.input_tokens - job.prefill_left) // job.req.chunk_size
+                )
+            else:
                 self.ready.remove(job)
                 self.fleet.first_token(job, self)
                 if job.decode_left > 0:

@@ -305,12 +305,18 @@ class Fleet:
         self._count(job, now)
         self.waiting_tokens[job.engine] -= job.router_pending
         job.router_pending = 0
-        engine.publish(job)
+        self.computed_upto(job, engine, len(job.keys))
+
+    def computed_upto(self, job: Job, engine: SimEngine, upto: int) -> None:
+        """`job` computed its prompt's chunks before chunk `upto` (a prefill step ended): they join the
+        engine's cache, and the connector saves them to the store (those no earlier step saved)."""
+        engine.publish(job, upto)
         if not self.store.enabled:
             return
-        req = job.req
-        start = job.local + job.loaded
-        keys = [k for k in job.keys[start:] if not self.store.holds(k)]
+        req, now = job.req, self.loop.now
+        start = max(job.local + job.loaded, job.saved)
+        job.saved = max(job.saved, upto)
+        keys = [k for k in job.keys[start:upto] if not self.store.holds(k)]
         if not keys:
             return
         index = {k: i for i, k in enumerate(job.keys)}

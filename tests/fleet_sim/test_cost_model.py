@@ -190,3 +190,39 @@ def test_saving_what_a_step_computed_costs_the_engine_only_with_a_store() -> Non
     assert saved.first_token_s == pytest.approx(0.002 + 600 * (1e-4 + 2e-5))
     with pytest.raises(InvalidArgument, match="costs must be >= 0"):
         Profile.from_dict(profile_doc(**TIMED, save_s_per_token=-1e-5))
+
+
+def test_the_router_sees_chunks_as_the_engine_caches_them() -> None:
+    """As kvstore-engine caches (and publishes) its blocks: a load's when the load finishes, a chunked
+    prefill's at the end of each step, not all at the first token; the connector saves them as they come."""
+    from benchmarks.fleet_sim.sim import Fleet
+
+    doc = profile_doc(**TIMED)
+    doc["tiers"]["valkey"] = {"load_gbps": 1e-3, "aggregate_gbps": 0}  # 1 MB/s: a 1 s load
+    doc["network"] = {"hop_latency_s": 0.001, "nic_gbps": 0}
+    p = Profile.from_dict(doc)
+    keys = ChunkKeys()
+    first = _jobs([(0.0, 1024, 1)], keys)[0]
+    fleet = Fleet(p, SimConfig(2, "round_robin", store_gib=math.inf))
+    fleet.run([first])
+    assert first.engine == 0 and all(fleet.store.holds(k) for k in first.keys)
+    # the same 1,024 tokens, then 2,048 of its own: loads 4 chunks, then prefills 2 steps of 1,024
+    r = TraceRequest(1, 10.0, 3072, 1, (*first.req.hash_ids, 7001, 7002, 7003, 7004))
+    job = Job(r, keys.of(r))
+    fleet.loop.at(10.0, fleet.arrive, job)
+    load_end = 10.0 + 4 * 256 * 1024 / 1e6 + 2 * 0.001
+    step = 0.002 + 1024 * 1e-4
+
+    def on_engine_1() -> list[int]:
+        return [i for i, k in enumerate(job.keys) if 1 in fleet.where.get(k, ())]
+
+    fleet.loop.run(until=load_end - 0.01)
+    assert job.engine == 1 and on_engine_1() == []
+    fleet.loop.run(until=load_end + step / 2)
+    assert on_engine_1() == [0, 1, 2, 3]
+    fleet.loop.run(until=load_end + step * 1.5)
+    assert on_engine_1() == list(range(8)) and math.isnan(job.first_token_s)
+    assert all(fleet.store.holds(k) for k in job.keys[4:8]) and not fleet.store.holds(job.keys[8])
+    fleet.loop.run()
+    assert on_engine_1() == list(range(12)) and job.first_token_s == pytest.approx(load_end + 2 * step)
+    assert all(fleet.store.holds(k) for k in job.keys)
