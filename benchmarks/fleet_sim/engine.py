@@ -60,6 +60,7 @@ class Job:
     load_s: float = 0.0  # seconds its store load took
     saved: int = 0  # its prompt's chunks before this one were sent to the store (or reused)
     first_token_s: float = math.nan
+    last_token_s: float = math.nan
     finish_s: float = math.nan
     served: int = 0  # how many times it finished (1, or the simulator is wrong)
 
@@ -245,8 +246,13 @@ class SimEngine:
         self._step()
 
     def _advance(self, decoders: list[Job], n: int) -> None:
+        """`decoders` got `n` tokens each, the last one now (counted as vLLM's inter-token latency)."""
         done = []
+        now, m = self.fleet.loop.now, self.fleet.metrics
         for job in decoders:
+            m["itl_s"] += now - job.last_token_s
+            m["itl_n"] += n
+            job.last_token_s = now
             job.decode_left -= n
             if job.decode_left <= 0:
                 done.append(job)

@@ -7,8 +7,9 @@ The router sees what the real one sees through KV events: which chunks each engi
 which chunks some tier of some store holds, and its own count of requests in flight and prompt tokens
 waiting per engine (app.py's bookkeeping: added when it routes, the tokens removed at the first token,
 the request at the end). Its costs start at the scoring module's defaults and are calibrated by the
-router's own Calibrator from the counters the engines would export (vLLM's prefill time and prompt,
-prefix-hit and connector load counters, summed over the fleet), scraped every `calibrate_s`.
+router's own Calibrator from the counters the engines would export (vLLM's prefill time, inter-token
+latency, prompt and prefix-hit counters, the connector's load counters, summed over the fleet), scraped
+every `calibrate_s`.
 
 Hit accounting is per trace block (512 tokens = two chunks): a block is a hit when all its chunks were
 reused, from the engine (local) or the store. A missed block a trace would call reused is classified by
@@ -56,6 +57,8 @@ _METRICS = (
     ("vllm:external_prefix_cache_hits_total", "store"),
     ("kvstore_connector_load_seconds_sum", "load_s"),
     ("kvstore_connector_loaded_tokens_total", "loaded"),
+    ("vllm:inter_token_latency_seconds_sum", "itl_s"),
+    ("vllm:inter_token_latency_seconds_count", "itl_n"),
 )
 
 
@@ -301,7 +304,7 @@ class Fleet:
 
     def first_token(self, job: Job, engine: SimEngine) -> None:
         now = self.loop.now
-        job.first_token_s = now
+        job.first_token_s = job.last_token_s = now
         self._count(job, now)
         self.waiting_tokens[job.engine] -= job.router_pending
         job.router_pending = 0

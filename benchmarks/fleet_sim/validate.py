@@ -32,6 +32,7 @@ from benchmarks.fleet_sim.profile import load_profile
 from benchmarks.fleet_sim.sim import Fleet, SimConfig
 from benchmarks.fleet_sim.trace import ChunkKeys, TraceRequest
 from engine.engine_args import parse_size
+from engine.router.scoring import Costs
 
 ROW = re.compile(
     r"^\s*(?P<policy>[\w/-]+)\s+(?P<local>[\d.]+)%\s+(?P<store>[\d.]+)%\s+(?P<recompute>-?[\d.]+)%\s+"
@@ -40,6 +41,10 @@ ROW = re.compile(
 PHASES = re.compile(
     r"^\s*(?P<policy>[\w/-]+) before prefill (?P<before>[\d.]+)s\s+prefill (?P<prefill>[\d.]+)s\s+"
     r"outside (?P<outside>-?[\d.]+)s\s*$"
+)
+COSTS = re.compile(
+    r"calibrated costs at the end: prefill_s_per_token (?P<prefill_s_per_token>\S+), "
+    r"load_s_per_token (?P<load_s_per_token>\S+), step_s_per_request (?P<step_s_per_request>\S+),"
 )
 BESIDE = re.compile(r"^CPU beside the engines .*in all (?P<cores>[\d.]+) cores$", re.M)
 HIT_POINTS = 2.0  # the issue's tolerances
@@ -93,7 +98,9 @@ def _request(index: int, row: dict, arrival_s: float, bt: int, max_blocks: int) 
     return TraceRequest(index, arrival_s, n, out, tuple(ids[: math.ceil(n / bt)]), bt, bt)
 
 
-def run_sim(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+def run_sim(args: argparse.Namespace) -> tuple[dict[str, dict[str, float]], Costs]:
+    """Per policy: hit rates, TTFT p50 / p90 and phases, requests/s, imbalance; and the costs the
+    simulated router (of the fleet with the store) had calibrated at the end."""
     profile = load_profile(args.profile)
     convs = bench_router.conversations(bench_router.TRACE, args.window)
     plan = bench_router.rounds(convs, args.conversations, args.rounds, args.slice)
@@ -147,7 +154,7 @@ def run_sim(args: argparse.Namespace) -> dict[str, dict[str, float]]:
                     "p50": statistics.median(ttfts), "p90": bench_router.pct(ttfts, 0.9),
                     "rps": len(jobs) / walls[pol], "imbalance": max(counts) / statistics.mean(counts),
                     "before": before, "prefill": prefill, "outside": 0.0}  # fmt: skip
-    return out
+    return out, fleets[args.policies[0]].calibrator.costs
 
 
 def separated(real: dict[str, dict[str, float]], x: str, y: str, key: str | None) -> bool:
@@ -241,11 +248,15 @@ def main(argv: list[str] | None = None) -> int:
     real = parse_real(text)
     if args.cpu_cores is None:
         args.cpu_cores = engine_cores(text, float(os.cpu_count() or 1))
-    sim = run_sim(args)
+    sim, costs = run_sim(args)
     print(f"bench_router.py {' '.join(_bench_args(args))}  vs  the simulator, profile {args.profile}, "
           f"the engines sharing {args.cpu_cores:.2f} CPUs\n")  # fmt: skip
     table, ok = compare(real, sim)
     print(table)
+    real_costs = COSTS.search(text)
+    print("the router's calibrated costs at the end, real / simulated: " + ", ".join(
+        f"{k} {real_costs[k] if real_costs else '-'} / {getattr(costs, k):.3g}"
+        for k in ("prefill_s_per_token", "load_s_per_token", "step_s_per_request")))  # fmt: skip
     return 0 if ok else 1
 
 

@@ -157,6 +157,12 @@ def test_the_router_calibrates_its_costs_from_what_the_engines_count(traces) -> 
     # time is wall time too); load: 1024 bytes/token at 0.1 GB/s, over the tokens the engine counts
     assert 1e-4 < costs.prefill_s_per_token < 3e-4
     assert costs.load_s_per_token == pytest.approx(1024 / 0.1e9, rel=0.3)
+    # a step per request in flight: the inter-token latency, decode steps of the running batch and the
+    # prefill steps they share (the real router's measure): between a lone decode step and a full prefill step
+    assert (
+        STEPS["1"] <= costs.step_s_per_request < 0.25
+        and costs.step_s_per_request != Costs().step_s_per_request
+    )
 
 
 def test_the_calibration_fits() -> None:

@@ -9,6 +9,7 @@ import pytest
 
 from benchmarks import bench_router
 from benchmarks.fleet_sim import validate
+from engine.router.scoring import Costs
 
 REAL = """
 Mooncake conversation trace, 2 rounds x 12 conversations (...)
@@ -77,7 +78,8 @@ def test_the_replay_simulates_every_policy(tmp_path) -> None:
                               no_store_baseline=True,
                               block_tokens=32, max_blocks=24, kv_cache_memory="64MiB", cpu_cores=2.0,
                               policies=["round_robin", "ttft"])  # fmt: skip
-    sim = validate.run_sim(args)
+    sim, costs = validate.run_sim(args)
+    assert costs.step_s_per_request != Costs().step_s_per_request  # calibrated from the simulated engines
     assert set(sim) == {"round_robin", "ttft", "round_robin/no-store"}
     for r in sim.values():
         assert 0 < r["local"] + r["store"] < 1 and 0 < r["p50"] <= r["p90"] and r["imbalance"] >= 1
