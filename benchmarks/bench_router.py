@@ -245,7 +245,14 @@ def main() -> int:
         engine_pids = [proc.proc.pid for proc, _, _ in engines]
         overhead = {"cpu": 0.0, "box": 0.0, "wall": 0.0}  # ours beside the engines; all but the engines
         results = {
-            pol: {"records": [], "rounds": [], "wall": 0.0, **dict.fromkeys(COUNTED, 0.0)} for pol in policies
+            pol: {
+                "records": [],
+                "rounds": [],
+                "wall": 0.0,
+                "engine_cpu_s": 0.0,
+                **dict.fromkeys(COUNTED, 0.0),
+            }
+            for pol in policies
         }
         for rnd, chunk in enumerate(plan):
             order = policies[rnd % len(policies) :] + policies[: rnd % len(policies)]
@@ -253,17 +260,20 @@ def main() -> int:
                 url, urls = fleets[pol]
                 before = [engine_counters(u) for u in urls]
                 cpu0 = sum(map(cpu_s, beside)) + time.process_time()
+                engines0 = sum(cpu_s(proc.proc.pid) for proc, u, _ in engines if u in urls)
                 box0 = box_busy_s() - sum(map(cpu_s, engine_pids))
                 record, wall = asyncio.run(run_round(url, pol.split("/")[0], pol, chunk, args))
                 overhead["cpu"] += sum(map(cpu_s, beside)) + time.process_time() - cpu0
                 overhead["box"] += box_busy_s() - sum(map(cpu_s, engine_pids)) - box0
                 overhead["wall"] += wall
+                engines_cpu = sum(cpu_s(proc.proc.pid) for proc, u, _ in engines if u in urls) - engines0
                 time.sleep(1.0)  # the last saves reach the store, the last counters the scrape
                 after = [engine_counters(u) for u in urls]
                 res = results[pol]
                 res["records"] += record
                 res["rounds"].append([t for _, t in record])
                 res["wall"] += wall
+                res["engine_cpu_s"] += engines_cpu
                 for k in COUNTED:
                     res[k] += sum(a[k] - b[k] for a, b in zip(after, before, strict=True))
                 print(f"round {rnd + 1} {pol:>20}: {len(record)} requests in {wall:.1f} s", file=sys.stderr)
@@ -311,16 +321,16 @@ def report(args, plan, policies, results, fleets) -> None:
               f"{p90[pol]:>8.3f}s {len(ttfts) / res['wall']:>6.2f} {max(counts) / statistics.mean(counts):>9.2f}")  # fmt: skip
     print(
         "\nwhere a request's TTFT goes, mean seconds (the engines' histograms): before its first prefill step "
-        "(queued, loading), in prefill, outside the engines (router, HTTP)"
+        "(queued, loading), in prefill, outside the engines (router, HTTP); the CPU seconds the engine "
+        "processes used in the policy's rounds"
     )
     for pol in policies:
         res = results[pol]
         if res["firsts"]:
             inside, prefill = res["ttft_s"] / res["firsts"], res["prefill_s"] / res["firsts"]
             client = statistics.mean(t for _, t in res["records"])
-            print(
-                f"{pol:>20} before prefill {inside - prefill:.3f}s  prefill {prefill:.3f}s  outside {client - inside:.3f}s"
-            )
+            print(f"{pol:>20} before prefill {inside - prefill:.3f}s  prefill {prefill:.3f}s  outside {client - inside:.3f}s"
+                  f"  engines' CPU {res['engine_cpu_s']:.1f}s")  # fmt: skip
     if "ttft" in p90:
         ratios = ", ".join(f"{p90['ttft'] / v:.2f}x {pol}'s" for pol, v in p90.items() if pol != "ttft")
         print(f"\nttft's TTFT p90 (all rounds' requests): {ratios}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -22,6 +23,13 @@ from engine.router.scoring import POLICIES
 from kvstore.errors import InvalidArgument
 
 TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
+
+# generated, out of the repository (KVSTORE_CACHE_DIR as kvstore's other caches)
+PLOT = (
+    Path(os.environ.get("KVSTORE_CACHE_DIR") or Path.home() / ".cache" / "kvstore")
+    / "bench"
+    / "fleet_sim.html"
+)
 
 
 def trace_path(name: str) -> Path:
@@ -75,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--profile", default="llama3-8b-h100", help="a name under benchmarks/fleet_sim/profiles or a path"
     )
     p.add_argument("--json", action="store_true", help="one JSON object a line per configuration")
-    p.add_argument("--plot", type=Path, default=Path("fleet_sim.html"), help="PNG (matplotlib) or HTML")
+    p.add_argument("--plot", type=Path, default=PLOT, help=f"PNG (matplotlib) or HTML (default {PLOT})")
     p.add_argument("--no-plot", action="store_true")
     return p
 

@@ -14,9 +14,9 @@
   when their load finishes, computed ones at the end of the step that filled them, the last partial
   one with the first token (a twin computed concurrently stays anonymous, as in vLLM); the connector
   saves the computed ones to the store at the same points.
-- Engines sharing `cpu_cores` (one box's CPUs, as in benchmarks/bench_router.py) run a step
-  busy-engines / cores times slower when more of them are busy than there are cores (judged when the
-  step starts).
+- Engines sharing `cpu_cores` (one box's CPUs, as in benchmarks/bench_router.py) share them as the OS
+  does (`cpu.SharedCPU`): with more engines in a step than cores, each step runs at cores / busy of
+  its speed, re-divided whenever a step starts or ends.
 - Steps with nothing to prefill are simulated k at a time (k = the fewest tokens any running request
   still needs), cut short at the next step boundary when new work arrives.
 """
@@ -80,7 +80,7 @@ class SimEngine:
         self.loading = 0
         self.busy = False
         self.version = 0
-        self.macro: tuple[float, float, int] | None = None  # (start, step s, steps) of a decode run
+        self.macro: tuple[float, int] | None = None  # (step s at full speed, steps) of a decode run
         self.oversize = 0
         self.steps = 0
 
@@ -139,13 +139,13 @@ class SimEngine:
         if not self.busy:
             self._step()
         elif self.macro is not None:
-            start, step_s, k = self.macro
+            step_s, k = self.macro
             self.macro = None
-            now = self.fleet.loop.now
-            n = min(k, math.floor((now - start) / step_s) + 1) if step_s > 0 else k
+            cpu = self.fleet.cpu
+            n = min(k, math.floor(cpu.done(self.index) / step_s) + 1) if step_s > 0 else k
             if n < k:
                 self.version += 1
-                self.fleet.loop.at(start + n * step_s, self._end_decode, self.version, n)
+                cpu.resize(self.index, n * step_s, self._end_decode, self.version, n)
 
     def _admit(self) -> None:
         limit = self.fleet.profile.max_num_seqs
@@ -175,9 +175,8 @@ class SimEngine:
 
     def loaded(self, job: Job) -> None:
         self.loading -= 1
-        self.publish(
-            job, job.local + job.loaded
-        )  # a finished load's blocks are cached (and published) at once
+        # a finished load's blocks are cached (and published) at once
+        self.publish(job, job.local + job.loaded)
         self.ready.append(job)
         self.kick()
 
@@ -200,23 +199,18 @@ class SimEngine:
                     dt += n * profile.save_s_per_token
                 if math.isnan(job.scheduled_s):
                     job.scheduled_s = loop.now
-            self._set_busy(True)
+            self.busy = True
             self.steps += 1
-            loop.at(loop.now + dt * self.fleet.slowdown(), self._end_prefill, parts, list(self.running))
+            self.fleet.cpu.start(self.index, dt, self._end_prefill, parts, list(self.running))
         elif self.running:
             k = max(min(j.decode_left for j in self.running), 1)
-            self._set_busy(True)
-            step_s = profile.decode_step_s(len(self.running)) * self.fleet.slowdown()
+            self.busy = True
+            step_s = profile.decode_step_s(len(self.running))
             self.version += 1
-            self.macro = (loop.now, step_s, k)
-            loop.at(loop.now + k * step_s, self._end_decode, self.version, k)
+            self.macro = (step_s, k)
+            self.fleet.cpu.start(self.index, k * step_s, self._end_decode, self.version, k)
         else:
-            self._set_busy(False)
-
-    def _set_busy(self, busy: bool) -> None:
-        if busy != self.busy:
-            self.fleet.busy_engines += 1 if busy else -1
-            self.busy = busy
+            self.busy = False
 
     def _end_prefill(self, parts: list[tuple[Job, int]], decoders: list[Job]) -> None:
         self._advance(decoders, 1)
@@ -233,7 +227,7 @@ class SimEngine:
                     self.running.append(job)
                 else:
                     self._finish(job)
-        self._set_busy(False)
+        self.busy = False
         self._step()
 
     def _end_decode(self, version: int, n: int) -> None:
@@ -242,7 +236,7 @@ class SimEngine:
         self.macro = None
         self.steps += n
         self._advance(list(self.running), n)
-        self._set_busy(False)
+        self.busy = False
         self._step()
 
     def _advance(self, decoders: list[Job], n: int) -> None:

@@ -169,6 +169,7 @@ def _figures(
 def write_plot(rows: Sequence[dict[str, Any]], path: Path, title: str) -> Path:
     """A PNG (matplotlib) when `path` ends in .png and matplotlib is installed, else an HTML page."""
     figs = _figures(rows)
+    path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix == ".png":
         try:
             import matplotlib

@@ -27,6 +27,7 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any
 
+from benchmarks.fleet_sim.cpu import SharedCPU
 from benchmarks.fleet_sim.engine import Job, SimEngine
 from benchmarks.fleet_sim.events import EventLoop
 from benchmarks.fleet_sim.network import transfer
@@ -148,12 +149,7 @@ class Fleet:
         self.computed: set[bytes] = set()  # chunks some engine has published
         self.c = Counter()  # block and byte counters
         self.deferred: dict[int, list[Job]] = {}  # id(job) -> jobs waiting for it to finish
-        self.busy_engines = 0
-
-    def slowdown(self) -> float:
-        """How much slower a step runs now: busy engines over the cores they share (1 without)."""
-        cores = self.config.cpu_cores
-        return max(1.0, self.busy_engines / cores) if cores else 1.0
+        self.cpu = SharedCPU(self.loop, config.cpu_cores)  # the engines' steps
 
     # ---- the router's view (KV events) --------------------------------------------------------
     def learn(self, engine: int, key: bytes) -> None:

@@ -40,7 +40,7 @@ ROW = re.compile(
 )
 PHASES = re.compile(
     r"^\s*(?P<policy>[\w/-]+) before prefill (?P<before>[\d.]+)s\s+prefill (?P<prefill>[\d.]+)s\s+"
-    r"outside (?P<outside>-?[\d.]+)s\s*$"
+    r"outside (?P<outside>-?[\d.]+)s(\s+engines' CPU (?P<cpu>[\d.]+)s)?\s*$"
 )
 COSTS = re.compile(
     r"calibrated costs at the end: prefill_s_per_token (?P<prefill_s_per_token>\S+), "
@@ -65,7 +65,7 @@ def parse_real(text: str) -> dict[str, dict[str, float]]:
     for line in text.splitlines():  # where the mean TTFT goes (bench_router.py since this was added)
         m = PHASES.match(line)
         if m and m["policy"] in out:
-            out[m["policy"]].update({k: float(m[k]) for k in ("before", "prefill", "outside")})
+            out[m["policy"]].update({k: float(m[k]) for k in ("before", "prefill", "outside", "cpu") if m[k]})
     return out
 
 
@@ -119,6 +119,7 @@ def run_sim(args: argparse.Namespace) -> tuple[dict[str, dict[str, float]], Cost
     keys = ChunkKeys()
     per_policy: dict[str, list[Job]] = {p: [] for p in policies}
     walls = dict.fromkeys(policies, 0.0)
+    cpu_used = dict.fromkeys(policies, 0.0)  # CPU seconds of the engines' steps
     index = 0
     for rnd, chunk in enumerate(plan):
         k = rnd % len(policies)
@@ -140,11 +141,14 @@ def run_sim(args: argparse.Namespace) -> tuple[dict[str, dict[str, float]], Cost
                     jobs.append(job)
                     prev = job
             jobs.sort(key=lambda j: (j.req.arrival_s, j.req.index))
+            work0 = fleet.cpu.work_s
             fleet.run(jobs)
+            cpu_used[pol] += fleet.cpu.work_s - work0
             walls[pol] += max(j.finish_s for j in jobs) - start
             per_policy[pol] += jobs
     out = {}
     for pol, jobs in per_policy.items():
+        cpu_s = cpu_used[pol]
         prompt = sum(j.req.input_tokens for j in jobs)
         ttfts = [j.first_token_s - j.sent_s for j in jobs]
         counts = [sum(j.engine == e for j in jobs) for e in range(3)]
@@ -153,7 +157,7 @@ def run_sim(args: argparse.Namespace) -> tuple[dict[str, dict[str, float]], Cost
         out[pol] = {"local": sum(j.local_tokens for j in jobs) / prompt, "store": sum(j.store_tokens for j in jobs) / prompt,
                     "p50": statistics.median(ttfts), "p90": bench_router.pct(ttfts, 0.9),
                     "rps": len(jobs) / walls[pol], "imbalance": max(counts) / statistics.mean(counts),
-                    "before": before, "prefill": prefill, "outside": 0.0}  # fmt: skip
+                    "before": before, "prefill": prefill, "outside": 0.0, "cpu": cpu_s}  # fmt: skip
     return out, fleets[args.policies[0]].calibrator.costs
 
 
@@ -186,12 +190,14 @@ def compare(real: dict[str, dict[str, float]], sim: dict[str, dict[str, float]])
                      f"{r['p90']:>7.3f}s {s['p90']:>6.3f}s | {r['imbalance']:>14.2f} {s['imbalance']:>5.2f}")  # fmt: skip
     phased = [p for p in pols if "before" in real[p]]
     if phased:
-        lines.append("mean TTFT, seconds: before the first prefill step (queued, loading) | in prefill | "
-                     "outside the engines (router, HTTP; none simulated)")  # fmt: skip
+        lines.append("mean TTFT, seconds, real and simulated: before the first prefill step (queued, loading) | "
+                     "in prefill | outside the engines (router, HTTP; none simulated) | the engines' CPU seconds "
+                     "(real: the processes'; simulated: their steps')")  # fmt: skip
         for p in phased:
             r, s = real[p], sim[p]
+            cpu = f"{r['cpu']:>7.1f}s {s['cpu']:>6.1f}s" if "cpu" in r and "cpu" in s else "-"
             lines.append(f"{p:>20} | {r['before']:>7.3f}s {s['before']:>6.3f}s | {r['prefill']:>7.3f}s "
-                         f"{s['prefill']:>6.3f}s | {r['outside']:>7.3f}s")  # fmt: skip
+                         f"{s['prefill']:>6.3f}s | {r['outside']:>7.3f}s | {cpu}")  # fmt: skip
     for key, name, reverse in (
         ("p50", "TTFT p50 (fastest first)", False),
         (None, "hit rate (highest first)", True),

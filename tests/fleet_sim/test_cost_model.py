@@ -180,12 +180,37 @@ def test_the_calibration_fits() -> None:
 def test_engines_sharing_fewer_cores_run_slower() -> None:
     p = Profile.from_dict(profile_doc(**TIMED))
     dt = 0.002 + 100 * 1e-4
-    for cores, second in ((None, dt), (2, dt), (1, 2 * dt)):
+    for cores, both in ((None, dt), (2, dt), (1, 2 * dt), (1.5, 4 / 3 * dt)):
         r = run_jobs(_jobs([(0.0, 100, 1), (0.0, 100, 1)]), SimConfig(2, "round_robin", cpu_cores=cores), p)
         a, b = r.jobs
         assert a.engine != b.engine
-        # the first step starts alone; the second finds the other engine busy
-        assert (a.first_token_s, b.first_token_s) == pytest.approx((dt, second))
+        # two steps at once share the cores: each at cores / 2 of its speed (at most full speed)
+        assert (a.first_token_s, b.first_token_s) == pytest.approx((both, both))
+
+
+def test_a_step_slows_down_when_another_engine_starts_one_and_speeds_up_when_it_ends() -> None:
+    """Processor sharing: the rate is re-divided whenever a step starts or ends, not fixed at the start."""
+    p = Profile.from_dict(profile_doc(**TIMED))
+    long, short = 0.002 + 400 * 1e-4, 0.002 + 100 * 1e-4  # 42 ms and 12 ms of work at full speed
+    r = run_jobs(_jobs([(0.0, 400, 1), (0.010, 100, 1)]), SimConfig(2, "round_robin", cpu_cores=1), p)
+    a, b = r.jobs
+    # a runs alone for 10 ms, then both at half speed until b's 12 ms of work are done (24 ms later),
+    # a having done 10 + 12 ms by then; then a alone again for its last 20 ms
+    assert b.first_token_s == pytest.approx(0.010 + 2 * short)
+    assert a.first_token_s == pytest.approx(b.first_token_s + (long - 0.010 - short))
+
+
+def test_a_decode_run_cut_short_keeps_the_work_it_did_at_the_shared_speed() -> None:
+    p = Profile.from_dict(profile_doc(**TIMED))
+    step = STEPS["1"]
+    # a decodes 50 steps; b arrives on the other engine mid-run: a's steps slow to half speed while
+    # b's prefill runs, and a's 50 steps still take 50 steps of work in all
+    r = run_jobs(_jobs([(0.0, 100, 51), (0.1, 100, 1)]), SimConfig(2, "round_robin", cpu_cores=1), p)
+    a, b = r.jobs
+    a_ttft = 0.002 + 100 * 1e-4
+    b_work = 0.002 + 100 * 1e-4
+    assert b.first_token_s == pytest.approx(0.1 + 2 * b_work)
+    assert a.finish_s == pytest.approx(a_ttft + 50 * step + b_work)
 
 
 def test_saving_what_a_step_computed_costs_the_engine_only_with_a_store() -> None:
