@@ -21,7 +21,7 @@ class _Run:
     left: float  # of which not yet done
     fn: Callable[..., None]
     args: tuple[Any, ...]
-    token: int = 0  # the end event scheduled last; earlier ones are stale
+    token: int = 0  # the end event scheduled last; every other is stale
 
 
 class SharedCPU:
@@ -32,6 +32,9 @@ class SharedCPU:
         self.runs: dict[int, _Run] = {}  # engine -> its step in progress
         self._updated = 0.0  # when every run's `left` was last brought up to date
         self.work_s = 0.0  # full-speed seconds of every step so far (the CPU time the engines used)
+        self._tokens = (
+            0  # end events ever scheduled: a token is never reused, not even by the engine's next step
+        )
 
     def rate(self) -> float:
         """The speed every step runs at now (1 = full)."""
@@ -75,7 +78,8 @@ class SharedCPU:
         rate = self.rate()
         for engine in engines:
             run = self.runs[engine]
-            run.token += 1
+            self._tokens += 1
+            run.token = self._tokens
             self.loop.at(self.loop.now + run.left / rate, self._end, engine, run.token)
 
     def _end(self, engine: int, token: int) -> None:

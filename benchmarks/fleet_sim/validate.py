@@ -161,6 +161,22 @@ def run_sim(args: argparse.Namespace) -> tuple[dict[str, dict[str, float]], Cost
     return out, fleets[args.policies[0]].calibrator.costs
 
 
+def simulated_table(sim: dict[str, dict[str, float]]) -> str:
+    """The simulated side alone, as bench_router.py prints its table, and ttft's TTFT p90 against each."""
+    lines = [
+        f"{'policy':>20} {'local hit':>9} {'store hit':>9} {'TTFT p50':>9} {'TTFT p90':>9} {'imbalance':>9}"
+    ]
+    for p, s in sim.items():
+        lines.append(f"{p:>20} {s['local']:>9.1%} {s['store']:>9.1%} {s['p50']:>8.3f}s {s['p90']:>8.3f}s "
+                     f"{s['imbalance']:>9.2f}")  # fmt: skip
+    if "ttft" in sim:
+        ratios = ", ".join(
+            f"{sim['ttft']['p90'] / s['p90']:.2f}x {p}'s" for p, s in sim.items() if p != "ttft"
+        )
+        lines.append(f"ttft's TTFT p90: {ratios}")
+    return "\n".join(lines)
+
+
 def separated(real: dict[str, dict[str, float]], x: str, y: str, key: str | None) -> bool:
     """Whether the real run orders policies x and y: their hit rates more than HIT_POINTS apart, or
     their TTFT p50s more than TTFT_P50 (relative); closer than that, one run cannot order them."""
@@ -244,7 +260,21 @@ def main(argv: list[str] | None = None) -> int:
                    help="CPUs the real engines share (default: this machine's, less the cores the real run "
                         "measured beside its engines)")  # fmt: skip
     p.add_argument("--policies", type=lambda t: t.split(","), default=list(bench_router.POLICIES))
+    p.add_argument("--sim-only", action="store_true",
+                   help="no real run: the simulated side alone (--cpu-cores 0: each engine a device of its own), "
+                        "e.g. to ask what routing could do on this slice with engines that do not share cores")  # fmt: skip
     args = p.parse_args(argv)
+    if args.sim_only:
+        if args.cpu_cores is None:
+            args.cpu_cores = float(os.cpu_count() or 1)
+        args.cpu_cores = args.cpu_cores or None
+        sim, _ = run_sim(args)
+        cores = f"engines sharing {args.cpu_cores:.2f} CPUs" if args.cpu_cores else "each engine its own CPU"
+        print(
+            f"the simulator, profile {args.profile}, bench_router.py {' '.join(_bench_args(args))}, {cores}\n"
+        )
+        print(simulated_table(sim))
+        return 0
     if args.calibrate:
         calibrate.main(["--out", str(args.calibrate)])
         args.profile = str(args.calibrate)

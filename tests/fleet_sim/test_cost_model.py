@@ -257,3 +257,24 @@ def test_the_router_sees_chunks_as_the_engine_caches_them() -> None:
     fleet.loop.run()
     assert on_engine_1() == list(range(12)) and job.first_token_s == pytest.approx(load_end + 2 * step)
     assert all(fleet.store.holds(k) for k in job.keys)
+
+
+def test_shared_cpu_a_stale_end_event_never_ends_the_next_step() -> None:
+    from benchmarks.fleet_sim.cpu import SharedCPU
+    from benchmarks.fleet_sim.events import EventLoop
+
+    loop = EventLoop()
+    cpu = SharedCPU(loop, cores=1)
+    ends: list[tuple[str, float]] = []
+
+    def a_done() -> None:
+        ends.append(("a", loop.now))
+        cpu.start(0, 5.0, lambda: ends.append(("c", loop.now)))  # engine 0's next step
+
+    # b, then a, start at half speed (a's end first planned at 2.0); b ends at 0.4, a speeds up and
+    # ends at 1.2; the end planned at 2.0 is stale and must not end c, which needs 5 s alone
+    cpu.start(1, 0.2, lambda: ends.append(("b", loop.now)))
+    cpu.start(0, 1.0, a_done)
+    loop.run()
+    assert ends == [("b", pytest.approx(0.4)), ("a", pytest.approx(1.2)), ("c", pytest.approx(6.2))]
+    assert cpu.work_s == pytest.approx(6.2) and not cpu.runs
