@@ -122,3 +122,13 @@ def test_the_simulated_engines_get_the_cores_the_real_ones_had() -> None:
     assert (
         validate.engine_cores(line.replace("0.49 cores", "1.90 cores"), 2.0) == 0.5
     )  # never below half a core
+
+
+def test_sim_only_prints_the_simulated_table(capsys) -> None:
+    argv = ["--sim-only", "--conversations", "3", "--rounds", "2", "--policies", "round_robin,ttft",
+            "--profile", "llama3-8b-h100", "--cpu-cores", "0"]  # fmt: skip
+    assert validate.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "each engine its own CPU" in out and "ttft's TTFT p90:" in out
+    rows = [line.split() for line in out.splitlines() if line.strip().startswith(("round_robin", "ttft "))]
+    assert [r[0] for r in rows] == ["round_robin", "ttft", "round_robin/no-store"]
