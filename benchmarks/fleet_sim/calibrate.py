@@ -2,11 +2,11 @@
 
     flock /tmp/kvstore-heavy.lock .venv/bin/python -m benchmarks.fleet_sim.calibrate [--out FILE]
 
-What it times (SmolLM2-135M-Instruct, kvstore-engine's defaults otherwise; prefix caching off so every
-prompt token is computed):
-- prefill: one request of n random tokens and max_tokens=1, for n in PREFILL_LENGTHS; least squares of
-  t(n) = c + a n + b n(n-1)/2 give the cost per token (a), per token and token of context before it
-  (b, attention) and of a step (c);
+What it times (SmolLM2-135M-Instruct, kvstore-engine's defaults otherwise):
+- prefill: one request of n random tokens and max_tokens=1, for n in PREFILL_LENGTHS, and one of n new
+  tokens after a head of `cached` that the prefix cache holds, for (cached, n) in CONTINUED; least
+  squares of t = c + a n + b (n cached + n(n-1)/2) give the cost per token (a), per token and token of
+  context before it (b, attention) and of a step (c: ~30 ms here, which long prompts alone leave to a);
 - decode: B requests of a short prompt and 1+DECODE_STEPS tokens (ignore_eos), the engine stepped by
   hand: the median of the steps where all B decode is the step time at batch B;
 - the store: a real kvstore-server (cpu tier) on 127.0.0.1; a prompt run twice (prefix caching off) is
@@ -38,6 +38,9 @@ from engine.router.calibrate import parse_totals
 
 PROFILES = Path(__file__).parent / "profiles"
 PREFILL_LENGTHS = (128, 256, 512, 1024, 2048)
+# (cached prefix, new tokens): a prompt whose head the prefix cache holds (a conversation's next turn),
+# which pins the cost of a step (c) that long prompts alone leave to the per-token term
+CONTINUED = ((256, 1), (704, 1), (704, 16), (256, 64))
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32)
 DECODE_STEPS = 24
 REPEATS = 3  # interleaved rounds over every size; the fastest of each is kept
@@ -57,14 +60,21 @@ def _timed(llm, prompts: list[list[int]], max_tokens: int) -> float:
     return time.perf_counter() - t
 
 
-def fit_prefill(points: dict[int, float]) -> tuple[float, float, float]:
-    """(a, b, c) of t(n) = c + a n + b n (n - 1) / 2 by least squares, none negative (a term that
-    would be is dropped and the rest refitted)."""
+def fit_prefill(
+    points: dict[int, float], continued: dict[tuple[int, int], float] | None = None
+) -> tuple[float, float, float]:
+    """(a, b, c) of t = c + a n + b (n x cached + n (n - 1) / 2) for n new tokens after `cached` ones
+    (0 for `points`, prompts from scratch; `continued`: (cached, n) -> t) by least squares, none
+    negative (a term that would be is dropped and the rest refitted)."""
     import numpy as np
 
-    n = np.array(sorted(points), dtype=float)
-    t = np.array([points[int(k)] for k in n])
-    cols = {"a": n, "b": n * (n - 1) / 2, "c": np.ones_like(n)}
+    rows = [(0, n, t) for n, t in sorted(points.items())] + [
+        (c, n, t) for (c, n), t in sorted((continued or {}).items())
+    ]
+    cached = np.array([r[0] for r in rows], dtype=float)
+    n = np.array([r[1] for r in rows], dtype=float)
+    t = np.array([r[2] for r in rows])
+    cols = {"a": n, "b": n * cached + n * (n - 1) / 2, "c": np.ones_like(n)}
     names = list(cols)
     while True:
         coef, *_ = np.linalg.lstsq(np.stack([cols[k] for k in names], 1), t, rcond=None)
@@ -127,14 +137,20 @@ def _wait_up(port: int, proc: subprocess.Popen, timeout_s: float = 30.0) -> None
 def measure_compute(rng: random.Random) -> dict:
     from engine.llm import LLM
 
-    llm = LLM("smollm2", enable_prefix_caching=False)
+    llm = LLM("smollm2")  # prefix caching on: random prompts share nothing, continued ones their head
     try:
         _timed(llm, [_tokens(128, rng)], 2)  # warm-up
         prefill: dict[int, float] = {}
+        continued: dict[tuple[int, int], float] = {}
         decode: dict[int, float] = {}
         for _ in range(REPEATS):  # interleaved: a burst of other work on the box spoils one round, not a size
             for n in PREFILL_LENGTHS:
                 prefill[n] = min(prefill.get(n, math.inf), _timed(llm, [_tokens(n, rng)], 1))
+            for cached, n in CONTINUED:
+                head = _tokens(cached, rng)
+                _timed(llm, [head], 1)  # now in the prefix cache
+                t = _timed(llm, [head + _tokens(n, rng)], 1)
+                continued[cached, n] = min(continued.get((cached, n), math.inf), t)
             for b in DECODE_BATCHES:
                 step = _decode_step(llm, [_tokens(PROMPT, rng) for _ in range(b)])
                 decode[b] = min(decode.get(b, math.inf), step)
@@ -144,6 +160,7 @@ def measure_compute(rng: random.Random) -> dict:
         cfg = ModelConfig.from_pretrained(llm.engine.model_dir)
         return {
             "prefill": prefill,
+            "continued": continued,
             "decode": decode,
             "max_batched_tokens": args.max_num_batched_tokens,
             "max_num_seqs": args.max_num_seqs,
@@ -196,6 +213,7 @@ def measured_of(compute: dict, store: dict) -> dict:
     """Everything measured, as the profile keeps it (and --refit rebuilds a profile from)."""
     return {
         "prefill_s": {str(n): t for n, t in sorted(compute["prefill"].items())},
+        "prefill_continued_s": {f"{c}+{n}": t for (c, n), t in sorted(compute["continued"].items())},
         "decode_step_s": {str(b): t for b, t in sorted(compute["decode"].items())},
         "load_s_per_token": store["load_s_per_token"],
         "store_prompt_tokens": store["prompt_tokens"],
@@ -211,7 +229,12 @@ def build_profile(measured: dict, machine: str, date: str, host: str) -> dict:
     prefill = {int(n): t for n, t in measured["prefill_s"].items()}
     decode = {int(b): t for b, t in measured["decode_step_s"].items()}
     lengths = sorted(prefill)
-    per_token, per_ctx, per_step = fit_prefill(prefill)
+    continued = {
+        (int(c), int(n)): t
+        for k, t in measured.get("prefill_continued_s", {}).items()
+        for c, n in [k.split("+")]
+    }
+    per_token, per_ctx, per_step = fit_prefill(prefill, continued)
     step_a, step_b = fit_decode(decode)
     kv = measured["kv"]
     kv_bytes_per_token = 2 * kv["layers"] * kv["kv_heads"] * kv["head_dim"] * kv["dtype_bytes"]  # K and V
@@ -231,11 +254,15 @@ def build_profile(measured: dict, machine: str, date: str, host: str) -> dict:
         },
         "prefill_s_per_token": {
             "value": per_token,
-            "source": f"{here}: t(n) = c + a n + b n(n-1)/2 fitted over prompts of {lengths} tokens "
-            "(measured.prefill_s): a",
+            "source": f"{here}: t = c + a n + b (n cached + n(n-1)/2) for n new tokens after `cached` "
+            f"ones, fitted over prompts of {lengths} tokens (measured.prefill_s) and cached+new "
+            f"{sorted(continued)} (measured.prefill_continued_s): a",
         },
         "prefill_s_per_token_ctx": {"value": per_ctx, "source": f"{here}: b of the same fit (attention)"},
-        "prefill_step_s": {"value": per_step, "source": f"{here}: c of the same fit"},
+        "prefill_step_s": {
+            "value": per_step,
+            "source": f"{here}: c of the same fit (a step's own cost, seen in a turn with 1 new token)",
+        },
         "save_s_per_token": {
             "value": save_s,
             "source": f"{here}: a {n_store}-token prompt computed and saved to a real kvstore-server "

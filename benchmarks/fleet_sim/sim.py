@@ -51,6 +51,7 @@ def _router_defaults() -> tuple[float, int, float]:
 
 
 # what an engine's /metrics says, for the router's own Calibrator (engine.router.calibrate)
+ENGINE_BLOCK = 16  # tokens per KV block in kvstore-engine and vLLM (their default block_size)
 _METRICS = (
     ("vllm:request_prefill_time_seconds_sum", "prefill_s"),
     ("vllm:prompt_tokens_total", "prompt"),
@@ -248,16 +249,18 @@ class Fleet:
         )
         job.loaded = len(tiers)
         reused = job.local + job.loaded
-        reused_tokens = _tokens(req, reused)
-        job.prefill_left = max(req.input_tokens - reused_tokens, 1)
+        # a prompt cached whole still recomputes its last engine block (its last token's logits)
+        most = (req.input_tokens - 1) // ENGINE_BLOCK * ENGINE_BLOCK
+        reused_tokens = min(_tokens(req, reused), most)
+        job.prefill_left = req.input_tokens - reused_tokens
         job.decode_left = req.output_tokens - 1
         hit = blocks_covered(reused, req)
         local_blocks = blocks_covered(job.local, req)
         c["blocks"] += len(req.hash_ids)
         c["local_blocks"] += local_blocks
         c["store_blocks"] += hit - local_blocks
-        job.local_tokens = min(_tokens(req, job.local), req.input_tokens - 1)
-        job.store_tokens = min(reused_tokens, req.input_tokens - 1) - job.local_tokens
+        job.local_tokens = min(_tokens(req, job.local), most)
+        job.store_tokens = reused_tokens - job.local_tokens
         c["computed_tokens"] += job.prefill_left
         for j in range(hit, len(req.hash_ids)):
             key = job.keys[max(j * req.chunks_per_block, reused)]  # the block's first chunk not reused

@@ -125,9 +125,11 @@ def test_a_load_from_the_store_costs_its_bytes_over_the_slowest_link() -> None:
     r = run_jobs([first, again], SimConfig(2, "round_robin", store_gib=math.inf), p)
     b = r.jobs[1]
     assert b.engine != r.jobs[0].engine and b.loaded == 4 and b.local == 0
-    # 4 chunks x 256 tokens x 1024 bytes at 1 MB/s, 2 hops (engine - server - Valkey), then 1 token
+    # 4 chunks x 256 tokens x 1024 bytes at 1 MB/s, 2 hops (engine - server - Valkey), then the last
+    # 16-token block: a prompt reused whole still recomputes its last block, as kvstore-engine and vLLM do
     load = 4 * 256 * 1024 / 1e6 + 2 * 0.001
-    assert b.first_token_s - b.sent_s == pytest.approx(load + 0.002 + 1e-4)
+    assert b.first_token_s - b.sent_s == pytest.approx(load + 0.002 + 16 * 1e-4)
+    assert (b.store_tokens, b.local_tokens) == (1008, 0)
     assert r.stats["load_bytes_per_request"] == pytest.approx(4 * 256 * 1024 * 2 / 2)
 
 
@@ -173,6 +175,16 @@ def test_the_calibration_fits() -> None:
     assert fit_prefill(points) == pytest.approx((a, b, c), rel=1e-6)
     # a negative term is dropped: a linear cost without a fixed part stays linear
     assert fit_prefill({n: 2e-3 * n for n in (100, 200, 400)}) == pytest.approx((2e-3, 0, 0), abs=1e-12)
+    # a step's own cost that long prompts alone hide: from scratch the points are as linear as with
+    # c = 0, and only a turn with a cached head and few new tokens shows it
+    a, b, c = 1e-3, 1e-6, 0.03
+
+    def t(n, cached=0):
+        return c + a * n + b * (n * cached + n * (n - 1) / 2)
+
+    scratch = {n: t(n) for n in (128, 256, 512, 1024, 2048)}
+    continued = {(cached, n): t(n, cached) for cached, n in ((256, 1), (704, 1), (704, 16), (256, 64))}
+    assert fit_prefill(scratch, continued) == pytest.approx((a, b, c), rel=1e-6)
     assert fit_decode({1: 0.011, 2: 0.012, 4: 0.014, 8: 0.018}) == pytest.approx((0.010, 0.001))
     assert fit_decode({1: 0.02, 8: 0.01})[1] == 0  # a step never gets faster with a bigger batch
 
