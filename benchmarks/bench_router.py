@@ -33,8 +33,9 @@ Per policy it prints: local hit rate (prompt tokens from the chosen engine's own
 hit rate (loaded from the kvstore-server), recompute share (the rest), TTFT p50 / p90 (client side,
 streamed: request sent to first token), throughput (requests per second of round wall time) and load
 imbalance (max / mean requests per engine); where the mean TTFT goes (before the request's first
-prefill step: queued or loading; in prefill; outside the engines: router and HTTP); then ttft's TTFT p90 against each other's, over all
-requests and round by round (the median and range of the rounds' ratios), and the CPU the routers,
+prefill step: queued or loading; in prefill; outside the engines: router and HTTP) and the CPU seconds
+the engine processes used; then ttft's TTFT p90 against each other's, over all requests and round by
+round (the median and range of the rounds' ratios), and the CPU the routers,
 the kvstore-server and this client used beside the engines, and what the rest of the box used
 (other processes: fleet_sim.validate gives the simulated engines only the cores left). Hit rates come from the engines' own counters
 (vllm:prefix_cache_hits, vllm:external_prefix_cache_hits over vllm:prompt_tokens), read before and
