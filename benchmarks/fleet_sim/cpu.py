@@ -32,9 +32,8 @@ class SharedCPU:
         self.runs: dict[int, _Run] = {}  # engine -> its step in progress
         self._updated = 0.0  # when every run's `left` was last brought up to date
         self.work_s = 0.0  # full-speed seconds of every step so far (the CPU time the engines used)
-        self._tokens = (
-            0  # end events ever scheduled: a token is never reused, not even by the engine's next step
-        )
+        # end events ever scheduled: a token is never reused, not even by the engine's next step
+        self._tokens = 0
 
     def rate(self) -> float:
         """The speed every step runs at now (1 = full)."""

@@ -50,8 +50,8 @@ def _router_defaults() -> tuple[float, int, float]:
     return float(d["max_share"]), int(d["share_window"]), float(d["calibrate_s"])
 
 
-# what an engine's /metrics says, for the router's own Calibrator (engine.router.calibrate)
 ENGINE_BLOCK = 16  # tokens per KV block in kvstore-engine and vLLM (their default block_size)
+# what an engine's /metrics says, for the router's own Calibrator (engine.router.calibrate)
 _METRICS = (
     ("vllm:request_prefill_time_seconds_sum", "prefill_s"),
     ("vllm:prompt_tokens_total", "prompt"),
@@ -318,11 +318,11 @@ class Fleet:
         req, now = job.req, self.loop.now
         start = max(job.local + job.loaded, job.saved)
         job.saved = max(job.saved, upto)
-        keys = [k for k in job.keys[start:upto] if not self.store.holds(k)]
-        if not keys:
+        todo = [i for i in range(start, min(upto, len(job.keys))) if not self.store.holds(job.keys[i])]
+        if not todo:
             return
-        index = {k: i for i, k in enumerate(job.keys)}
-        sizes = [req.chunk_tokens(index[k]) * self.profile.kv_bytes_per_token for k in keys]
+        keys = [job.keys[i] for i in todo]
+        sizes = [req.chunk_tokens(i) * self.profile.kv_bytes_per_token for i in todo]
         server = self.server_of[engine.index]
         links = [engine.nic, self.store.server_links[server]]
         if self.store.valkey is not None:

@@ -148,7 +148,6 @@ def run_sim(args: argparse.Namespace) -> tuple[dict[str, dict[str, float]], Cost
             per_policy[pol] += jobs
     out = {}
     for pol, jobs in per_policy.items():
-        cpu_s = cpu_used[pol]
         prompt = sum(j.req.input_tokens for j in jobs)
         ttfts = [j.first_token_s - j.sent_s for j in jobs]
         counts = [sum(j.engine == e for j in jobs) for e in range(3)]
@@ -157,7 +156,7 @@ def run_sim(args: argparse.Namespace) -> tuple[dict[str, dict[str, float]], Cost
         out[pol] = {"local": sum(j.local_tokens for j in jobs) / prompt, "store": sum(j.store_tokens for j in jobs) / prompt,
                     "p50": statistics.median(ttfts), "p90": bench_router.pct(ttfts, 0.9),
                     "rps": len(jobs) / walls[pol], "imbalance": max(counts) / statistics.mean(counts),
-                    "before": before, "prefill": prefill, "outside": 0.0, "cpu": cpu_s}  # fmt: skip
+                    "before": before, "prefill": prefill, "outside": 0.0, "cpu": cpu_used[pol]}  # fmt: skip
     return out, fleets[args.policies[0]].calibrator.costs
 
 
