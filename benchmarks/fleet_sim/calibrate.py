@@ -8,18 +8,22 @@ What it times (SmolLM2-135M-Instruct, kvstore-engine's defaults otherwise):
   squares of t = c + a n + b (n cached + n(n-1)/2) give the cost per token (a), per token and token of
   context before it (b, attention) and of a step (c: ~6 ms here, which long prompts alone leave to a);
 - decode: B requests of a short prompt and 1+DECODE_STEPS tokens (ignore_eos), the engine stepped by
-  hand: the median of the steps where all B decode is the step time at batch B;
+  hand: the median of the steps where all B decode is the step time at batch B; the same with long
+  prompts (DECODE_CONTEXTS) gives the cost per token of context a decoding request attends to (its
+  KV), and the table is kept at zero context (a decode step with no context is the table's value);
 - the store: a real kvstore-server (cpu tier) on 127.0.0.1; a prompt run twice (prefix caching off) is
   loaded back the second time; load seconds over loaded tokens from the engine's own metrics (the
   counters `kvstore-engine router` calibrates from); the first run computes and saves it: its time
   over the same prompt's without a store, per token, is the engine's cost of saving (save_s_per_token).
 
-The minimum of REPEATS runs is kept. Writes the profile JSON (date, machine, every measured point).
+The median of REPEATS interleaved runs is kept: the typical step (the fastest of them ran 2-3% below
+the steps of a real run's engines). Writes the profile JSON (date, machine, every measured point).
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import datetime
 import json
 import math
@@ -43,7 +47,9 @@ PREFILL_LENGTHS = (128, 256, 512, 1024, 2048)
 CONTINUED = ((256, 1), (704, 1), (704, 16), (256, 64))
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32)
 DECODE_STEPS = 24
-REPEATS = 3  # interleaved rounds over every size; the fastest of each is kept
+# (batch, prompt tokens) decoded after long prompts: the attention's cost per token of context
+DECODE_CONTEXTS = ((1, 1024), (4, 512))
+REPEATS = 3  # interleaved rounds over every size; the median of each is kept
 PROMPT = 64  # tokens of each decode request's prompt
 
 
@@ -85,20 +91,34 @@ def fit_prefill(
         names.remove(bad[0])
 
 
-def fit_decode(points: dict[int, float]) -> tuple[float, float]:
-    """(a, b) of step(batch) = a + b batch by least squares, b >= 0."""
-    import numpy as np
+def fit_decode(
+    table: dict[int, float], long: dict[tuple[int, int], float], short_context: float
+) -> tuple[dict[int, float], float]:
+    """(the step time per batch at zero context, seconds per token of context) from `table` (batch ->
+    step time, each request with `short_context` tokens before its new one) and `long` ((batch,
+    context) -> step time): the context term is the mean over `long` of its extra time per extra token
+    of context (0 if that is negative), and is taken off `table`."""
+    per_token = [
+        (t - _interp(table, batch)) / (batch * (context - short_context))
+        for (batch, context), t in long.items()
+    ]
+    d = max(statistics.fmean(per_token), 0.0) if per_token else 0.0
+    return {b: max(t - d * b * short_context, 0.0) for b, t in sorted(table.items())}, d
 
-    x = np.array(sorted(points), dtype=float)
-    y = np.array([points[int(k)] for k in x])
-    b, a = np.polyfit(x, y, 1)
-    if b < 0:
-        return float(y.mean()), 0.0
-    return float(a), float(b)
+
+def _interp(table: dict[int, float], batch: int) -> float:
+    """`table` at `batch`, linear between its points."""
+    xs = sorted(table)
+    if batch in table or len(xs) == 1:
+        return table.get(batch, table[xs[0]])
+    i = min(max(bisect.bisect_left(xs, batch), 1), len(xs) - 1)
+    x0, x1 = xs[i - 1], xs[i]
+    return table[x0] + (table[x1] - table[x0]) * (batch - x0) / (x1 - x0)
 
 
 def _decode_step(llm, prompts: list[list[int]]) -> float:
     """Median seconds of the engine steps in which every one of `prompts` decodes."""
+    prompt_tokens = sum(len(p) for p in prompts)
     from engine.sampling_params import SamplingParams
 
     sp = SamplingParams(max_tokens=1 + DECODE_STEPS, ignore_eos=True, temperature=0.0)
@@ -110,7 +130,7 @@ def _decode_step(llm, prompts: list[list[int]]) -> float:
         t = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t)
-    prefill_steps = -(-len(prompts) * PROMPT // engine.args.max_num_batched_tokens)
+    prefill_steps = -(-prompt_tokens // engine.args.max_num_batched_tokens)
     decoding = times[prefill_steps + 1 : -1] or times[-1:]
     return statistics.median(decoding)
 
@@ -140,28 +160,33 @@ def measure_compute(rng: random.Random) -> dict:
     llm = LLM("smollm2")  # prefix caching on: random prompts share nothing, continued ones their head
     try:
         _timed(llm, [_tokens(128, rng)], 2)  # warm-up
-        prefill: dict[int, float] = {}
-        continued: dict[tuple[int, int], float] = {}
-        decode: dict[int, float] = {}
+        prefill: dict[int, list[float]] = {}
+        continued: dict[tuple[int, int], list[float]] = {}
+        decode: dict[int, list[float]] = {}
+        decode_long: dict[tuple[int, int], list[float]] = {}
         for _ in range(REPEATS):  # interleaved: a burst of other work on the box spoils one round, not a size
             for n in PREFILL_LENGTHS:
-                prefill[n] = min(prefill.get(n, math.inf), _timed(llm, [_tokens(n, rng)], 1))
+                prefill.setdefault(n, []).append(_timed(llm, [_tokens(n, rng)], 1))
             for cached, n in CONTINUED:
                 head = _tokens(cached, rng)
                 _timed(llm, [head], 1)  # now in the prefix cache
-                t = _timed(llm, [head + _tokens(n, rng)], 1)
-                continued[cached, n] = min(continued.get((cached, n), math.inf), t)
+                continued.setdefault((cached, n), []).append(_timed(llm, [head + _tokens(n, rng)], 1))
             for b in DECODE_BATCHES:
-                step = _decode_step(llm, [_tokens(PROMPT, rng) for _ in range(b)])
-                decode[b] = min(decode.get(b, math.inf), step)
+                decode.setdefault(b, []).append(_decode_step(llm, [_tokens(PROMPT, rng) for _ in range(b)]))
+            for b, n in DECODE_CONTEXTS:
+                decode_long.setdefault((b, n), []).append(
+                    _decode_step(llm, [_tokens(n, rng) for _ in range(b)])
+                )
         from engine.config import ModelConfig
 
         args = llm.engine.args
         cfg = ModelConfig.from_pretrained(llm.engine.model_dir)
+        median = statistics.median
         return {
-            "prefill": prefill,
-            "continued": continued,
-            "decode": decode,
+            "prefill": {n: median(ts) for n, ts in prefill.items()},
+            "continued": {k: median(ts) for k, ts in continued.items()},
+            "decode": {b: median(ts) for b, ts in decode.items()},
+            "decode_long": {k: median(ts) for k, ts in decode_long.items()},
             "max_batched_tokens": args.max_num_batched_tokens,
             "max_num_seqs": args.max_num_seqs,
             "dtype": str(llm.engine.kv_cache_dtype),
@@ -200,8 +225,8 @@ def measure_store(rng: random.Random, prompt_tokens: int = 2048) -> dict:
                     if loaded <= 0:
                         raise RuntimeError("the second run loaded nothing from the kvstore-server")
                     per_token.append((after["load_s"] - before["load_s"]) / loaded)
-                return {"load_s_per_token": min(per_token), "prompt_tokens": prompt_tokens,
-                        "prefill_saved_s": min(saved)}  # fmt: skip
+                return {"load_s_per_token": statistics.median(per_token), "prompt_tokens": prompt_tokens,
+                        "prefill_saved_s": statistics.median(saved)}  # fmt: skip
             finally:
                 llm.engine.shutdown()
         finally:
@@ -215,6 +240,7 @@ def measured_of(compute: dict, store: dict) -> dict:
         "prefill_s": {str(n): t for n, t in sorted(compute["prefill"].items())},
         "prefill_continued_s": {f"{c}+{n}": t for (c, n), t in sorted(compute["continued"].items())},
         "decode_step_s": {str(b): t for b, t in sorted(compute["decode"].items())},
+        "decode_long_step_s": {f"{b}x{n}": t for (b, n), t in sorted(compute["decode_long"].items())},
         "load_s_per_token": store["load_s_per_token"],
         "store_prompt_tokens": store["prompt_tokens"],
         "prefill_saved_s": store["prefill_saved_s"],
@@ -235,7 +261,16 @@ def build_profile(measured: dict, machine: str, date: str, host: str) -> dict:
         for c, n in [k.split("+")]
     }
     per_token, per_ctx, per_step = fit_prefill(prefill, continued)
-    step_a, step_b = fit_decode(decode)
+    long = {
+        (int(b), int(n)): t
+        for k, t in measured.get("decode_long_step_s", {}).items()
+        for b, n in [k.split("x")]
+    }
+    # a request decoding step i of 1..DECODE_STEPS has PROMPT + i - 1 tokens before its new one
+    short = PROMPT + (DECODE_STEPS - 1) / 2
+    table, per_ctx = fit_decode(
+        decode, {(b, n + (DECODE_STEPS - 1) / 2): t for (b, n), t in long.items()}, short
+    )
     kv = measured["kv"]
     kv_bytes_per_token = 2 * kv["layers"] * kv["kv_heads"] * kv["head_dim"] * kv["dtype_bytes"]  # K and V
     load_s_per_token = measured["load_s_per_token"]
@@ -269,10 +304,15 @@ def build_profile(measured: dict, machine: str, date: str, host: str) -> dict:
             "(measured.prefill_saved_s) minus the same length without a store (measured.prefill_s), per token",
         },
         "decode_step_s": {
-            "value": {str(b): step_a + step_b * b for b in sorted(decode)},
-            "source": f"{here}: the least-squares line {step_a * 1e3:.2f} ms + {step_b * 1e3:.3f} ms x batch "
-            f"through the median steps with every request decoding (measured.decode_step_s; "
-            f"{PROMPT}-token prompts, {DECODE_STEPS} steps, the fastest of {REPEATS} rounds)",
+            "value": {str(b): t for b, t in table.items()},
+            "source": f"{here}: the median step with every request decoding (measured.decode_step_s; "
+            f"{PROMPT}-token prompts, {DECODE_STEPS} steps, the median of {REPEATS} rounds) less the context "
+            "term below: the step at zero context",
+        },
+        "decode_s_per_ctx_token": {
+            "value": per_ctx,
+            "source": f"{here}: decode steps after long prompts (measured.decode_long_step_s, batch x prompt "
+            f"tokens) over the {PROMPT}-token ones at the same batch, per extra token of context",
         },
         "max_batched_tokens": {"value": measured["max_batched_tokens"], "source": "kvstore-engine's default"},
         "max_num_seqs": {"value": measured["max_num_seqs"], "source": "kvstore-engine's default"},

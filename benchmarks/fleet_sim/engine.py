@@ -9,7 +9,7 @@
 - A step prefills up to `max_batched_tokens` (minus one per decoding request) from the queue head and
   decodes one token for every running request; it takes prefill_step_s + each prefilled token's
   prefill_s_per_token (+ prefill_s_per_token_ctx per token before it, + save_s_per_token with a store)
-  + decode_step_s(batch). The first token comes with the end of a request's last prefill step. Prompt
+  + decode_s(batch, their context). The first token comes with the end of a request's last prefill step. Prompt
   chunks join the prefix cache (and the router's index) as kvstore-engine caches its blocks: loaded ones
   when their load finishes, computed ones at the end of the step that filled them, the last partial
   one with the first token (a twin computed concurrently stays anonymous, as in vLLM); the connector
@@ -187,7 +187,7 @@ class SimEngine:
             budget = max(profile.max_batched_tokens - len(self.running), 1)
             parts: list[tuple[Job, int]] = []
             tokens = 0
-            dt = profile.prefill_step_s + profile.decode_step_s(len(self.running))
+            dt = profile.prefill_step_s + profile.decode_s(len(self.running), self._context())
             for job in self.ready:
                 if tokens >= budget:
                     break
@@ -205,12 +205,16 @@ class SimEngine:
         elif self.running:
             k = max(min(j.decode_left for j in self.running), 1)
             self.busy = True
-            step_s = profile.decode_step_s(len(self.running))
+            step_s = profile.decode_s(len(self.running), self._context())
             self.version += 1
             self.macro = (step_s, k)
             self.fleet.cpu.start(self.index, k * step_s, self._end_decode, self.version, k)
         else:
             self.busy = False
+
+    def _context(self) -> int:
+        """Tokens before the next new token of every decoding request (its prompt and its output)."""
+        return sum(j.req.input_tokens + j.req.output_tokens - j.decode_left - 1 for j in self.running)
 
     def _end_prefill(self, parts: list[tuple[Job, int]], decoders: list[Job]) -> None:
         self._advance(decoders, 1)

@@ -6,6 +6,8 @@
     prefill_step_s          fixed cost of a step that prefills
     save_s_per_token        engine time per computed token it also saves to the store (optional, 0)
     decode_step_s           {batch size: seconds of one decode step}; linear in between and beyond
+    decode_s_per_ctx_token  and per token of context of each decoding request (attention reading its KV;
+                            optional, default 0: the table's own context)
     max_batched_tokens      chunked-prefill budget of one step (decode tokens count too)
     max_num_seqs            requests an engine runs at once
     engine_kv_gib           an engine's local KV cache
@@ -66,6 +68,12 @@ class Profile:
     hop_latency_s: float
     nic_bps: float
     save_s_per_token: float = 0.0
+    decode_s_per_ctx_token: float = 0.0
+
+    def decode_s(self, batch: int, context: int) -> float:
+        """Seconds of one decode step of `batch` requests with `context` tokens before their new ones
+        in all."""
+        return self.decode_step_s(batch) + self.decode_s_per_ctx_token * context if batch > 0 else 0.0
 
     def decode_step_s(self, batch: int) -> float:
         """Seconds of one decode step of `batch` requests: the measured table, linear between its
@@ -115,11 +123,14 @@ class Profile:
             hop_latency_s=float(_value(doc, "network", "hop_latency_s")),
             nic_bps=_bandwidth(_value(doc, "network", "nic_gbps")),
             save_s_per_token=float(_value(doc, "save_s_per_token") if "save_s_per_token" in doc else 0.0),
+            decode_s_per_ctx_token=float(
+                _value(doc, "decode_s_per_ctx_token") if "decode_s_per_ctx_token" in doc else 0.0
+            ),
         )
         if p.kv_bytes_per_token <= 0 or p.max_batched_tokens <= 0 or p.max_num_seqs <= 0:
             raise InvalidArgument(f"profile {p.name!r}: sizes must be positive")
         if min(p.prefill_s_per_token, p.prefill_step_s, p.prefill_s_per_token_ctx, p.hop_latency_s,
-               p.save_s_per_token) < 0:  # fmt: skip
+               p.save_s_per_token, p.decode_s_per_ctx_token) < 0:  # fmt: skip
             raise InvalidArgument(f"profile {p.name!r}: costs must be >= 0")
         return p
 
