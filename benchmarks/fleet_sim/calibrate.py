@@ -97,13 +97,18 @@ def fit_decode(
     """(the step time per batch at zero context, seconds per token of context) from `table` (batch ->
     step time, each request with `short_context` tokens before its new one) and `long` ((batch,
     context) -> step time): the context term is the mean over `long` of its extra time per extra token
-    of context (0 if that is negative), and is taken off `table`."""
+    of context (0 if that is negative), and is taken off `table`; a bigger batch never steps faster
+    (a dip between two batches, noise, takes the smaller batch's time)."""
     per_token = [
         (t - _interp(table, batch)) / (batch * (context - short_context))
         for (batch, context), t in long.items()
     ]
     d = max(statistics.fmean(per_token), 0.0) if per_token else 0.0
-    return {b: max(t - d * b * short_context, 0.0) for b, t in sorted(table.items())}, d
+    out, floor = {}, 0.0
+    for b, t in sorted(table.items()):
+        floor = max(floor, t - d * b * short_context, 0.0)
+        out[b] = floor
+    return out, d
 
 
 def _interp(table: dict[int, float], batch: int) -> float:

@@ -49,7 +49,8 @@ def test_a_decode_step_grows_with_the_batch_as_measured(name: str) -> None:
     points = sorted((int(b), s) for b, s in measured.items())
     for b, s in points:
         assert p.decode_step_s(b) == pytest.approx(s)
-    assert all(s1 < s2 for (_, s1), (_, s2) in zip(points, points[1:], strict=False)), points
+    assert all(s1 <= s2 for (_, s1), (_, s2) in zip(points, points[1:], strict=False)), points
+    assert points[-1][1] > points[0][1], points
     # between two measured batches: on the line; beyond the last: along its slope, still growing
     (b0, s0), (b1, s1) = points[-2], points[-1]
     mid = (b0 + b1) // 2
@@ -91,6 +92,18 @@ def test_a_batch_decodes_at_the_profile_step_time(batch: int) -> None:
     for j in rest:
         assert j.first_token_s == pytest.approx(t2)
         assert j.finish_s == pytest.approx(first.finish_s + p.decode_step_s(batch - 1))
+
+
+def test_a_decode_step_costs_more_the_more_context_its_requests_have() -> None:
+    per_ctx = 1e-5
+    p = Profile.from_dict(
+        {**profile_doc(**TIMED), "decode_s_per_ctx_token": {"value": per_ctx, "source": "a test"}}
+    )
+    for n in (60, 600):
+        (job,) = run_jobs(_jobs([(0.0, n, 4)]), SimConfig(1, store_gib=0), p).jobs
+        # three decode steps after the first token, each with the n tokens before the run's first new
+        # one (a run of steps is costed at its start's context: 2 tokens short by its end here)
+        assert job.finish_s - job.first_token_s == pytest.approx(3 * (STEPS["1"] + per_ctx * n))
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_of_the_step_budget() -> None:
@@ -185,8 +198,21 @@ def test_the_calibration_fits() -> None:
     scratch = {n: t(n) for n in (128, 256, 512, 1024, 2048)}
     continued = {(cached, n): t(n, cached) for cached, n in ((256, 1), (704, 1), (704, 16), (256, 64))}
     assert fit_prefill(scratch, continued) == pytest.approx((a, b, c), rel=1e-6)
-    assert fit_decode({1: 0.011, 2: 0.012, 4: 0.014, 8: 0.018}) == pytest.approx((0.010, 0.001))
-    assert fit_decode({1: 0.02, 8: 0.01})[1] == 0  # a step never gets faster with a bigger batch
+    # decode: the step at zero context and the cost per token of context, from a table measured with
+    # short prompts and a few steps after long ones
+    d, short = 2e-6, 70
+
+    def zero(b):
+        return 0.010 + 0.001 * b
+
+    table = {b: zero(b) + d * b * short for b in (1, 2, 4, 8)}
+    long = {(1, 1000): zero(1) + d * 1000, (4, 500): zero(4) + d * 4 * 500}
+    got, per_ctx = fit_decode(table, long, short)
+    assert per_ctx == pytest.approx(d)
+    assert got == pytest.approx({b: zero(b) for b in table})
+    # a step never gets faster with a bigger batch, nor with more context
+    assert fit_decode({1: 0.02, 8: 0.01}, {}, short) == ({1: 0.02, 8: 0.02}, 0.0)
+    assert fit_decode({1: 0.02}, {(1, 1000): 0.01}, short) == ({1: 0.02}, 0.0)
 
 
 def test_engines_sharing_fewer_cores_run_slower() -> None:
