@@ -273,7 +273,7 @@ def build_profile(measured: dict, machine: str, date: str, host: str) -> dict:
     }
     # a request decoding step i of 1..DECODE_STEPS has PROMPT + i - 1 tokens before its new one
     short = PROMPT + (DECODE_STEPS - 1) / 2
-    table, per_ctx = fit_decode(
+    table, decode_ctx = fit_decode(
         decode, {(b, n + (DECODE_STEPS - 1) / 2): t for (b, n), t in long.items()}, short
     )
     kv = measured["kv"]
@@ -315,7 +315,7 @@ def build_profile(measured: dict, machine: str, date: str, host: str) -> dict:
             "term below: the step at zero context",
         },
         "decode_s_per_ctx_token": {
-            "value": per_ctx,
+            "value": decode_ctx,
             "source": f"{here}: decode steps after long prompts (measured.decode_long_step_s, batch x prompt "
             f"tokens) over the {PROMPT}-token ones at the same batch, per extra token of context",
         },

@@ -246,7 +246,7 @@ class SimEngine:
     def _advance(self, decoders: list[Job], n: int) -> None:
         """`decoders` got `n` tokens each, the last one now (counted as vLLM's inter-token latency)."""
         done = []
-        now, m = self.fleet.loop.now, self.fleet.metrics
+        now, m = self.fleet.loop.now, self.fleet.metrics[self.index]
         for job in decoders:
             m["itl_s"] += now - job.last_token_s
             m["itl_n"] += n

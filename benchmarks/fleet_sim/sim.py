@@ -51,17 +51,8 @@ def _router_defaults() -> tuple[float, int, float]:
 
 
 ENGINE_BLOCK = 16  # tokens per KV block in kvstore-engine and vLLM (their default block_size)
-# what an engine's /metrics says, for the router's own Calibrator (engine.router.calibrate)
-_METRICS = (
-    ("vllm:request_prefill_time_seconds_sum", "prefill_s"),
-    ("vllm:prompt_tokens_total", "prompt"),
-    ("vllm:prefix_cache_hits_total", "local"),
-    ("vllm:external_prefix_cache_hits_total", "store"),
-    ("kvstore_connector_load_seconds_sum", "load_s"),
-    ("kvstore_connector_loaded_tokens_total", "loaded"),
-    ("vllm:inter_token_latency_seconds_sum", "itl_s"),
-    ("vllm:inter_token_latency_seconds_count", "itl_n"),
-)
+# what an engine's /metrics says (vLLM's counters), as the router's own Calibrator reads them
+_COUNTERS = ("prefill_s", "prompt", "local_hits", "store_hits", "load_s", "loaded", "itl_s", "itl_n")
 
 
 @dataclass(frozen=True)
@@ -137,7 +128,7 @@ class Fleet:
         # the router's costs: its defaults, then what its calibrator makes of the engines' counters
         self.calibrator = Calibrator()
         self.calibrate_s = calibrate_s if config.calibrate_s is None else config.calibrate_s
-        self.metrics = dict.fromkeys((k for _, k in _METRICS), 0.0)
+        self.metrics = [dict.fromkeys(_COUNTERS, 0.0) for _ in range(config.engines)]
         self.scraped_at = -math.inf
         self.names = [str(i) for i in range(config.engines)]
         self.in_flight = [0] * config.engines
@@ -288,18 +279,18 @@ class Fleet:
         self.loop.at(done, engine.loaded, job)
 
     def _count(self, job: Job, now: float) -> None:
-        """The engines' counters the router calibrates from; scraped every calibrate_s."""
-        m = self.metrics
+        """The engines' counters the router calibrates from; it scrapes every engine every calibrate_s."""
+        m = self.metrics[job.engine]
         m["prefill_s"] += now - job.scheduled_s + job.load_s  # vLLM's prefill phase includes the load
         m["prompt"] += job.req.input_tokens
-        m["local"] += job.local_tokens
-        m["store"] += job.store_tokens
+        m["local_hits"] += job.local_tokens
+        m["store_hits"] += job.store_tokens
         m["load_s"] += job.load_s
         m["loaded"] += job.store_tokens
         if self.calibrate_s > 0 and now - self.scraped_at >= self.calibrate_s:
             self.scraped_at = now
-            text = "".join(f"{name} {m[key]!r}\n" for name, key in _METRICS)
-            self.calibrator.observe("fleet", text)
+            for name, counters in zip(self.names, self.metrics, strict=True):
+                self.calibrator.observe_totals(name, dict(counters))
 
     def first_token(self, job: Job, engine: SimEngine) -> None:
         now = self.loop.now

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import random
 import re
 import statistics
 import subprocess
@@ -48,6 +49,8 @@ COSTS = re.compile(
 )
 BESIDE = re.compile(r"^CPU beside the engines .*in all (?P<cores>[\d.]+) cores$", re.M)
 HIT_POINTS = 2.0  # the issue's tolerances
+REPLAYS = 5
+JITTER_S = 0.02  # twice bench_router.py's mean time outside the engines (router and HTTP): 8-11 ms
 TTFT_P50 = 0.15
 
 
@@ -98,9 +101,23 @@ def _request(index: int, row: dict, arrival_s: float, bt: int, max_blocks: int) 
     return TraceRequest(index, arrival_s, n, out, tuple(ids[: math.ceil(n / bt)]), bt, bt)
 
 
-def run_sim(args: argparse.Namespace) -> tuple[dict[str, dict[str, float]], Costs]:
+def run_sims(args: argparse.Namespace) -> tuple[dict[str, dict[str, float]], dict[str, list[float]], Costs]:
+    """run_sim over args.replays seeds: per policy the median of each figure over the replays, the
+    replays' TTFT p50s, and the first replay's router costs."""
+    runs = [run_sim(args, seed) for seed in range(max(args.replays, 1))]
+    out = {
+        pol: {k: statistics.median(r[0][pol][k] for r in runs) for k in fig}
+        for pol, fig in runs[0][0].items()
+    }
+    return out, {pol: [r[0][pol]["p50"] for r in runs] for pol in out}, runs[0][1]
+
+
+def run_sim(args: argparse.Namespace, seed: int = 0) -> tuple[dict[str, dict[str, float]], Costs]:
     """Per policy: hit rates, TTFT p50 / p90 and phases, requests/s, imbalance; and the costs the
-    simulated router (of the fleet with the store) had calibrated at the end."""
+    simulated router (of the fleet with the store) had calibrated at the end. Each request is sent
+    up to args.jitter_s after its due time (random, `seed`): the real client's sends and the router's
+    hop land that late, and without it one replay's routing cascades from ties no real run has."""
+    rng = random.Random(seed)
     profile = load_profile(args.profile)
     convs = bench_router.conversations(bench_router.TRACE, args.window)
     plan = bench_router.rounds(convs, args.conversations, args.rounds, args.slice)
@@ -134,8 +151,8 @@ def run_sim(args: argparse.Namespace) -> tuple[dict[str, dict[str, float]], Cost
             for conv in chunk:
                 prev = None
                 for r in conv:
-                    req = _request(index, r, start + (r["timestamp"] - t0) / 1000 * scale, args.block_tokens,
-                                   args.max_blocks)  # fmt: skip
+                    due = start + (r["timestamp"] - t0) / 1000 * scale + rng.uniform(0, args.jitter_s)
+                    req = _request(index, r, due, args.block_tokens, args.max_blocks)
                     index += 1
                     job = Job(req, keys.of(req, salt=pol), policy=pol.split("/")[0], after=prev)
                     jobs.append(job)
@@ -259,6 +276,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="CPUs the real engines share (default: this machine's, less the cores the real run "
                         "measured beside its engines)")  # fmt: skip
     p.add_argument("--policies", type=lambda t: t.split(","), default=list(bench_router.POLICIES))
+    p.add_argument(
+        "--replays",
+        type=int,
+        default=REPLAYS,
+        help="simulated replays (seeds of the send jitter); each figure is their median",
+    )
+    p.add_argument("--jitter-s", type=float, default=JITTER_S,
+                   help="a request reaches its engine up to this late, at random (the real run's "
+                        "'outside the engines' time)")  # fmt: skip
     p.add_argument("--sim-only", action="store_true",
                    help="no real run: the simulated side alone (--cpu-cores 0: each engine a device of its own), "
                         "e.g. to ask what routing could do on this slice with engines that do not share cores")  # fmt: skip
@@ -267,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cpu_cores is None:
             args.cpu_cores = float(os.cpu_count() or 1)
         args.cpu_cores = args.cpu_cores or None
-        sim, _ = run_sim(args)
+        sim, _, _ = run_sims(args)
         cores = f"engines sharing {args.cpu_cores:.2f} CPUs" if args.cpu_cores else "each engine its own CPU"
         print(
             f"the simulator, profile {args.profile}, bench_router.py {' '.join(_bench_args(args))}, {cores}\n"
@@ -283,11 +309,15 @@ def main(argv: list[str] | None = None) -> int:
     real = parse_real(text)
     if args.cpu_cores is None:
         args.cpu_cores = engine_cores(text, float(os.cpu_count() or 1))
-    sim, costs = run_sim(args)
+    sim, p50s, costs = run_sims(args)
     print(f"bench_router.py {' '.join(_bench_args(args))}  vs  the simulator, profile {args.profile}, "
-          f"the engines sharing {args.cpu_cores:.2f} CPUs\n")  # fmt: skip
+          f"the engines sharing {args.cpu_cores:.2f} CPUs, the median of {args.replays} replays\n")  # fmt: skip
     table, ok = compare(real, sim)
     print(table)
+    print(
+        "the replays' TTFT p50, min-max: "
+        + ", ".join(f"{p} {min(v):.3f}-{max(v):.3f}s" for p, v in p50s.items())
+    )
     real_costs = COSTS.search(text)
     print("the router's calibrated costs at the end, real / simulated: " + ", ".join(
         f"{k} {real_costs[k] if real_costs else '-'} / {getattr(costs, k):.3g}"

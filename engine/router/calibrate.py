@@ -63,7 +63,10 @@ class Calibrator:
 
     def observe(self, engine: str, text: str) -> None:
         """One scrape of `engine`'s /metrics."""
-        now = parse_totals(text)
+        self.observe_totals(engine, parse_totals(text))
+
+    def observe_totals(self, engine: str, now: dict[str, float]) -> None:
+        """One scrape of `engine`'s counters, as parse_totals gives them."""
         last = self._last.get(engine)
         self._last[engine] = now
         if last is None or now["prompt"] < last["prompt"]:  # first look, or the engine restarted

@@ -77,13 +77,18 @@ def test_the_replay_simulates_every_policy(tmp_path) -> None:
     args = argparse.Namespace(profile="llama3-8b-h100", window=1500, conversations=3, rounds=2, rps=1.5, slice="spread",
                               no_store_baseline=True,
                               block_tokens=32, max_blocks=24, kv_cache_memory="64MiB", cpu_cores=2.0,
-                              policies=["round_robin", "ttft"])  # fmt: skip
-    sim, costs = validate.run_sim(args)
+                              policies=["round_robin", "ttft"], replays=3, jitter_s=0.02)  # fmt: skip
+    sim, p50s, costs = validate.run_sims(args)
     assert costs.step_s_per_request != Costs().step_s_per_request  # calibrated from the simulated engines
-    assert set(sim) == {"round_robin", "ttft", "round_robin/no-store"}
-    for r in sim.values():
+    assert set(sim) == set(p50s) == {"round_robin", "ttft", "round_robin/no-store"}
+    for pol, r in sim.items():
         assert 0 < r["local"] + r["store"] < 1 and 0 < r["p50"] <= r["p90"] and r["imbalance"] >= 1
         assert r["before"] >= 0 and 0 < r["prefill"] < r["p90"]
+        assert len(p50s[pol]) == 3 and r["p50"] == sorted(p50s[pol])[1]  # the median replay's
+    # the replays differ only by when each request is sent: jittered, their TTFTs move; without, never
+    assert any(len(set(v)) > 1 for v in p50s.values())
+    still = validate.run_sims(argparse.Namespace(**{**vars(args), "jitter_s": 0.0}))[1]
+    assert all(len(set(v)) == 1 for v in still.values())
 
 
 def test_rounds_spread_their_conversations_over_the_window() -> None:
