@@ -46,7 +46,9 @@ class Job:
     engine: int = -1
     policy: str | None = None  # the request's own policy (X-KVStore-Policy); None: the fleet's
     after: Job | None = None  # sent only once this one finished (the previous turn of a conversation)
-    sent_s: float = math.nan
+    sent_s: float = math.nan  # the client sent it (routed)
+    reached_s: float = math.nan  # it reached its engine
+    ttft_s: float = math.nan  # as its client sees it
     local_tokens: int = 0
     store_tokens: int = 0
     router_pending: int = 0  # tokens the router counts as waiting on its engine

@@ -22,6 +22,7 @@ A GB/s here is 1e9 bytes per second.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -69,6 +70,19 @@ class Profile:
     nic_bps: float
     save_s_per_token: float = 0.0
     decode_s_per_ctx_token: float = 0.0
+
+    def scaled(self, factor: float) -> Profile:
+        """The same engine on a machine `factor` times slower: every compute cost times `factor`."""
+        assert factor > 0, factor
+        return dataclasses.replace(
+            self,
+            prefill_s_per_token=self.prefill_s_per_token * factor,
+            prefill_step_s=self.prefill_step_s * factor,
+            prefill_s_per_token_ctx=self.prefill_s_per_token_ctx * factor,
+            decode_seconds=tuple(s * factor for s in self.decode_seconds),
+            decode_s_per_ctx_token=self.decode_s_per_ctx_token * factor,
+            save_s_per_token=self.save_s_per_token * factor,
+        )
 
     def decode_s(self, batch: int, context: int) -> float:
         """Seconds of one decode step of `batch` requests with `context` tokens before their new ones

@@ -24,6 +24,7 @@ import dataclasses
 import math
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +66,10 @@ class SimConfig:
     engines_per_server: int | None = None  # None: the profile's
     calibrate_s: float | None = None  # between the router's scrapes of the metrics; None: its default
     cpu_cores: float | None = None  # CPUs every engine shares (one box); None: each engine its own device
+    # seconds between a client and the engines, each way (router and HTTP): a request reaches its engine
+    # this long after it is sent, its first token the client this long after the engine made it, and a
+    # conversation's next turn, due before the previous one finished, is sent this long after it did
+    client_s: float = 0.0
 
 
 @dataclass
@@ -228,7 +233,11 @@ class Fleet:
         self.waiting_tokens[e] += job.router_pending
         for key in job.keys:
             self.first_seen.setdefault(key, req.index)
-        self.engines[e].submit(job)
+        self._later(self._reach, job)
+
+    def _reach(self, job: Job) -> None:
+        job.reached_s = self.loop.now
+        self.engines[job.engine].submit(job)
 
     # ---- callbacks from the engines -----------------------------------------------------------
     def admitted(self, job: Job, engine: SimEngine) -> None:
@@ -295,6 +304,7 @@ class Fleet:
     def first_token(self, job: Job, engine: SimEngine) -> None:
         now = self.loop.now
         job.first_token_s = job.last_token_s = now
+        job.ttft_s = now + self.config.client_s - job.sent_s
         self._count(job, now)
         self.waiting_tokens[job.engine] -= job.router_pending
         job.router_pending = 0
@@ -331,7 +341,14 @@ class Fleet:
         job.served += 1
         self.in_flight[job.engine] -= 1
         for later in self.deferred.pop(id(job), ()):
-            self.route(later)
+            self._later(self.route, later)
+
+    def _later(self, fn: Callable[[Job], None], job: Job) -> None:
+        """`fn(job)` one client hop from now."""
+        if self.config.client_s > 0:
+            self.loop.at(self.loop.now + self.config.client_s, fn, job)
+        else:
+            fn(job)
 
 
 def _tokens(req: TraceRequest, chunks: int) -> int:
@@ -358,7 +375,7 @@ def run_jobs(jobs: list[Job], config: SimConfig, profile: Profile) -> Result:
 def _stats(fleet: Fleet, jobs: list[Job], wall_s: float) -> dict[str, Any]:
     c = fleet.c
     blocks = c["blocks"] or 1
-    ttft = sorted(j.first_token_s - j.sent_s for j in jobs)
+    ttft = sorted(j.ttft_s for j in jobs)
     span = max(j.finish_s for j in jobs) - min(j.sent_s for j in jobs)
     out_tokens = sum(j.req.output_tokens for j in jobs)
     moved = c["load_bytes"] + c["save_bytes"]

@@ -49,8 +49,9 @@ COSTS = re.compile(
 )
 BESIDE = re.compile(r"^CPU beside the engines .*in all (?P<cores>[\d.]+) cores$", re.M)
 HIT_POINTS = 2.0  # the issue's tolerances
-REPLAYS = 5
-JITTER_S = 0.02  # twice bench_router.py's mean time outside the engines (router and HTTP): 8-11 ms
+REPLAYS = 9
+CLIENT_S = 0.005  # half of bench_router.py's mean time outside the engines here (8-11 ms)
+JITTER_S = 0.02  # up to twice that: the sends land late by a few ms, and the same requests tie otherwise
 TTFT_P50 = 0.15
 
 
@@ -101,10 +102,12 @@ def _request(index: int, row: dict, arrival_s: float, bt: int, max_blocks: int) 
     return TraceRequest(index, arrival_s, n, out, tuple(ids[: math.ceil(n / bt)]), bt, bt)
 
 
-def run_sims(args: argparse.Namespace) -> tuple[dict[str, dict[str, float]], dict[str, list[float]], Costs]:
+def run_sims(
+    args: argparse.Namespace, speed: float = 1.0
+) -> tuple[dict[str, dict[str, float]], dict[str, list[float]], Costs]:
     """run_sim over args.replays seeds: per policy the median of each figure over the replays, the
     replays' TTFT p50s, and the first replay's router costs."""
-    runs = [run_sim(args, seed) for seed in range(max(args.replays, 1))]
+    runs = [run_sim(args, seed, speed) for seed in range(max(args.replays, 1))]
     out = {
         pol: {k: statistics.median(r[0][pol][k] for r in runs) for k in fig}
         for pol, fig in runs[0][0].items()
@@ -112,13 +115,16 @@ def run_sims(args: argparse.Namespace) -> tuple[dict[str, dict[str, float]], dic
     return out, {pol: [r[0][pol]["p50"] for r in runs] for pol in out}, runs[0][1]
 
 
-def run_sim(args: argparse.Namespace, seed: int = 0) -> tuple[dict[str, dict[str, float]], Costs]:
+def run_sim(
+    args: argparse.Namespace, seed: int = 0, speed: float = 1.0
+) -> tuple[dict[str, dict[str, float]], Costs]:
     """Per policy: hit rates, TTFT p50 / p90 and phases, requests/s, imbalance; and the costs the
     simulated router (of the fleet with the store) had calibrated at the end. Each request is sent
     up to args.jitter_s after its due time (random, `seed`): the real client's sends and the router's
-    hop land that late, and without it one replay's routing cascades from ties no real run has."""
+    hop land that late, and without it one replay's routing cascades from ties no real run has. The
+    profile's compute costs are multiplied by `speed`."""
     rng = random.Random(seed)
-    profile = load_profile(args.profile)
+    profile = load_profile(args.profile).scaled(speed)
     convs = bench_router.conversations(bench_router.TRACE, args.window)
     plan = bench_router.rounds(convs, args.conversations, args.rounds, args.slice)
     kv_gib = parse_size(args.kv_cache_memory) / 2**30
@@ -127,7 +133,7 @@ def run_sim(args: argparse.Namespace, seed: int = 0) -> tuple[dict[str, dict[str
     # its 3 engines share this box's CPUs (one torch thread each)
     def fleet_of(store_gib: float) -> Fleet:
         config = SimConfig(3, "ttft", store_gib=store_gib, engine_kv_gib=kv_gib, server_gib=0, engines_per_server=3,
-                           calibrate_s=1.0, cpu_cores=args.cpu_cores)  # fmt: skip
+                           calibrate_s=1.0, cpu_cores=args.cpu_cores, client_s=args.client_s)  # fmt: skip
         return Fleet(profile, config, chunk_size=args.block_tokens)
 
     policies = args.policies + ([bench_router.NO_STORE] if args.no_store_baseline else [])
@@ -166,14 +172,14 @@ def run_sim(args: argparse.Namespace, seed: int = 0) -> tuple[dict[str, dict[str
     out = {}
     for pol, jobs in per_policy.items():
         prompt = sum(j.req.input_tokens for j in jobs)
-        ttfts = [j.first_token_s - j.sent_s for j in jobs]
+        ttfts = [j.ttft_s for j in jobs]
         counts = [sum(j.engine == e for j in jobs) for e in range(3)]
-        before = statistics.mean(j.scheduled_s - j.sent_s for j in jobs)
+        before = statistics.mean(j.scheduled_s - j.reached_s for j in jobs)
         prefill = statistics.mean(j.first_token_s - j.scheduled_s for j in jobs)
         out[pol] = {"local": sum(j.local_tokens for j in jobs) / prompt, "store": sum(j.store_tokens for j in jobs) / prompt,
                     "p50": statistics.median(ttfts), "p90": bench_router.pct(ttfts, 0.9),
                     "rps": len(jobs) / walls[pol], "imbalance": max(counts) / statistics.mean(counts),
-                    "before": before, "prefill": prefill, "outside": 0.0, "cpu": cpu_used[pol]}  # fmt: skip
+                    "before": before, "prefill": prefill, "outside": 2 * args.client_s, "cpu": cpu_used[pol]}  # fmt: skip
     return out, fleets[args.policies[0]].calibrator.costs
 
 
@@ -223,13 +229,13 @@ def compare(real: dict[str, dict[str, float]], sim: dict[str, dict[str, float]])
     phased = [p for p in pols if "before" in real[p]]
     if phased:
         lines.append("mean TTFT, seconds, real and simulated: before the first prefill step (queued, loading) | "
-                     "in prefill | outside the engines (router, HTTP; none simulated) | the engines' CPU seconds "
+                     "in prefill | outside the engines (router, HTTP) | the engines' CPU seconds "
                      "(real: the processes'; simulated: their steps')")  # fmt: skip
         for p in phased:
             r, s = real[p], sim[p]
             cpu = f"{r['cpu']:>7.1f}s {s['cpu']:>6.1f}s" if "cpu" in r and "cpu" in s else "-"
             lines.append(f"{p:>20} | {r['before']:>7.3f}s {s['before']:>6.3f}s | {r['prefill']:>7.3f}s "
-                         f"{s['prefill']:>6.3f}s | {r['outside']:>7.3f}s | {cpu}")  # fmt: skip
+                         f"{s['prefill']:>6.3f}s | {r['outside']:>7.3f}s {s['outside']:>6.3f}s | {cpu}")  # fmt: skip
     for key, name, reverse in (
         ("p50", "TTFT p50 (fastest first)", False),
         (None, "hit rate (highest first)", True),
@@ -276,12 +282,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="CPUs the real engines share (default: this machine's, less the cores the real run "
                         "measured beside its engines)")  # fmt: skip
     p.add_argument("--policies", type=lambda t: t.split(","), default=list(bench_router.POLICIES))
-    p.add_argument(
-        "--replays",
-        type=int,
-        default=REPLAYS,
-        help="simulated replays (seeds of the send jitter); each figure is their median",
-    )
+    p.add_argument("--as-profiled", action="store_true",
+                   help="simulate at the profile's speed (default: its compute costs scaled so that the simulated "
+                        "steps use the CPU seconds the real engines used: this box's speed moves by 5-10%% "
+                        "within minutes, the queues by several times that)")  # fmt: skip
+    p.add_argument("--client-s", type=float, default=None,
+                   help="seconds between the client and an engine each way (default: half the real run's mean "
+                        "time outside the engines; with --sim-only, CLIENT_S)")  # fmt: skip
+    p.add_argument("--replays", type=int, default=REPLAYS,
+                   help="simulated replays (seeds of the send jitter); each figure is their median")  # fmt: skip
     p.add_argument("--jitter-s", type=float, default=JITTER_S,
                    help="a request reaches its engine up to this late, at random (the real run's "
                         "'outside the engines' time)")  # fmt: skip
@@ -290,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
                         "e.g. to ask what routing could do on this slice with engines that do not share cores")  # fmt: skip
     args = p.parse_args(argv)
     if args.sim_only:
+        args.client_s = CLIENT_S if args.client_s is None else args.client_s
         if args.cpu_cores is None:
             args.cpu_cores = float(os.cpu_count() or 1)
         args.cpu_cores = args.cpu_cores or None
@@ -309,8 +319,24 @@ def main(argv: list[str] | None = None) -> int:
     real = parse_real(text)
     if args.cpu_cores is None:
         args.cpu_cores = engine_cores(text, float(os.cpu_count() or 1))
+    if args.client_s is None:
+        outside = [r["outside"] for r in real.values() if "outside" in r]
+        args.client_s = statistics.mean(outside) / 2 if outside else CLIENT_S
     sim, p50s, costs = run_sims(args)
-    print(f"bench_router.py {' '.join(_bench_args(args))}  vs  the simulator, profile {args.profile}, "
+    speed = 1.0
+    if not args.as_profiled and all("cpu" in real[p] for p in sim if p in real):
+        # the box's speed during the real run against the profile's: CPU seconds for the same work
+        speed = sum(real[p]["cpu"] for p in sim if p in real) / sum(sim[p]["cpu"] for p in sim if p in real)
+        sim, p50s, costs = run_sims(args, speed)
+    matched = (
+        (
+            f", its compute costs x{speed:.3f} (the real engines used that many times the CPU seconds of "
+            "the simulated steps: the box's speed during the run against the profile's)"
+        )
+        if speed != 1
+        else ""
+    )
+    print(f"bench_router.py {' '.join(_bench_args(args))}  vs  the simulator, profile {args.profile}{matched}, "
           f"the engines sharing {args.cpu_cores:.2f} CPUs, the median of {args.replays} replays\n")  # fmt: skip
     table, ok = compare(real, sim)
     print(table)

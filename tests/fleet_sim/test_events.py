@@ -83,3 +83,32 @@ def test_a_request_never_served_is_an_error(traces, zero_profile: Profile) -> No
     jobs[1].after = Job(trace[2], keys.of(trace[2]))  # waits for a request that is never sent
     with pytest.raises(SimulationError, match=r"1 requests not served exactly once, first: \[1\]"):
         run_jobs(jobs, SimConfig(2), zero_profile)
+
+
+def test_the_client_hop_delays_a_request_and_a_conversations_next_turn() -> None:
+    from benchmarks.fleet_sim.trace import TraceRequest
+
+    from .conftest import profile_doc
+
+    hop = 0.005
+    doc = profile_doc(prefill_s_per_token=1e-4, prefill_step_s=0.002, decode_step_s={"1": 0.01})
+    doc["tiers"]["server"] = {"load_gbps": 1, "aggregate_gbps": 1}  # a 1 MB save takes 1 ms
+    doc["tiers"]["valkey"] = {"load_gbps": 1, "aggregate_gbps": 1}
+    profile = Profile.from_dict(doc)
+
+    def run(client_s: float) -> list[Job]:
+        keys = ChunkKeys()
+        first = TraceRequest(0, 0.0, 1024, 1, (1, 2))
+        second = TraceRequest(1, 0.0, 1536, 1, (1, 2, 3))  # the next turn: due at once, sent when 0 is done
+        jobs = [Job(first, keys.of(first)), Job(second, keys.of(second))]
+        jobs[1].after = jobs[0]
+        config = SimConfig(2, "round_robin", store_gib=1, server_gib=0, client_s=client_s)
+        return run_jobs(jobs, config, profile).jobs
+
+    a, b = run(hop)
+    assert a.reached_s == pytest.approx(a.sent_s + hop)
+    assert a.ttft_s == pytest.approx(a.first_token_s - a.sent_s + hop)  # its first token's way back too
+    assert b.sent_s == pytest.approx(a.finish_s + hop)  # the answer's way back to the client
+    assert b.engine != a.engine and b.loaded == 4  # by then the first turn's 4 chunks were in the store
+    a, b = run(0.0)
+    assert b.sent_s == a.finish_s and b.loaded == 0  # sent at once: their save was still on its way

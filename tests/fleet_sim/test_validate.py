@@ -77,7 +77,7 @@ def test_the_replay_simulates_every_policy(tmp_path) -> None:
     args = argparse.Namespace(profile="llama3-8b-h100", window=1500, conversations=3, rounds=2, rps=1.5, slice="spread",
                               no_store_baseline=True,
                               block_tokens=32, max_blocks=24, kv_cache_memory="64MiB", cpu_cores=2.0,
-                              policies=["round_robin", "ttft"], replays=3, jitter_s=0.02)  # fmt: skip
+                              policies=["round_robin", "ttft"], replays=3, jitter_s=0.02, client_s=0.005)  # fmt: skip
     sim, p50s, costs = validate.run_sims(args)
     assert costs.step_s_per_request != Costs().step_s_per_request  # calibrated from the simulated engines
     assert set(sim) == set(p50s) == {"round_robin", "ttft", "round_robin/no-store"}
