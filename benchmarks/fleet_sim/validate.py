@@ -48,6 +48,7 @@ COSTS = re.compile(
     r"load_s_per_token (?P<load_s_per_token>\S+), step_s_per_request (?P<step_s_per_request>\S+),"
 )
 BESIDE = re.compile(r"^CPU beside the engines .*in all (?P<cores>[\d.]+) cores$", re.M)
+RUN_SEP = "\n=== the next bench_router.py run ===\n"
 HIT_POINTS = 2.0  # the issue's tolerances
 REPLAYS = 9
 CLIENT_S = 0.005  # half of bench_router.py's mean time outside the engines here (8-11 ms)
@@ -82,17 +83,39 @@ def _bench_args(args: argparse.Namespace) -> list[str]:
 def engine_cores(text: str, cpus: float) -> float:
     """The CPUs the real engines had: the box's less what everything else used during the rounds
     (bench_router.py's "CPU beside the engines" line; all of them when the output has none)."""
-    m = BESIDE.search(text)
-    return max(cpus - (float(m["cores"]) if m else 0.0), 0.5)
+    found = [float(m["cores"]) for m in BESIDE.finditer(text)]  # one per run
+    return max(cpus - (statistics.mean(found) if found else 0.0), 0.5)
 
 
 def run_real(args: argparse.Namespace) -> str:
+    """bench_router.py's output, args.repeat runs one after the other (joined by RUN_SEP)."""
     script = Path(bench_router.__file__)
-    proc = subprocess.run([sys.executable, str(script), *_bench_args(args)], capture_output=True, text=True)
-    sys.stderr.write(proc.stderr[-4000:])
-    if proc.returncode != 0:
-        raise SystemExit(f"bench_router.py failed ({proc.returncode})")
-    return proc.stdout
+    outs = []
+    for _ in range(max(args.repeat, 1)):
+        proc = subprocess.run(
+            [sys.executable, str(script), *_bench_args(args)], capture_output=True, text=True
+        )
+        sys.stderr.write(proc.stderr[-4000:])
+        if proc.returncode != 0:
+            raise SystemExit(f"bench_router.py failed ({proc.returncode})")
+        outs.append(proc.stdout)
+    return RUN_SEP.join(outs)
+
+
+def parse_runs(text: str) -> tuple[dict[str, dict[str, float]], dict[str, list[float]]]:
+    """One or more bench_router.py outputs (joined by RUN_SEP): per policy the median of each figure
+    over the runs (those every run has), and each run's TTFT p50."""
+    runs = [parse_real(t) for t in text.split(RUN_SEP)]
+    out = {
+        pol: {
+            k: statistics.median(r[pol][k] for r in runs)
+            for k in fig
+            if all(k in r.get(pol, {}) for r in runs)
+        }
+        for pol, fig in runs[0].items()
+        if all(pol in r for r in runs)
+    }
+    return out, {pol: [r[pol]["p50"] for r in runs] for pol in out}
 
 
 def _request(index: int, row: dict, arrival_s: float, bt: int, max_blocks: int) -> TraceRequest:
@@ -264,6 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--real", type=Path, help="bench_router.py's saved output (default: run it now)")
     p.add_argument("--save", type=Path, help="write bench_router.py's output here")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="real runs, one after the other; each figure is their median (a TTFT p50 of this "
+                        "bench moves by +-10%% between runs of the same command)")  # fmt: skip
     p.add_argument("--profile", default="smollm2-cpu")
     p.add_argument("--calibrate", type=Path, metavar="OUT",
                    help="measure the smollm2-cpu profile now (calibrate.py --out OUT) and simulate with it: "
@@ -316,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     text = args.real.read_text() if args.real else run_real(args)
     if args.save:
         args.save.write_text(text)
-    real = parse_real(text)
+    real, real_p50s = parse_runs(text)
     if args.cpu_cores is None:
         args.cpu_cores = engine_cores(text, float(os.cpu_count() or 1))
     if args.client_s is None:
@@ -337,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
         else ""
     )
     print(f"bench_router.py {' '.join(_bench_args(args))}  vs  the simulator, profile {args.profile}{matched}, "
-          f"the engines sharing {args.cpu_cores:.2f} CPUs, the median of {args.replays} replays\n")  # fmt: skip
+          f"the engines sharing {args.cpu_cores:.2f} CPUs, the median of {args.replays} replays; real: the median "
+          f"of {len(next(iter(real_p50s.values())))} runs\n")  # fmt: skip
     table, ok = compare(real, sim)
     print(table)
     print(
