@@ -14,7 +14,8 @@ What it times (SmolLM2-135M-Instruct, kvstore-engine's defaults otherwise):
 - the store: a real kvstore-server (cpu tier) on 127.0.0.1; a prompt run twice (prefix caching off) is
   loaded back the second time; load seconds over loaded tokens from the engine's own metrics (the
   counters `kvstore-engine router` calibrates from); the first run computes and saves it: its time
-  over the same prompt's without a store, per token, is the engine's cost of saving (save_s_per_token).
+  over a prompt's of the same length without a store, timed in turn with it, per token, is the
+  engine's cost of saving (save_s_per_token).
 
 The median of REPEATS interleaved runs is kept: the typical step (the fastest of them ran 2-3% below
 the steps of a real run's engines). Writes the profile JSON (date, machine, every measured point).
@@ -218,11 +219,16 @@ def measure_store(rng: random.Random, prompt_tokens: int = 2048) -> dict:
         try:
             _wait_up(port, server)
             llm = LLM("smollm2", enable_prefix_caching=False, kv_store_url=f"http://127.0.0.1:{port}")
+            plain = LLM("smollm2", enable_prefix_caching=False)  # the same prompts without a store, in turn
             try:
-                per_token, saved = [], []
+                _timed(llm, [_tokens(128, rng)], 1)  # warm-up
+                _timed(plain, [_tokens(128, rng)], 1)
+                per_token, saved, extra = [], [], []
                 for _ in range(REPEATS):
+                    t_plain = _timed(plain, [_tokens(prompt_tokens, rng)], 1)
                     prompt = _tokens(prompt_tokens, rng)
                     saved.append(_timed(llm, [prompt], 1))  # computes and saves
+                    extra.append(saved[-1] - t_plain)
                     before = parse_totals(llm.engine.render_metrics().decode())
                     _timed(llm, [prompt], 1)  # loads
                     after = parse_totals(llm.engine.render_metrics().decode())
@@ -231,9 +237,10 @@ def measure_store(rng: random.Random, prompt_tokens: int = 2048) -> dict:
                         raise RuntimeError("the second run loaded nothing from the kvstore-server")
                     per_token.append((after["load_s"] - before["load_s"]) / loaded)
                 return {"load_s_per_token": statistics.median(per_token), "prompt_tokens": prompt_tokens,
-                        "prefill_saved_s": statistics.median(saved)}  # fmt: skip
+                        "prefill_saved_s": statistics.median(saved), "save_extra_s": statistics.median(extra)}  # fmt: skip
             finally:
                 llm.engine.shutdown()
+                plain.engine.shutdown()
         finally:
             server.terminate()
             server.wait(timeout=30)
@@ -249,6 +256,7 @@ def measured_of(compute: dict, store: dict) -> dict:
         "load_s_per_token": store["load_s_per_token"],
         "store_prompt_tokens": store["prompt_tokens"],
         "prefill_saved_s": store["prefill_saved_s"],
+        "save_extra_s": store["save_extra_s"],
         "kv": compute["kv"],
         "kv_dtype": compute["dtype"],
         "max_batched_tokens": compute["max_batched_tokens"],
@@ -281,7 +289,10 @@ def build_profile(measured: dict, machine: str, date: str, host: str) -> dict:
     load_s_per_token = measured["load_s_per_token"]
     load_gbps = kv_bytes_per_token / load_s_per_token / 1e9
     n_store = measured["store_prompt_tokens"]
-    save_s = max(measured.get("prefill_saved_s", 0.0) - prefill.get(n_store, math.inf), 0.0) / n_store
+    extra = measured.get(
+        "save_extra_s", measured.get("prefill_saved_s", 0.0) - prefill.get(n_store, math.inf)
+    )
+    save_s = max(extra, 0.0) / n_store
     here = f"measured by benchmarks/fleet_sim/calibrate.py on {host}"
     return {
         "name": "smollm2-cpu",
@@ -306,7 +317,8 @@ def build_profile(measured: dict, machine: str, date: str, host: str) -> dict:
         "save_s_per_token": {
             "value": save_s,
             "source": f"{here}: a {n_store}-token prompt computed and saved to a real kvstore-server "
-            "(measured.prefill_saved_s) minus the same length without a store (measured.prefill_s), per token",
+            "minus the same length without a store, run in turn with it (the median of the rounds' differences, "
+            "measured.save_extra_s), per token",
         },
         "decode_step_s": {
             "value": {str(b): t for b, t in table.items()},

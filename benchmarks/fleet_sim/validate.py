@@ -367,10 +367,11 @@ def main(argv: list[str] | None = None) -> int:
           f"of {len(next(iter(real_p50s.values())))} runs\n")  # fmt: skip
     table, ok = compare(real, sim)
     print(table)
-    print(
-        "the replays' TTFT p50, min-max: "
-        + ", ".join(f"{p} {min(v):.3f}-{max(v):.3f}s" for p, v in p50s.items())
-    )
+    for name, runs in (("real runs'", real_p50s), ("replays'", p50s)):
+        print(
+            f"the {name} TTFT p50, min-max: "
+            + ", ".join(f"{p} {min(v):.3f}-{max(v):.3f}s" for p, v in runs.items())
+        )
     real_costs = COSTS.search(text)
     print("the router's calibrated costs at the end, real / simulated: " + ", ".join(
         f"{k} {real_costs[k] if real_costs else '-'} / {getattr(costs, k):.3g}"

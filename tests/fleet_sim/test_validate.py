@@ -137,3 +137,24 @@ def test_sim_only_prints_the_simulated_table(capsys) -> None:
     assert "each engine its own CPU" in out and "ttft's TTFT p90:" in out
     rows = [line.split() for line in out.splitlines() if line.strip().startswith(("round_robin", "ttft "))]
     assert [r[0] for r in rows] == ["round_robin", "ttft", "round_robin/no-store"]
+
+
+def test_several_real_runs_give_the_median_of_each_figure() -> None:
+    line = ("CPU beside the engines in 150.0 s of rounds: the routers, kvstore-server and this client 0.09 "
+            "cores, the rest of the box 0.01; in all {} cores")  # fmt: skip
+    runs = [
+        REAL + line.format("0.10"),
+        REAL.replace("0.400s", "0.500s").replace("20.0%     30.0%", "22.0%     28.0%") + line.format("0.30"),
+        REAL.replace("0.400s", "0.460s") + line.format("0.20"),
+    ]
+    text = validate.RUN_SEP.join(runs)
+    real, p50s = validate.parse_runs(text)
+    assert p50s == {"round_robin": [0.4, 0.5, 0.46], "ttft": [0.3, 0.3, 0.3]}
+    assert real["round_robin"]["p50"] == 0.46 and real["ttft"]["local"] == pytest.approx(0.2)
+    assert validate.engine_cores(text, 2.0) == pytest.approx(
+        1.8
+    )  # what the runs left the engines, on average
+    # one run alone is its own median
+    assert validate.parse_runs(runs[0])[0] == validate.parse_real(runs[0])
+    # a policy some run lacks is left out, not half-counted
+    assert set(validate.parse_runs(runs[0] + validate.RUN_SEP + REAL.split(" ttft")[0])[0]) == {"round_robin"}
