@@ -9,11 +9,11 @@
 - A step prefills up to `max_batched_tokens` (minus one per decoding request) from the queue head and
   decodes one token for every running request; it takes prefill_step_s + each prefilled token's
   prefill_s_per_token (+ prefill_s_per_token_ctx per token before it, + save_s_per_token with a store)
-  + decode_s(batch, their context). The first token comes with the end of a request's last prefill step. Prompt
-  chunks join the prefix cache (and the router's index) as kvstore-engine caches its blocks: loaded ones
-  when their load finishes, computed ones at the end of the step that filled them, the last partial
-  one with the first token (a twin computed concurrently stays anonymous, as in vLLM); the connector
-  saves the computed ones to the store at the same points.
+  + decode_s(batch, their context). The first token comes with the end of a request's last prefill
+  step. Prompt chunks join the prefix cache (and the router's index) as kvstore-engine caches its
+  blocks: loaded ones when their load finishes, computed ones at the end of the step that filled them,
+  the last partial one with the first token (a twin computed concurrently stays anonymous, as in
+  vLLM); the connector saves the computed ones to the store at the same points.
 - Engines sharing `cpu_cores` (one box's CPUs, as in benchmarks/bench_router.py) share them as the OS
   does (`cpu.SharedCPU`): with more engines in a step than cores, each step runs at cores / busy of
   its speed, re-divided whenever a step starts or ends.

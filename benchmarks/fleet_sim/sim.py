@@ -7,9 +7,9 @@ The router sees what the real one sees through KV events: which chunks each engi
 which chunks some tier of some store holds, and its own count of requests in flight and prompt tokens
 waiting per engine (app.py's bookkeeping: added when it routes, the tokens removed at the first token,
 the request at the end). Its costs start at the scoring module's defaults and are calibrated by the
-router's own Calibrator from the counters the engines would export (vLLM's prefill time, inter-token
-latency, prompt and prefix-hit counters, the connector's load counters, summed over the fleet), scraped
-every `calibrate_s`.
+router's own Calibrator from the counters each engine would export (vLLM's prefill time, inter-token
+latency, prompt and prefix-hit counters, the connector's load counters), every engine scraped every
+`calibrate_s` as the router scrapes them.
 
 Hit accounting is per trace block (512 tokens = two chunks): a block is a hit when all its chunks were
 reused, from the engine (local) or the store. A missed block a trace would call reused is classified by
@@ -35,7 +35,7 @@ from benchmarks.fleet_sim.network import transfer
 from benchmarks.fleet_sim.profile import Profile
 from benchmarks.fleet_sim.store import FleetStore, Tier
 from benchmarks.fleet_sim.trace import CHUNK, ChunkKeys, TraceRequest
-from engine.router.calibrate import Calibrator
+from engine.router.calibrate import Calibrator, parse_totals
 from engine.router.scoring import EngineState, Request, choose
 
 
@@ -133,6 +133,7 @@ class Fleet:
         # the router's costs: its defaults, then what its calibrator makes of the engines' counters
         self.calibrator = Calibrator()
         self.calibrate_s = calibrate_s if config.calibrate_s is None else config.calibrate_s
+        assert set(_COUNTERS) == set(parse_totals("")), "the Calibrator reads other counters now"
         self.metrics = [dict.fromkeys(_COUNTERS, 0.0) for _ in range(config.engines)]
         self.scraped_at = -math.inf
         self.names = [str(i) for i in range(config.engines)]

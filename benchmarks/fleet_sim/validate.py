@@ -2,15 +2,21 @@
 kvstore-server, `kvstore-engine router`) and the simulator with the `smollm2-cpu` profile on the same
 trace slice, policies, engine count, scaling and arrival times, printed side by side.
 
-    flock /tmp/kvstore-heavy.lock .venv/bin/python -m benchmarks.fleet_sim.validate [--save real.txt]
-    .venv/bin/python -m benchmarks.fleet_sim.validate --real real.txt     # re-use a saved real run
+    flock /tmp/kvstore-heavy.lock .venv/bin/python -m benchmarks.fleet_sim.validate \
+        --rps 4.5 --rounds 4 --repeat 3 --calibrate prof.json [--save real.txt]
+    .venv/bin/python -m benchmarks.fleet_sim.validate --real real.txt ...  # re-use a saved real run
 
-The real side is bench_router.py run as it is (its printed table is parsed); the simulated side replays
-its schedule: each round's conversations, the policies in its rotating order one after the other (a
-second between them), a conversation's next turn sent at its compressed trace time but never before its
-previous turn finished; prompts of --block-tokens per trace block cut at --max-blocks and to the scaled
-input_length, store chunks of one scaled block, 1 to 8 output tokens, token streams per policy (no
-policy reuses another's KV), each engine's KV cache --kv-cache-memory, the kvstore-server's 2 GiB.
+The real side is bench_router.py run as it is, --repeat times (its printed tables are parsed; each
+figure is their median); the simulated side replays its schedule --replays times, each request sent up
+to --jitter-s late at random (each figure is the replays' median), the client --client-s from the
+engines each way, at the box's speed during the real runs (the profile's compute costs scaled so the
+simulated steps use the CPU seconds the real engine processes did; --as-profiled: unscaled). A replay:
+each round's conversations, the policies in its rotating order one after the other (a second between
+them), a conversation's next turn sent at its compressed trace time but never before its previous turn
+finished (and came back to its client); prompts of --block-tokens per trace block cut at --max-blocks
+and to the scaled input_length, store chunks of one scaled block, 1 to 8 output tokens, token streams
+per policy (no policy reuses another's KV), each engine's KV cache --kv-cache-memory, the
+kvstore-server's 2 GiB.
 Hit rates are token shares (local = the engine's prefix cache, store = loaded), as the engines count them.
 """
 
@@ -318,8 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replays", type=int, default=REPLAYS,
                    help="simulated replays (seeds of the send jitter); each figure is their median")  # fmt: skip
     p.add_argument("--jitter-s", type=float, default=JITTER_S,
-                   help="a request reaches its engine up to this late, at random (the real run's "
-                        "'outside the engines' time)")  # fmt: skip
+                   help="each simulated request is sent up to this long after its due time, at random (the real "
+                        "client's sleeps and hops)")  # fmt: skip
     p.add_argument("--sim-only", action="store_true",
                    help="no real run: the simulated side alone (--cpu-cores 0: each engine a device of its own), "
                         "e.g. to ask what routing could do on this slice with engines that do not share cores")  # fmt: skip
