@@ -6,7 +6,7 @@ What it times (SmolLM2-135M-Instruct, kvstore-engine's defaults otherwise):
 - prefill: one request of n random tokens and max_tokens=1, for n in PREFILL_LENGTHS, and one of n new
   tokens after a head of `cached` that the prefix cache holds, for (cached, n) in CONTINUED; least
   squares of t = c + a n + b (n cached + n(n-1)/2) give the cost per token (a), per token and token of
-  context before it (b, attention) and of a step (c: ~6 ms here, which long prompts alone leave to a);
+  context before it (b, attention) and of a step (c: 6-8 ms here, which long prompts alone leave to a);
 - decode: B requests of a short prompt and 1+DECODE_STEPS tokens (ignore_eos), the engine stepped by
   hand: the median of the steps where all B decode is the step time at batch B; the same with long
   prompts (DECODE_CONTEXTS) gives the cost per token of context a decoding request attends to (its
