@@ -24,7 +24,6 @@ the steps of a real run's engines). Writes the profile JSON (date, machine, ever
 from __future__ import annotations
 
 import argparse
-import bisect
 import datetime
 import json
 import math
@@ -48,7 +47,8 @@ PREFILL_LENGTHS = (128, 256, 512, 1024, 2048)
 CONTINUED = ((256, 1), (704, 1), (704, 16), (256, 64))
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32)
 DECODE_STEPS = 24
-# (batch, prompt tokens) decoded after long prompts: the attention's cost per token of context
+# (batch, prompt tokens) decoded after long prompts: the attention's cost per token of context (each
+# batch one of DECODE_BATCHES, whose short-prompt step it is compared with)
 DECODE_CONTEXTS = ((1, 1024), (4, 512))
 REPEATS = 3  # interleaved rounds over every size; the median of each is kept
 PROMPT = 64  # tokens of each decode request's prompt
@@ -100,9 +100,9 @@ def fit_decode(
     context) -> step time): the context term is the mean over `long` of its extra time per extra token
     of context (0 if that is negative), and is taken off `table`; a bigger batch never steps faster
     (a dip between two batches, noise, takes the smaller batch's time)."""
+    assert all(batch in table for batch, _ in long), "long-context batches are measured short too"
     per_token = [
-        (t - _interp(table, batch)) / (batch * (context - short_context))
-        for (batch, context), t in long.items()
+        (t - table[batch]) / (batch * (context - short_context)) for (batch, context), t in long.items()
     ]
     d = max(statistics.fmean(per_token), 0.0) if per_token else 0.0
     out, floor = {}, 0.0
@@ -110,16 +110,6 @@ def fit_decode(
         floor = max(floor, t - d * b * short_context, 0.0)
         out[b] = floor
     return out, d
-
-
-def _interp(table: dict[int, float], batch: int) -> float:
-    """`table` at `batch`, linear between its points."""
-    xs = sorted(table)
-    if batch in table or len(xs) == 1:
-        return table.get(batch, table[xs[0]])
-    i = min(max(bisect.bisect_left(xs, batch), 1), len(xs) - 1)
-    x0, x1 = xs[i - 1], xs[i]
-    return table[x0] + (table[x1] - table[x0]) * (batch - x0) / (x1 - x0)
 
 
 def _decode_step(llm, prompts: list[list[int]]) -> float:
