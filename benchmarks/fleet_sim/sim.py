@@ -52,8 +52,6 @@ def _router_defaults() -> tuple[float, int, float]:
 
 
 ENGINE_BLOCK = 16  # tokens per KV block in kvstore-engine and vLLM (their default block_size)
-# what an engine's /metrics says (vLLM's counters), as the router's own Calibrator reads them
-_COUNTERS = ("prefill_s", "prompt", "local_hits", "store_hits", "load_s", "loaded", "itl_s", "itl_n")
 
 
 @dataclass(frozen=True)
@@ -133,8 +131,8 @@ class Fleet:
         # the router's costs: its defaults, then what its calibrator makes of the engines' counters
         self.calibrator = Calibrator()
         self.calibrate_s = calibrate_s if config.calibrate_s is None else config.calibrate_s
-        assert set(_COUNTERS) == set(parse_totals("")), "the Calibrator reads other counters now"
-        self.metrics = [dict.fromkeys(_COUNTERS, 0.0) for _ in range(config.engines)]
+        # each engine's counters as its /metrics would give them to the Calibrator (all 0 at first)
+        self.metrics = [parse_totals("") for _ in range(config.engines)]
         self.scraped_at = -math.inf
         self.names = [str(i) for i in range(config.engines)]
         self.in_flight = [0] * config.engines

@@ -109,9 +109,15 @@ def run_real(args: argparse.Namespace) -> str:
 
 
 def parse_runs(text: str) -> tuple[dict[str, dict[str, float]], dict[str, list[float]]]:
-    """One or more bench_router.py outputs (joined by RUN_SEP): per policy the median of each figure
-    over the runs (those every run has), and each run's TTFT p50."""
-    runs = [parse_real(t) for t in text.split(RUN_SEP)]
+    """One or more bench_router.py outputs (joined by RUN_SEP): medians(), over the runs."""
+    return medians([parse_real(t) for t in text.split(RUN_SEP)])
+
+
+def medians(
+    runs: list[dict[str, dict[str, float]]],
+) -> tuple[dict[str, dict[str, float]], dict[str, list[float]]]:
+    """Per policy the median of each figure over `runs` (the policies and figures every run has), and
+    each run's TTFT p50."""
     out = {
         pol: {
             k: statistics.median(r[pol][k] for r in runs)
@@ -137,11 +143,7 @@ def run_sims(
     """run_sim over args.replays seeds: per policy the median of each figure over the replays, the
     replays' TTFT p50s, and the first replay's router costs."""
     runs = [run_sim(args, seed, speed) for seed in range(max(args.replays, 1))]
-    out = {
-        pol: {k: statistics.median(r[0][pol][k] for r in runs) for k in fig}
-        for pol, fig in runs[0][0].items()
-    }
-    return out, {pol: [r[0][pol]["p50"] for r in runs] for pol in out}, runs[0][1]
+    return *medians([figures for figures, _ in runs]), runs[0][1]
 
 
 def run_sim(

@@ -151,9 +151,8 @@ def test_several_real_runs_give_the_median_of_each_figure() -> None:
     real, p50s = validate.parse_runs(text)
     assert p50s == {"round_robin": [0.4, 0.5, 0.46], "ttft": [0.3, 0.3, 0.3]}
     assert real["round_robin"]["p50"] == 0.46 and real["ttft"]["local"] == pytest.approx(0.2)
-    assert validate.engine_cores(text, 2.0) == pytest.approx(
-        1.8
-    )  # what the runs left the engines, on average
+    # what the runs left the engines, on average
+    assert validate.engine_cores(text, 2.0) == pytest.approx(1.8)
     # one run alone is its own median
     assert validate.parse_runs(runs[0])[0] == validate.parse_real(runs[0])
     # a policy some run lacks is left out, not half-counted
