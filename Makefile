@@ -7,7 +7,7 @@ CACHE ?= $(HOME)/.cache/kvstore
 
 .PHONY: demo test lint bench clean
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml setup.py constraints.txt
 	@echo "==> [1/4] a virtualenv in $(VENV) ($(PY))"
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip

@@ -245,7 +245,7 @@ def speed(kv: torch.Tensor, codec: str, opts: dict, threads: int, reps: int = 5)
 
 
 def default_model_dir() -> Path:
-    from engine.convert import ensure_smollm2  # noqa: PLC0415
+    from kvstore.engine.convert import ensure_smollm2  # noqa: PLC0415
 
     return ensure_smollm2()
 

@@ -23,10 +23,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from connectors.base import KVConnectorMetadata, KVConnectorRole  # noqa: E402
-from connectors.config import KVTransferConfig  # noqa: E402
-from connectors.kvstore import KVStoreConnector  # noqa: E402
-from connectors.meta import LoadSpec, SaveSpec, StepTransfers  # noqa: E402
+from kvstore.connectors.base import KVConnectorMetadata, KVConnectorRole  # noqa: E402
+from kvstore.connectors.config import KVTransferConfig  # noqa: E402
+from kvstore.connectors.kvstore import KVStoreConnector  # noqa: E402
+from kvstore.connectors.meta import LoadSpec, SaveSpec, StepTransfers  # noqa: E402
+
 from kvstore.codecs import codec_names  # noqa: E402
 
 LAYERS, HEADS, DIM, BS, CS = 30, 3, 64, 16, 256
@@ -34,7 +35,7 @@ LAYERS, HEADS, DIM, BS, CS = 30, 3, 64, 16, 256
 
 def start_server() -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "server", "--port", "0", "--tiers", "cpu", "--cpu-capacity", "2GiB"],
+        [sys.executable, "-m", "kvstore.server", "--port", "0", "--tiers", "cpu", "--cpu-capacity", "2GiB"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     for line in proc.stdout:

@@ -40,9 +40,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine import LLM, SamplingParams  # noqa: E402
+from kvstore.engine import LLM, SamplingParams  # noqa: E402
+from kvstore.sdk.remote import RemoteBackend  # noqa: E402
+
 from kvstore.tiers.redis import RedisTier  # noqa: E402
-from sdk.remote import RemoteBackend  # noqa: E402
 from tests.connectors.conftest import ServerProcess  # noqa: E402
 from tests.connectors.engine_util import doc, store_metrics  # noqa: E402
 from tests.valkey import ValkeyCluster  # noqa: E402

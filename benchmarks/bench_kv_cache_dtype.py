@@ -26,12 +26,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's packages
 
+from kvstore.engine.attention_metadata import AttentionMetadata  # noqa: E402
+from kvstore.engine.kv_cache.fp8_scales import CALIBRATION_TEXT, KVScales, calibrate_kv_scales  # noqa: E402
+from kvstore.engine.layers.attention import Attention  # noqa: E402
+from kvstore.engine.loader import load_model  # noqa: E402
+from kvstore.engine.model_runner import kv_bytes_per_block  # noqa: E402
+
 from benchmarks.bench_codec_quality import TEXT  # noqa: E402
-from engine.attention_metadata import AttentionMetadata  # noqa: E402
-from engine.kv_cache.fp8_scales import CALIBRATION_TEXT, KVScales, calibrate_kv_scales  # noqa: E402
-from engine.layers.attention import Attention  # noqa: E402
-from engine.loader import load_model  # noqa: E402
-from engine.model_runner import kv_bytes_per_block  # noqa: E402
 
 CHUNK = 256
 BLOCK = 16
@@ -77,7 +78,7 @@ def scores(logits: torch.Tensor, ref: torch.Tensor, ids: list[int]) -> tuple[flo
 
 
 def quality(model_dir: Path) -> None:
-    from engine.tokenizer import Tokenizer
+    from kvstore.engine.tokenizer import Tokenizer
 
     tok = Tokenizer.from_pretrained(model_dir)
     ids = list(tok.encode(TEXT))
@@ -113,7 +114,7 @@ def quality(model_dir: Path) -> None:
 
 
 def capacity(model_dir: Path, memory: int) -> None:
-    from engine.config import ModelConfig
+    from kvstore.engine.config import ModelConfig
 
     cfg = ModelConfig.from_pretrained(model_dir)
     print(f"\n== capacity at --kv-cache-memory {memory / 2**20:.0f} MiB ({cfg.model_name}, block {BLOCK}) ==")
@@ -130,8 +131,8 @@ def capacity(model_dir: Path, memory: int) -> None:
 def throughput(
     model_dir: Path, rounds: int, num_prompts: int, input_len: int, output_len: int, seed: int
 ) -> None:
-    from engine import LLM, SamplingParams
-    from engine.bench.datasets import random_requests
+    from kvstore.engine import LLM, SamplingParams
+    from kvstore.engine.bench.datasets import random_requests
 
     engines = {
         name: LLM(
@@ -178,7 +179,7 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
-    from engine.convert import ensure_smollm2
+    from kvstore.engine.convert import ensure_smollm2
 
     model_dir = args.model or ensure_smollm2()
     capacity(model_dir, args.kv_cache_memory)

@@ -63,7 +63,8 @@ from prometheus_client.parser import text_string_to_metric_families
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine.router.scoring import POLICIES  # noqa: E402
+from kvstore.engine.router.scoring import POLICIES  # noqa: E402
+
 from tests.router.fleet import router_state, start_engine, start_router, start_store, wait_healthy  # noqa: E402
 
 TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"

@@ -2,7 +2,7 @@
 
 Blobs of 256 KiB / 1 MiB / 4 MiB, and of real chunks (`--sizes` 6MiB: a SmolLM2 chunk of 256 tokens is
 5.9 MB; 32MiB: a Llama-3-8B one is 33.5 MB); single get and put, batches of 8 (Valkey: MGET / MSET); kvstore
-over each transport of `sdk.remote.RemoteBackend`:
+over each transport of `kvstore.sdk.remote.RemoteBackend`:
     http       HTTP/1.1 (the public API)
     tcp        the binary data plane on the same port (kvstore.protocol.dataplane)
     shm        the data plane with blobs in shared memory (kvstore.protocol.shm), over the server's Unix
@@ -47,8 +47,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kvstore.sdk.remote import RemoteBackend  # noqa: E402
+
 from kvstore.blob import encode_blob, verify_blob  # noqa: E402
-from sdk.remote import RemoteBackend  # noqa: E402
 from tests.valkey import ValkeyProcess  # noqa: E402
 
 SIZES = {
@@ -71,7 +72,7 @@ def make_blob(tokens: int, seed: int) -> bytes:
 
 def start_server(capacity: str) -> tuple[subprocess.Popen, str]:
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    cmd = [sys.executable, "-m", "server", "--tiers", "cpu", "--cpu-capacity", capacity, "--port", "0"]
+    cmd = [sys.executable, "-m", "kvstore.server", "--tiers", "cpu", "--cpu-capacity", capacity, "--port", "0"]
     proc = subprocess.Popen(cmd + ["--log-level", "WARNING"], stdout=subprocess.PIPE, text=True, env=env)
     assert proc.stdout is not None
     line = proc.stdout.readline()

@@ -21,13 +21,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from kvstore.sdk import Store
 
 from kvstore.blob import HEADER_SIZE, encode_blob
 from kvstore.config import parse_size
 from kvstore.tiers.base import Tier
 from kvstore.tiers.cpu import CpuTier
 from kvstore.tiers.disk import DiskTier
-from sdk import Store
 
 try:  # run as a script, benchmarks/ is on sys.path
     from bench_redis import ManagedRedisTier

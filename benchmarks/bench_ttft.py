@@ -46,8 +46,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.kv_cache.spec import KV_CACHE_DTYPES  # noqa: E402
+from kvstore.engine import LLM, SamplingParams  # noqa: E402
+from kvstore.engine.kv_cache.spec import KV_CACHE_DTYPES  # noqa: E402
+
 from kvstore.codecs import codec_names  # noqa: E402
 
 SOURCES = ["engine", "cpu-raw", "cpu-fp8", "cpu-int4", "server", "disk", "redis"]
@@ -87,7 +88,7 @@ class Service:
 
 
 def kvstore_server(*args: str) -> tuple[Service, str]:
-    svc = Service([sys.executable, "-m", "server", "--port", "0", *args], r"listening on (http://\S+)")
+    svc = Service([sys.executable, "-m", "kvstore.server", "--port", "0", *args], r"listening on (http://\S+)")
     return svc, svc.match.group(1)
 
 
@@ -255,8 +256,8 @@ class Workload:
 
 
 def workloads(args: argparse.Namespace) -> dict[str, Workload]:
-    from engine.convert import ensure_smollm2  # noqa: PLC0415
-    from engine.tokenizer import Tokenizer  # noqa: PLC0415
+    from kvstore.engine.convert import ensure_smollm2  # noqa: PLC0415
+    from kvstore.engine.tokenizer import Tokenizer  # noqa: PLC0415
 
     tok = Tokenizer.from_pretrained(ensure_smollm2())
     system = tok.encode(

@@ -32,10 +32,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from connectors.config import KVTransferConfig  # noqa: E402
+from kvstore.connectors.config import KVTransferConfig  # noqa: E402
+from kvstore.sdk import Store  # noqa: E402
+
 from kvstore.blob import decode_blob, encode_blob  # noqa: E402
 from kvstore.keys import KVLayout, chunk_keys  # noqa: E402
-from sdk import Store  # noqa: E402
 from tests.connectors.conftest import ServerProcess  # noqa: E402
 from tests.connectors.vllm.conftest import free_port  # noqa: E402
 from tests.connectors.vllm.vllm_util import VllmServer, complete, start_all, transfer_config  # noqa: E402
@@ -101,7 +102,7 @@ def main() -> int:
     p.add_argument("--codecs", nargs="+", default=["raw", "fp8", "int4"])
     args = p.parse_args()
     torch.set_num_threads(1)
-    from engine.convert import ensure_smollm2  # noqa: PLC0415
+    from kvstore.engine.convert import ensure_smollm2  # noqa: PLC0415
 
     model_dir = ensure_smollm2()
     layout = layout_of(model_dir)

@@ -72,7 +72,7 @@ class Tally:
 def launch(args: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
     """A kvstore-server subprocess on a free port; (process, url)."""
     env = dict(env or os.environ, PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "server", "--port", "0", "--log-level", "ERROR", *args]
+    cmd = [sys.executable, "-m", "kvstore.server", "--port", "0", "--log-level", "ERROR", *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     assert proc.stdout is not None
     line = proc.stdout.readline()
@@ -93,7 +93,7 @@ def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 60)
 
 
 def client(url: str):  # noqa: ANN201 (sdk.remote.RemoteBackend)
-    from sdk.remote import RemoteBackend  # noqa: PLC0415
+    from kvstore.sdk.remote import RemoteBackend  # noqa: PLC0415
 
     return RemoteBackend(url, transport="http", retries=0, timeout=30)
 

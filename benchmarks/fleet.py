@@ -95,7 +95,7 @@ def up(args: argparse.Namespace) -> None:
         for i in range(args.servers):
             port = free_port()
             addr, launch = host(f"server{i}")
-            cmd = [*launch, sys.executable, "-m", "server", "--host", addr, "--port", str(port),
+            cmd = [*launch, sys.executable, "-m", "kvstore.server", "--host", addr, "--port", str(port),
                    "--tiers", args.tiers, "--redis-url", cluster.urls, "--redis-cluster",
                    "--redis-prefix", args.prefix, "--state-dir", str(work / f"state{i}")]  # fmt: skip
             proc = spawn(cmd, work / f"server{i}.log")
@@ -107,7 +107,7 @@ def up(args: argparse.Namespace) -> None:
             port = free_port()
             store = state["servers"][j % len(state["servers"])]
             addr, launch = host(f"engine{j}")
-            cmd = [*launch, sys.executable, "-m", "engine", "serve", "--host", addr, "--port", str(port),
+            cmd = [*launch, sys.executable, "-m", "kvstore.engine", "serve", "--host", addr, "--port", str(port),
                    "--kv-backend", "kvstore", "--kv-store-url", store, *shlex.split(args.engine_args)]  # fmt: skip
             proc = spawn(cmd, work / f"engine{j}.log")
             state["pids"].append(proc.pid)

@@ -36,12 +36,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from kvstore.sdk.remote import RemoteBackend  # noqa: E402
+
 from benchmarks.consistency import launch  # noqa: E402
 from benchmarks.hostile_clients import HostileConfig, HostileReport, run_hostile  # noqa: E402
 from kvstore.config import parse_size  # noqa: E402
 from kvstore.protocol.arena_table import ENTRY, slots_for  # noqa: E402
 from kvstore.tiers.arena import arena_size  # noqa: E402  (the cpu tier's memory: capacity + slack)
-from sdk.remote import RemoteBackend  # noqa: E402
 
 BLOB_TOKENS = (32, 128)  # [2, 2, T, 8, 64] fp16 -> 128 KiB and 512 KiB blobs (plus a small header)
 VARIANTS = 8  # distinct payloads per size; a key's payload is derived from the key and its version
@@ -90,8 +91,9 @@ def rss_bytes(pid: int, field: str = "VmRSS") -> int:
 def worker(args: tuple) -> dict:
     """Random puts, replaces, gets, batches for `duration` s. Logs (time, key, bytes, kind) for the
     loss check and each op's latency."""
+    from kvstore.sdk.remote import RemoteBackend  # noqa: PLC0415
+
     from kvstore.errors import Unavailable  # noqa: PLC0415
-    from sdk.remote import RemoteBackend  # noqa: PLC0415
 
     wid, url, duration, table, seed = args
     rng = random.Random(seed)

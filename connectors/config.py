@@ -20,9 +20,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
+from kvstore.connectors.base import KV_ROLE_ALIASES
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from connectors.base import KV_ROLE_ALIASES
 from kvstore.config import StoreConfig, TierName, default_data_dir
 from kvstore.errors import ConfigError, InvalidArgument
 from kvstore.keys import KVLayout

@@ -1,14 +1,15 @@
 """Which KV connector an engine gets (vLLM keeps this in its `kv_connector/factory.py`).
 
 `--kv-backend none|kvstore`, or vLLM's `kv_connector` name from `--kv-transfer-config`. Engines import
-only this and `connectors.base`; the implementation (and the SDK under it) is imported on demand.
+only this and `kvstore.connectors.base`; the implementation (and the SDK under it) is imported on demand.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from connectors.base import KVConnectorBase, KVConnectorRole
+from kvstore.connectors.base import KVConnectorBase, KVConnectorRole
+
 from kvstore.errors import ConfigError
 
 KV_BACKENDS = ("none", "kvstore")
@@ -30,7 +31,7 @@ def create_connector(backend: str, role: KVConnectorRole, config: Any) -> KVConn
     if backend == "none":
         return None
     if backend == "kvstore":
-        from connectors.kvstore import KVStoreConnector  # noqa: PLC0415 (keeps sdk out of `none`)
+        from kvstore.connectors.kvstore import KVStoreConnector  # noqa: PLC0415 (keeps sdk out of `none`)
 
         return KVStoreConnector(role, config)
     raise ConfigError(f"unknown --kv-backend {backend!r}; choose one of {', '.join(KV_BACKENDS)}")

@@ -22,11 +22,11 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
+from kvstore.connectors.config import KVTransferConfig
+from kvstore.connectors.layouts import PagedLayout
+from kvstore.connectors.meta import SaveSpec
+from kvstore.connectors.store_handle import StoreHandle, is_unreachable
 
-from connectors.config import KVTransferConfig
-from connectors.layouts import PagedLayout
-from connectors.meta import SaveSpec
-from connectors.store_handle import StoreHandle, is_unreachable
 from kvstore.blob import prepare_blob
 from kvstore.errors import KVStoreError
 

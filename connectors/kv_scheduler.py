@@ -5,7 +5,7 @@ watermark: chunks below it are in the store already (the lookup said so) or have
 worker for saving. Each step, every chunk that became full is scheduled for saving exactly once;
 that covers prompt chunks and generated chunks. When a request finishes, its trailing partial chunk
 (block-aligned) is saved too, under Spec 1's partial key, so that the next turn of a conversation loads it
-(`connectors.prefix`); a saved chunk replaces the shorter partials of the same chunk it supersedes
+(`kvstore.connectors.prefix`); a saved chunk replaces the shorter partials of the same chunk it supersedes
 (except, per block size the save is not a multiple of, the longest one: engines with coarser blocks
 sharing the store still find theirs).
 A preempted request's full chunks are in the store already; `request_preempted` saves its partial
@@ -24,12 +24,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from connectors.base import ConnectorRequest
-from connectors.chunks import ChunkKeys, key_extra
-from connectors.config import KVTransferConfig
-from connectors.meta import LoadSpec, SaveSpec, StepTransfers
-from connectors.prefix import PrefixHit, PrefixQuery, plan_prefix_query
-from connectors.store_handle import StoreHandle, is_unreachable
+from kvstore.connectors.base import ConnectorRequest
+from kvstore.connectors.chunks import ChunkKeys, key_extra
+from kvstore.connectors.config import KVTransferConfig
+from kvstore.connectors.meta import LoadSpec, SaveSpec, StepTransfers
+from kvstore.connectors.prefix import PrefixHit, PrefixQuery, plan_prefix_query
+from kvstore.connectors.store_handle import StoreHandle, is_unreachable
+
 from kvstore.errors import KVStoreError
 
 logger = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ chunk, so no layer is ready before its whole chunk is: the load completes in `st
 and are reported by `get_finished` instead).
 
 Saves: `save_kv_layer` only checks its arguments (a chunk needs every layer); `wait_for_save` copies
-the step's chunks out of the cache and hands them to a background thread (`connectors.kv_saver`).
+the step's chunks out of the cache and hands them to a background thread (`kvstore.connectors.kv_saver`).
 So `get_finished` reports a finished request as soon as its blocks were copied out; only a prefill
 instance (kv_producer), whose answer says "the KV is stored", waits until none of its saves is in
 flight.
@@ -28,14 +28,14 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
+from kvstore.connectors.chunks import CacheGeometry
+from kvstore.connectors.config import KVTransferConfig
+from kvstore.connectors.kv_saver import ChunkSaver
+from kvstore.connectors.layouts import ENGINE_LAYOUT, PagedLayout
+from kvstore.connectors.meta import LoadSpec, StepTransfers
+from kvstore.connectors.metrics import MISS_REASONS
+from kvstore.connectors.store_handle import StoreHandle, is_unreachable
 
-from connectors.chunks import CacheGeometry
-from connectors.config import KVTransferConfig
-from connectors.kv_saver import ChunkSaver
-from connectors.layouts import ENGINE_LAYOUT, PagedLayout
-from connectors.meta import LoadSpec, StepTransfers
-from connectors.metrics import MISS_REASONS
-from connectors.store_handle import StoreHandle, is_unreachable
 from kvstore.blob import COMPRESSION_NONE, BlobHeader, decode_blob, encode_blob, verify_blob
 from kvstore.codecs import get_codec
 from kvstore.codecs.raw import RawCodec

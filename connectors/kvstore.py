@@ -3,8 +3,8 @@
     engine blocks --(copy out, encode with the codec)--> store chunks --(verify, decode)--> blocks
 
 One instance per role, like vLLM: `KVConnectorRole.SCHEDULER` decides what to load and save
-(`connectors.kv_scheduler`), `KVConnectorRole.WORKER` moves the bytes (`connectors.kv_worker`). Both
-share one store connection per process (`connectors.store_handle`). `config` is a
+(`kvstore.connectors.kv_scheduler`), `KVConnectorRole.WORKER` moves the bytes (`kvstore.connectors.kv_worker`). Both
+share one store connection per process (`kvstore.connectors.store_handle`). `config` is a
 `KVTransferConfig` whose `layout` the engine has filled in (`KVTransferConfig.for_engine`), or
 the same fields as a plain mapping (`layout` a mapping of `kvstore.keys.KVLayout` fields).
 """
@@ -15,14 +15,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from kvstore.connectors.base import ConnectorRequest, KVConnectorBase, KVConnectorMetadata, KVConnectorRole
+from kvstore.connectors.config import KVTransferConfig
+from kvstore.connectors.kv_scheduler import KVStoreScheduler
+from kvstore.connectors.kv_worker import KVStoreWorker
+from kvstore.connectors.meta import StepTransfers
+from kvstore.connectors.metrics import ConnectorMetrics
+from kvstore.connectors.store_handle import acquire_store, release_store
 
-from connectors.base import ConnectorRequest, KVConnectorBase, KVConnectorMetadata, KVConnectorRole
-from connectors.config import KVTransferConfig
-from connectors.kv_scheduler import KVStoreScheduler
-from connectors.kv_worker import KVStoreWorker
-from connectors.meta import StepTransfers
-from connectors.metrics import ConnectorMetrics
-from connectors.store_handle import acquire_store, release_store
 from kvstore.errors import ConfigError
 
 _TRANSFERS = "kvstore_transfers"

@@ -23,9 +23,9 @@ from collections.abc import Sequence
 from typing import Protocol
 
 import torch
+from kvstore.connectors import layout_c
+from kvstore.connectors.chunks import CacheGeometry, gather_chunk, scatter_chunk
 
-from connectors import layout_c
-from connectors.chunks import CacheGeometry, gather_chunk, scatter_chunk
 from kvstore.errors import InvalidArgument
 
 
@@ -48,7 +48,7 @@ class PagedLayout(Protocol):
 
 
 class EngineLayout:
-    """The bundled engine's cache is already block-major NHD: `connectors.chunks` moves it as is."""
+    """The bundled engine's cache is already block-major NHD: `kvstore.connectors.chunks` moves it as is."""
 
     name = "engine"
 

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from connectors.chunks import ChunkKeys
+from kvstore.connectors.chunks import ChunkKeys
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,9 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
 
-from connectors.config import KVTransferConfig
-from connectors.metrics import ConnectorMetrics
+from kvstore.connectors.config import KVTransferConfig
+from kvstore.connectors.metrics import ConnectorMetrics
+
 from kvstore.blob import PreparedBlob
 from kvstore.breaker import Breaker
 from kvstore.errors import ConfigError, Forbidden, KVStoreError, Unauthorized, Unavailable
@@ -127,7 +128,7 @@ def _pool_key(config: KVTransferConfig) -> tuple:
 
 
 def _open_store(config: KVTransferConfig, timeout_s: float, retries: int) -> Any:
-    from sdk import Store  # noqa: PLC0415 (the sdk stays out of engines that run without a store)
+    from kvstore.sdk import Store  # noqa: PLC0415 (the sdk stays out of engines that run without a store)
 
     if config.is_local:
         return Store.local(config=config.local_store_config())

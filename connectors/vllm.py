@@ -1,14 +1,14 @@
 """`KVStoreConnectorV1`: kvstore as a KV connector of real vLLM (V1), loaded by module path.
 
     vllm serve MODEL --kv-transfer-config '{"kv_connector": "KVStoreConnectorV1",
-        "kv_connector_module_path": "connectors.vllm", "kv_role": "kv_both",
+        "kv_connector_module_path": "kvstore.connectors.vllm", "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"url": "http://127.0.0.1:8100"}}'
 
 The only module that imports vllm. It is the bundled engine's connector in vLLM's signatures: the
 same chunk keys (`kvstore.keys`, one layout fingerprint for every engine), codecs, SDK, save queue
 and load-error reporting (`KVStoreScheduler`, `KVStoreWorker`), with vLLM's paged layout converted
-in `connectors.layouts`. So what vLLM stores is a hit for `kvstore-engine` and the reverse whenever
+in `kvstore.connectors.layouts`. So what vLLM stores is a hit for `kvstore-engine` and the reverse whenever
 model, KV dtype and chunk size match.
 
 vLLM runs the scheduler side in its EngineCore process and the worker side in its Worker process:
@@ -29,6 +29,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+from kvstore.connectors.config import KVTransferConfig
+from kvstore.connectors.kv_scheduler import KVStoreScheduler
+from kvstore.connectors.kv_worker import KVStoreWorker
+from kvstore.connectors.layouts import PagedLayout, VllmCpuAmxLayout, VllmCpuLayout, VllmCudaLayout
+from kvstore.connectors.meta import StepTransfers
+from kvstore.connectors.store_handle import StoreHandle, acquire_store, release_store
+from kvstore.connectors.vllm_scheduler import VllmScheduler
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -37,13 +44,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.transformers_utils.repo_utils import get_hf_file_to_dict
 
-from connectors.config import KVTransferConfig
-from connectors.kv_scheduler import KVStoreScheduler
-from connectors.kv_worker import KVStoreWorker
-from connectors.layouts import PagedLayout, VllmCpuAmxLayout, VllmCpuLayout, VllmCudaLayout
-from connectors.meta import StepTransfers
-from connectors.store_handle import StoreHandle, acquire_store, release_store
-from connectors.vllm_scheduler import VllmScheduler
 from kvstore.errors import ConfigError
 from kvstore.keys import model_layout
 

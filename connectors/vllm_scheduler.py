@@ -24,8 +24,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from connectors.kv_scheduler import KVStoreScheduler
-from connectors.meta import StepTransfers
+from kvstore.connectors.kv_scheduler import KVStoreScheduler
+from kvstore.connectors.meta import StepTransfers
 
 
 @dataclass

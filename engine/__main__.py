@@ -1,7 +1,7 @@
-"""`python -m engine` is `kvstore-engine`."""
+"""`python -m kvstore.engine` is `kvstore-engine`."""
 
 import sys
 
-from engine.cli import main
+from kvstore.engine.cli import main
 
 sys.exit(main())

@@ -20,10 +20,10 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from engine.errors import RequestFailed
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from kvstore.engine.errors import RequestFailed
+from kvstore.engine.llm_engine import LLMEngine
+from kvstore.engine.outputs import RequestOutput
+from kvstore.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -12,7 +12,8 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from engine.sequence import Sequence
+from kvstore.engine.sequence import Sequence
+
 from kvstore.keys import hash_block
 
 logger = logging.getLogger(__name__)

@@ -8,13 +8,14 @@ import logging
 import sys
 from pathlib import Path
 
-from engine.engine_args import EngineArgs
-from engine.errors import EngineError
+from kvstore.engine.engine_args import EngineArgs
+from kvstore.engine.errors import EngineError
+
 from kvstore import __version__
 from kvstore.errors import KVStoreError
 from kvstore.settings import check_port_free
 
-logger = logging.getLogger("engine.cli")
+logger = logging.getLogger("kvstore.engine.cli")
 
 
 def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -89,19 +90,19 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds requests in flight at SIGTERM may still run before they are failed (503)")  # fmt: skip
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
-    from engine.bench import add_bench_parsers  # noqa: PLC0415
+    from kvstore.engine.bench import add_bench_parsers  # noqa: PLC0415
 
     add_bench_parsers(bench)
 
     proxy = sub.add_parser("proxy", help="disaggregated prefill/decode: route requests through two engines")
-    from engine.proxy import add_cli_args as add_proxy_args  # noqa: PLC0415
+    from kvstore.engine.proxy import add_cli_args as add_proxy_args  # noqa: PLC0415
 
     add_proxy_args(proxy)
 
     router = sub.add_parser(
         "router", help="KV-aware routing over several engines (or the prefill/decode proxy)"
     )
-    from engine.router.cli import add_cli_args as add_router_args  # noqa: PLC0415
+    from kvstore.engine.router.cli import add_cli_args as add_router_args  # noqa: PLC0415
 
     add_router_args(router)
 
@@ -116,8 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _generate(ns: argparse.Namespace) -> None:
-    from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from kvstore.engine.llm import LLM
+    from kvstore.engine.sampling_params import SamplingParams
 
     args = EngineArgs.from_cli_args(ns)
     params = SamplingParams(
@@ -151,8 +152,8 @@ def _generate(ns: argparse.Namespace) -> None:
 
 
 def _serve(ns: argparse.Namespace) -> None:
-    from engine.llm_engine import LLMEngine
-    from engine.server import serve
+    from kvstore.engine.llm_engine import LLMEngine
+    from kvstore.engine.server import serve
 
     args = EngineArgs.from_cli_args(ns)
     check_port_free(ns.host, ns.port)  # before the model load: a taken port fails in a second, not after it
@@ -162,25 +163,25 @@ def _serve(ns: argparse.Namespace) -> None:
 
 
 def _bench(ns: argparse.Namespace) -> None:
-    from engine import bench
+    from kvstore.engine import bench
 
     bench.main(ns)
 
 
 def _proxy(ns: argparse.Namespace) -> None:
-    from engine.proxy import run_proxy  # noqa: PLC0415
+    from kvstore.engine.proxy import run_proxy  # noqa: PLC0415
 
     run_proxy(ns)
 
 
 def _router(ns: argparse.Namespace) -> None:
-    from engine.router.cli import run_router  # noqa: PLC0415
+    from kvstore.engine.router.cli import run_router  # noqa: PLC0415
 
     run_router(ns)
 
 
 def _model(ns: argparse.Namespace) -> None:
-    from engine.convert import SMOLLM2_NAME, ensure_smollm2, is_complete
+    from kvstore.engine.convert import SMOLLM2_NAME, ensure_smollm2, is_complete
 
     if not is_complete(ns.dir / SMOLLM2_NAME):
         print(f"converting {SMOLLM2_NAME} into {ns.dir / SMOLLM2_NAME} (about 20 s)", file=sys.stderr)
@@ -207,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         if (e.name or "").split(".")[0] not in ENGINE_EXTRA:
             raise
         print(
-            f"kvstore-engine: error: the engine needs {e.name}: pip install 'kvstore[engine]'",
+            f"kvstore-engine: error: the engine needs {e.name}: pip install 'kvstore-llm[engine]'",
             file=sys.stderr,
         )
         return 2

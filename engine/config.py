@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from kvstore.engine.errors import ModelLoadError, UnsupportedModel
 
-from engine.errors import ModelLoadError, UnsupportedModel
 from kvstore.keys import model_identity_hash
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")

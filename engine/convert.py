@@ -22,9 +22,8 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+from kvstore.engine.errors import ConversionError
 from tqdm import tqdm
-
-from engine.errors import ConversionError
 
 logger = logging.getLogger(__name__)
 
@@ -282,7 +281,7 @@ def _write_hf_files(gguf_path: Path, reader, out: Path, config: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m engine.convert [CACHE_DIR]`: convert SmolLM2 and print its directory."""
+    """`python -m kvstore.engine.convert [CACHE_DIR]`: convert SmolLM2 and print its directory."""
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

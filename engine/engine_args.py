@@ -18,10 +18,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from connectors.base import canonical_kv_role
-from connectors.factory import KV_BACKENDS, backend_for_connector
-from engine.errors import InvalidRequest
-from engine.kv_cache.spec import KV_CACHE_DTYPES, KV_SCALE_GRANULARITIES
+from kvstore.connectors.base import canonical_kv_role
+from kvstore.connectors.factory import KV_BACKENDS, backend_for_connector
+from kvstore.engine.errors import InvalidRequest
+from kvstore.engine.kv_cache.spec import KV_CACHE_DTYPES, KV_SCALE_GRANULARITIES
+
 from kvstore.errors import KVStoreError
 from kvstore.settings import load_settings
 from kvstore.settings import parse_size as _parse_size
@@ -67,14 +68,16 @@ def parse_kv_transfer_config(value: str | Mapping[str, Any] | None) -> dict[str,
 
 @dataclass
 class EngineArgs:
-    model: str = "smollm2"  # an HF model directory, or "smollm2" (converted on first use, see engine.convert)
+    # an HF model directory, or "smollm2" (converted on first use, see kvstore.engine.convert)
+    model: str = "smollm2"
     block_size: int = 16
     num_kv_blocks: int | None = None  # overrides kv_cache_memory
     kv_cache_memory: int | str = "512MiB"
     max_num_batched_tokens: int = 1024
     max_num_seqs: int = 64
     max_model_len: int | None = None  # default: the model's max_position_embeddings, capped at 8192
-    dtype: str = "auto"  # auto: bfloat16 on CPU (engine.config.resolve_dtype); float32 = the exact reference
+    # auto: bfloat16 on CPU (kvstore.engine.config.resolve_dtype); float32 = the exact reference
+    dtype: str = "auto"
     kv_cache_dtype: str = "auto"  # auto (the model's dtype), bfloat16, float16, float32, fp8 (e4m3)
     kv_scale_granularity: str = "head"  # fp8: a calibrated scale per KV head, or per layer ("tensor")
     device: str = "cpu"

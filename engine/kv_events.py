@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.block_manager import BlockManager
+from kvstore.engine.block_manager import BlockManager
+
 from kvstore.events import (
     MEDIUM_GPU,
     KVEventsConfig,

@@ -11,15 +11,15 @@ import logging
 import sys
 
 import torch
+from kvstore.connectors.base import KVConnectorBase, KVConnectorRole
+from kvstore.connectors.factory import create_connector
+from kvstore.engine.config import ModelConfig
+from kvstore.engine.engine_args import EngineArgs
+from kvstore.engine.errors import KVBackendUnavailable
+from kvstore.engine.kv_cache.fp8_scales import KVScales
+from kvstore.engine.model_runner import ModelRunner
+from kvstore.engine.scheduler import Scheduler, SchedulerOutput
 
-from connectors.base import KVConnectorBase, KVConnectorRole
-from connectors.factory import create_connector
-from engine.config import ModelConfig
-from engine.engine_args import EngineArgs
-from engine.errors import KVBackendUnavailable
-from engine.kv_cache.fp8_scales import KVScales
-from engine.model_runner import ModelRunner
-from engine.scheduler import Scheduler, SchedulerOutput
 from kvstore.errors import KVStoreError
 from kvstore.keys import model_layout
 

@@ -5,13 +5,12 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from typing import Any
 
+from kvstore.engine.engine_args import EngineArgs
+from kvstore.engine.errors import InvalidRequest, RequestFailed
+from kvstore.engine.llm_engine import LLMEngine
+from kvstore.engine.outputs import RequestOutput
+from kvstore.engine.sampling_params import SamplingParams
 from tqdm import tqdm
-
-from engine.engine_args import EngineArgs
-from engine.errors import InvalidRequest, RequestFailed
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 

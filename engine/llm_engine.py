@@ -9,22 +9,22 @@ import time
 from pathlib import Path
 
 import torch
+from kvstore.engine.block_manager import BlockManager
+from kvstore.engine.config import ModelConfig, resolve_dtype
+from kvstore.engine.engine_args import EngineArgs
+from kvstore.engine.errors import InvalidRequest
+from kvstore.engine.kv_cache.fp8_scales import KVScales, engine_kv_scales
+from kvstore.engine.kv_cache.spec import resolve_kv_cache_dtype
+from kvstore.engine.kv_events import EngineKVEvents
+from kvstore.engine.kv_transfer import finish_kv_transfers, make_kv_connectors
+from kvstore.engine.metrics import EngineMetrics
+from kvstore.engine.model_runner import ModelRunner, kv_bytes_per_block
+from kvstore.engine.outputs import CompletionOutput, RequestOutput
+from kvstore.engine.sampling_params import SamplingParams
+from kvstore.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kvstore.engine.sequence import Sequence, SequenceStatus
+from kvstore.engine.structured_output.manager import StructuredOutputManager
 
-from engine.block_manager import BlockManager
-from engine.config import ModelConfig, resolve_dtype
-from engine.engine_args import EngineArgs
-from engine.errors import InvalidRequest
-from engine.kv_cache.fp8_scales import KVScales, engine_kv_scales
-from engine.kv_cache.spec import resolve_kv_cache_dtype
-from engine.kv_events import EngineKVEvents
-from engine.kv_transfer import finish_kv_transfers, make_kv_connectors
-from engine.metrics import EngineMetrics
-from engine.model_runner import ModelRunner, kv_bytes_per_block
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from engine.sequence import Sequence, SequenceStatus
-from engine.structured_output.manager import StructuredOutputManager
 from kvstore.events import parse_kv_events_config
 from kvstore.keys import KVLayout, root_key
 
@@ -34,7 +34,7 @@ _MAX_DEFAULT_MODEL_LEN = 8192
 
 def resolve_model_dir(model: str) -> Path:
     if model.lower() == "smollm2":
-        from engine.convert import ensure_smollm2
+        from kvstore.engine.convert import ensure_smollm2
 
         return ensure_smollm2()
     return Path(model).expanduser()
@@ -49,8 +49,8 @@ def default_num_threads() -> int:
 
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
-        from engine.loader import load_model
-        from engine.tokenizer import Tokenizer
+        from kvstore.engine.loader import load_model
+        from kvstore.engine.tokenizer import Tokenizer
 
         self.args = args
         torch.set_num_threads(args.num_threads or default_num_threads())

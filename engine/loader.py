@@ -7,14 +7,13 @@ import logging
 from pathlib import Path
 
 import torch
+from kvstore.engine.config import ModelConfig, parse_dtype
+from kvstore.engine.errors import ModelLoadError
+from kvstore.engine.layers import cpu_lib
+from kvstore.engine.layers.linear import default_weight_loader
+from kvstore.engine.models import MODEL_REGISTRY
 from safetensors import SafetensorError, safe_open
 from torch import nn
-
-from engine.config import ModelConfig, parse_dtype
-from engine.errors import ModelLoadError
-from engine.layers import cpu_lib
-from engine.layers.linear import default_weight_loader
-from engine.models import MODEL_REGISTRY
 
 logger = logging.getLogger(__name__)
 

@@ -12,16 +12,15 @@ import logging
 
 import numpy as np
 import torch
-
-from connectors.base import KVConnectorBase
-from engine.attention_metadata import AttentionMetadata
-from engine.errors import EngineError
-from engine.kv_cache.fp8_scales import KVScales
-from engine.layers.huge_pages import zeros_huge_pages
-from engine.outputs import TokenLogprobs
-from engine.sampler import Sampler, token_logprobs
-from engine.scheduler import ScheduledSequence, SchedulerOutput
-from engine.structured_output.manager import StructuredOutputManager
+from kvstore.connectors.base import KVConnectorBase
+from kvstore.engine.attention_metadata import AttentionMetadata
+from kvstore.engine.errors import EngineError
+from kvstore.engine.kv_cache.fp8_scales import KVScales
+from kvstore.engine.layers.huge_pages import zeros_huge_pages
+from kvstore.engine.outputs import TokenLogprobs
+from kvstore.engine.sampler import Sampler, token_logprobs
+from kvstore.engine.scheduler import ScheduledSequence, SchedulerOutput
+from kvstore.engine.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 

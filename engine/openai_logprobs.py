@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.outputs import TokenLogprobs
-from engine.tokenizer import Tokenizer
+from kvstore.engine.outputs import TokenLogprobs
+from kvstore.engine.tokenizer import Tokenizer
 
 _FLOOR = -9999.0
 

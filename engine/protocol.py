@@ -12,15 +12,14 @@ import dataclasses
 import logging
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-
-from engine.errors import InvalidRequest
-from engine.sampling_params import MAX_LOGPROBS, SamplingParams
-from engine.structured_output.protocol import (
+from kvstore.engine.errors import InvalidRequest
+from kvstore.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from kvstore.engine.structured_output.protocol import (
     ResponseFormat,
     StructuredOutputsRequest,
     structured_outputs_params,
 )
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 logger = logging.getLogger(__name__)
 _R = TypeVar("_R", bound="_SamplingFields")

@@ -28,10 +28,9 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-
-from engine.errors import EngineError, error_body
-from engine.server_middleware import MAX_BODY_KEY, errors_middleware, parse_json, unless_disconnected
-from engine.streaming import STREAM_KEY
+from kvstore.engine.errors import EngineError, error_body
+from kvstore.engine.server_middleware import MAX_BODY_KEY, errors_middleware, parse_json, unless_disconnected
+from kvstore.engine.streaming import STREAM_KEY
 
 logger = logging.getLogger(__name__)
 SESSION_KEY = web.AppKey("session", aiohttp.ClientSession)

@@ -15,9 +15,8 @@ import logging
 from collections.abc import Sequence
 
 import torch
-
-from engine.outputs import TokenLogprobs
-from engine.sampling_params import SamplingParams
+from kvstore.engine.outputs import TokenLogprobs
+from kvstore.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 TokenHistory = tuple[Sequence[int], Sequence[int]]  # (prompt token ids, output token ids) of one row

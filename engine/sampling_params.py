@@ -6,8 +6,8 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from engine.errors import InvalidRequest
-from engine.structured_output.params import StructuredOutputsParams
+from kvstore.engine.errors import InvalidRequest
+from kvstore.engine.structured_output.params import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1

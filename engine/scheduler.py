@@ -21,9 +21,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from connectors.base import KVConnectorBase
-from engine.block_manager import BlockManager, cdiv
-from engine.sequence import Sequence, SequenceStatus
+from kvstore.connectors.base import KVConnectorBase
+from kvstore.engine.block_manager import BlockManager, cdiv
+from kvstore.engine.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 

@@ -7,12 +7,12 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.sampling_params import SamplingParams
+from kvstore.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.outputs import TokenLogprobs
-    from engine.structured_output.request import StructuredOutputRequest
-    from engine.tokenizer import IncrementalDecoder
+    from kvstore.engine.outputs import TokenLogprobs
+    from kvstore.engine.structured_output.request import StructuredOutputRequest
+    from kvstore.engine.tokenizer import IncrementalDecoder
 
 
 class SequenceStatus(enum.Enum):

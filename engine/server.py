@@ -19,13 +19,12 @@ from contextlib import aclosing
 from typing import Any, TypeVar
 
 from aiohttp import web
-
-from engine.async_engine import AsyncEngine
-from engine.errors import InvalidRequest, ModelNotFound, TokenizerError
-from engine.llm_engine import LLMEngine
-from engine.openai_logprobs import LogprobsRenderer
-from engine.outputs import RequestOutput
-from engine.protocol import (
+from kvstore.engine.async_engine import AsyncEngine
+from kvstore.engine.errors import InvalidRequest, ModelNotFound, TokenizerError
+from kvstore.engine.llm_engine import LLMEngine
+from kvstore.engine.openai_logprobs import LogprobsRenderer
+from kvstore.engine.outputs import RequestOutput
+from kvstore.engine.protocol import (
     MAX_PROMPTS_PER_REQUEST,
     ChatCompletionRequest,
     CompletionRequest,
@@ -35,15 +34,15 @@ from engine.protocol import (
     resolve_max_tokens,
     sampling_params_from,
 )
-from engine.sampling_params import SamplingParams
-from engine.server_middleware import (
+from kvstore.engine.sampling_params import SamplingParams
+from kvstore.engine.server_middleware import (
     MAX_BODY_KEY,
     error_response,
     errors_middleware,
     parse_json,
     unless_disconnected,
 )
-from engine.streaming import Delta, SSEStream
+from kvstore.engine.streaming import Delta, SSEStream
 
 logger = logging.getLogger(__name__)
 ENGINE_KEY = web.AppKey("async_engine", AsyncEngine)

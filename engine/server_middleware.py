@@ -11,9 +11,8 @@ from collections.abc import Awaitable
 from typing import TypeVar
 
 from aiohttp import web
-
-from engine.errors import EngineError, InvalidRequest, error_body
-from engine.streaming import STREAM_KEY
+from kvstore.engine.errors import EngineError, InvalidRequest, error_body
+from kvstore.engine.streaming import STREAM_KEY
 
 logger = logging.getLogger(__name__)
 MAX_BODY_KEY = web.AppKey("max_body_bytes", int)

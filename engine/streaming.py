@@ -14,9 +14,8 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 
 from aiohttp import web
-
-from engine.errors import error_body
-from engine.outputs import RequestOutput
+from kvstore.engine.errors import error_body
+from kvstore.engine.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 STREAM_KEY = web.RequestKey("sse_stream", web.StreamResponse)

@@ -10,7 +10,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from engine.errors import TokenizerError
+from kvstore.engine.errors import TokenizerError
 
 
 def _special_token_text(value: Any) -> str | None:

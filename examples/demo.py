@@ -203,7 +203,7 @@ def engine_metrics(port: int) -> dict[str, float]:
 def engine_round(store_url: str, label: str) -> list[float]:
     """Start an engine, send the shared-prefix workload, print its TTFTs and hit rates, stop it."""
     port = free_port()
-    cmd = [sys.executable, "-m", "engine", "serve", "--port", str(port), "--kv-backend", "kvstore",
+    cmd = [sys.executable, "-m", "kvstore.engine", "serve", "--port", str(port), "--kv-backend", "kvstore",
            "--kv-store-url", store_url, "--max-model-len", "2048", "--kv-cache-memory", "256MiB"]  # fmt: skip
     engine = Service("kvstore-engine", cmd)
     try:
@@ -231,12 +231,12 @@ def engine_round(store_url: str, label: str) -> list[float]:
 
 def engine_demo(data_dir: Path) -> None:
     print("\n== part 2: SmolLM2 reusing KV through kvstore-server ==")
-    prep = subprocess.run([sys.executable, "-m", "engine", "model", "smollm2", str(MODELS_DIR)],
+    prep = subprocess.run([sys.executable, "-m", "kvstore.engine", "model", "smollm2", str(MODELS_DIR)],
                           capture_output=True, text=True)  # fmt: skip
     if prep.returncode != 0:
         raise RuntimeError(f"preparing SmolLM2 failed:\n{prep.stderr[-2000:]}")
     print(f"model: {prep.stdout.strip()}")
-    cmd = [sys.executable, "-m", "server", "--port", "0", "--tiers", "cpu,disk", "--disk-path",
+    cmd = [sys.executable, "-m", "kvstore.server", "--port", "0", "--tiers", "cpu,disk", "--disk-path",
            str(data_dir / "server-disk"), "--cpu-capacity", "1GiB"]  # fmt: skip
     server = Service("kvstore-server", cmd)
     try:

@@ -1,6 +1,6 @@
 """The kvstore SDK: one `Store` class, in-process (`Store.local`) or remote (`Store.connect`)."""
 
-from sdk.backend import Backend
-from sdk.store import Store
+from kvstore.sdk.backend import Backend
+from kvstore.sdk.store import Store
 
 __all__ = ["Backend", "Store"]

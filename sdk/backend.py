@@ -1,8 +1,8 @@
 """The backend behind `sdk.Store`: blob-level, sync, with async twins that run it on threads.
 
 `Store` encodes and decodes tensors itself (client side), so a backend only moves blobs. Two
-implementations: `sdk.local.LocalBackend` (an in-process `kvstore.store.TieredStore`) and
-`sdk.remote.RemoteBackend` (kvstore-server over its data plane or HTTP, Spec 6). Both raise only
+implementations: `kvstore.sdk.local.LocalBackend` (an in-process `kvstore.store.TieredStore`) and
+`kvstore.sdk.remote.RemoteBackend` (kvstore-server over its data plane or HTTP, Spec 6). Both raise only
 `kvstore.errors` types, and `Store` never asks which one it has.
 
 Semantics every backend keeps:
@@ -18,7 +18,7 @@ Semantics every backend keeps:
 - batch calls keep the order of their inputs; `lookup` is (the number of leading keys present, why the
   next one is missing: kvstore/miss_log.py's reasons), `lookup_prefix` its first half;
 - `batch_get(keys, reasons)`: a list given as `reasons` receives why each miss missed (None for a hit);
-- `get_blob` / `batch_get` return buffers the caller owns; `lease` lends them (`sdk.buffers`). Blobs
+- `get_blob` / `batch_get` return buffers the caller owns; `lease` lends them (`kvstore.sdk.buffers`). Blobs
   are verified by whoever uses them (`decode_blob` does), unless a lease's header says it was.
 """
 
@@ -29,10 +29,11 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from kvstore.sdk.buffers import BlobLease
+from kvstore.sdk.health import StoreHealth
+
 from kvstore.blob import PreparedBlob
 from kvstore.protocol import Blob
-from sdk.buffers import BlobLease
-from sdk.health import StoreHealth
 
 T = TypeVar("T")
 Outgoing = Blob | PreparedBlob  # what a put sends: a blob, or one laid out on the way

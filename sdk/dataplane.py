@@ -1,7 +1,7 @@
 """The SDK side of the binary data plane (kvstore.protocol.dataplane): a pool of connections that said HELLO.
 
-Sync and thread-safe like `sdk.http.HttpClient`, with the same options and retries
-(`sdk.options.ClientOptions`): every call is idempotent.
+Sync and thread-safe like `kvstore.sdk.http.HttpClient`, with the same options and retries
+(`kvstore.sdk.options.ClientOptions`): every call is idempotent.
 A request sends its header, meta and blobs in one `sendmsg` (no join); a response's body lands with
 `recv_into` in the buffer the caller picks. Connections that named a shared-memory segment remember
 it, so a segment is attached once per connection.
@@ -24,13 +24,14 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from kvstore.sdk.buffers import fresh_buffer
+from kvstore.sdk.http import Into, connect
+from kvstore.sdk.options import RETRY_STATUSES, ClientOptions
+from kvstore.sdk.pool import ConnectionPool
+
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.protocol import Blob, shm
 from kvstore.protocol import dataplane as dp
-from sdk.buffers import fresh_buffer
-from sdk.http import Into, connect
-from sdk.options import RETRY_STATUSES, ClientOptions
-from sdk.pool import ConnectionPool
 
 log = logging.getLogger(__name__)
 _RX = 4096  # first read of a response: its header and meta, a few body bytes at most

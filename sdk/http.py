@@ -3,7 +3,7 @@
 Raw sockets: a keep-alive pool, TCP_NODELAY, bodies sent with `sendall` straight from the caller's
 buffers and received with `recv_into` one buffer chosen by the caller (`into(n)`), so nothing is
 joined or copied on the way. Requests are retried on connection errors and 502/503/504 as
-`sdk.options.ClientOptions` says (the data plane's client retries the same way). Errors arrive as the
+`kvstore.sdk.options.ClientOptions` says (the data plane's client retries the same way). Errors arrive as the
 `kvstore.errors` type the server named in its JSON body.
 """
 
@@ -15,11 +15,12 @@ import ssl
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvstore.sdk.buffers import fresh_buffer
+from kvstore.sdk.options import RETRY_STATUSES, ClientOptions
+from kvstore.sdk.pool import ConnectionPool
+
 from kvstore.errors import InvalidArgument
 from kvstore.protocol import Blob, wire
-from sdk.buffers import fresh_buffer
-from sdk.options import RETRY_STATUSES, ClientOptions
-from sdk.pool import ConnectionPool
 
 _SMALL = 64 * 1024  # bodies up to this size are sent in one write with the headers
 Into = Callable[[int], memoryview]  # gives the buffer a body of n bytes is received into

@@ -1,4 +1,4 @@
-"""`LocalBackend`: the SDK's in-process mode, a `kvstore.store.TieredStore` behind `sdk.backend.Backend`.
+"""`LocalBackend`: the SDK's in-process mode, a `kvstore.store.TieredStore` behind `kvstore.sdk.backend.Backend`.
 
 Blobs come straight from the tiers (immutable buffers the store has just verified, so a lease carries
 their headers and nothing is verified twice); the async twins run the store calls on a worker thread.
@@ -10,13 +10,14 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from kvstore.sdk.backend import Backend, Outgoing
+from kvstore.sdk.buffers import BlobLease
+from kvstore.sdk.health import StoreHealth
+
 from kvstore import __version__
 from kvstore.blob import PreparedBlob
 from kvstore.protocol import Blob
 from kvstore.store import TieredStore
-from sdk.backend import Backend, Outgoing
-from sdk.buffers import BlobLease
-from sdk.health import StoreHealth
 
 
 class LocalBackend(Backend):

@@ -1,4 +1,4 @@
-"""`RemoteBackend`: `sdk.backend.Backend` against a kvstore-server, over the fastest transport it offers.
+"""`RemoteBackend`: `kvstore.sdk.backend.Backend` against a kvstore-server, over the fastest transport it offers.
 
 `transport`:
 - "auto" (default): the binary data plane on the server's port (`kvstore.protocol.dataplane`), with blobs in
@@ -25,21 +25,22 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
+from kvstore.sdk import transfers as tr
+from kvstore.sdk.backend import Backend, Outgoing
+from kvstore.sdk.buffers import BlobLease, BufferPool, Loan, LoanBook
+from kvstore.sdk.dataplane import SPIN_S, DataPlaneClient, NotSpoken, SegmentGone
+from kvstore.sdk.health import StoreHealth
+from kvstore.sdk.http import HttpClient
+from kvstore.sdk.options import ClientOptions, failure
+from kvstore.sdk.shm import ClientArena, ClientSegment
+from kvstore.sdk.touches import TouchReporter
+
 from kvstore.errors import InvalidArgument, KVStoreError, TooLarge, Unavailable
 from kvstore.keys import validate_key
 from kvstore.protocol import Blob, shm, wire
 from kvstore.protocol import dataplane as dp
 from kvstore.protocol.arena_table import IndexReader, usable_here
 from kvstore.settings import check_token
-from sdk import transfers as tr
-from sdk.backend import Backend, Outgoing
-from sdk.buffers import BlobLease, BufferPool, Loan, LoanBook
-from sdk.dataplane import SPIN_S, DataPlaneClient, NotSpoken, SegmentGone
-from sdk.health import StoreHealth
-from sdk.http import HttpClient
-from sdk.options import ClientOptions, failure
-from sdk.shm import ClientArena, ClientSegment
-from sdk.touches import TouchReporter
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

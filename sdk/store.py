@@ -1,6 +1,6 @@
 """`Store`: the one SDK class, in-process (`Store.local`) or against a server (`Store.connect`).
 
-    from sdk import Store
+    from kvstore.sdk import Store
     with Store.local(tiers=["cpu", "disk"], cpu_capacity="1GiB") as store:
         store.put(key, kv)                 # a [2, layers, tokens, kv_heads, head_dim] tensor, or a blob
         kv2 = store.get(key)               # a tensor, or None
@@ -10,7 +10,7 @@
 Tensors are encoded (codec, lz4) and decoded here, on the client; backends only move blobs. A blob is
 verified where it crosses a trust boundary: by the store when it receives one, by the reader when it
 uses one (`get` does; `get_blob` callers decode or `verify_blob` themselves). `lease_blobs` lends
-blobs without a copy until released (`sdk.buffers`). Every call has an async twin with an `a` prefix
+blobs without a copy until released (`kvstore.sdk.buffers`). Every call has an async twin with an `a` prefix
 (`aput`, `aget`, ...). Errors are kvstore.errors types.
 """
 
@@ -23,6 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from kvstore.sdk.backend import Backend, Outgoing
+from kvstore.sdk.buffers import BlobLease
+from kvstore.sdk.health import StoreHealth
+from kvstore.sdk.local import LocalBackend
 from pydantic import ValidationError
 
 from kvstore.blob import BlobHeader, PreparedBlob, decode_blob, prepare_blob
@@ -30,10 +34,6 @@ from kvstore.config import StoreConfig, default_data_dir
 from kvstore.errors import ConfigError, CorruptBlob, InvalidArgument
 from kvstore.protocol import Blob
 from kvstore.store import TieredStore
-from sdk.backend import Backend, Outgoing
-from sdk.buffers import BlobLease
-from sdk.health import StoreHealth
-from sdk.local import LocalBackend
 
 logger = logging.getLogger(__name__)
 KVOrBlob = torch.Tensor | bytes | bytearray | memoryview | PreparedBlob
@@ -83,13 +83,13 @@ class Store:
         check: bool = False,
         **options: Any,
     ) -> Store:
-        """A store served by `kvstore-server` at `url`; `options` go to `sdk.remote.RemoteBackend`
+        """A store served by `kvstore-server` at `url`; `options` go to `kvstore.sdk.remote.RemoteBackend`
         (timeout=10 s a call waits for an answer, connect_timeout=3, retries=2 after connection errors
         and 502/503/504 but not after a timeout, retry_timeouts, pool_size, verify_tls,
         transport="auto"|"shm"|"tcp"|"http", shm_size, spin_us, read_index). `check=True` asks the server
         once now: a wrong URL, a server down or hung raises Unavailable, a missing or wrong token
         Unauthorized (otherwise the first call does)."""
-        from sdk.remote import RemoteBackend  # noqa: PLC0415 (the HTTP client is only needed here)
+        from kvstore.sdk.remote import RemoteBackend  # noqa: PLC0415 (the HTTP client is only needed here)
 
         backend = RemoteBackend(url, token=token, **options)
         if check:

@@ -1,21 +1,22 @@
-"""How blobs travel on each transport of `sdk.remote.RemoteBackend`: HTTP, the data plane's socket,
+"""How blobs travel on each transport of `kvstore.sdk.remote.RemoteBackend`: HTTP, the data plane's socket,
 and a same-host server's shared memory. Each get answers (blobs, Loan | None): buffers the caller owns
-(no Loan), or lent ones (`sdk.buffers`) whose Loan gives them back."""
+(no Loan), or lent ones (`kvstore.sdk.buffers`) whose Loan gives them back."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvstore.sdk.backend import Outgoing
+from kvstore.sdk.buffers import BufferPool, Free, Loan, fresh_buffer
+from kvstore.sdk.dataplane import DataPlaneClient
+from kvstore.sdk.http import HttpClient
+from kvstore.sdk.shm import ClientArena, ClientSegment
+
 from kvstore.blob import BlobHeader, PreparedBlob, copy_verified, verify_blob
 from kvstore.errors import CorruptBlob, InvalidArgument
 from kvstore.protocol import Blob, shm, wire
 from kvstore.protocol import dataplane as dp
-from sdk.backend import Outgoing
-from sdk.buffers import BufferPool, Free, Loan, fresh_buffer
-from sdk.dataplane import DataPlaneClient
-from sdk.http import HttpClient
-from sdk.shm import ClientArena, ClientSegment
 
 Got = tuple[list[Blob | None], Loan | None]
 Intact = Callable[[], list[bool]]

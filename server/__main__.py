@@ -1,7 +1,7 @@
-"""`python -m server`: the same as `kvstore-server`."""
+"""`python -m kvstore.server`: the same as `kvstore-server`."""
 
 import sys
 
-from server.cli import main
+from kvstore.server.cli import main
 
 sys.exit(main())

@@ -9,16 +9,16 @@ from importlib import resources
 from typing import Any
 
 from aiohttp import web
+from kvstore.server.config import ServerConfig
+from kvstore.server.metrics import BUCKETS
+from kvstore.server.middleware import make_middlewares
+from kvstore.server.origin import HostCheck
+from kvstore.server.routes import routes as data_routes
+from kvstore.server.state import DATAPLANE, SAMPLER, STATE, ServerState
 
 from kvstore import __version__
 from kvstore.config import StoreConfig
 from kvstore.protocol import wire
-from server.config import ServerConfig
-from server.metrics import BUCKETS
-from server.middleware import make_middlewares
-from server.origin import HostCheck
-from server.routes import routes as data_routes
-from server.state import DATAPLANE, SAMPLER, STATE, ServerState
 
 log = logging.getLogger(__name__)
 control = web.RouteTableDef()
@@ -75,7 +75,7 @@ _FIGURES = b'<script src="dashboard_figures.js"></script>'
 @control.get("/dashboard", name="dashboard")
 async def dashboard(request: web.Request) -> web.Response:
     """The page, with its figures' script (static/dashboard_figures.js, which tests also run) inline."""
-    static = resources.files("server").joinpath("static")
+    static = resources.files("kvstore.server").joinpath("static")
     figures = static.joinpath("dashboard_figures.js").read_bytes()
     html = (
         static.joinpath("dashboard.html")

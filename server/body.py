@@ -14,11 +14,11 @@ from typing import Any
 
 import numpy as np
 from aiohttp import web
+from kvstore.server.budget import BodyBudget
+from kvstore.server.state import STATE
 
 from kvstore.errors import InvalidArgument, TooLarge, UnsupportedMediaType
 from kvstore.protocol import wire
-from server.budget import BodyBudget
-from server.state import STATE
 
 
 def check_content_type(request: web.BaseRequest, expected: str) -> None:

@@ -15,13 +15,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvstore.server.config import ServerConfig, load_configs
 from pydantic import BaseModel
 
 from kvstore import __version__
 from kvstore.config import StoreConfig
 from kvstore.errors import KVStoreError
 from kvstore.settings import check_port_free, parse_size
-from server.config import ServerConfig, load_configs
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 # the flags users reach for, with their help; every other setting gets a flag from its field name below
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvstore-server: {e}", file=sys.stderr)
         return 2
 
-    from server.runner import install_uvloop, serve  # noqa: PLC0415 (after argument errors are reported)
+    from kvstore.server.runner import install_uvloop, serve  # noqa: PLC0415 (after argument errors are reported)
 
     def ready(url: str) -> None:
         print(f"kvstore-server listening on {url}", flush=True)  # tests and scripts read the port here

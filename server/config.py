@@ -54,7 +54,7 @@ class ServerConfig(BaseModel):
     shm_budget: Size = 1 << 30
     shm_max_segment: Size = 512 << 20
     # after answering a client on this host, the loop polls for its next request this long before it
-    # sleeps (server.idle_poll: a sleeping thread's wake-up costs tens of µs on a VM); 0: never
+    # sleeps (kvstore.server.idle_poll: a sleeping thread's wake-up costs tens of µs on a VM); 0: never
     poll_us: float = Field(200.0, ge=0, lt=100_000)
     engine_metrics: list[str] = Field(default_factory=list)  # engines' /metrics URLs the dashboard reads
     # vLLM's KVEventsConfig (JSON text, or a mapping in YAML): publish each tier's chunks as KV events

@@ -2,13 +2,13 @@
 
 - A connection limit: beyond `max_connections` open connections (HTTP and data plane together) a new
   one gets a canned 503 (JSON, Retry-After) and is closed before a byte of its request is read
-  (server.listener applies it when a connection opens). The limit is kept below the
+  (kvstore.server.listener applies it when a connection opens). The limit is kept below the
   process's file-descriptor limit (RLIMIT_NOFILE) minus a reserve for the tiers' own files and
   sockets, so that the disk tier and Redis never see EMFILE because clients took every descriptor.
 - A header-read timeout: a request whose headers have not all arrived `header_timeout` seconds after
   their first byte gets a 408 and the connection is closed (slow-loris clients).
 - A keep-alive idle timeout (`keepalive_timeout`): aiohttp closes a connection that sends nothing for
-  that long; server.listener closes one that connected and never sent anything, and the data plane
+  that long; kvstore.server.listener closes one that connected and never sent anything, and the data plane
   its idle connections, after the same time.
 - Requests the HTTP parser rejects (bad request line, bad Content-Length...) get our JSON error body.
 """
@@ -25,9 +25,8 @@ from typing import Any
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
-
-from server.metrics import ServerMetrics
-from server.middleware import json_error
+from kvstore.server.metrics import ServerMetrics
+from kvstore.server.middleware import json_error
 
 log = logging.getLogger(__name__)
 FD_RESERVE = 64  # descriptors kept for the tiers (disk files, Redis sockets), logs, the event loop
@@ -84,7 +83,7 @@ def refuse(transport: asyncio.BaseTransport, guard: ConnectionGuard) -> None:
 
 class GuardedHandler(RequestHandler):
     """aiohttp's per-connection protocol, with the header timeout and JSON parser errors of the module
-    docstring (server.listener builds one per HTTP connection and applies the connection limit). The
+    docstring (kvstore.server.listener builds one per HTTP connection and applies the connection limit). The
     constructor, `handle_error` and the attributes read here are aiohttp internals:
     tests/server/test_aiohttp_canary.py fails loudly when they change (pyproject pins aiohttp)."""
 

@@ -5,7 +5,7 @@ read, then its parser) before a handler sees it; a profile of single-key calls s
 (see benchmarks/bench_server.py). Here a request's payload is received straight into the buffer the
 tier keeps (`recv_into` through `get_buffer`), a memory-only store is called inline without a task per
 request, and a response is one `writelines` of the header and the tier's own buffers. Auth, limits,
-metrics and errors are the HTTP routes' (`server.dataplane_ops`).
+metrics and errors are the HTTP routes' (`kvstore.server.dataplane_ops`).
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ import time
 from typing import Any
 
 import numpy as np
+from kvstore.server.dataplane_ops import Reply, Request, error_reply, handle, inline_ops
+from kvstore.server.idle_poll import IdlePoll
+from kvstore.server.shm_pool import ShmPool
+from kvstore.server.state import ServerState
 
 from kvstore.errors import InvalidArgument, KVStoreError, TooLarge, Unauthorized
 from kvstore.protocol import dataplane as dp
 from kvstore.protocol.arena_table import IndexReader
-from server.dataplane_ops import Reply, Request, error_reply, handle, inline_ops
-from server.idle_poll import IdlePoll
-from server.shm_pool import ShmPool
-from server.state import ServerState
 
 log = logging.getLogger(__name__)
 _HEAD_BUF = 64 * 1024

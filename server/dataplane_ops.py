@@ -9,12 +9,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kvstore.server.state import ServerState
+
 from kvstore.errors import Busy, InvalidArgument, KVStoreError, TooLarge, Unauthorized
 from kvstore.protocol import dataplane as dp
 from kvstore.protocol import shm
 from kvstore.protocol.arena_table import usable_here
 from kvstore.protocol.wire import MAX_BATCH_KEYS
-from server.state import ServerState
 
 log = logging.getLogger(__name__)
 MAX_SEGMENTS_PER_CONNECTION = 4
@@ -22,10 +23,10 @@ inline_ops = frozenset({dp.HELLO, dp.SHM_OPEN, dp.SHM_ATTACH})  # never touch th
 
 
 class Connection(Protocol):
-    """What a handler sees of its connection (server.dataplane.DataPlaneProtocol)."""
+    """What a handler sees of its connection (kvstore.server.dataplane.DataPlaneProtocol)."""
 
     st: ServerState
-    plane: Any  # server.dataplane.DataPlane: token, shm pool
+    plane: Any  # kvstore.server.dataplane.DataPlane: token, shm pool
     segments: dict[int, shm.Segment]
     authed: bool
     index_since: float | None

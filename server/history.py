@@ -24,10 +24,9 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from kvstore.server.engine_scrape import EngineScraper
+from kvstore.server.metrics import BUCKETS
 from prometheus_client import CollectorRegistry
-
-from server.engine_scrape import EngineScraper
-from server.metrics import BUCKETS
 
 log = logging.getLogger(__name__)
 LATENCY_OPS = {"get": ("get", "batch_get"), "put": ("put", "batch_put"), "lookup": ("lookup", "batch_exists")}

@@ -3,7 +3,7 @@ sleeps.
 
 A thread asleep in epoll is woken by an interrupt to its CPU; on a virtual machine that costs tens of
 microseconds, paid by the client inside its `send`, on every request of a ping-pong (the client's
-half is sdk.dataplane's poll-before-sleep). So after a reply to a same-host connection the loop
+half is kvstore.sdk.dataplane's poll-before-sleep). So after a reply to a same-host connection the loop
 checks, for up to `poll_s`, whether any same-host connection has a request waiting (yielding the CPU
 between checks, so a client waiting for this CPU runs), and returns to asyncio as soon as one has.
 Other connections wait at most `poll_s` longer for the loop meanwhile.

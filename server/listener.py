@@ -3,7 +3,7 @@
 `PREFACE[0]` (0x89) never starts an HTTP request line, so an HTTP client is handed to aiohttp after one
 read, with no change in what it sees. aiohttp's per-connection handler is built here (`web.Server`
 documents itself as a protocol factory for `loop.create_server`; the handler class is
-server.connections.GuardedHandler). The connection limit counts both protocols, and a connection that
+kvstore.server.connections.GuardedHandler). The connection limit counts both protocols, and a connection that
 says nothing is closed after `keepalive_timeout`, as aiohttp closes its idle ones.
 """
 
@@ -14,10 +14,10 @@ import logging
 from typing import Any
 
 from aiohttp import web
+from kvstore.server.connections import ConnectionGuard, GuardedHandler, refuse
+from kvstore.server.dataplane import DataPlane
 
 from kvstore.protocol import dataplane as dp
-from server.connections import ConnectionGuard, GuardedHandler, refuse
-from server.dataplane import DataPlane
 
 log = logging.getLogger(__name__)
 

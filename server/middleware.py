@@ -10,12 +10,12 @@ from collections.abc import Awaitable, Callable
 
 import aiohttp
 from aiohttp import hdrs, web
+from kvstore.server.metrics import ServerMetrics
+from kvstore.server.origin import HostCheck
+from kvstore.server.state import BYTES_IN, BYTES_OUT, STATE
 
 from kvstore.errors import Busy, InvalidArgument, KVStoreError, Unauthorized
 from kvstore.protocol import wire
-from server.metrics import ServerMetrics
-from server.origin import HostCheck
-from server.state import BYTES_IN, BYTES_OUT, STATE
 
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

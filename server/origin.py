@@ -2,7 +2,7 @@
 
 - Data routes take a body only in their own content type (or with the X-KVStore-Wire header), which a
   browser cannot send cross-origin without a CORS preflight; the server grants no CORS (it never sends
-  Access-Control-Allow-*), so the preflight fails and the request is never sent (`server.body`).
+  Access-Control-Allow-*), so the preflight fails and the request is never sent (`kvstore.server.body`).
 - Without a token, a page could still point a DNS name of its own at 127.0.0.1 (DNS rebinding) and be
   "same-origin" with the server. So without a token every request must name in `Host` an IP address,
   `localhost`, or a name listed in `allowed_hosts` (`*` turns the check off); and an `Origin`, which

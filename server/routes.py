@@ -7,12 +7,12 @@ import json
 from typing import Any
 
 from aiohttp import web
+from kvstore.server.body import read_blob, read_body, read_frame
+from kvstore.server.state import BYTES_IN, BYTES_OUT, STATE, ServerState
 
 from kvstore.errors import InvalidArgument
 from kvstore.keys import validate_key
 from kvstore.protocol import wire
-from server.body import read_blob, read_body, read_frame
-from server.state import BYTES_IN, BYTES_OUT, STATE, ServerState
 
 routes = web.RouteTableDef()
 

@@ -15,17 +15,17 @@ from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
+from kvstore.server.app import make_app
+from kvstore.server.config import ServerConfig
+from kvstore.server.connections import ConnectionGuard, connection_limit, raise_fd_limit
+from kvstore.server.dataplane import DataPlane
+from kvstore.server.listener import Listener
+from kvstore.server.state import DATAPLANE, STATE
 
 from kvstore.config import CpuMemory, StoreConfig
 from kvstore.errors import ConfigError
 from kvstore.events import StoreEvents
 from kvstore.protocol import shm
-from server.app import make_app
-from server.config import ServerConfig
-from server.connections import ConnectionGuard, connection_limit, raise_fd_limit
-from server.dataplane import DataPlane
-from server.listener import Listener
-from server.state import DATAPLANE, STATE
 
 log = logging.getLogger(__name__)
 

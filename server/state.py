@@ -10,12 +10,12 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from aiohttp import web
+from kvstore.server.budget import BodyBudget
+from kvstore.server.config import ServerConfig
+from kvstore.server.history import StatsHistory
+from kvstore.server.metrics import ServerMetrics
 
 from kvstore.config import StoreConfig
-from server.budget import BodyBudget
-from server.config import ServerConfig
-from server.history import StatsHistory
-from server.metrics import ServerMetrics
 
 T = TypeVar("T")
 MEMORY_TIERS = frozenset({"cpu", "gpu"})
@@ -54,7 +54,7 @@ class ServerState:
 
 STATE = web.AppKey("state", ServerState)
 SAMPLER = web.AppKey("sampler", asyncio.Task)
-DATAPLANE: Any = web.AppKey("dataplane", object)  # server.dataplane.DataPlane, or None when it is off
+DATAPLANE: Any = web.AppKey("dataplane", object)  # kvstore.server.dataplane.DataPlane, or None when it is off
 # Body bytes received / sent, for the metrics middleware (typed keys since aiohttp 3.12; plain before).
 _RequestKey = getattr(web, "RequestKey", None)
 BYTES_IN: Any = _RequestKey("bytes_in", int) if _RequestKey else "kvstore_bytes_in"

@@ -1,4 +1,5 @@
-from benchmarks.fleet_sim.cli import main
+from kvstore.fleet_sim.cli import main
+
 from benchmarks.provenance import recorded
 
 recorded(main, "fleet_sim")

@@ -1,6 +1,6 @@
 """Measure the `smollm2-cpu` cost profile on this machine by running the real kvstore-engine.
 
-    flock /tmp/kvstore-heavy.lock .venv/bin/python -m benchmarks.fleet_sim.calibrate [--out FILE]
+    flock /tmp/kvstore-heavy.lock .venv/bin/python -m kvstore.fleet_sim.calibrate [--out FILE]
 
 What it times (SmolLM2-135M-Instruct, kvstore-engine's defaults otherwise):
 - prefill: one request of n random tokens and max_tokens=1, for n in PREFILL_LENGTHS, and one of n new
@@ -38,7 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from engine.router.calibrate import parse_totals
+from kvstore.engine.router.calibrate import parse_totals
 
 PROFILES = Path(__file__).parent / "profiles"
 PREFILL_LENGTHS = (128, 256, 512, 1024, 2048)
@@ -59,7 +59,7 @@ def _tokens(n: int, rng: random.Random) -> list[int]:
 
 
 def _timed(llm, prompts: list[list[int]], max_tokens: int) -> float:
-    from engine.sampling_params import SamplingParams
+    from kvstore.engine.sampling_params import SamplingParams
 
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
     t = time.perf_counter()
@@ -115,7 +115,7 @@ def fit_decode(
 def _decode_step(llm, prompts: list[list[int]]) -> float:
     """Median seconds of the engine steps in which every one of `prompts` decodes."""
     prompt_tokens = sum(len(p) for p in prompts)
-    from engine.sampling_params import SamplingParams
+    from kvstore.engine.sampling_params import SamplingParams
 
     sp = SamplingParams(max_tokens=1 + DECODE_STEPS, ignore_eos=True, temperature=0.0)
     engine = llm.engine
@@ -151,7 +151,7 @@ def _wait_up(port: int, proc: subprocess.Popen, timeout_s: float = 30.0) -> None
 
 
 def measure_compute(rng: random.Random) -> dict:
-    from engine.llm import LLM
+    from kvstore.engine.llm import LLM
 
     llm = LLM("smollm2")  # prefix caching on: random prompts share nothing, continued ones their head
     try:
@@ -173,7 +173,7 @@ def measure_compute(rng: random.Random) -> dict:
                 decode_long.setdefault((b, n), []).append(
                     _decode_step(llm, [_tokens(n, rng) for _ in range(b)])
                 )
-        from engine.config import ModelConfig
+        from kvstore.engine.config import ModelConfig
 
         args = llm.engine.args
         cfg = ModelConfig.from_pretrained(llm.engine.model_dir)
@@ -198,7 +198,7 @@ def measure_compute(rng: random.Random) -> dict:
 
 
 def measure_store(rng: random.Random, prompt_tokens: int = 2048) -> dict:
-    from engine.llm import LLM
+    from kvstore.engine.llm import LLM
 
     port = _free_port()
     with tempfile.TemporaryDirectory() as tmp:

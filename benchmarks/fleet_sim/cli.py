@@ -1,4 +1,4 @@
-"""`kvstore-fleet-sim` (or `python -m benchmarks.fleet_sim` from the repository root).
+"""`kvstore-fleet-sim` (or `python -m kvstore.fleet_sim` from the repository root).
 
     kvstore-fleet-sim --trace conversation --engines 1,4,16,64,256 --policy round_robin,ttft \\
         --store-gib 0,64,inf --profile llama3-8b-h100
@@ -15,11 +15,12 @@ import os
 import sys
 from pathlib import Path
 
-from benchmarks.fleet_sim import report
-from benchmarks.fleet_sim.profile import load_profile
-from benchmarks.fleet_sim.sim import SimConfig, simulate
-from benchmarks.fleet_sim.trace import ChunkKeys, read_trace
-from engine.router.scoring import POLICIES
+from kvstore.engine.router.scoring import POLICIES
+from kvstore.fleet_sim import report
+from kvstore.fleet_sim.profile import load_profile
+from kvstore.fleet_sim.sim import SimConfig, simulate
+from kvstore.fleet_sim.trace import ChunkKeys, read_trace
+
 from kvstore.errors import InvalidArgument
 
 TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"

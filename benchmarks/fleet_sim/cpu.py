@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from benchmarks.fleet_sim.events import EventLoop
+from kvstore.fleet_sim.events import EventLoop
 
 
 @dataclass

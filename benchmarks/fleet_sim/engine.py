@@ -28,13 +28,14 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from benchmarks.fleet_sim.network import Link
-from benchmarks.fleet_sim.store import UNBOUNDED
-from benchmarks.fleet_sim.trace import TraceRequest
+from kvstore.fleet_sim.network import Link
+from kvstore.fleet_sim.store import UNBOUNDED
+from kvstore.fleet_sim.trace import TraceRequest
+
 from kvstore.lru import Entry, LRUIndex
 
 if TYPE_CHECKING:
-    from benchmarks.fleet_sim.sim import Fleet
+    from kvstore.fleet_sim.sim import Fleet
 
 
 @dataclass(eq=False)

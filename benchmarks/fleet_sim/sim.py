@@ -28,15 +28,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from benchmarks.fleet_sim.cpu import SharedCPU
-from benchmarks.fleet_sim.engine import Job, SimEngine
-from benchmarks.fleet_sim.events import EventLoop
-from benchmarks.fleet_sim.network import transfer
-from benchmarks.fleet_sim.profile import Profile
-from benchmarks.fleet_sim.store import FleetStore, Tier
-from benchmarks.fleet_sim.trace import CHUNK, ChunkKeys, TraceRequest
-from engine.router.calibrate import Calibrator, parse_totals
-from engine.router.scoring import EngineState, Request, choose
+from kvstore.engine.router.calibrate import Calibrator, parse_totals
+from kvstore.engine.router.scoring import EngineState, Request, choose
+from kvstore.fleet_sim.cpu import SharedCPU
+from kvstore.fleet_sim.engine import Job, SimEngine
+from kvstore.fleet_sim.events import EventLoop
+from kvstore.fleet_sim.network import transfer
+from kvstore.fleet_sim.profile import Profile
+from kvstore.fleet_sim.store import FleetStore, Tier
+from kvstore.fleet_sim.trace import CHUNK, ChunkKeys, TraceRequest
 
 
 class SimulationError(RuntimeError):
@@ -45,7 +45,7 @@ class SimulationError(RuntimeError):
 
 def _router_defaults() -> tuple[float, int, float]:
     """max_share, share_window and calibrate_s as `kvstore-engine router` has them."""
-    from engine.router.app import RouterConfig
+    from kvstore.engine.router.app import RouterConfig
 
     d = {f.name: f.default for f in dataclasses.fields(RouterConfig)}
     return float(d["max_share"]), int(d["share_window"]), float(d["calibrate_s"])

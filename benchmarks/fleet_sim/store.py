@@ -10,7 +10,8 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
-from benchmarks.fleet_sim.network import Link
+from kvstore.fleet_sim.network import Link
+
 from kvstore.lru import Entry, LRUIndex
 
 UNBOUNDED = 2**62  # an LRUIndex capacity nothing reaches

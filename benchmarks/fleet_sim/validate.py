@@ -2,9 +2,9 @@
 kvstore-server, `kvstore-engine router`) and the simulator with the `smollm2-cpu` profile on the same
 trace slice, policies, engine count, scaling and arrival times, printed side by side.
 
-    flock /tmp/kvstore-heavy.lock .venv/bin/python -m benchmarks.fleet_sim.validate \
+    flock /tmp/kvstore-heavy.lock .venv/bin/python -m kvstore.fleet_sim.validate \
         --rps 4.5 --rounds 4 --repeat 3 --calibrate prof.json [--save real.txt]
-    .venv/bin/python -m benchmarks.fleet_sim.validate --real real.txt ...  # re-use a saved real run
+    .venv/bin/python -m kvstore.fleet_sim.validate --real real.txt ...  # re-use a saved real run
 
 The real side is bench_router.py run as it is, --repeat times (its printed tables are parsed; each
 figure is their median); the simulated side replays its schedule --replays times, each request sent up
@@ -32,14 +32,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+from kvstore.engine.engine_args import parse_size
+from kvstore.engine.router.scoring import Costs
+from kvstore.fleet_sim import calibrate
+from kvstore.fleet_sim.engine import Job
+from kvstore.fleet_sim.profile import load_profile
+from kvstore.fleet_sim.sim import Fleet, SimConfig
+from kvstore.fleet_sim.trace import ChunkKeys, TraceRequest
+
 from benchmarks import bench_router
-from benchmarks.fleet_sim import calibrate
-from benchmarks.fleet_sim.engine import Job
-from benchmarks.fleet_sim.profile import load_profile
-from benchmarks.fleet_sim.sim import Fleet, SimConfig
-from benchmarks.fleet_sim.trace import ChunkKeys, TraceRequest
-from engine.engine_args import parse_size
-from engine.router.scoring import Costs
 
 ROW = re.compile(
     r"^\s*(?P<policy>[\w/-]+)\s+(?P<local>[\d.]+)%\s+(?P<store>[\d.]+)%\s+(?P<recompute>-?[\d.]+)%\s+"

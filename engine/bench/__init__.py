@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import fields
 
-from engine.engine_args import EngineArgs
-from engine.errors import InvalidRequest
+from kvstore.engine.engine_args import EngineArgs
+from kvstore.engine.errors import InvalidRequest
 
 
 def _dataset_args(p: argparse.ArgumentParser, num_prompts: int, input_len: int, output_len: int) -> None:
@@ -88,7 +88,7 @@ def _options(cls, ns: argparse.Namespace, **override):
 
 def main(ns: argparse.Namespace) -> dict:
     if ns.bench == "serve":
-        from engine.bench.serve import ServeOptions, run_serve
+        from kvstore.engine.bench.serve import ServeOptions, run_serve
 
         try:
             ps = tuple(int(p) for p in ns.metric_percentiles.split(",") if p.strip())
@@ -100,14 +100,14 @@ def main(ns: argparse.Namespace) -> dict:
     args = EngineArgs.from_cli_args(ns)
     structured = getattr(ns, "structured_output", "none") == "json"
     if structured:
-        from engine.bench import structured as so_bench
+        from kvstore.engine.bench import structured as so_bench
     if ns.bench == "latency":
-        from engine.bench.latency import LatencyOptions, run_latency
+        from kvstore.engine.bench.latency import LatencyOptions, run_latency
 
         if structured:
             return so_bench.run_latency(args, _options(LatencyOptions, ns))
         return run_latency(args, _options(LatencyOptions, ns))
-    from engine.bench.throughput import ThroughputOptions, run_throughput
+    from kvstore.engine.bench.throughput import ThroughputOptions, run_throughput
 
     if structured:
         return so_bench.run_throughput(args, _options(ThroughputOptions, ns))

@@ -13,8 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-
-from engine.errors import InvalidRequest
+from kvstore.engine.errors import InvalidRequest
 
 # Random prompts stay clear of the special tokens at the start of the vocabulary.
 _FIRST_RANDOM_TOKEN = 100

@@ -8,12 +8,11 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
-
-from engine.bench.datasets import random_requests
-from engine.bench.stats import format_ms, percentiles, write_json
-from engine.engine_args import EngineArgs
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from kvstore.engine.bench.datasets import random_requests
+from kvstore.engine.bench.stats import format_ms, percentiles, write_json
+from kvstore.engine.engine_args import EngineArgs
+from kvstore.engine.llm_engine import LLMEngine
+from kvstore.engine.sampling_params import SamplingParams
 
 
 @dataclass

@@ -16,10 +16,9 @@ from dataclasses import asdict, dataclass, field
 
 import aiohttp
 import numpy as np
-
-from engine.bench.datasets import BenchRequest, load_requests
-from engine.bench.stats import percentiles, write_json
-from engine.errors import InvalidRequest
+from kvstore.engine.bench.datasets import BenchRequest, load_requests
+from kvstore.engine.bench.stats import percentiles, write_json
+from kvstore.engine.errors import InvalidRequest
 
 
 @dataclass
@@ -136,8 +135,8 @@ async def _run(opts: ServeOptions, requests: list[BenchRequest]) -> tuple[list[R
 
 
 def run_serve(opts: ServeOptions) -> dict:
-    from engine.llm_engine import resolve_model_dir
-    from engine.tokenizer import Tokenizer
+    from kvstore.engine.llm_engine import resolve_model_dir
+    from kvstore.engine.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_pretrained(resolve_model_dir(opts.tokenizer))
     requests = load_requests(

@@ -13,16 +13,15 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
-
-from engine.bench.datasets import random_requests
-from engine.bench.latency import LatencyOptions
-from engine.bench.stats import Spread, write_json
-from engine.bench.throughput import ThroughputOptions
-from engine.engine_args import EngineArgs
-from engine.errors import InvalidRequest
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.structured_output import StructuredOutputsParams
+from kvstore.engine.bench.datasets import random_requests
+from kvstore.engine.bench.latency import LatencyOptions
+from kvstore.engine.bench.stats import Spread, write_json
+from kvstore.engine.bench.throughput import ThroughputOptions
+from kvstore.engine.engine_args import EngineArgs
+from kvstore.engine.errors import InvalidRequest
+from kvstore.engine.llm_engine import LLMEngine
+from kvstore.engine.sampling_params import SamplingParams
+from kvstore.engine.structured_output import StructuredOutputsParams
 
 BENCH_SCHEMA = {
     "type": "array",

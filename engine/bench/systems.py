@@ -18,12 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-from engine.bench.datasets import BenchRequest
-from engine.bench.stats import Timer
-from engine.errors import EngineError
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from kvstore.engine.bench.datasets import BenchRequest
+from kvstore.engine.bench.stats import Timer
+from kvstore.engine.errors import EngineError
+from kvstore.engine.llm import LLM
+from kvstore.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -13,13 +13,12 @@ import dataclasses
 from dataclasses import asdict, dataclass
 
 import torch
-
-from engine.bench.datasets import BenchRequest, load_requests
-from engine.bench.stats import Spread, write_json
-from engine.bench.systems import EngineSystem, HFSystem, RoundResult, VLLMSystem, vllm_installed
-from engine.engine_args import EngineArgs
-from engine.errors import InvalidRequest
-from engine.llm import LLM
+from kvstore.engine.bench.datasets import BenchRequest, load_requests
+from kvstore.engine.bench.stats import Spread, write_json
+from kvstore.engine.bench.systems import EngineSystem, HFSystem, RoundResult, VLLMSystem, vllm_installed
+from kvstore.engine.engine_args import EngineArgs
+from kvstore.engine.errors import InvalidRequest
+from kvstore.engine.llm import LLM
 
 
 @dataclass
@@ -162,7 +161,7 @@ def _report(
 
 
 def _warm():
-    from engine.sampling_params import SamplingParams
+    from kvstore.engine.sampling_params import SamplingParams
 
     return SamplingParams(temperature=0.0, max_tokens=2)
 

@@ -15,11 +15,10 @@ import hashlib
 from dataclasses import dataclass
 
 import torch
+from kvstore.engine.attention_metadata import AttentionMetadata
+from kvstore.engine.layers.attention import Attention
+from kvstore.engine.layers.paged_attention import FP8_MAX
 from torch import nn
-
-from engine.attention_metadata import AttentionMetadata
-from engine.layers.attention import Attention
-from engine.layers.paged_attention import FP8_MAX
 
 HEADROOM = 2.0
 _BLOCK = 16

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine.errors import InvalidRequest
+from kvstore.engine.errors import InvalidRequest
 
 if TYPE_CHECKING:
     import torch

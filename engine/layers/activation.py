@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from kvstore.engine.layers import cpu_ops
 from torch import nn
-
-from engine.layers import cpu_ops
 
 
 class SiluAndMul(nn.Module):

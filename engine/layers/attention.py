@@ -10,12 +10,11 @@ and decode rows run there; everything else takes the torch path (`paged_attentio
 from __future__ import annotations
 
 import torch
+from kvstore.engine.attention_metadata import AttentionMetadata
+from kvstore.engine.errors import EngineError
+from kvstore.engine.layers import cpu_ops
+from kvstore.engine.layers.paged_attention import FP8, paged_attention, store_kvcache
 from torch import nn
-
-from engine.attention_metadata import AttentionMetadata
-from engine.errors import EngineError
-from engine.layers import cpu_ops
-from engine.layers.paged_attention import FP8, paged_attention, store_kvcache
 
 
 class Attention(nn.Module):
@@ -70,7 +69,7 @@ class Attention(nn.Module):
         if self.use_triton or (self.use_triton is None and q.is_cuda):
             if fp8:
                 raise EngineError("the Triton attention kernels do not read fp8 KV caches yet")
-            from engine.layers import triton_attention
+            from kvstore.engine.layers import triton_attention
 
             triton_attention.store_kvcache(k3, v3, cache, attn_metadata.slot_mapping)
             if attn_metadata.is_decode:

@@ -12,8 +12,7 @@ import functools
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-
-from engine.layers.cpu_lib import KV_TYPES, W_TYPES, check_rows, check_scales, lib, ptr_of
+from kvstore.engine.layers.cpu_lib import KV_TYPES, W_TYPES, check_rows, check_scales, lib, ptr_of
 
 PANEL = 32  # output columns per packed weight panel (NR in the C source)
 GEMM_KINDS = ("avx512", "avx512_bf16", "amx")  # gemm_kind(): how bf16 GEMMs with K % 32 == 0 run

@@ -7,8 +7,7 @@ import ctypes
 from dataclasses import dataclass
 
 import torch
-
-from engine.layers.cpu_lib import KV_TYPES, W_TYPES, check_rows, check_scales, lib, ptr_of
+from kvstore.engine.layers.cpu_lib import KV_TYPES, W_TYPES, check_rows, check_scales, lib, ptr_of
 
 
 class _DecodeLayer(ctypes.Structure):

@@ -4,9 +4,8 @@ activations with the CPU kernels on, one fused kernel call (`cpu_ops.rms_norm`).
 from __future__ import annotations
 
 import torch
+from kvstore.engine.layers import cpu_ops
 from torch import nn
-
-from engine.layers import cpu_ops
 
 
 class RMSNorm(nn.Module):

@@ -21,9 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-
-from engine.attention_metadata import AttentionMetadata
-from engine.layers import cpu_ops
+from kvstore.engine.attention_metadata import AttentionMetadata
+from kvstore.engine.layers import cpu_ops
 
 _PLAN_ATTR = "_torch_attention_plan"
 FP8 = torch.float8_e4m3fn

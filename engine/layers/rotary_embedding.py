@@ -7,9 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from kvstore.engine.layers import cpu_ops
 from torch import nn
-
-from engine.layers import cpu_ops
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -14,8 +14,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from engine.attention_metadata import AttentionMetadata
+from kvstore.engine.attention_metadata import AttentionMetadata
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.models.llama import LlamaForCausalLM
+from kvstore.engine.models.llama import LlamaForCausalLM
 
 MODEL_REGISTRY = {
     "llama": LlamaForCausalLM,

@@ -11,19 +11,18 @@ the KV cache) are 16-bit, which is both faster and closer to fp32 on CPUs withou
 from __future__ import annotations
 
 import torch
+from kvstore.engine.attention_metadata import AttentionMetadata
+from kvstore.engine.config import ModelConfig
+from kvstore.engine.layers import cpu_lib
+from kvstore.engine.layers.activation import SiluAndMul
+from kvstore.engine.layers.attention import Attention
+from kvstore.engine.layers.fused_layers import DecodeLayerWeights, FusedLayers
+from kvstore.engine.layers.huge_pages import to_huge_pages
+from kvstore.engine.layers.layernorm import RMSNorm
+from kvstore.engine.layers.linear import MergedLinear, QKVLinear, RowLinear
+from kvstore.engine.layers.paged_attention import get_plan
+from kvstore.engine.layers.rotary_embedding import RoPEStep, RotaryEmbedding
 from torch import nn
-
-from engine.attention_metadata import AttentionMetadata
-from engine.config import ModelConfig
-from engine.layers import cpu_lib
-from engine.layers.activation import SiluAndMul
-from engine.layers.attention import Attention
-from engine.layers.fused_layers import DecodeLayerWeights, FusedLayers
-from engine.layers.huge_pages import to_huge_pages
-from engine.layers.layernorm import RMSNorm
-from engine.layers.linear import MergedLinear, QKVLinear, RowLinear
-from engine.layers.paged_attention import get_plan
-from engine.layers.rotary_embedding import RoPEStep, RotaryEmbedding
 
 
 class LlamaAttention(nn.Module):

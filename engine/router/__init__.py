@@ -1,2 +1,2 @@
-"""`kvstore-engine router`: KV-aware routing over several engines (engine.router.app), or, with
-`--prefill`/`--decode`, the disaggregated prefill/decode proxy (engine.proxy)."""
+"""`kvstore-engine router`: KV-aware routing over several engines (kvstore.engine.router.app), or, with
+`--prefill`/`--decode`, the disaggregated prefill/decode proxy (kvstore.engine.proxy)."""

@@ -1,14 +1,14 @@
 """`kvstore-engine router`: a KV-aware OpenAI-compatible router in front of several engines.
 
-    client --> router --> the engine `--policy` picks (ttft by default, engine.router.scoring)
+    client --> router --> the engine `--policy` picks (ttft by default, kvstore.engine.router.scoring)
                  ^
                  +-- KV events (ZMQ, vLLM's format) from every engine and kvstore-server, replayed on start
 
 For each request the router tokenizes the prompt as the engines do (`--model`: the same model
 directory, for its tokenizer, chat template and the store's chunk keys), looks up how much of it each
-engine holds and how much the store holds (engine.router.index), scores the engines and forwards the
+engine holds and how much the store holds (kvstore.engine.router.index), scores the engines and forwards the
 request, unchanged, through the proxy's `forward` (one place forwards OpenAI requests). With
-`--prefill`/`--decode` instead of `--engine` it is the disaggregated proxy (engine.proxy).
+`--prefill`/`--decode` instead of `--engine` it is the disaggregated proxy (kvstore.engine.proxy).
 """
 
 from __future__ import annotations
@@ -23,17 +23,16 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-
-from engine.errors import InvalidRequest
-from engine.proxy import CONFIG_KEY, INFLIGHT_KEY, SESSION_KEY, BadGateway, EngineUnreachable, forward
-from engine.router.calibrate import Calibrator
-from engine.router.dashboard import dashboard
-from engine.router.index import PrefixIndex
-from engine.router.metrics import RouterMetrics
-from engine.router.scoring import POLICIES, Choice, EngineState, Request, choose
-from engine.router.subscriber import EventSubscriber, Source
-from engine.router.tokens import PromptTokens
-from engine.server_middleware import MAX_BODY_KEY, errors_middleware, parse_json, unless_disconnected
+from kvstore.engine.errors import InvalidRequest
+from kvstore.engine.proxy import CONFIG_KEY, INFLIGHT_KEY, SESSION_KEY, BadGateway, EngineUnreachable, forward
+from kvstore.engine.router.calibrate import Calibrator
+from kvstore.engine.router.dashboard import dashboard
+from kvstore.engine.router.index import PrefixIndex
+from kvstore.engine.router.metrics import RouterMetrics
+from kvstore.engine.router.scoring import POLICIES, Choice, EngineState, Request, choose
+from kvstore.engine.router.subscriber import EventSubscriber, Source
+from kvstore.engine.router.tokens import PromptTokens
+from kvstore.engine.server_middleware import MAX_BODY_KEY, errors_middleware, parse_json, unless_disconnected
 
 logger = logging.getLogger(__name__)
 ROUTER_KEY = web.AppKey("router", object)
@@ -168,7 +167,7 @@ class Router:
 
     def engine_state(self, url: str, now: float) -> dict[str, Any]:
         """One engine's load (`url`, `in_flight`, `waiting_tokens`, `down_until`, `up`) and its figures
-        (engine.router.metrics.EngineTally.summary): the dashboard's panel."""
+        (kvstore.engine.router.metrics.EngineTally.summary): the dashboard's panel."""
         load = self.loads[url]
         return {**vars(load), "up": load.down_until <= now, **self.metrics.summary(url)}
 

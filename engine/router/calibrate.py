@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from kvstore.engine.router.scoring import Costs
 from prometheus_client.parser import text_string_to_metric_families
-
-from engine.router.scoring import Costs
 
 _NAMES = {
     "vllm:request_prefill_time_seconds_sum": "prefill_s",

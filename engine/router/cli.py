@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 
 from aiohttp import web
-
-from engine.router.scoring import POLICIES
+from kvstore.engine.router.scoring import POLICIES
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -42,10 +41,10 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
 
 
 def build(ns: argparse.Namespace) -> web.Application:
-    from engine.errors import InvalidRequest  # noqa: PLC0415
+    from kvstore.engine.errors import InvalidRequest  # noqa: PLC0415
 
     if ns.prefill or ns.decode:
-        from engine.proxy import ProxyConfig, build_app  # noqa: PLC0415
+        from kvstore.engine.proxy import ProxyConfig, build_app  # noqa: PLC0415
 
         if ns.engine:
             raise InvalidRequest(
@@ -53,9 +52,9 @@ def build(ns: argparse.Namespace) -> web.Application:
             )
         return build_app(ProxyConfig(ns.prefill or [], ns.decode or [], ns.timeout, ns.health_timeout,
                                      ns.shutdown_timeout))  # fmt: skip
-    from engine.llm_engine import resolve_model_dir  # noqa: PLC0415
-    from engine.router.app import RouterConfig, build_router_app  # noqa: PLC0415
-    from engine.router.tokens import PromptTokens  # noqa: PLC0415
+    from kvstore.engine.llm_engine import resolve_model_dir  # noqa: PLC0415
+    from kvstore.engine.router.app import RouterConfig, build_router_app  # noqa: PLC0415
+    from kvstore.engine.router.tokens import PromptTokens  # noqa: PLC0415
 
     try:
         config = RouterConfig(
@@ -71,6 +70,6 @@ def build(ns: argparse.Namespace) -> web.Application:
 
 
 def run_router(ns: argparse.Namespace) -> None:
-    from engine.proxy import serve  # noqa: PLC0415
+    from kvstore.engine.proxy import serve  # noqa: PLC0415
 
     serve(build(ns), ns.host, ns.port, "router", ns.shutdown_timeout)

@@ -12,7 +12,7 @@ _FIGURES = b'<script src="dashboard.js"></script>'
 
 
 async def dashboard(request: web.Request) -> web.Response:
-    static = resources.files("engine.router").joinpath("static")
+    static = resources.files("kvstore.engine.router").joinpath("static")
     figures = static.joinpath("dashboard.js").read_bytes()
     html = (
         static.joinpath("dashboard.html")

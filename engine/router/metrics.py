@@ -8,9 +8,8 @@ import collections
 import statistics
 from typing import Any
 
+from kvstore.engine.router.scoring import POLICIES, Choice, Costs
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-
-from engine.router.scoring import POLICIES, Choice, Costs
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 SOURCES = ("local", "remote", "miss")  # the engine's cache, loaded from the store, computed

@@ -9,7 +9,7 @@ An engine's estimated time to first token for a request is
     + remote  = tokens the shared store has beyond the engine's own prefix x load cost
     + compute = tokens nobody has x prefill cost          (at least the last prompt token)
 
-with costs per token calibrated from the engines' own metrics (engine.router.calibrate). Tokens an
+with costs per token calibrated from the engines' own metrics (kvstore.engine.router.calibrate). Tokens an
 engine is still loading from the store are not its queue: a load runs beside the engine's steps (the
 scheduler computes other requests while a request's KV arrives), so `waiting_tokens` counts only the
 tokens the engine will compute. Policies:

@@ -8,13 +8,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from kvstore.engine.config import ModelConfig, resolve_dtype
+from kvstore.engine.errors import TokenizerError
+from kvstore.engine.kv_cache.spec import resolve_kv_cache_dtype
+from kvstore.engine.protocol import ChatCompletionRequest, CompletionRequest
+from kvstore.engine.tokenizer import Tokenizer
 from pydantic import ValidationError
 
-from engine.config import ModelConfig, resolve_dtype
-from engine.errors import TokenizerError
-from engine.kv_cache.spec import resolve_kv_cache_dtype
-from engine.protocol import ChatCompletionRequest, CompletionRequest
-from engine.tokenizer import Tokenizer
 from kvstore.keys import KVLayout, hash_block, model_layout, root_key
 
 logger = logging.getLogger(__name__)

@@ -9,6 +9,6 @@ its own, killed at its deadline), `satisfiable` (a grammar whose rules can all c
 step).
 """
 
-from engine.structured_output.params import StructuredOutputOptions, StructuredOutputsParams
+from kvstore.engine.structured_output.params import StructuredOutputOptions, StructuredOutputsParams
 
 __all__ = ["StructuredOutputOptions", "StructuredOutputsParams"]

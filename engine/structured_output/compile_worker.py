@@ -3,7 +3,7 @@
 xgrammar cannot interrupt a compile, and a few hundred bytes of schema can cost minutes of CPU (16
 strings each with its own maxLength of ~1,000: 36 s). A compile thread abandoned at its deadline
 kept running, and kept one of two compile slots the next schemas queued for. Here a helper process
-per tokenizer (`python -m engine.structured_output.compile_worker`: it imports xgrammar once, ~4 s,
+per tokenizer (`python -m kvstore.engine.structured_output.compile_worker`: it imports xgrammar once, ~4 s,
 started with the cache) forks one child per compile, so no compile waits for another, and kills the
 child at its deadline. The child sends the compiled grammar back as JSON (~0.2 s for a 5 MB one: the
 price of a compile that can be stopped). The helper is a plain subprocess, not a multiprocessing
@@ -30,14 +30,13 @@ from multiprocessing import Pipe
 from multiprocessing.connection import Connection
 
 import xgrammar as xgr
-
-from engine.errors import EngineError, InvalidRequest, RequestFailed
-from engine.structured_output.params import (
+from kvstore.engine.errors import EngineError, InvalidRequest, RequestFailed
+from kvstore.engine.structured_output.params import (
     StructuredOutputOptions,
     StructuredOutputsParams,
     choice_as_grammar,
 )
-from engine.structured_output.satisfiable import unproductive_rule
+from kvstore.engine.structured_output.satisfiable import unproductive_rule
 
 logger = logging.getLogger(__name__)
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")

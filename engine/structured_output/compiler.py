@@ -20,16 +20,15 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 import xgrammar as xgr
-
-from engine.errors import InvalidRequest
-from engine.structured_output import compile_worker
-from engine.structured_output.compile_worker import (
+from kvstore.engine.errors import InvalidRequest
+from kvstore.engine.structured_output import compile_worker
+from kvstore.engine.structured_output.compile_worker import (
     JSON_MAX_WHITESPACE,
     CompileTimeout,
     compile_constraint,
     invalid,
 )
-from engine.structured_output.params import StructuredOutputsParams
+from kvstore.engine.structured_output.params import StructuredOutputsParams
 
 __all__ = ["JSON_MAX_WHITESPACE", "CacheStats", "GrammarCache", "grammar_cache_for"]
 logger = logging.getLogger(__name__)

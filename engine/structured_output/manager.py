@@ -18,15 +18,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-
-from engine.errors import InvalidRequest
-from engine.structured_output.params import StructuredOutputsParams
+from kvstore.engine.errors import InvalidRequest
+from kvstore.engine.structured_output.params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     import xgrammar as xgr
-
-    from engine.structured_output.compiler import GrammarCache
-    from engine.structured_output.request import StructuredOutputRequest
+    from kvstore.engine.structured_output.compiler import GrammarCache
+    from kvstore.engine.structured_output.request import StructuredOutputRequest
 
 logger = logging.getLogger(__name__)
 
@@ -74,10 +72,10 @@ class StructuredOutputManager:
             import xgrammar as xgr  # noqa: PLC0415
         except ImportError:
             raise InvalidRequest(
-                "structured output needs the xgrammar package: pip install 'kvstore[structured]'"
+                "structured output needs the xgrammar package: pip install 'kvstore-llm[structured]'"
             ) from None
-        from engine.structured_output.compiler import grammar_cache_for  # noqa: PLC0415
-        from engine.structured_output.tokenizer_info import build_tokenizer_info  # noqa: PLC0415
+        from kvstore.engine.structured_output.compiler import grammar_cache_for  # noqa: PLC0415
+        from kvstore.engine.structured_output.tokenizer_info import build_tokenizer_info  # noqa: PLC0415
 
         info, fingerprint = build_tokenizer_info(self._tokenizer, self.vocab_size, self._stop_token_ids)
         logger.info(
@@ -100,7 +98,7 @@ class StructuredOutputManager:
     def new_request(
         self, params: StructuredOutputsParams, generated: Sequence[int] = ()
     ) -> StructuredOutputRequest:
-        from engine.structured_output.request import StructuredOutputRequest  # noqa: PLC0415
+        from kvstore.engine.structured_output.request import StructuredOutputRequest  # noqa: PLC0415
 
         return StructuredOutputRequest(params, self.cache.get(params), generated)
 

@@ -8,7 +8,7 @@ import json as json_lib
 from dataclasses import dataclass
 from typing import Any
 
-from engine.errors import InvalidRequest
+from kvstore.engine.errors import InvalidRequest
 
 # vLLM's MAX_STRUCTURED_OUTPUT_JSON_NESTING. Compile time grows steeply with depth (measured with
 # xgrammar 0.2.8 on SmolLM2's vocabulary: arrays of arrays 64 deep 0.23 s, 5,000 deep > 6 CPU-minutes).

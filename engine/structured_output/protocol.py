@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+from kvstore.engine.errors import InvalidRequest
+from kvstore.engine.structured_output.params import StructuredOutputsParams
 from pydantic import BaseModel, ConfigDict, Field
-
-from engine.errors import InvalidRequest
-from engine.structured_output.params import StructuredOutputsParams
 
 
 class JsonSchemaFormat(BaseModel):

@@ -12,9 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import xgrammar as xgr
-
-from engine.errors import InvalidRequest
-from engine.structured_output.params import StructuredOutputsParams
+from kvstore.engine.errors import InvalidRequest
+from kvstore.engine.structured_output.params import StructuredOutputsParams
 
 
 class StructuredOutputRequest:

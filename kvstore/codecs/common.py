@@ -29,7 +29,7 @@ def cpu_kernels(module: str) -> Any:
         if e.name is None or not e.name.startswith("numba"):
             raise
         raise CodecError(
-            f"the {module.removeprefix('cpu_')} codec on CPU needs numba: pip install 'kvstore[codecs]'"
+            f"the {module.removeprefix('cpu_')} codec on CPU needs numba: pip install 'kvstore-llm[codecs]'"
         ) from None
 
 

@@ -13,7 +13,7 @@ Where its blobs live is `memory` (`StoreConfig.cpu_memory`, `--cpu-memory`; docs
   Eviction stays LRU by bytes exactly: a blob for which no free region is large enough
   (fragmentation, regions lent to clients) is kept outside the arena.
 - "auto": pinned with CUDA, else plain (a store inside an engine's process); a kvstore-server with
-  shared memory on makes it "arena" whether or not the host has CUDA (server.runner.server_cpu_memory):
+  shared memory on makes it "arena" whether or not the host has CUDA (kvstore.server.runner.server_cpu_memory):
   pinned pages of the server's process serve no other process's GPU copies, the arena serves every
   same-host client.
 
@@ -51,7 +51,7 @@ def _pinned_copy(blob: Blob) -> memoryview:
 
 def resolve_memory(memory: CpuMemory, cuda: bool) -> CpuMemory:
     """What `memory` means on a host with or without `cuda`: "auto" is "pinned" with CUDA, else "plain"
-    (a kvstore-server with shared memory asks for "arena" instead: server.runner.server_cpu_memory); "pinned"
+    (a kvstore-server with shared memory asks for "arena" instead: kvstore.server.runner.server_cpu_memory); "pinned"
     without CUDA is a ConfigError (asked for, it is not quietly something else); "arena" is an arena
     with or without CUDA."""
     if memory == "auto":

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 class ServerProcess:
-    """`python -m server` on 127.0.0.1:0; `url` is read from its 'listening on' line."""
+    """`python -m kvstore.server` on 127.0.0.1:0; `url` is read from its 'listening on' line."""
 
     def __init__(self, *args: str) -> None:
         self.args = args
@@ -26,7 +26,7 @@ class ServerProcess:
 
     def start(self, port: int = 0) -> ServerProcess:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        cmd = [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port)]
+        cmd = [sys.executable, "-m", "kvstore.server", "--host", "127.0.0.1", "--port", str(port)]
         cmd += ["--shutdown-timeout", "3", *self.args]
         self.proc = subprocess.Popen(
             cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True

@@ -6,7 +6,7 @@ import functools
 import socket
 from typing import Any
 
-from engine import LLM, SamplingParams
+from kvstore.engine import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 ENGINE = {"max_model_len": 1024, "kv_cache_memory": "48MiB", "num_threads": 1}
@@ -20,8 +20,8 @@ _TEXT = (
 
 @functools.cache
 def _tokenizer():
-    from engine.convert import ensure_smollm2  # noqa: PLC0415
-    from engine.tokenizer import Tokenizer  # noqa: PLC0415
+    from kvstore.engine.convert import ensure_smollm2  # noqa: PLC0415
+    from kvstore.engine.tokenizer import Tokenizer  # noqa: PLC0415
 
     return Tokenizer.from_pretrained(ensure_smollm2())
 

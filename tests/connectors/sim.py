@@ -12,10 +12,9 @@ import random
 from dataclasses import dataclass, field
 
 import torch
-
-from connectors.base import KVConnectorRole
-from connectors.config import KVTransferConfig
-from connectors.kvstore import KVStoreConnector
+from kvstore.connectors.base import KVConnectorRole
+from kvstore.connectors.config import KVTransferConfig
+from kvstore.connectors.kvstore import KVStoreConnector
 
 LAYERS, KV_HEADS, HEAD_DIM, VOCAB = 3, 2, 64, 1000
 BLOCK = 16

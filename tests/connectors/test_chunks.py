@@ -6,8 +6,8 @@ import random
 
 import pytest
 import torch
+from kvstore.connectors.chunks import CacheGeometry, ChunkKeys, gather_chunk, scatter_chunk
 
-from connectors.chunks import CacheGeometry, ChunkKeys, gather_chunk, scatter_chunk
 from kvstore.errors import InvalidArgument
 from kvstore.keys import KVLayout, chunk_keys
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from kvstore.connectors.base import KVConnectorRole
+from kvstore.connectors.config import KVTransferConfig
+from kvstore.connectors.factory import create_connector
 
-from connectors.base import KVConnectorRole
-from connectors.config import KVTransferConfig
-from connectors.factory import create_connector
 from kvstore.errors import ConfigError
 
 

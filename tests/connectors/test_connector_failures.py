@@ -134,7 +134,7 @@ def test_server_killed_between_lookup_and_load(engines, kv_server) -> None:
 def test_chunk_overwritten_during_an_in_place_load_is_recomputed(engines, kv_server, monkeypatch) -> None:
     """A same-host server's chunks are scattered from its arena in place (no request, no copy); one the
     server lets go of meanwhile (its region may be reused) may be torn: its blocks are recomputed."""
-    from connectors.kv_worker import KVStoreWorker  # noqa: PLC0415
+    from kvstore.connectors.kv_worker import KVStoreWorker  # noqa: PLC0415
 
     config = make_config(store_url=kv_server.url)
     a, b = engines(config, seed=1), engines(config, seed=2)

@@ -6,10 +6,10 @@ import time
 
 import pytest
 import torch
+from kvstore.connectors.base import KVConnectorRole
+from kvstore.connectors.config import KVTransferConfig
+from kvstore.connectors.kvstore import KVStoreConnector
 
-from connectors.base import KVConnectorRole
-from connectors.config import KVTransferConfig
-from connectors.kvstore import KVStoreConnector
 from kvstore.errors import CodecError, InvalidArgument
 from tests.connectors.sim import HEAD_DIM, KV_HEADS, LAYERS, Req, make_config, prompt, truth_kv
 
@@ -288,7 +288,7 @@ def test_lookups_of_an_in_memory_store_run_on_the_callers_thread(tmp_path, tiers
     A disk tier can stall on I/O, so its lookups keep the hop and the deadline."""
     import threading  # noqa: PLC0415
 
-    from connectors.store_handle import acquire_store, release_store  # noqa: PLC0415
+    from kvstore.connectors.store_handle import acquire_store, release_store  # noqa: PLC0415
 
     config = make_config(local_tiers=tiers, local_disk_path=str(tmp_path))
     handle = acquire_store(config)

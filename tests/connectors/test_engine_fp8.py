@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kvstore.sdk import Store
 
 from kvstore.blob import verify_blob
 from kvstore.keys import KVLayout, chunk_keys
-from sdk import Store
 from tests.connectors.engine_util import doc, generate, llm, store_metrics
 
 pytestmark = pytest.mark.slow

@@ -9,8 +9,8 @@ import signal
 import time
 
 import pytest
+from kvstore.engine import SamplingParams
 
-from engine import SamplingParams
 from tests.connectors.engine_util import GREEDY, doc, generate, llm, store_metrics
 
 pytestmark = pytest.mark.slow

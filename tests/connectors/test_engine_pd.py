@@ -17,10 +17,10 @@ from collections import deque
 from pathlib import Path
 
 import pytest
+from kvstore.engine import SamplingParams
+from kvstore.engine.structured_output import StructuredOutputsParams
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine import SamplingParams
-from engine.structured_output import StructuredOutputsParams
 from tests.connectors.engine_util import ENGINE, GREEDY, doc, free_port
 
 pytestmark = pytest.mark.slow
@@ -54,7 +54,7 @@ class Proc:
     def __init__(self, args: list[str]) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "engine", *args], cwd=ROOT, env=env,
+            [sys.executable, "-m", "kvstore.engine", *args], cwd=ROOT, env=env,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kvstore.connectors.base import KVConnectorRole
+from kvstore.connectors.factory import create_connector
+from kvstore.engine.block_manager import BlockManager
+from kvstore.engine.sampling_params import SamplingParams
+from kvstore.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kvstore.engine.sequence import Sequence, SequenceStatus
 
-from connectors.base import KVConnectorRole
-from connectors.factory import create_connector
-from engine.block_manager import BlockManager
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from engine.sequence import Sequence, SequenceStatus
 from kvstore.blob import encode_blob
 from kvstore.keys import KVLayout, root_key
 

@@ -73,7 +73,7 @@ def test_working_set_four_times_the_kv_memory_reuses_prefixes_via_the_store(off)
 def test_prompt_logprobs_compute_the_whole_prompt_but_still_save(off) -> None:
     """A request for prompt logprobs needs every prompt position's logits: it loads nothing from the
     store (nor the engine's cache) and its scores equal a cold engine's; what it computes is saved."""
-    from engine import SamplingParams
+    from kvstore.engine import SamplingParams
 
     prompt = doc(300, 40)
     params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=1)

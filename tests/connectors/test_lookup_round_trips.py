@@ -10,10 +10,10 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from kvstore.connectors.config import KVTransferConfig
+from kvstore.connectors.kv_scheduler import KVStoreScheduler
+from kvstore.connectors.store_handle import acquire_store, release_store
 
-from connectors.config import KVTransferConfig
-from connectors.kv_scheduler import KVStoreScheduler
-from connectors.store_handle import acquire_store, release_store
 from kvstore.blob import encode_blob
 from tests.connectors.sim import Req
 
@@ -76,7 +76,7 @@ def test_one_round_trip_per_lookup_and_none_for_the_same_question(scheduler) -> 
 
 @pytest.mark.parametrize("transport", ["http", "tcp"])
 def test_lookup_and_exists_is_one_request_on_either_transport(shared_server, transport: str) -> None:
-    from sdk import Store  # noqa: PLC0415
+    from kvstore.sdk import Store  # noqa: PLC0415
 
     kv = torch.zeros(2, 1, 16, 1, 8, dtype=torch.bfloat16)
     k0, k1, gone, gone2 = (f"{i:02x}" * 16 + transport.encode().hex().ljust(32, "0") for i in range(4))

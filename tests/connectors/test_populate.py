@@ -8,8 +8,8 @@ import sys
 
 import pytest
 import torch
+from kvstore.connectors import kv_worker
 
-from connectors import kv_worker
 from tests.connectors.sim import make_config
 
 MiB = 2**20

@@ -17,12 +17,12 @@ import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
+from kvstore.engine.engine_args import EngineArgs
+from kvstore.engine.llm_engine import LLMEngine
+from kvstore.engine.proxy import ProxyConfig, build_app, prefill_request
+from kvstore.engine.server import build_app as engine_app
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.engine_args import EngineArgs
-from engine.llm_engine import LLMEngine
-from engine.proxy import ProxyConfig, build_app, prefill_request
-from engine.server import build_app as engine_app
 from tests.connectors.engine_util import free_port
 from tests.engine.conftest import make_tiny_engine_dir
 
@@ -162,7 +162,7 @@ async def test_a_decode_engine_that_breaks_mid_stream_ends_the_stream_with_an_er
 async def test_sigterm_drains_the_requests_in_flight(engine: LLMEngine) -> None:
     async with serving(engine_app(engine)) as engine_url:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "engine", "proxy", "--prefill", engine_url, "--decode", engine_url,
+            sys.executable, "-m", "kvstore.engine", "proxy", "--prefill", engine_url, "--decode", engine_url,
             "--port", "0", "--shutdown-timeout", "60",
             cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=asyncio.subprocess.PIPE,
         )  # fmt: skip

@@ -11,9 +11,9 @@ from __future__ import annotations
 import tracemalloc
 
 import torch
+from kvstore.sdk.shm import ClientSegment
 
 from kvstore.keys import chunk_keys, partial_key
-from sdk.shm import ClientSegment
 from tests.connectors.sim import Req, make_config, prompt, truth_kv
 from tests.connectors.test_lookup_round_trips import requests_served
 

@@ -11,9 +11,9 @@ from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from kvstore.connectors.config import KVTransferConfig
+from kvstore.connectors.store_handle import StoreHandle, acquire_store, release_store
 
-from connectors.config import KVTransferConfig
-from connectors.store_handle import StoreHandle, acquire_store, release_store
 from kvstore.errors import ConfigError, Unavailable
 from tests.connectors.conftest import ServerProcess
 
@@ -64,14 +64,14 @@ def test_a_server_refusing_everyone_stops_the_engine_not_called_unreachable(capl
 
 
 def test_a_4xx_answer_is_not_called_unreachable(caplog, other_web_server: str) -> None:
-    with caplog.at_level(logging.WARNING, logger="connectors.store_handle"):
+    with caplog.at_level(logging.WARNING, logger="kvstore.connectors.store_handle"):
         release_store(acquire_store(KVTransferConfig(store_url=other_web_server)))
     assert "does not answer" not in caplog.text
     assert "HTTP 404" in caplog.text and "is the URL a kvstore-server?" in caplog.text
 
 
 def test_a_closed_port_is_unreachable(caplog) -> None:
-    with caplog.at_level(logging.WARNING, logger="connectors.store_handle"):
+    with caplog.at_level(logging.WARNING, logger="kvstore.connectors.store_handle"):
         release_store(acquire_store(KVTransferConfig(store_url="http://127.0.0.1:1", timeout_s=2)))
     assert "does not answer yet" in caplog.text
 
@@ -80,7 +80,7 @@ def test_a_failed_store_is_skipped_for_the_backoff_then_anyone_may_try(caplog) -
     """The handle's circuit breaker (kvstore/breaker.py): a fixed backoff, logged once per backoff."""
     handle = StoreHandle(("test",), store=None, backoff_s=0.2)
     try:
-        with caplog.at_level(logging.WARNING, logger="connectors.store_handle"):
+        with caplog.at_level(logging.WARNING, logger="kvstore.connectors.store_handle"):
             assert handle.reachable()
             handle.mark_unreachable(Unavailable("down"))
             assert not handle.reachable()

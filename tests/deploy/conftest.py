@@ -5,15 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from kvstore.connectors.metrics import ConnectorMetrics
+from kvstore.engine.metrics import EngineMetrics
+from kvstore.sdk.remote import RemoteBackend
+from kvstore.server.config import ServerConfig
+from kvstore.server.runner import ServerThread
 from prometheus_client.parser import text_string_to_metric_families
 
-from connectors.metrics import ConnectorMetrics
-from engine.metrics import EngineMetrics
 from kvstore.config import StoreConfig
 from kvstore.store import TieredStore
-from sdk.remote import RemoteBackend
-from server.config import ServerConfig
-from server.runner import ServerThread
 from tests.server.conftest import key, make_blob
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"

@@ -10,12 +10,12 @@ from importlib import resources
 
 import jsonschema
 import yaml
+from kvstore.engine.cli import build_parser as engine_parser
+from kvstore.engine.engine_args import EngineArgs
+from kvstore.server.cli import build_parser as server_parser
+from kvstore.server.config import load_configs
 
-from engine.cli import build_parser as engine_parser
-from engine.engine_args import EngineArgs
 from kvstore.settings import parse_size
-from server.cli import build_parser as server_parser
-from server.config import load_configs
 from tests.deploy.conftest import DEPLOY
 
 

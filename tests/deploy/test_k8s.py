@@ -9,11 +9,11 @@ import json
 import kubernetes_validate
 import pytest
 import yaml
+from kvstore.engine.cli import build_parser as engine_parser
+from kvstore.engine.engine_args import EngineArgs
+from kvstore.server.cli import build_parser as server_parser
+from kvstore.server.config import load_configs
 
-from engine.cli import build_parser as engine_parser
-from engine.engine_args import EngineArgs
-from server.cli import build_parser as server_parser
-from server.config import load_configs
 from tests.deploy.conftest import DEPLOY
 
 K8S = DEPLOY / "k8s"

@@ -85,7 +85,7 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The real SmolLM2-135M-Instruct as an HF directory (converted once, cached in ~/.cache/kvstore)."""
-    from engine.convert import ensure_smollm2
+    from kvstore.engine.convert import ensure_smollm2
 
     return ensure_smollm2()
 
@@ -143,7 +143,7 @@ class PagedKV:
             m.kv_cache = self.kv_cache[layer]
 
     def step(self, batch: list[tuple[int, list[int]]]):
-        from engine.attention_metadata import AttentionMetadata
+        from kvstore.engine.attention_metadata import AttentionMetadata
 
         bs = self.block_size
         ids, positions, slots, cu, ctx = [], [], [], [0], []

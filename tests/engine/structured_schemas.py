@@ -190,7 +190,9 @@ def grammar_compiles_alive() -> list[str]:
     """Compiles still burning CPU: children of this process's compile helpers, and threads that
     compile in this process (the in-process fallback, and the compiles before the helper)."""
     helpers = [
-        p for p in psutil.Process().children() if "engine.structured_output.compile_worker" in p.cmdline()
+        p
+        for p in psutil.Process().children()
+        if "kvstore.engine.structured_output.compile_worker" in p.cmdline()
     ]
     compiles = [f"compile pid {c.pid}" for h in helpers for c in h.children()]
     return compiles + [t.name for t in threading.enumerate() if t.name == "grammar-compile"]

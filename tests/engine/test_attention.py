@@ -8,11 +8,10 @@ import math
 
 import pytest
 import torch
-
-from engine.attention_metadata import AttentionMetadata
-from engine.errors import EngineError
-from engine.layers.attention import Attention
-from engine.layers.paged_attention import get_plan, paged_attention, store_kvcache
+from kvstore.engine.attention_metadata import AttentionMetadata
+from kvstore.engine.errors import EngineError
+from kvstore.engine.layers.attention import Attention
+from kvstore.engine.layers.paged_attention import get_plan, paged_attention, store_kvcache
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -14,10 +14,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
-from engine.bench.datasets import jsonl_requests, random_requests
-from engine.bench.serve import ServeOptions, run_serve
-from engine.errors import InvalidRequest
+from kvstore.engine.bench.datasets import jsonl_requests, random_requests
+from kvstore.engine.bench.serve import ServeOptions, run_serve
+from kvstore.engine.errors import InvalidRequest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def _cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run(
-        [sys.executable, "-m", "engine", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+        [sys.executable, "-m", "kvstore.engine", *args], cwd=ROOT, env=env, capture_output=True, text=True,
         timeout=timeout,
     )  # fmt: skip
 
@@ -116,7 +115,7 @@ def tiny_server(tiny_engine_dir: Path):
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "engine", "serve", "--model", str(tiny_engine_dir), "--port", str(port),
+        [sys.executable, "-m", "kvstore.engine", "serve", "--model", str(tiny_engine_dir), "--port", str(port),
          "--max-model-len", "64", "--kv-cache-memory", "4MiB"],
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )  # fmt: skip

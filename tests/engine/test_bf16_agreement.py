@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from engine import LLM, SamplingParams
-from engine.loader import load_model
+from kvstore.engine import LLM, SamplingParams
+from kvstore.engine.loader import load_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("single_thread")]
 N = 32

@@ -5,10 +5,10 @@ from __future__ import annotations
 import random
 
 import pytest
+from kvstore.engine.block_manager import BlockManager
+from kvstore.engine.sampling_params import SamplingParams
+from kvstore.engine.sequence import Sequence
 
-from engine.block_manager import BlockManager
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
 from kvstore.keys import KVLayout, hash_block, root_key
 
 BS = 4

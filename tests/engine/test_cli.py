@@ -1,4 +1,4 @@
-"""`kvstore-engine` (as `python -m engine`) in a subprocess: generate, bench, model, clear errors."""
+"""`kvstore-engine` (as `python -m kvstore.engine`) in a subprocess: generate, bench, model, clear errors."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run(
-        [sys.executable, "-m", "engine", *args],
+        [sys.executable, "-m", "kvstore.engine", *args],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -38,13 +38,13 @@ def test_help_lists_the_subcommands() -> None:
 def test_version_and_help_do_not_import_torch(args: list[str]) -> None:
     """torch costs ~2 s to import: --version and --help answer without it."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "engine", *args],
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "kvstore.engine", *args],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
     assert r.returncode == 0, r.stderr
     imported = {
         line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")
     }
-    assert "engine.cli" in imported  # -X importtime did report
+    assert "kvstore.engine.cli" in imported  # -X importtime did report
     assert "torch" not in imported
     if args == ["--version"]:
         assert r.stdout.startswith("kvstore-engine ")

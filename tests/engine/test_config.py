@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from kvstore.engine.config import ModelConfig, parse_dtype
+from kvstore.engine.errors import EngineError, ModelLoadError, UnsupportedModel
 
-from engine.config import ModelConfig, parse_dtype
-from engine.errors import EngineError, ModelLoadError, UnsupportedModel
 from kvstore.keys import config_hash
 
 pytestmark = pytest.mark.usefixtures("single_thread")

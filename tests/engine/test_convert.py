@@ -8,10 +8,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from kvstore.engine.convert import SMOLLM2_NAME, convert_gguf, ensure_smollm2, is_complete, smollm2_gguf_path
+from kvstore.engine.errors import ConversionError
 from safetensors.numpy import load_file
-
-from engine.convert import SMOLLM2_NAME, convert_gguf, ensure_smollm2, is_complete, smollm2_gguf_path
-from engine.errors import ConversionError
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -172,7 +171,7 @@ def test_smollm2_qk_match_transformers_unpermute(smollm2_dir: Path) -> None:
 
 
 def test_cache_dir_from_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from engine.convert import default_cache_dir
+    from kvstore.engine.convert import default_cache_dir
 
     monkeypatch.setenv("KVSTORE_CACHE_DIR", str(tmp_path))
     assert default_cache_dir() == tmp_path / "models"

@@ -12,8 +12,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-
-from engine.layers import cpu_lib, cpu_ops
+from kvstore.engine.layers import cpu_lib, cpu_ops
 
 pytestmark = [
     pytest.mark.usefixtures("single_thread"),
@@ -194,7 +193,7 @@ def test_rms_norm_with_and_without_the_residual(wdtype) -> None:
 
 
 def test_rope_on_strided_q_and_k_views_matches_rotate_half() -> None:
-    from engine.layers.rotary_embedding import RotaryEmbedding, apply_rotary_emb
+    from kvstore.engine.layers.rotary_embedding import RotaryEmbedding, apply_rotary_emb
 
     g = _gen(3)
     hq, hk, d = 3, 1, 32
@@ -241,7 +240,7 @@ def test_each_gemm_kind_is_chosen_by_cpu_and_environment_in_a_fresh_process() ->
     process, since it sets the packing). With both off, bf16 weights with K % 32 == 0 take the AVX-512
     kernel, exact on fp32 activations; otherwise the best the CPU has, on activations rounded to bf16."""
     script = (
-        "import torch; from engine.layers import cpu_ops; g = torch.Generator().manual_seed(0);"
+        "import torch; from kvstore.engine.layers import cpu_ops; g = torch.Generator().manual_seed(0);"
         "w = torch.randn(40, 64, generator=g).bfloat16(); x = torch.randn(5, 64, generator=g);"
         "y = cpu_ops.gemm_w16(x, cpu_ops.pack_weight(w), 40).double();"
         "exact = (y - x.double() @ w.double().T).abs().max().item() < 1e-4;"

@@ -10,13 +10,12 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp import web
+from kvstore.engine.async_engine import AsyncEngine
+from kvstore.engine.engine_args import EngineArgs
+from kvstore.engine.llm_engine import LLMEngine
+from kvstore.engine.sampling_params import SamplingParams
+from kvstore.engine.server import build_app
 from prometheus_client.parser import text_string_to_metric_families
-
-from engine.async_engine import AsyncEngine
-from engine.engine_args import EngineArgs
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.server import build_app
 
 pytestmark = pytest.mark.slow
 VLLM_NAMES = {
@@ -247,7 +246,7 @@ async def test_sigterm_drains_then_fails_what_is_left_and_exits(smollm2_dir: Pat
         port = s.getsockname()[1]
     root = Path(__file__).resolve().parents[2]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "engine", "serve", "--model", str(smollm2_dir), "--port", str(port),
+        [sys.executable, "-m", "kvstore.engine", "serve", "--model", str(smollm2_dir), "--port", str(port),
          "--max-model-len", "1024", "--kv-cache-memory", "48MiB", "--shutdown-timeout", "1"],
         cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, stdout=subprocess.DEVNULL,
         stderr=open(tmp_path / "stderr", "wb"),

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kvstore.engine.layers import cpu_lib, cpu_ops
+from kvstore.engine.layers.attention import Attention
+from kvstore.engine.layers.fused_layers import FusedLayers
+from kvstore.engine.layers.paged_attention import FP8
+from kvstore.engine.loader import load_model
 
-from engine.layers import cpu_lib, cpu_ops
-from engine.layers.attention import Attention
-from engine.layers.fused_layers import FusedLayers
-from engine.layers.paged_attention import FP8
-from engine.loader import load_model
 from tests.engine.conftest import TINY_ARCHS
 
 pytestmark = [
@@ -92,7 +92,7 @@ def test_fused_layers_are_bit_identical_to_the_layer_by_layer_path(
 def test_c_fp8_store_rounds_like_torch() -> None:
     """Ties (both ways), subnormals, the smallest normal, saturation, signed zeros and NaN: the C
     quantiser writes the bytes `quantize_kv` (torch's float8_e4m3fn cast) gives."""
-    from engine.layers.paged_attention import quantize_kv
+    from kvstore.engine.layers.paged_attention import quantize_kv
 
     hkv, d = 2, 16
     special = [0.0, -0.0, 448.0, 449.0, 464.0, 1e9, -1e9, float("nan"), 2**-6, 2**-7, 2**-9, 2**-10, 3 * 2**-10,

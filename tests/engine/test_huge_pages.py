@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from engine.layers import cpu_lib, huge_pages
+from kvstore.engine.layers import cpu_lib, huge_pages
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -62,7 +61,7 @@ def test_the_buffer_is_backed_by_huge_pages() -> None:
 def test_the_engine_places_packed_weights_and_the_kv_cache_on_huge_pages(smollm2_dir: Path) -> None:
     if not cpu_lib.available():
         pytest.skip("no CPU kernels here: bf16 weights stay torch tensors")
-    from engine import LLM
+    from kvstore.engine import LLM
 
     llm = LLM(str(smollm2_dir), dtype="bfloat16", num_kv_blocks=64, max_model_len=256)
     try:
@@ -76,8 +75,8 @@ def test_the_engine_places_packed_weights_and_the_kv_cache_on_huge_pages(smollm2
 
 
 def test_a_kv_cache_larger_than_memory_is_an_engine_error(smollm2_dir: Path) -> None:
-    from engine import LLM
-    from engine.errors import EngineError
+    from kvstore.engine import LLM
+    from kvstore.engine.errors import EngineError
 
     with pytest.raises(EngineError, match="cannot allocate a KV cache of 1000000000 blocks"):
         LLM(str(smollm2_dir), dtype="bfloat16", num_kv_blocks=10**9, max_model_len=256)

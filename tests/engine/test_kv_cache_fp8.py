@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from engine.engine_args import EngineArgs
-from engine.kv_cache.fp8_scales import KVScales, calibrate_kv_scales
-from engine.layers import cpu_lib
-from engine.layers.attention import Attention
-from engine.layers.paged_attention import FP8, FP8_MAX, dequantize_kv, quantize_kv
-from engine.llm_engine import LLMEngine
-from engine.loader import load_model
-from engine.sampling_params import SamplingParams
+from kvstore.engine.engine_args import EngineArgs
+from kvstore.engine.kv_cache.fp8_scales import KVScales, calibrate_kv_scales
+from kvstore.engine.layers import cpu_lib
+from kvstore.engine.layers.attention import Attention
+from kvstore.engine.layers.paged_attention import FP8, FP8_MAX, dequantize_kv, quantize_kv
+from kvstore.engine.llm_engine import LLMEngine
+from kvstore.engine.loader import load_model
+from kvstore.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 KERNELS = [

@@ -11,12 +11,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from kvstore.connectors.base import KVConnectorRole
+from kvstore.connectors.factory import create_connector
+from kvstore.engine.cli import build_parser
+from kvstore.engine.engine_args import EngineArgs
+from kvstore.engine.errors import InvalidRequest
 
-from connectors.base import KVConnectorRole
-from connectors.factory import create_connector
-from engine.cli import build_parser
-from engine.engine_args import EngineArgs
-from engine.errors import InvalidRequest
 from kvstore.errors import ConfigError
 from tests.connectors.conftest import ServerProcess
 
@@ -117,7 +117,7 @@ def test_config_file_and_its_environment_variable(clean_env, tmp_path: Path) -> 
 
 def run_engine(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     base = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
-    cmd = [sys.executable, "-m", "engine", "generate", "--max-model-len", "256", "--kv-cache-memory", "16MiB",
+    cmd = [sys.executable, "-m", "kvstore.engine", "generate", "--max-model-len", "256", "--kv-cache-memory", "16MiB",
            "--max-tokens", "2", "--num-threads", "1", *argv]  # fmt: skip
     return subprocess.run(
         cmd, cwd=ROOT, env={**base, "PYTHONPATH": str(ROOT), **(env or {})}, capture_output=True, text=True,
@@ -159,8 +159,8 @@ def test_token_file_env_and_a_rejected_token(smollm2_dir: Path, tmp_path: Path) 
 def test_a_connector_shortens_the_gil_switch_interval(tiny_engine_dir: Path) -> None:
     """With the connector's threads running Python, the engine thread would wait up to 5 ms for the
     GIL after each kernel call (measured on the short-turn chat); the engine bounds that at 1 ms."""
-    from engine import LLM
-    from engine.kv_transfer import GIL_SWITCH_S
+    from kvstore.engine import LLM
+    from kvstore.engine.kv_transfer import GIL_SWITCH_S
 
     before = sys.getswitchinterval()
     try:

@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from kvstore.engine import LLM, SamplingParams
+from kvstore.engine.errors import EngineError, InvalidRequest, KVBackendUnavailable, ModelLoadError
 from prometheus_client.parser import text_string_to_metric_families
-
-from engine import LLM, SamplingParams
-from engine.errors import EngineError, InvalidRequest, KVBackendUnavailable, ModelLoadError
 
 pytestmark = pytest.mark.slow
 

@@ -12,8 +12,7 @@ import json
 
 import pytest
 import torch
-
-from engine.loader import load_model
+from kvstore.engine.loader import load_model
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -230,14 +229,14 @@ def test_tied_checkpoint_with_lm_head_copy(tiny_checkpoints, tmp_path) -> None:
     ],
 )
 def test_broken_checkpoints_raise(tiny_checkpoints, tmp_path, edit, match) -> None:
-    from engine.errors import ModelLoadError
+    from kvstore.engine.errors import ModelLoadError
 
     with pytest.raises(ModelLoadError, match=match):
         load_model(_copy_checkpoint(tiny_checkpoints["llama"], tmp_path / "m", edit))
 
 
 def test_missing_directory_and_weights(tmp_path, tiny_checkpoints) -> None:
-    from engine.errors import ModelLoadError
+    from kvstore.engine.errors import ModelLoadError
 
     with pytest.raises(ModelLoadError):
         load_model(tmp_path / "nope")

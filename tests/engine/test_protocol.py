@@ -4,9 +4,8 @@ names the field, max_tokens against max_model_len (no model needed)."""
 from __future__ import annotations
 
 import pytest
-
-from engine.errors import InvalidRequest
-from engine.protocol import (
+from kvstore.engine.errors import InvalidRequest
+from kvstore.engine.protocol import (
     MAX_PROMPTS_PER_REQUEST,
     UNSUPPORTED_FIELDS,
     ChatCompletionRequest,
@@ -14,7 +13,7 @@ from engine.protocol import (
     resolve_max_tokens,
     sampling_params_from,
 )
-from engine.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams
+from kvstore.engine.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams
 
 
 def params_of(body: dict, max_tokens: int = 8) -> SamplingParams:

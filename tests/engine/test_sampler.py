@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from engine.errors import InvalidRequest
-from engine.sampler import Sampler, apply_top_k_top_p
-from engine.sampling_params import SamplingParams
+from kvstore.engine.errors import InvalidRequest
+from kvstore.engine.sampler import Sampler, apply_top_k_top_p
+from kvstore.engine.sampling_params import SamplingParams
 
 
 def logits_for(probs: list[float]) -> torch.Tensor:
@@ -100,7 +99,7 @@ def test_logit_bias_steers_greedy_and_sampling() -> None:
 
 
 def test_repetition_frequency_and_presence_penalties_match_vllm() -> None:
-    from engine.sampler import apply_penalties
+    from kvstore.engine.sampler import apply_penalties
 
     logits = torch.tensor([[2.0, -2.0, 2.0, 1.0, 0.5]])
     history = [([0], [1, 3, 3])]  # token 0 in the prompt, 1 once and 3 twice in the output

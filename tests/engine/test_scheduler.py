@@ -7,11 +7,10 @@ from __future__ import annotations
 import zlib
 
 import pytest
-
-from engine.block_manager import BlockManager
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
-from engine.sequence import Sequence, SequenceStatus
+from kvstore.engine.block_manager import BlockManager
+from kvstore.engine.sampling_params import SamplingParams
+from kvstore.engine.scheduler import Scheduler, SchedulerConfig
+from kvstore.engine.sequence import Sequence, SequenceStatus
 
 BS = 4
 EOS = 0
@@ -265,7 +264,7 @@ def test_a_store_hit_leaves_room_for_the_running_ones_to_reach_max_tokens():
 def test_the_growth_reserve_is_capped():
     """A running sequence with a long max_tokens reserves at most HIT_RESERVE_BLOCKS: a hit that fits
     beside that is admitted while it runs."""
-    from engine.scheduler import HIT_RESERVE_BLOCKS
+    from kvstore.engine.scheduler import HIT_RESERVE_BLOCKS
 
     bm = BlockManager(5 + HIT_RESERVE_BLOCKS + 4, BS, enable_prefix_caching=False)
     assert bm.num_blocks - 5 - 4 < (16 + 200) // BS - 4  # uncapped, long's growth would not fit

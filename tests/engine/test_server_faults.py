@@ -14,11 +14,10 @@ import aiohttp
 import openai
 import pytest
 from aiohttp import web
+from kvstore.engine.engine_args import EngineArgs
+from kvstore.engine.llm_engine import LLMEngine
+from kvstore.engine.server import build_app
 from prometheus_client.parser import text_string_to_metric_families
-
-from engine.engine_args import EngineArgs
-from engine.llm_engine import LLMEngine
-from engine.server import build_app
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
@@ -89,7 +88,7 @@ async def test_a_fault_pinned_on_one_request_fails_it_alone(
 ) -> None:
     """A seed that slipped past validation (as a bug would let it) overflows torch's manual_seed
     inside the shared sampler: only its own request fails; the batch it shared goes on, unchanged."""
-    from engine.sampling_params import SamplingParams
+    from kvstore.engine.sampling_params import SamplingParams
 
     expected = (await complete(http, base_url, max_tokens=12, **GREEDY))["choices"][0]["text"]
     real_init = SamplingParams.__post_init__

@@ -8,11 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from engine import LLM, SamplingParams
-from engine.errors import RequestFailed
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
+from kvstore.engine import LLM, SamplingParams
+from kvstore.engine.errors import RequestFailed
+from kvstore.engine.llm_engine import LLMEngine
+from kvstore.engine.outputs import RequestOutput
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPTS = ["The quick brown", "Once upon a time", "The lazy dog"]

@@ -9,10 +9,10 @@ import re
 from pathlib import Path
 
 import pytest
+from kvstore.engine import LLM, SamplingParams
+from kvstore.engine.errors import InvalidRequest
+from kvstore.engine.structured_output import StructuredOutputsParams as SO
 
-from engine import LLM, SamplingParams
-from engine.errors import InvalidRequest
-from engine.structured_output import StructuredOutputsParams as SO
 from tests.engine.structured_schemas import SCHEMAS, chat
 
 jsonschema = pytest.importorskip("jsonschema")

@@ -16,18 +16,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from kvstore.engine.errors import EngineError, InvalidRequest, RequestFailed
+from kvstore.engine.sampling_params import SamplingParams
+from kvstore.engine.structured_output import StructuredOutputsParams as SO
+from kvstore.engine.structured_output.params import MAX_CONSTRAINT_BYTES, MAX_JSON_NESTING, choice_as_grammar
 from pydantic import BaseModel
-
-from engine.errors import EngineError, InvalidRequest, RequestFailed
-from engine.sampling_params import SamplingParams
-from engine.structured_output import StructuredOutputsParams as SO
-from engine.structured_output.params import MAX_CONSTRAINT_BYTES, MAX_JSON_NESTING, choice_as_grammar
 
 xgr = pytest.importorskip("xgrammar")
 
-from engine.structured_output.compiler import GrammarCache  # noqa: E402
-from engine.structured_output.manager import StructuredOutputManager, apply_bitmask_  # noqa: E402
-from engine.structured_output.tokenizer_info import build_tokenizer_info, detect_vocab_type  # noqa: E402
+from kvstore.engine.structured_output.compiler import GrammarCache  # noqa: E402
+from kvstore.engine.structured_output.manager import StructuredOutputManager, apply_bitmask_  # noqa: E402
+from kvstore.engine.structured_output.tokenizer_info import build_tokenizer_info, detect_vocab_type  # noqa: E402
+
 from tests.engine.structured_schemas import grammar_compiles_alive, slow_schema, small_schema  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
@@ -390,7 +390,7 @@ def test_a_dead_compile_helper_fails_its_compiles_and_the_next_one_starts_again(
 
 
 def test_past_the_running_compiles_limit_a_new_one_is_a_503_not_a_wait(hf_tokenizer, monkeypatch) -> None:
-    from engine.structured_output import compile_worker
+    from kvstore.engine.structured_output import compile_worker
 
     monkeypatch.setattr(compile_worker, "MAX_RUNNING_COMPILES", 2)
     info, fingerprint = build_tokenizer_info(hf_tokenizer, 49152, [2])
@@ -415,9 +415,9 @@ def test_the_compile_helper_does_not_run_the_users_script_again(smollm2_dir: Pat
     script = tmp_path / "no_guard.py"
     script.write_text(
         "from tokenizers import Tokenizer\n"
-        "from engine.structured_output import StructuredOutputsParams\n"
-        "from engine.structured_output.compiler import GrammarCache\n"
-        "from engine.structured_output.tokenizer_info import build_tokenizer_info\n"
+        "from kvstore.engine.structured_output import StructuredOutputsParams\n"
+        "from kvstore.engine.structured_output.compiler import GrammarCache\n"
+        "from kvstore.engine.structured_output.tokenizer_info import build_tokenizer_info\n"
         "print('script ran', flush=True)\n"
         f"tok = Tokenizer.from_file({str(smollm2_dir / 'tokenizer.json')!r})\n"
         "cache = GrammarCache(*build_tokenizer_info(tok, 49152, [2]))\n"
@@ -507,7 +507,7 @@ def test_after_the_stop_token_the_row_is_free(hf_tokenizer, manager) -> None:
 
 def test_json_whitespace_between_tokens_is_bounded(manager) -> None:
     """xgrammar's any_whitespace is unbounded by default; small models loop on newlines."""
-    from engine.structured_output.compiler import JSON_MAX_WHITESPACE
+    from kvstore.engine.structured_output.compiler import JSON_MAX_WHITESPACE
 
     so = SO(json={"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
     ok = manager.new_request(so).matcher
@@ -521,7 +521,7 @@ def test_json_whitespace_between_tokens_is_bounded(manager) -> None:
 
 # ---- the OpenAI request fields -------------------------------------------------------------------
 def chat_params(**fields) -> SamplingParams:
-    from engine.protocol import ChatCompletionRequest, sampling_params_from
+    from kvstore.engine.protocol import ChatCompletionRequest, sampling_params_from
 
     req = ChatCompletionRequest.from_body({"messages": [{"role": "user", "content": "hi"}], **fields})
     return sampling_params_from(req, 8)
@@ -557,7 +557,7 @@ def test_bad_openai_structured_fields_are_rejected() -> None:
 # ---- a tiny random model: sampled (not greedy) output still holds, and the bench runs ----------------
 def test_sampled_output_of_a_random_model_holds_every_constraint(tiny_bpe_engine_dir: Path) -> None:
     """A random-weight model samples garbage; under a constraint every sample is still in the language."""
-    from engine import LLM
+    from kvstore.engine import LLM
 
     llm = LLM(str(tiny_bpe_engine_dir), max_model_len=128, kv_cache_memory="4MiB")
     schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
@@ -587,9 +587,9 @@ def test_sampled_output_of_a_random_model_holds_every_constraint(tiny_bpe_engine
 
 
 def test_bench_structured_output_runs_and_reports_the_overhead(tiny_bpe_engine_dir: Path, capsys) -> None:
-    from engine.bench.latency import LatencyOptions
-    from engine.bench.structured import run_latency
-    from engine.engine_args import EngineArgs
+    from kvstore.engine.bench.latency import LatencyOptions
+    from kvstore.engine.bench.structured import run_latency
+    from kvstore.engine.engine_args import EngineArgs
 
     args = EngineArgs(model=str(tiny_bpe_engine_dir), max_model_len=128, kv_cache_memory="4MiB")
     result = run_latency(

@@ -15,12 +15,12 @@ from typing import Literal
 import aiohttp
 import pytest
 from aiohttp import web
+from kvstore.engine.engine_args import EngineArgs
+from kvstore.engine.llm_engine import LLMEngine
+from kvstore.engine.server import build_app
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel, Field
 
-from engine.engine_args import EngineArgs
-from engine.llm_engine import LLMEngine
-from engine.server import build_app
 from tests.engine.structured_schemas import grammar_compiles_alive, slow_schema, small_schema
 
 openai = pytest.importorskip("openai")

@@ -1,4 +1,4 @@
-"""engine.tokenizer against transformers' own fast tokenizer on the converted SmolLM2 directory."""
+"""kvstore.engine.tokenizer against transformers' own fast tokenizer on the converted SmolLM2 directory."""
 
 from __future__ import annotations
 
@@ -6,9 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
-
-from engine.errors import TokenizerError
-from engine.tokenizer import Tokenizer
+from kvstore.engine.errors import TokenizerError
+from kvstore.engine.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -36,8 +36,9 @@ STORE_CASES = {
 
 
 def _decode_case(name: str, device: str) -> dict:
-    from engine.layers import triton_attention
-    from engine.layers.paged_attention import paged_attention, store_kvcache
+    from kvstore.engine.layers import triton_attention
+    from kvstore.engine.layers.paged_attention import paged_attention, store_kvcache
+
     from tests.engine.test_attention import make_case
 
     ctx, heads, kv_heads, dim, bs, window, dtype = DECODE_CASES[name]
@@ -60,8 +61,8 @@ def _decode_case(name: str, device: str) -> dict:
 
 
 def _store_case(name: str, device: str) -> dict:
-    from engine.layers import triton_attention
-    from engine.layers.paged_attention import store_kvcache
+    from kvstore.engine.layers import triton_attention
+    from kvstore.engine.layers.paged_attention import store_kvcache
 
     heads, dim, bs, in_dtype, cache_dtype = STORE_CASES[name]
     gen = torch.Generator().manual_seed(3)
@@ -79,7 +80,8 @@ def _store_case(name: str, device: str) -> dict:
 
 def _model_case(device: str, model_dir: Path) -> dict:
     """A tiny Llama through prefill, chunked prefill and decode with the kernels on vs off."""
-    from engine.loader import load_model
+    from kvstore.engine.loader import load_model
+
     from tests.engine.conftest import PagedKV
 
     model, _ = load_model(model_dir, device=device)

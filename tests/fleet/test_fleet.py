@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from kvstore.sdk.remote import RemoteBackend
 from prometheus_client.parser import text_string_to_metric_families
 from redis.crc import key_slot
 
 from kvstore.blob import encode_blob
-from sdk.remote import RemoteBackend
 from tests.connectors.conftest import ServerProcess
 from tests.connectors.engine_util import doc, generate, llm, store_metrics
 from tests.fleet.conftest import fleet_servers, keys_by_slot

@@ -60,8 +60,9 @@ def client(
 ) -> None:
     """Write own keys through server idx % 2, read acked ones (and the migrating slots' keys) through
     the other; every byte checked. Runs until t0 + END_AT, then re-reads every acked key once."""
+    from kvstore.sdk.remote import RemoteBackend  # noqa: PLC0415
+
     from kvstore.errors import KVStoreError  # noqa: PLC0415 (a forked process)
-    from sdk.remote import RemoteBackend  # noqa: PLC0415
 
     w = RemoteBackend(urls[idx % 2], read_index=False, transport="tcp", retries=0, timeout=5)
     r = RemoteBackend(urls[(idx + 1) % 2], read_index=False, transport="tcp", retries=0, timeout=5)
@@ -149,7 +150,7 @@ def keys_in_slots(prefix: str, slots: set[int], per_slot: int) -> list[str]:
 def test_failover_pause_and_reshard_under_load(
     cluster33: ValkeyCluster, servers: list[ServerProcess], prefix: str
 ) -> None:
-    from sdk.remote import RemoteBackend
+    from kvstore.sdk.remote import RemoteBackend
 
     owners = cluster33.slot_owners()
     killed, stopped, src = cluster33.primaries()

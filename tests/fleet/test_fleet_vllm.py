@@ -9,9 +9,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from kvstore.engine import LLM, SamplingParams
+from kvstore.sdk.remote import RemoteBackend
 
-from engine import LLM, SamplingParams
-from sdk.remote import RemoteBackend
 from tests.connectors.conftest import ServerProcess
 from tests.connectors.engine_util import doc, free_port, store_metrics
 from tests.connectors.vllm.vllm_util import MAX_TOKENS, VllmServer, agreement, requires_vllm, transfer_config
@@ -39,7 +39,8 @@ def servers(
 def vllm_on_server_1(
     servers: list[ServerProcess], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[VllmServer]:
-    from engine.convert import ensure_smollm2  # noqa: PLC0415
+    from kvstore.engine.convert import ensure_smollm2  # noqa: PLC0415
+
     from tests.connectors.vllm.vllm_util import vllm_device  # noqa: PLC0415
 
     if vllm_device() != "cpu":

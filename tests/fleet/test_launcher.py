@@ -12,8 +12,8 @@ import uuid
 from pathlib import Path
 
 import pytest
+from kvstore.sdk.remote import RemoteBackend
 
-from sdk.remote import RemoteBackend
 from tests.connectors.conftest import ROOT
 from tests.fleet.test_fleet import blob
 from tests.valkey import valkey_env_ok, wait_until

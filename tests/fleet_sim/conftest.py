@@ -5,8 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from benchmarks.fleet_sim.profile import Profile
+from kvstore.fleet_sim.profile import Profile
 
 TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
 CONVERSATION = TRACES / "mooncake_conversation_trace.jsonl"

@@ -10,8 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from benchmarks.fleet_sim import cli, report
+from kvstore.fleet_sim import cli, report
 
 ROOT = Path(__file__).resolve().parents[2]
 FIELDS = ("engines", "policy", "hit_rate", "ttft_p50_s", "ttft_p90_s", "bytes_moved_per_request")
@@ -66,9 +65,9 @@ def test_a_bad_trace_is_a_clear_error(tmp_path, capsys) -> None:
 
 
 def test_the_module_runs_and_the_script_entry_points_at_it() -> None:
-    out = subprocess.run([sys.executable, "-m", "benchmarks.fleet_sim", "--help"], cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "kvstore.fleet_sim", "--help"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert out.returncode == 0 and "--store-gib" in out.stdout
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["kvstore-fleet-sim"] == "benchmarks.fleet_sim.cli:main"
+    assert scripts["kvstore-fleet-sim"] == "kvstore.fleet_sim.cli:main"

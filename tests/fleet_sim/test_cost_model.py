@@ -8,11 +8,11 @@ import json
 import math
 
 import pytest
+from kvstore.fleet_sim.engine import Job
+from kvstore.fleet_sim.profile import PROFILES, Profile, load_profile
+from kvstore.fleet_sim.sim import SimConfig, run_jobs
+from kvstore.fleet_sim.trace import ChunkKeys, TraceRequest
 
-from benchmarks.fleet_sim.engine import Job
-from benchmarks.fleet_sim.profile import PROFILES, Profile, load_profile
-from benchmarks.fleet_sim.sim import SimConfig, run_jobs
-from benchmarks.fleet_sim.trace import ChunkKeys, TraceRequest
 from kvstore.errors import InvalidArgument
 
 from .conftest import profile_doc
@@ -156,9 +156,9 @@ def test_a_prefill_token_costs_more_the_more_context_it_has() -> None:
 
 
 def test_the_router_calibrates_its_costs_from_what_the_engines_count(traces) -> None:
-    from benchmarks.fleet_sim.sim import Fleet
-    from benchmarks.fleet_sim.trace import read_trace
-    from engine.router.scoring import Costs
+    from kvstore.engine.router.scoring import Costs
+    from kvstore.fleet_sim.sim import Fleet
+    from kvstore.fleet_sim.trace import read_trace
 
     doc = profile_doc(**TIMED)
     doc["tiers"]["valkey"] = {"load_gbps": 0.1, "aggregate_gbps": 0}
@@ -181,7 +181,7 @@ def test_the_router_calibrates_its_costs_from_what_the_engines_count(traces) -> 
 
 
 def test_the_calibration_fits() -> None:
-    from benchmarks.fleet_sim.calibrate import fit_decode, fit_prefill
+    from kvstore.fleet_sim.calibrate import fit_decode, fit_prefill
 
     a, b, c = 1e-3, 2e-6, 0.05
     points = {n: c + a * n + b * n * (n - 1) / 2 for n in (128, 256, 512, 1024, 2048)}
@@ -264,7 +264,7 @@ def test_saving_what_a_step_computed_costs_the_engine_only_with_a_store() -> Non
 def test_the_router_sees_chunks_as_the_engine_caches_them() -> None:
     """As kvstore-engine caches (and publishes) its blocks: a load's when the load finishes, a chunked
     prefill's at the end of each step, not all at the first token; the connector saves them as they come."""
-    from benchmarks.fleet_sim.sim import Fleet
+    from kvstore.fleet_sim.sim import Fleet
 
     doc = profile_doc(**TIMED)
     doc["tiers"]["valkey"] = {"load_gbps": 1e-3, "aggregate_gbps": 0}  # 1 MB/s: a 1 s load
@@ -298,8 +298,8 @@ def test_the_router_sees_chunks_as_the_engine_caches_them() -> None:
 
 
 def test_shared_cpu_a_stale_end_event_never_ends_the_next_step() -> None:
-    from benchmarks.fleet_sim.cpu import SharedCPU
-    from benchmarks.fleet_sim.events import EventLoop
+    from kvstore.fleet_sim.cpu import SharedCPU
+    from kvstore.fleet_sim.events import EventLoop
 
     loop = EventLoop()
     cpu = SharedCPU(loop, cores=1)

@@ -6,13 +6,12 @@ from __future__ import annotations
 import math
 
 import pytest
-
-from benchmarks.fleet_sim.engine import Job
-from benchmarks.fleet_sim.events import EventLoop
-from benchmarks.fleet_sim.profile import Profile, load_profile
-from benchmarks.fleet_sim.sim import SimConfig, SimulationError, run_jobs, simulate
-from benchmarks.fleet_sim.trace import ChunkKeys, read_trace
-from engine.router.scoring import POLICIES
+from kvstore.engine.router.scoring import POLICIES
+from kvstore.fleet_sim.engine import Job
+from kvstore.fleet_sim.events import EventLoop
+from kvstore.fleet_sim.profile import Profile, load_profile
+from kvstore.fleet_sim.sim import SimConfig, SimulationError, run_jobs, simulate
+from kvstore.fleet_sim.trace import ChunkKeys, read_trace
 
 
 def test_events_run_in_time_order_ties_first_come() -> None:
@@ -86,7 +85,7 @@ def test_a_request_never_served_is_an_error(traces, zero_profile: Profile) -> No
 
 
 def test_the_client_hop_delays_a_request_and_a_conversations_next_turn() -> None:
-    from benchmarks.fleet_sim.trace import TraceRequest
+    from kvstore.fleet_sim.trace import TraceRequest
 
     from .conftest import profile_doc
 

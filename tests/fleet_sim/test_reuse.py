@@ -7,10 +7,9 @@ from __future__ import annotations
 import math
 
 import pytest
-
-from benchmarks.fleet_sim.profile import load_profile
-from benchmarks.fleet_sim.sim import SimConfig, simulate
-from benchmarks.fleet_sim.trace import read_trace
+from kvstore.fleet_sim.profile import load_profile
+from kvstore.fleet_sim.sim import SimConfig, simulate
+from kvstore.fleet_sim.trace import read_trace
 
 EXPECTED = {0: (288500, 182790, "36.6%"), 1: (121877, 43924, "64.0%")}
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from kvstore.fleet_sim.trace import ROOT, ChunkKeys, TraceError, TraceRequest, chunk_key, read_trace
 
-from benchmarks.fleet_sim.trace import ROOT, ChunkKeys, TraceError, TraceRequest, chunk_key, read_trace
 from kvstore.keys import hash_block
 
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import argparse
 
 import pytest
+from kvstore.engine.router.scoring import Costs
+from kvstore.fleet_sim import validate
 
 from benchmarks import bench_router
-from benchmarks.fleet_sim import validate
-from engine.router.scoring import Costs
 
 REAL = """
 Mooncake conversation trace, 2 rounds x 12 conversations (...)

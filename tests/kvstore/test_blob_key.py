@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from kvstore.sdk import Store
 
 from kvstore.blob import (
     _CHECK,
@@ -28,7 +29,6 @@ from kvstore.blob import (
 from kvstore.config import StoreConfig
 from kvstore.errors import CorruptBlob, ForeignBlob
 from kvstore.store import TieredStore
-from sdk import Store
 from tests.valkey import ValkeyProcess
 
 A, B = f"{1:032x}", f"{2:032x}"  # keys that differ in their last byte only

@@ -6,12 +6,12 @@ import math
 
 import pytest
 import torch
+from kvstore.sdk import Store
 
 from kvstore.blob import decode_blob, encode_blob
 from kvstore.codecs import codec_names, get_codec
 from kvstore.codecs.common import hadamard
 from kvstore.errors import CodecError, CorruptBlob
-from sdk import Store
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 EPS = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 2.0**-24}

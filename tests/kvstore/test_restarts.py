@@ -11,9 +11,9 @@ import time
 from pathlib import Path
 
 import pytest
+from kvstore.sdk.remote import RemoteBackend
 
 from kvstore.errors import KVStoreError
-from sdk.remote import RemoteBackend
 from tests.server import test_cli
 from tests.server.conftest import key, make_blob
 from tests.server.test_cli import CliServer, _env

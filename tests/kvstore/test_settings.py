@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import pytest
+from kvstore.connectors.config import KVTransferConfig
+from kvstore.engine.engine_args import EngineArgs
+from kvstore.server.config import ServerConfig
 
-from connectors.config import KVTransferConfig
-from engine.engine_args import EngineArgs
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError
 from kvstore.settings import load_settings, parse_size
-from server.config import ServerConfig
 
 
 @pytest.mark.parametrize(
@@ -65,7 +65,7 @@ def test_layers_defaults_file_env_overrides(tmp_path, monkeypatch) -> None:
 
 
 def test_store_local_and_the_server_default_to_different_directories(monkeypatch, tmp_path) -> None:
-    from sdk import Store
+    from kvstore.sdk import Store
 
     monkeypatch.setenv("KVSTORE_DATA_DIR", str(tmp_path))
     monkeypatch.delenv("KVSTORE_DISK_PATH", raising=False)

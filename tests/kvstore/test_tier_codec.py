@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from kvstore.server.cli import build_parser
 
 from kvstore.blob import decode_blob, encode_blob, verify_blob
 from kvstore.codecs import get_codec
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError
 from kvstore.store import TieredStore
-from server.cli import build_parser
 from tests.kvstore.test_codecs import make_kv
 from tests.valkey import ValkeyProcess
 
@@ -93,7 +93,7 @@ def test_the_server_flag() -> None:
 
 
 def test_the_connector_setting(tmp_path: Path) -> None:
-    from connectors.config import KVTransferConfig  # noqa: PLC0415
+    from kvstore.connectors.config import KVTransferConfig  # noqa: PLC0415
 
     c = KVTransferConfig(
         local_tiers=["cpu", "disk"], local_disk_path=tmp_path, local_tier_codec="disk=kivi4+ans"

@@ -10,11 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from kvstore.server.cli import build_parser
+from kvstore.server.config import ServerConfig
 
 from kvstore import __version__
 from kvstore.config import StoreConfig
-from server.cli import build_parser
-from server.config import ServerConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def run(module: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
     return subprocess.run(
-        [sys.executable, "-m", module, *args], cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)},
+        [sys.executable, "-m", f"kvstore.{module}", *args], cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)},
         capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
 

@@ -7,14 +7,22 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-ROOMS = ("kvstore", "sdk", "server", "connectors", "engine")
+# each room's folder and the import package it installs as (pyproject's package-dir)
+ROOMS = {"kvstore": "kvstore", "sdk": "kvstore.sdk", "server": "kvstore.server",
+         "connectors": "kvstore.connectors", "engine": "kvstore.engine"}  # fmt: skip
 
 
 def _module_name(path: Path) -> str:
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
-    return ".".join(parts)
+    return ".".join([ROOMS[parts[0]], *parts[1:]])
+
+
+def _room(module: str) -> str:
+    """The room a module lives in: the folder of its package (kvstore.sdk.x -> sdk, kvstore.x -> kvstore)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == "kvstore" and parts[1] in ROOMS else parts[0]
 
 
 def _graph() -> dict[str, set[str]]:
@@ -92,8 +100,8 @@ def test_imports_point_right() -> None:
     # the list of docs/design.md §0: the original list plus kvstore.settings: one settings loader and size parser for every command,
     # and kvstore.events: the engine and the server publish KV events in one wire format
     engine_may = {
-        "connectors.base",
-        "connectors.factory",
+        "kvstore.connectors.base",
+        "kvstore.connectors.factory",
         "kvstore.keys",
         "kvstore.errors",
         "kvstore.settings",
@@ -102,14 +110,21 @@ def test_imports_point_right() -> None:
     }
     bad = []
     for mod, deps in _graph().items():
-        room = mod.split(".")[0]
+        room = _room(mod)
         for dep in deps:
-            dep_room = dep.split(".")[0]
+            dep_room = _room(dep)
             if room == "engine":
-                ok = dep_room == "engine" or dep in engine_may or dep == "connectors" or dep == "kvstore"
+                ok = (
+                    dep_room == "engine"
+                    or dep in engine_may
+                    or dep == "kvstore.connectors"
+                    or dep == "kvstore"
+                )
             else:
                 ok = dep_room in allowed[room]
-            if not ok and not (mod == "connectors.vllm" or mod.startswith("connectors.vllm_")):
+            if not ok and not (
+                mod == "kvstore.connectors.vllm" or mod.startswith("kvstore.connectors.vllm_")
+            ):
                 bad.append(f"{mod} -> {dep}")
     assert bad == []
 
@@ -123,9 +138,9 @@ def _protocol_breaches(graph: dict[str, set[str]]) -> list[str]:
     for mod, deps in graph.items():
         for dep in deps:
             tier = dep == "kvstore.tiers" or dep.startswith("kvstore.tiers.")
-            if (mod == "sdk" or mod.startswith("sdk.")) and tier:
+            if _room(mod) == "sdk" and tier:
                 bad.append(f"{mod} -> {dep}")
-            if (mod == "server" or mod.startswith("server.")) and (dep == "sdk" or dep.startswith("sdk.")):
+            if _room(mod) == "server" and _room(dep) == "sdk":
                 bad.append(f"{mod} -> {dep}")
             if mod.startswith("kvstore.protocol") and not any(
                 dep == p or dep.startswith(p + ".") for p in protocol_may
@@ -140,12 +155,12 @@ def test_the_sdk_and_the_server_meet_only_in_the_protocol() -> None:
 
 def test_the_protocol_rule_sees_a_breach() -> None:
     graph = {
-        "sdk.shm": {"kvstore.tiers.arena_index", "kvstore.protocol.shm"},
-        "server.app": {"sdk.store", "kvstore.protocol.wire"},
+        "kvstore.sdk.shm": {"kvstore.tiers.arena_index", "kvstore.protocol.shm"},
+        "kvstore.server.app": {"kvstore.sdk.store", "kvstore.protocol.wire"},
         "kvstore.protocol.wire": {"kvstore.errors", "kvstore.store"},
     }
     assert _protocol_breaches(graph) == [
         "kvstore.protocol.wire -> kvstore.store",
-        "sdk.shm -> kvstore.tiers.arena_index",
-        "server.app -> sdk.store",
+        "kvstore.sdk.shm -> kvstore.tiers.arena_index",
+        "kvstore.server.app -> kvstore.sdk.store",
     ]

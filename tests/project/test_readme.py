@@ -121,7 +121,7 @@ def test_readme_runs_as_written(smollm2_dir: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (pip install kvstore[vllm])")
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (pip install kvstore-llm[vllm])")
 def test_readme_vllm_section_runs_as_written(smollm2_dir: Path, tmp_path: Path) -> None:
     readme = (ROOT / "README.md").read_text()
     blocks = runnable_blocks(readme, VLLM_SECTION)

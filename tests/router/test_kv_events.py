@@ -11,20 +11,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from kvstore.engine.engine_args import EngineArgs
+from kvstore.engine.llm_engine import LLMEngine
+from kvstore.engine.sampling_params import SamplingParams
+from kvstore.sdk import Store
+from kvstore.server.config import ServerConfig
+from kvstore.server.runner import ServerThread
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
-from engine.engine_args import EngineArgs
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
 from kvstore.blob import encode_blob
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError
 from kvstore.events import parse_kv_events_config
 from kvstore.keys import chunk_keys
 from kvstore.store import TieredStore
-from sdk import Store
-from server.config import ServerConfig
-from server.runner import ServerThread
 from tests.engine.conftest import make_tiny_engine_dir
 from tests.router.events_util import events, receive, replay, settle, subscribe
 
@@ -155,8 +155,9 @@ def _layout(chunk: int):
 
 
 def test_the_routers_feed_replays_on_start_follows_live_and_sees_a_publisher_restart(tmp_path) -> None:
-    from engine.router.index import PrefixIndex
-    from engine.router.subscriber import EventSubscriber, Source
+    from kvstore.engine.router.index import PrefixIndex
+    from kvstore.engine.router.subscriber import EventSubscriber, Source
+
     from kvstore.events import KVEventsConfig, ZmqEventPublisher, all_blocks_cleared, block_stored
 
     cfg = KVEventsConfig(True, "zmq", f"ipc://{tmp_path}/p", f"ipc://{tmp_path}/r")

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
+from kvstore.engine.engine_args import EngineArgs
+from kvstore.engine.llm_engine import LLMEngine
+from kvstore.engine.router.app import ENGINE_HEADER, POLICY_HEADER, RouterConfig, build_router_app
+from kvstore.engine.router.tokens import PromptTokens
+from kvstore.engine.server import build_app as engine_app
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.engine_args import EngineArgs
-from engine.llm_engine import LLMEngine
-from engine.router.app import ENGINE_HEADER, POLICY_HEADER, RouterConfig, build_router_app
-from engine.router.tokens import PromptTokens
-from engine.server import build_app as engine_app
 from tests.connectors.test_proxy import serving
 from tests.engine.conftest import make_tiny_engine_dir
 from tests.router.fleet import events_config

@@ -9,9 +9,9 @@ import time
 from urllib.request import urlopen
 
 import pytest
+from kvstore.engine import LLM, SamplingParams
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine import LLM, SamplingParams
 from tests.router.fleet import post, router_state, start_engine, start_router, start_store, wait_healthy
 
 pytestmark = pytest.mark.slow

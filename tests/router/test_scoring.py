@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from kvstore.engine.router.app import Router, RouterConfig
+from kvstore.engine.router.calibrate import Calibrator
+from kvstore.engine.router.index import PrefixIndex
+from kvstore.engine.router.scoring import Costs, EngineState, Request, choose, estimate
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-
-from engine.router.app import Router, RouterConfig
-from engine.router.calibrate import Calibrator
-from engine.router.index import PrefixIndex
-from engine.router.scoring import Costs, EngineState, Request, choose, estimate
 
 COSTS = Costs(prefill_s_per_token=1e-3, load_s_per_token=1e-4, step_s_per_request=0.01)
 

@@ -14,6 +14,11 @@ import urllib.request
 
 import pytest
 import torch
+from kvstore.sdk import Store
+from kvstore.sdk import transfers as tr
+from kvstore.sdk.buffers import BufferPool
+from kvstore.sdk.remote import RemoteBackend
+from kvstore.sdk.shm import ClientArena
 
 from kvstore.blob import verify_blob
 from kvstore.lru import LRUIndex
@@ -22,11 +27,6 @@ from kvstore.protocol import shm
 from kvstore.protocol.arena_table import STALE_S, IndexReader, usable_here
 from kvstore.tiers.arena_index import ArenaIndex, PublishedLRU
 from kvstore.tiers.cpu import CpuTier
-from sdk import Store
-from sdk import transfers as tr
-from sdk.buffers import BufferPool
-from sdk.remote import RemoteBackend
-from sdk.shm import ClientArena
 from tests.server.conftest import key, make_blob, wait_for
 
 pytestmark = pytest.mark.skipif(

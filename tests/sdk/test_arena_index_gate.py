@@ -6,11 +6,11 @@ from __future__ import annotations
 import platform
 
 import pytest
+from kvstore.sdk.remote import RemoteBackend
 
 from kvstore.protocol import dataplane as dp
 from kvstore.protocol import shm
 from kvstore.protocol.arena_table import usable_here
-from sdk.remote import RemoteBackend
 from tests.sdk.test_arena_index import answer, raw_plane, send
 from tests.server.conftest import key, make_blob
 
@@ -49,7 +49,7 @@ def test_a_server_off_x86_does_not_offer_the_index(server, monkeypatch) -> None:
 
 @needs_shm
 def test_a_client_off_x86_does_not_read_an_offered_index(server, monkeypatch) -> None:
-    monkeypatch.setattr("server.dataplane_ops.usable_here", lambda: True)  # the server offers it
+    monkeypatch.setattr("kvstore.server.dataplane_ops.usable_here", lambda: True)  # the server offers it
     monkeypatch.setattr(platform, "machine", lambda: "aarch64")  # the client's probe says no
     be = RemoteBackend(server.url, transport="shm")
     try:

@@ -11,11 +11,11 @@ import textwrap
 import time
 
 import pytest
+from kvstore.sdk.remote import RemoteBackend
 
 from kvstore.blob import verify_blob
 from kvstore.protocol import dataplane as dp
 from kvstore.protocol import shm
-from sdk.remote import RemoteBackend
 from tests.sdk.test_transports import memfds, wait_for
 from tests.server.conftest import key, make_blob
 
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(not shm.available(), reason="needs memfd and /pr
 CLIENT = textwrap.dedent(
     """
     import sys
-    from sdk.remote import RemoteBackend
+    from kvstore.sdk.remote import RemoteBackend
     from tests.server.conftest import key, make_blob
     be = RemoteBackend(sys.argv[1], transport="shm", pool_size=4)
     blob = make_blob(7, tokens=16384)  # 2 MiB

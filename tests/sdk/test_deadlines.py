@@ -18,11 +18,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from kvstore.sdk import Store
+from kvstore.sdk.remote import RemoteBackend
 
 import kvstore
 from kvstore.errors import Unauthorized, Unavailable
-from sdk import Store
-from sdk.remote import RemoteBackend
 from tests.connectors.conftest import ServerProcess
 from tests.server.conftest import key, make_blob
 from tests.valkey import free_port

@@ -6,14 +6,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from kvstore.sdk import Backend, Store
+from kvstore.sdk.local import LocalBackend
+from kvstore.sdk.remote import RemoteBackend
 
 from kvstore.blob import encode_blob, verify_blob
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError, CorruptBlob, InvalidArgument, InvalidKey, TooLarge
 from kvstore.keys import KVLayout, chunk_keys
-from sdk import Backend, Store
-from sdk.local import LocalBackend
-from sdk.remote import RemoteBackend
 
 LAYOUT = KVLayout("test-model", "cafe", num_layers=2, num_kv_heads=2, head_dim=16, chunk_size=8)
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import time
 
 import pytest
+from kvstore.sdk import options as options_module
+from kvstore.sdk.options import ClientOptions
 
 from kvstore.errors import Unavailable
-from sdk import options as options_module
-from sdk.options import ClientOptions
 
 
 def opts(**kw: float) -> ClientOptions:
@@ -82,7 +82,7 @@ def test_an_http_503_is_retried_after_its_retry_after(slept: list[float]) -> Non
     import socket  # noqa: PLC0415
     import threading  # noqa: PLC0415
 
-    from sdk.http import HttpClient  # noqa: PLC0415
+    from kvstore.sdk.http import HttpClient  # noqa: PLC0415
 
     answers = [
         b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 0.4\r\nContent-Length: 0\r\n\r\n",

@@ -6,13 +6,13 @@ Tensors are laid out where they go (`kvstore.blob.PreparedBlob`), bit-exact on e
 
 from __future__ import annotations
 
+import kvstore.server.dataplane_ops as ops
 import pytest
 import torch
+from kvstore.sdk import Store
 
-import server.dataplane_ops as ops
 from kvstore.blob import encode_blob
 from kvstore.errors import CorruptBlob
-from sdk import Store
 from tests.connectors.test_lookup_round_trips import requests_served
 from tests.server.conftest import key
 

@@ -9,13 +9,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from kvstore.sdk.remote import RemoteBackend
+from kvstore.server.config import ServerConfig
+from kvstore.server.runner import ServerThread
 
 from kvstore.config import StoreConfig
 from kvstore.errors import InvalidArgument, Unavailable
 from kvstore.store import TieredStore
-from sdk.remote import RemoteBackend
-from server.config import ServerConfig
-from server.runner import ServerThread
 from tests.server.conftest import key, make_blob
 from tests.valkey import free_port
 

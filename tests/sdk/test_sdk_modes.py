@@ -7,15 +7,15 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from kvstore.sdk.store import Store
+from kvstore.server.config import ServerConfig
+from kvstore.server.runner import ServerThread
 
 from kvstore.blob import encode_blob
 from kvstore.config import StoreConfig
 from kvstore.errors import CorruptBlob, InvalidArgument, InvalidKey, TooLarge
 from kvstore.keys import KVLayout, chunk_keys
 from kvstore.store import TieredStore
-from sdk.store import Store
-from server.config import ServerConfig
-from server.runner import ServerThread
 
 LAYOUT = KVLayout("test-model", "0" * 32, num_layers=2, num_kv_heads=2, head_dim=8, chunk_size=16)
 MAX_BLOB = 256 * 1024

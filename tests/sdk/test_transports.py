@@ -11,13 +11,13 @@ import time
 
 import pytest
 import torch
+from kvstore.sdk import dataplane as sdp
+from kvstore.sdk.remote import RemoteBackend
+from kvstore.sdk.store import Store
 
 from kvstore.blob import verify_blob
 from kvstore.errors import CorruptBlob, InvalidArgument, InvalidKey, TooLarge, Unauthorized, Unavailable
 from kvstore.protocol import shm
-from sdk import dataplane as sdp
-from sdk.remote import RemoteBackend
-from sdk.store import Store
 from tests.server.conftest import key, make_blob, wait_for
 
 TOKEN = "t0ken"

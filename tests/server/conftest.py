@@ -11,13 +11,13 @@ from typing import Any
 
 import pytest
 import torch
+from kvstore.server.config import ServerConfig
+from kvstore.server.runner import ServerThread, open_store
 
 from kvstore.blob import encode_blob
 from kvstore.config import StoreConfig
 from kvstore.protocol import wire
 from kvstore.store import TieredStore
-from server.config import ServerConfig
-from server.runner import ServerThread, open_store
 
 
 def make_blob(seed: int = 0, tokens: int = 16) -> bytes:

@@ -8,10 +8,10 @@ import json
 import re
 
 import pytest
+from kvstore.sdk import Store
 
 from kvstore.errors import NotStored
 from kvstore.protocol import wire
-from sdk import Store
 from tests.server.conftest import key, make_blob
 from tests.valkey import wait_until
 

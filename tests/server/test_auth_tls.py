@@ -8,13 +8,13 @@ import socket
 import subprocess
 
 import pytest
+from kvstore.sdk.remote import RemoteBackend
+from kvstore.sdk.store import Store
+from kvstore.server.config import ServerConfig
+from kvstore.server.runner import warn_if_open
 
 from kvstore.errors import ConfigError, Unauthorized, Unavailable
 from kvstore.protocol import wire
-from sdk.remote import RemoteBackend
-from sdk.store import Store
-from server.config import ServerConfig
-from server.runner import warn_if_open
 from tests.server.conftest import key, make_blob, read_response
 
 TOKEN = "s3cret-token"
@@ -97,7 +97,7 @@ def test_without_the_token_no_body_is_reserved(server_factory):
 def test_listening_beyond_this_host_without_a_token_warns(host, token, warned, caplog):
     """Issue 30 #12: `--host 0.0.0.0` without a token started silently; now a WARNING says so (the
     server calls this as it starts; nothing here binds anything but loopback)."""
-    caplog.set_level(logging.WARNING, logger="server.runner")
+    caplog.set_level(logging.WARNING, logger="kvstore.server.runner")
     assert warn_if_open(ServerConfig(host=host, auth_token=token)) is warned
     text = caplog.text
     assert ("WITHOUT A TOKEN" in text) is warned and (token is None or token not in text)

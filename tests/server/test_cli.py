@@ -13,12 +13,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from kvstore.sdk.remote import RemoteBackend
+from kvstore.server.cli import build_parser, main
+from kvstore.server.config import load_configs
 
 from kvstore.errors import ConfigError
 from kvstore.protocol import wire
-from sdk.remote import RemoteBackend
-from server.cli import build_parser, main
-from server.config import load_configs
 from tests.server.conftest import key, make_blob, read_response
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,7 +32,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 class CliServer:
     def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
-        cmd = [sys.executable, "-m", "server", "--port", "0", "--log-level", "WARNING", *args]
+        cmd = [sys.executable, "-m", "kvstore.server", "--port", "0", "--log-level", "WARNING", *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      env=env or _env(), cwd=ROOT)  # fmt: skip
         assert self.proc.stdout is not None
@@ -63,7 +63,7 @@ def cli_servers() -> Iterator[list[CliServer]]:
 
 
 def test_help_runs_as_a_module():
-    run = subprocess.run([sys.executable, "-m", "server", "--help"], capture_output=True, text=True,
+    run = subprocess.run([sys.executable, "-m", "kvstore.server", "--help"], capture_output=True, text=True,
                          env=_env(), cwd=ROOT, timeout=60)  # fmt: skip
     assert run.returncode == 0 and "--auth-token-file" in run.stdout and "--tiers" in run.stdout
 
@@ -170,8 +170,9 @@ def test_cli_reads_config_file_and_env(tmp_path, cli_servers):
 def test_every_option_of_help_says_what_it_does_and_its_default():
     """Issue 30 #17: `--cpu-shared` and `--redis-max-invalidated` had no description, four size flags
     said "(default)" with no value, `--max-body-bytes-in-flight` and `--shm-budget` no default."""
+    from kvstore.server.config import ServerConfig  # noqa: PLC0415
+
     from kvstore.config import StoreConfig  # noqa: PLC0415
-    from server.config import ServerConfig  # noqa: PLC0415
 
     actions = {a.dest: a for a in build_parser()._actions}
     for model in (StoreConfig, ServerConfig):
@@ -203,10 +204,11 @@ def test_the_servers_cpu_memory_is_an_arena_with_shared_memory_cuda_or_not() -> 
     """Issue 35 #5: `--cpu-memory auto` is an arena whenever shared memory is on (a GPU host too, where
     the tier used to pin itself and build none); `arena` without shared memory is a ConfigError;
     an explicit choice is kept."""
+    from kvstore.server.config import ServerConfig  # noqa: PLC0415
+    from kvstore.server.runner import server_cpu_memory  # noqa: PLC0415
+
     from kvstore.config import StoreConfig  # noqa: PLC0415
     from kvstore.protocol import shm  # noqa: PLC0415
-    from server.config import ServerConfig  # noqa: PLC0415
-    from server.runner import server_cpu_memory  # noqa: PLC0415
 
     on, off = ServerConfig(), ServerConfig(shm_budget=0)
     if shm.available():

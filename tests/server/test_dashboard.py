@@ -17,8 +17,8 @@ import urllib.error
 from pathlib import Path
 
 import pytest
+from kvstore.sdk.remote import RemoteBackend
 
-from sdk.remote import RemoteBackend
 from tests.connectors.engine_util import ENGINE, doc, free_port
 from tests.connectors.test_engine_pd import Proc, http_json, metric, wait_saves_landed
 from tests.server.conftest import key, make_blob

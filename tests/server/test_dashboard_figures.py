@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kvstore.sdk.remote import RemoteBackend
 
-from sdk.remote import RemoteBackend
 from tests.server.conftest import key, make_blob, wait_for
 
 FIGURES = Path(__file__).resolve().parents[2] / "server" / "static" / "dashboard_figures.js"

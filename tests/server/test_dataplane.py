@@ -8,10 +8,10 @@ import struct
 import time
 
 import pytest
+from kvstore.sdk.remote import RemoteBackend
 
 from kvstore.protocol import dataplane as dp
 from kvstore.protocol import shm
-from sdk.remote import RemoteBackend
 from tests.sdk.test_transports import wait_for
 from tests.server.conftest import key, make_blob
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kvstore.sdk import Store
 
 from kvstore.blob import encode_blob
 from kvstore.errors import ForeignBlob
 from kvstore.protocol import wire
-from sdk import Store
 from tests.server.conftest import key
 
 

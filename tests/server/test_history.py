@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from aiohttp import web
-
-from connectors.metrics import ConnectorMetrics
-from engine.metrics import EngineMetrics
-from server.engine_scrape import EngineScraper, metrics_url, parse_engine_metrics
-from server.history import LATENCY_BUCKETS, StatsHistory
-from server.metrics import ServerMetrics
+from kvstore.connectors.metrics import ConnectorMetrics
+from kvstore.engine.metrics import EngineMetrics
+from kvstore.server.engine_scrape import EngineScraper, metrics_url, parse_engine_metrics
+from kvstore.server.history import LATENCY_BUCKETS, StatsHistory
+from kvstore.server.metrics import ServerMetrics
 
 
 def engine_text(prompt: int, local: int, store: int) -> bytes:

@@ -1,4 +1,4 @@
-"""The server's poll for a same-host client's next request (server.idle_poll): it watches exactly the
+"""The server's poll for a same-host client's next request (kvstore.server.idle_poll): it watches exactly the
 same-host data-plane connections, forgets them when they close, returns as soon as one has a request
 waiting, gives up after `poll_us`, and is off with 0."""
 
@@ -9,8 +9,9 @@ import socket
 import time
 from pathlib import Path
 
-from sdk.remote import RemoteBackend
-from server.idle_poll import IdlePoll
+from kvstore.sdk.remote import RemoteBackend
+from kvstore.server.idle_poll import IdlePoll
+
 from tests.sdk.test_transports import wait_for
 from tests.server.conftest import key, make_blob
 from tests.server.test_dataplane import Raw

@@ -136,7 +136,7 @@ def test_request_bodies_in_flight_have_a_budget(server_factory):
 _FD_SERVER = """
 import resource, sys
 resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
-from server.cli import main
+from kvstore.server.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 

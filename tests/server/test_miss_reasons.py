@@ -6,10 +6,10 @@ from __future__ import annotations
 import time
 
 import pytest
+from kvstore.sdk import Store
+from kvstore.sdk.local import LocalBackend
 
 from kvstore.protocol import wire
-from sdk import Store
-from sdk.local import LocalBackend
 from tests.server.conftest import key, make_blob
 
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
+from kvstore.sdk import Store
 
 from kvstore.blob import decode_blob, verify_blob
 from kvstore.codecs import get_codec
-from sdk import Store
 from tests.kvstore.test_codecs import make_kv
 from tests.server.conftest import key
 

@@ -11,12 +11,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from kvstore.connectors.config import KVTransferConfig
+from kvstore.sdk.remote import RemoteBackend
+from kvstore.server.config import ServerConfig
 
-from connectors.config import KVTransferConfig
 from kvstore.errors import ConfigError
 from kvstore.settings import check_token, read_token
-from sdk.remote import RemoteBackend
-from server.config import ServerConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 SECRET = "s3cretHALF"  # each bad token below holds it; no message may
@@ -68,7 +68,7 @@ def test_the_server_cli_refuses_it_at_startup(tmp_path: Path):
     path.write_text(BAD["a pasted paragraph"])
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
     run = subprocess.run(
-        [sys.executable, "-m", "server", "--port", "0", "--tiers", "cpu", "--auth-token-file", str(path)],
+        [sys.executable, "-m", "kvstore.server", "--port", "0", "--tiers", "cpu", "--auth-token-file", str(path)],
         capture_output=True, text=True, env=dict(env, PYTHONPATH=str(ROOT)), cwd=ROOT, timeout=60,
     )  # fmt: skip
     assert run.returncode == 2, run.stderr

@@ -52,7 +52,7 @@ class Store:
 
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
-    from engine.convert import ensure_smollm2  # noqa: PLC0415
+    from kvstore.engine.convert import ensure_smollm2  # noqa: PLC0415
 
     return ensure_smollm2()
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kvstore.connectors.layouts import ENGINE_LAYOUT, VllmCpuAmxLayout, VllmCpuLayout, VllmCudaLayout
 
-from connectors.layouts import ENGINE_LAYOUT, VllmCpuAmxLayout, VllmCpuLayout, VllmCudaLayout
 from kvstore.errors import InvalidArgument
 
 L, NB, H, BS, D = 3, 6, 3, 32, 64
@@ -173,7 +173,7 @@ def test_vllm_cuda_layout_matches_vllms_own_flash_cache_writer() -> None:
 def test_blocks_in_runs_and_scattered_blocks_move_alike(blocks: list[int], runs: int, monkeypatch) -> None:
     """Block ids in a few runs are copied run by run, more through the scratch: the caches and chunks
     they make are the same either way, in every block-major layout."""
-    from connectors import layouts  # noqa: PLC0415
+    from kvstore.connectors import layouts  # noqa: PLC0415
 
     assert len(layouts.block_runs(blocks)) == runs
     want = torch.randn(2, L, len(blocks) * BS, H, D, generator=torch.Generator().manual_seed(5))
@@ -197,7 +197,7 @@ def test_blocks_in_runs_and_scattered_blocks_move_alike(blocks: list[int], runs:
 def test_the_c_path_moves_vllm_cpu_caches_as_the_torch_path_does(dtype, bs: int, monkeypatch) -> None:
     """connectors/layout_kernels.c against the torch path, bit for bit: scatter (whole and from a later
     block of the chunk) and gather, for every element size the kernel takes."""
-    from connectors import layout_c  # noqa: PLC0415
+    from kvstore.connectors import layout_c  # noqa: PLC0415
 
     if layout_c._lib() is None:
         pytest.skip("no C compiler")
@@ -217,7 +217,7 @@ def test_the_c_path_moves_vllm_cpu_caches_as_the_torch_path_does(dtype, bs: int,
 
 
 def test_the_c_path_refuses_block_ids_outside_the_cache() -> None:
-    from connectors import layout_c  # noqa: PLC0415
+    from kvstore.connectors import layout_c  # noqa: PLC0415
 
     if layout_c._lib() is None:
         pytest.skip("no C compiler")

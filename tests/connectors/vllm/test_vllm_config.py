@@ -22,7 +22,7 @@ def vllm_config(
     from vllm.config import KVTransferConfig  # noqa: PLC0415
     from vllm.engine.arg_utils import EngineArgs  # noqa: PLC0415
 
-    ktc = KVTransferConfig(kv_connector="KVStoreConnectorV1", kv_connector_module_path="connectors.vllm",
+    ktc = KVTransferConfig(kv_connector="KVStoreConnectorV1", kv_connector_module_path="kvstore.connectors.vllm",
                            kv_role=role, kv_connector_extra_config=extra or {"url": "http://127.0.0.1:9"},
                            kv_load_failure_policy=policy)  # fmt: skip
     args = EngineArgs(model=str(model_dir), dtype="bfloat16", enforce_eager=True, max_model_len=2048,
@@ -31,10 +31,9 @@ def vllm_config(
 
 
 def test_vllm_and_kvstore_engine_compute_one_fingerprint(model_dir) -> None:
+    from kvstore.connectors.vllm import KVStoreConnectorV1, transfer_config  # noqa: PLC0415
+    from kvstore.engine.config import ModelConfig  # noqa: PLC0415
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: PLC0415
-
-    from connectors.vllm import KVStoreConnectorV1, transfer_config  # noqa: PLC0415
-    from engine.config import ModelConfig  # noqa: PLC0415
 
     extra = {"url": "http://127.0.0.1:9", "codec": "int4", "token": "t0ken", "timeout_s": 3}
     cfg = vllm_config(model_dir, extra, role="kv_producer")
@@ -56,7 +55,7 @@ def test_vllm_and_kvstore_engine_compute_one_fingerprint(model_dir) -> None:
 
 
 def test_what_the_connector_cannot_serve_is_refused_at_startup(model_dir) -> None:
-    from connectors.vllm import transfer_config  # noqa: PLC0415
+    from kvstore.connectors.vllm import transfer_config  # noqa: PLC0415
 
     with pytest.raises(ConfigError, match="kvstore-server"):
         transfer_config(vllm_config(model_dir, {"url": "local"}))
@@ -69,10 +68,9 @@ def test_what_the_connector_cannot_serve_is_refused_at_startup(model_dir) -> Non
 def test_vllms_default_load_failure_policy_is_refused_naming_the_flag(model_dir) -> None:
     """vLLM's default 'fail' would fail a request over a cache miss; the connector does not rewrite
     vLLM's config behind its back (it used to set the private field): it refuses, naming the flag."""
+    from kvstore.connectors.vllm import KVStoreConnectorV1  # noqa: PLC0415
     from vllm.config import KVTransferConfig  # noqa: PLC0415
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: PLC0415
-
-    from connectors.vllm import KVStoreConnectorV1  # noqa: PLC0415
 
     assert KVTransferConfig().kv_load_failure_policy == "fail"  # the installed vLLM's default
     cfg = vllm_config(model_dir, policy="fail")
@@ -83,9 +81,8 @@ def test_vllms_default_load_failure_policy_is_refused_naming_the_flag(model_dir)
 
 
 def test_a_rejected_token_names_vllms_setting(model_dir, tmp_path) -> None:
+    from kvstore.connectors.vllm import KVStoreConnectorV1  # noqa: PLC0415
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: PLC0415
-
-    from connectors.vllm import KVStoreConnectorV1  # noqa: PLC0415
 
     (tmp_path / "token").write_text("t0ken")
     srv = ServerProcess("--tiers", "cpu", "--auth-token-file", str(tmp_path / "token")).start()
@@ -106,7 +103,7 @@ CONNECTOR_IN_VLLM = """
 import sys
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.engine.arg_utils import EngineArgs
-from connectors.vllm import KVStoreConnectorV1
+from kvstore.connectors.vllm import KVStoreConnectorV1
 from tests.connectors.vllm.vllm_util import transfer_config
 from vllm.config import KVTransferConfig
 ktc = KVTransferConfig(**transfer_config(sys.argv[2], "kv_both", timeout_s=1))

@@ -7,8 +7,8 @@ never hidden. The hit counts are asserted, and the first token (computed from th
 from __future__ import annotations
 
 import pytest
+from kvstore.engine import LLM, SamplingParams
 
-from engine import LLM, SamplingParams
 from tests.connectors.engine_util import doc, store_metrics
 from tests.connectors.vllm.vllm_util import MAX_TOKENS, agreement, requires_vllm
 

@@ -14,7 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 
 def test_get_attn_isa_picks_the_cpu_kernel_the_layout_follows() -> None:
-    """connectors.vllm._cpu_attn_isa calls it positionally (dtype, block_size, head_size, cache dtype)
+    """kvstore.connectors.vllm._cpu_attn_isa calls it positionally (dtype, block_size, head_size, cache dtype)
     and maps "amx" to VllmCpuAmxLayout, every other ISA to VllmCpuLayout (checked at startup against
     vLLM's own cache writer)."""
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa  # noqa: PLC0415

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kvstore.connectors.config import KVTransferConfig
+from kvstore.connectors.kv_scheduler import KVStoreScheduler
+from kvstore.connectors.store_handle import acquire_store, release_store
+from kvstore.connectors.vllm_scheduler import VllmScheduler
 
-from connectors.config import KVTransferConfig
-from connectors.kv_scheduler import KVStoreScheduler
-from connectors.store_handle import acquire_store, release_store
-from connectors.vllm_scheduler import VllmScheduler
 from kvstore.blob import encode_blob
 from kvstore.keys import chunk_keys
 
@@ -98,7 +98,7 @@ def test_a_stored_prefix_loads_into_the_requests_blocks_and_a_salted_request_nev
 
 
 def test_extra_keys_of_a_request_follow_spec_1(sched) -> None:
-    from connectors.chunks import ChunkKeys, key_extra  # noqa: PLC0415
+    from kvstore.connectors.chunks import ChunkKeys, key_extra  # noqa: PLC0415
 
     _, _, _, config = sched
     assert key_extra(request("plain")) == b""  # a plain request keeps the engine-neutral keys

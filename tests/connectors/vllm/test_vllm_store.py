@@ -53,8 +53,7 @@ def test_a_new_vllm_loads_every_full_chunk_and_answers_like_the_cold_run(vllm_pa
 
 def test_what_vllm_stores_is_transformers_kv_in_the_canonical_layout(vllm_pair, store, model_dir) -> None:
     import transformers  # noqa: PLC0415
-
-    from sdk import Store  # noqa: PLC0415
+    from kvstore.sdk import Store  # noqa: PLC0415
 
     producer, _ = vllm_pair
     prompt = doc(600, 102)  # 2 full chunks

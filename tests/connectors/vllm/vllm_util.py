@@ -26,7 +26,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[3]
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
-requires_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (pip install kvstore[vllm])")
+requires_vllm = pytest.mark.skipif(
+    not HAS_VLLM, reason="vLLM is not installed (pip install kvstore-llm[vllm])"
+)
 MAX_TOKENS = 12
 
 
@@ -40,7 +42,7 @@ def vllm_device() -> str:
 def transfer_config(url: str, role: str, **extra: Any) -> dict[str, Any]:
     return {
         "kv_connector": "KVStoreConnectorV1",
-        "kv_connector_module_path": "connectors.vllm",
+        "kv_connector_module_path": "kvstore.connectors.vllm",
         "kv_role": role,
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"url": url, **extra},
@@ -164,7 +166,7 @@ class Proxy:
     """`kvstore-engine proxy --prefill P --decode D` on a free port (PD in front of two vLLM servers)."""
 
     def __init__(self, prefill_url: str, decode_url: str) -> None:
-        cmd = [sys.executable, "-m", "engine", "proxy", "--prefill", prefill_url, "--decode", decode_url,
+        cmd = [sys.executable, "-m", "kvstore.engine", "proxy", "--prefill", prefill_url, "--decode", decode_url,
                "--port", "0"]  # fmt: skip
         env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
