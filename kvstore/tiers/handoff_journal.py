@@ -4,9 +4,15 @@ this process.
 
 A directory per Redis URL and prefix holds slots `<n>.log` (records) and `<n>.lock` (flock'ed while a
 process owns the slot: several processes with the same Redis and prefix each take their own).
-Records are lines: `+<key>` (invalidated) and `-<key>` (deleted on the server, or overwritten there:
-forgotten); a torn last line (a crash mid-append) is ignored. Every append is fsync'd before it
-returns, so an invalidation is acknowledged only once it would survive a crash or a restart.
+A log starts with a header line (its format's version) and holds one record a line: `+<key> <crc>`
+(invalidated) or `-<key> <crc>` (deleted on the server, or overwritten there: forgotten), `<crc>` the
+CRC-32 of what precedes it, 8 hex digits. Every append is fsync'd before it returns, so an
+invalidation is acknowledged only once it would survive a crash or a restart; an append that fails
+(a full disk, an I/O error) is cut off again before it raises, and the next append first cuts any
+bytes past the last whole record, so a refused write changes nothing and never runs into the next
+record. A reader keeps the records whose checksum holds and drops a torn tail (a crash mid-append)
+and any line that does not check (never acknowledged). A log without the header is the older format
+(lines without checksums): read as it was written, then rewritten in this one.
 
 On open a process takes the first free slot and merges into it every slot no live process holds (the
 keys of a process that stopped with keys still waiting): the merged set is written to a temp file,
@@ -21,6 +27,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import zlib
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -30,6 +37,7 @@ from kvstore.tiers.disk_files import fsync_dir
 log = logging.getLogger("kvstore.tiers.redis")
 MAX_SLOTS = 64  # processes sharing one Redis and prefix on one host, with the same state directory
 COMPACT_SLACK = 4096  # records beyond twice the waiting keys before the log is rewritten
+HEADER = b"kvstore handoff journal v2\n"
 
 
 def _lock(path: Path) -> int | None:
@@ -43,6 +51,29 @@ def _lock(path: Path) -> int | None:
     return fd
 
 
+def _record(op: bytes, key: str) -> bytes:
+    body = op + key.encode()
+    if b"\n" in body:
+        raise OSError(f"a key with a newline cannot be journaled: {body[:80]!r}")
+    return body + b" %08x\n" % zlib.crc32(body)
+
+
+def _parse(data: bytes) -> list[bytes]:
+    """The records (`+key` / `-key`) of a log's bytes whose checksums hold, in order."""
+    if not data.startswith(HEADER):  # the older format: no header, no checksums
+        return [line for line in data.split(b"\n")[:-1] if line[:1] in (b"+", b"-")]
+    records, bad = [], 0
+    for line in data[len(HEADER) :].split(b"\n")[:-1]:  # after the last newline: torn (or empty)
+        body, _, crc = line.rpartition(b" ")
+        if len(crc) == 8 and body[:1] in (b"+", b"-") and crc == b"%08x" % zlib.crc32(body):
+            records.append(body)
+        else:
+            bad += 1
+    if bad:
+        log.warning("redis tier: %d torn or garbled records in the invalidation journal were dropped", bad)
+    return records
+
+
 def _read(path: Path) -> dict[str, None]:
     """The keys whose last record in `path` is `+`, in order of their records."""
     try:
@@ -50,11 +81,11 @@ def _read(path: Path) -> dict[str, None]:
     except FileNotFoundError:
         return {}
     keys: dict[str, None] = {}
-    for line in data.split(b"\n")[:-1]:  # the part after the last newline is torn (or empty)
-        key = line[1:].decode(errors="replace")
-        if line[:1] == b"+":
+    for record in _parse(data):
+        key = record[1:].decode(errors="replace")
+        if record[:1] == b"+":
             keys[key] = None
-        elif line[:1] == b"-":
+        else:
             keys.pop(key, None)
     return keys
 
@@ -75,6 +106,8 @@ class Journal:
             ) from None
         self._records = 0  # records in the log now
         self._live = 0  # keys waiting (as the caller last told us)
+        self._size: int | None = None  # bytes of whole records in the log (known once load() wrote it)
+        self._torn = False  # a failed append may have left bytes past _size
 
     def _claim(self) -> tuple[int, Path]:
         for n in range(MAX_SLOTS):
@@ -114,24 +147,38 @@ class Journal:
         return list(keys)
 
     def _write(self, data: bytes) -> None:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(self._fd, view) :]
-        os.fsync(self._fd)
+        """Append `data` durably, or raise OSError having left the log as it was."""
+        assert self._size is not None, "load() first"
+        if self._torn:  # cut what a failed append left before writing after it
+            os.ftruncate(self._fd, self._size)
+            self._torn = False
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._fd, view) :]
+            os.fsync(self._fd)
+        except OSError:
+            self._torn = True
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, self._size)
+                os.fsync(self._fd)
+                self._torn = False
+            raise
+        self._size += len(data)
 
     def append(self, added: Iterable[str] = (), removed: Iterable[str] = (), live: int = 0) -> None:
-        """Record `added` and `removed` keys, durably (raises OSError when it could not); `live`: how
-        many keys wait after this (the log is emptied at 0, rewritten when it holds far more)."""
-        lines = [b"+" + k.encode() for k in added] + [b"-" + k.encode() for k in removed]
-        if any(b"\n" in line for line in lines):
-            raise OSError(f"a key with a newline cannot be journaled: {lines[0][:80]!r}")
+        """Record `added` and `removed` keys, durably (raises OSError when it could not, and then the
+        log is as it was); `live`: how many keys wait after this (the log is emptied at 0, rewritten
+        when it holds far more)."""
+        lines = [_record(b"+", k) for k in added] + [_record(b"-", k) for k in removed]
         if live == 0 and not any(line[:1] == b"+" for line in lines):
-            if self._records:
+            if self._size:
                 os.ftruncate(self._fd, 0)
                 os.fsync(self._fd)
+            self._size, self._torn = 0, False
             self._records = self._live = 0
             return
-        self._write(b"".join(line + b"\n" for line in lines))
+        self._write((HEADER if not self._size else b"") + b"".join(lines))
         self._records += len(lines)
         self._live = live
 
@@ -144,9 +191,10 @@ class Journal:
         tmp = self.path.with_suffix(".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
-            data = memoryview(b"".join(b"+" + k.encode() + b"\n" for k in keys))
-            while data:
-                data = data[os.write(fd, data) :]
+            data = HEADER + b"".join(_record(b"+", k) for k in keys) if keys else b""
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -154,6 +202,7 @@ class Journal:
         fsync_dir(self.dir)
         os.close(self._fd)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+        self._size, self._torn = len(data), False
         self._records = self._live = len(keys)
 
     def close(self, waiting: int) -> None:

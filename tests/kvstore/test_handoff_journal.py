@@ -70,3 +70,27 @@ def test_invalidations_compact_and_clean_up(tmp_path: Path, monkeypatch: pytest.
 def test_a_state_directory_that_cannot_be_used_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="state_dir"):
         Journal("/proc/kvstore-handoff")  # (procfs: no directory can be made there)
+
+
+def test_a_garbled_record_is_dropped_and_the_ones_after_it_kept(tmp_path: Path) -> None:
+    j = Journal(tmp_path)
+    j.load()
+    j.append(added=["a"], live=1)
+    with j.path.open("ab") as f:
+        f.write(b"+b 00000000\n")  # a record whose checksum does not hold: never acknowledged
+    j._size = j.path.stat().st_size
+    j.append(added=["c"], live=2)
+    j.close(waiting=2)
+    again = Journal(tmp_path)
+    assert again.load() == ["a", "c"]
+    assert again.path.read_bytes().startswith(handoff_journal.HEADER)
+    again.close(waiting=2)
+
+
+def test_the_older_format_is_read_and_rewritten(tmp_path: Path) -> None:
+    (tmp_path / "0.log").write_bytes(b"+a\n+b\n-a\n+torn")  # before checksums: lines, a torn tail
+    j = Journal(tmp_path)
+    assert j.load() == ["b"]
+    data = j.path.read_bytes()
+    assert data.startswith(handoff_journal.HEADER) and data.count(b"\n") == 2
+    j.close(waiting=1)

@@ -224,3 +224,53 @@ def test_an_invalidation_that_cannot_be_made_durable_is_refused(durable, tmpfs: 
         assert store.get_blob(key(2)) in (None, blob(2))  # the acknowledged blob or a miss
     finally:
         store.close()
+
+
+def test_a_torn_journal_record_never_swallows_the_next_one(durable) -> None:
+    """Issue 45's repro on a real 1 MiB tmpfs and a real Valkey outage: the journal's last page has
+    less room than a record, the disk is full, a delete is refused (503) after part of its record was
+    written; room again, the next delete is acknowledged; after a restart of the store, then of Valkey,
+    the acknowledged delete is replayed and its blob never served."""
+    from tests.fsfaults import small_tmpfs  # noqa: PLC0415
+
+    with small_tmpfs("1m") as mnt:
+        store = make_store(durable, handoff_dir=mnt / "handoff")
+        n = 300
+        try:
+            for i in range(n):
+                store.put_blob(key(i), blob(i))
+            durable.kill()
+            (log,) = (mnt / "handoff").glob("*.log")
+            record = len(f"+{key(0)} 00000000\n")
+            i = 0
+            while not 0 < 4096 - log.stat().st_size % 4096 < record:  # the last page: room for part of one
+                assert store.delete(key(i)) is True
+                i += 1
+                assert i < n - 2
+            filler = mnt / "filler"
+            with pytest.raises(OSError), filler.open("wb", buffering=0) as f:
+                for size in (65536, 4096, 1):
+                    try:
+                        while True:
+                            f.write(b"x" * size)
+                    except OSError:
+                        if size == 1:
+                            raise
+            size_before = log.stat().st_size
+            with pytest.raises(Unavailable):
+                store.delete(key(n - 2))  # K_a: refused...
+            assert log.stat().st_size == size_before  # ...and nothing of its record is left
+            filler.unlink()
+            assert store.delete(key(n - 1)) is True  # K_b: acknowledged
+        finally:
+            store.close()
+        again = make_store(durable, handoff_dir=mnt / "handoff")
+        try:
+            durable.start()  # the AOF brings the old blobs back
+            assert in_redis(durable, key(n - 1)) == blob(n - 1)
+            for _ in range(20):
+                assert again.get_blob(key(n - 1)) is None
+            wait_until(lambda: in_redis(durable, key(n - 1)) is None)
+            assert in_redis(durable, key(n - 2)) == blob(n - 2)  # the refused delete changed nothing
+        finally:
+            again.close()
