@@ -155,14 +155,19 @@ async def forward(
     role: str = "decode",
     on_first_chunk: Callable[[int], None] | None = None,
     headers: dict[str, str] | None = None,
+    on_status: Callable[[int], None] | None = None,
 ) -> web.StreamResponse:
     """Send `body` to the engine at `url` and stream its answer back (the proxy's decode step and the
-    router's only step). `on_first_chunk(status)` runs when the first bytes of the body arrive: for a
-    streamed completion, its first token. `headers` are added to the response."""
+    router's only step). `on_status(status)` runs when the engine's status line arrives (before its
+    body: a non-streamed answer's comes when it is complete); `on_first_chunk(status)` when the first
+    bytes of the body arrive: for a streamed completion, its first token. `headers` are added to the
+    response."""
     config = request.app[CONFIG_KEY]  # ProxyConfig or RouterConfig: both have `timeout`
     out: web.StreamResponse | None = None
     try:
         async with request.app[SESSION_KEY].post(url + path, json=body) as resp:
+            if on_status is not None:
+                on_status(resp.status)
             out = web.StreamResponse(status=resp.status)
             for k, v in resp.headers.items():
                 if k.lower() not in _HOP_HEADERS:

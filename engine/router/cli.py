@@ -22,7 +22,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--policy", choices=POLICIES, default="ttft", help="default ttft")
     g.add_argument("--max-share", type=float, default=1.2,
                    help="ttft: an engine takes at most this times its fair share of recent requests (1.2)")  # fmt: skip
-    g.add_argument("--model", default="smollm2", help="the engines' model directory (tokenizer, chunk keys)")
+    g.add_argument("--model", default="smollm2",
+                   help="the engines' model directory (tokenizer, chunk keys); requests may also name it as "
+                        "their model: the router sends the engine's served name instead")  # fmt: skip
     g.add_argument("--chunk-size", type=int, default=256, help="the engines' KV connector chunk_size (256)")
     g.add_argument("--kv-namespace", default="", help="the engines' KV connector namespace")
     g.add_argument("--dtype", default="auto", help="the engines' --dtype (auto)")
@@ -60,6 +62,7 @@ def build(ns: argparse.Namespace) -> web.Application:
         config = RouterConfig(
             ns.engine, ns.engine_events, ns.engine_replay, ns.store_events, ns.store_replay, ns.policy,
             ns.max_share, calibrate_s=ns.calibrate_interval, timeout_s=ns.timeout, topic=ns.events_topic,
+            model=ns.model,
         )  # fmt: skip
     except ValueError as e:
         raise InvalidRequest(str(e)) from None

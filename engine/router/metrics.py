@@ -23,6 +23,7 @@ class EngineTally:
         self.decisions: collections.Counter[str] = collections.Counter()  # per policy
         self.tokens = dict.fromkeys(SOURCES, 0)
         self.capped = 0
+        self.errors = 0  # requests it answered with an error status (not in decisions nor tokens)
         self.predicted: collections.deque[float] = collections.deque(maxlen=RECENT)  # every decision
         self.actual: collections.deque[float] = collections.deque(maxlen=RECENT)  # streamed requests
 
@@ -33,6 +34,7 @@ class EngineTally:
             "share": n / total_decisions if total_decisions else 0.0,
             "tokens": dict(self.tokens),
             "capped": self.capped,
+            "errors": self.errors,
             "predicted_ttft_p50_s": statistics.median(self.predicted) if self.predicted else None,
             "actual_ttft_p50_s": statistics.median(self.actual) if self.actual else None,
             "ttft_samples": len(self.actual),
@@ -53,6 +55,12 @@ class RouterMetrics:
             "Prompt tokens of routed requests by where the choice expects them from: local (the engine's "
             "cache), remote (loaded from the store), miss (computed)",
             ["policy", "engine", "source"],
+            registry=r,
+        )
+        self.engine_errors = Counter(
+            "kvstore_router_engine_errors",
+            "Requests the engine answered with an error status (4xx, 5xx): not counted as routed",
+            ["engine", "code"],
             registry=r,
         )
         self.capped = Counter(
@@ -103,6 +111,7 @@ class RouterMetrics:
         self.tallies = {u: EngineTally() for u in engines}
 
     def decided(self, choice: Choice) -> None:
+        """A routed request: its engine accepted it (a status below 400)."""
         self.decisions.labels(choice.policy, choice.engine).inc()
         split = zip(SOURCES, (choice.local_tokens, choice.store_tokens, choice.compute_tokens), strict=True)
         tally = self.tallies[choice.engine]
@@ -115,6 +124,10 @@ class RouterMetrics:
         for engine in choice.capped:
             self.capped.labels(engine).inc()
             self.tallies[engine].capped += 1
+
+    def engine_error(self, engine: str, status: int) -> None:
+        self.engine_errors.labels(engine, str(status)).inc()
+        self.tallies[engine].errors += 1
 
     def first_token(self, choice: Choice, actual_s: float) -> None:
         self.actual.labels(choice.engine).observe(actual_s)

@@ -15,35 +15,17 @@ from pathlib import Path
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
-from kvstore.engine.engine_args import EngineArgs
-from kvstore.engine.llm_engine import LLMEngine
 from kvstore.engine.router.app import ENGINE_HEADER, POLICY_HEADER, RouterConfig, build_router_app
 from kvstore.engine.router.tokens import PromptTokens
 from kvstore.engine.server import build_app as engine_app
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.connectors.test_proxy import serving
-from tests.engine.conftest import make_tiny_engine_dir
 from tests.router.fleet import events_config
 
 FIGURES = Path(__file__).resolve().parents[2] / "engine" / "router" / "static" / "dashboard.js"
 PANEL_FIELDS = {"in_flight", "waiting_tokens", "up", "decisions", "share", "tokens", "capped",
                 "predicted_ttft_p50_s", "actual_ttft_p50_s", "ttft_samples"}  # fmt: skip
-
-
-@pytest.fixture
-def tiny(tmp_path_factory):
-    """Engines of this test's own: the engine server's cleanup shuts its engine down (events too)."""
-    root = tmp_path_factory.mktemp("router_app")
-    model = make_tiny_engine_dir(root / "llama")
-    engines = []
-    for i in range(3):
-        cfg = events_config(root, f"tiny{i}")
-        args = EngineArgs(model=str(model), max_model_len=256, kv_cache_memory="4MiB", kv_events_config=cfg)
-        engines.append((LLMEngine(args), cfg))
-    yield model, engines
-    for engine, _ in engines:
-        engine.shutdown()
 
 
 async def _fleet(stack: AsyncExitStack, tiny, **kw) -> tuple[TestClient, list[str]]:
