@@ -158,8 +158,7 @@ def _serve(ns: argparse.Namespace) -> None:
     args = EngineArgs.from_cli_args(ns)
     check_port_free(ns.host, ns.port)  # before the model load: a taken port fails in a second, not after it
     engine = LLMEngine(args)
-    print(f"serving {engine.model_name} on http://{ns.host}:{ns.port}/v1", file=sys.stderr)
-    serve(engine, ns.host, ns.port, ns.shutdown_timeout)
+    serve(engine, ns.host, ns.port, ns.shutdown_timeout)  # prints its one "listening on" line once bound
 
 
 def _bench(ns: argparse.Namespace) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -382,7 +383,13 @@ def build_app(
 def serve(
     engine: LLMEngine, host: str = "127.0.0.1", port: int = 8000, shutdown_timeout: float = 10.0
 ) -> None:
-    logger.info("serving %s on http://%s:%d", engine.model_name, host, port)
     app = build_app(engine, shutdown_timeout=shutdown_timeout)
+
+    def ready(message: str) -> None:
+        """aiohttp's "Running on URL", once the socket is bound: with --port 0, the real port."""
+        m = re.search(r"Running on (\S+)", message)
+        url = m.group(1) if m else f"http://{host}:{port}"
+        print(f"kvstore-engine serve ({engine.model_name}) listening on {url}", flush=True)
+
     # After the drain every handler has answered; aiohttp's own wait is only a backstop.
-    web.run_app(app, host=host, port=port, print=None, shutdown_timeout=5.0)
+    web.run_app(app, host=host, port=port, print=ready, shutdown_timeout=5.0)

@@ -119,7 +119,8 @@ class RunningServer:
                 factory, name, backlog=1024
             )
             self.plane.unix_path = name
-        log.info("kvstore-server listening on %s (tiers %s)", self.url, ",".join(self.store_config.tiers))
+        # Not a second "listening on" line: the CLI prints that one, on stdout (issue 43).
+        log.info("kvstore-server up: tiers %s, port %d", ",".join(self.store_config.tiers), self.port)
         return self.url
 
     async def drain(self) -> None:
