@@ -45,11 +45,13 @@ def strip_code(markdown: str) -> str:
 
 
 def dangling(text: str, where: Path, root: Path = ROOT) -> list[str]:
-    """The references in `text` (the contents of file `where`) that do not resolve."""
+    """The references in `text` (the contents of file `where`) that do not resolve. mkdocs.yml names
+    its pages relative to its docs_dir, `docs/`."""
     bad: list[str] = []
     for m in MD_PATH.finditer(text):
         path, anchor = m.group(1), m.group(2)
-        target = next((p for p in (root / path, where.parent / path) if p.is_file()), None)
+        bases = (root, where.parent, root / "docs") if where.name == "mkdocs.yml" else (root, where.parent)
+        target = next((base / path for base in bases if (base / path).is_file()), None)
         if target is None:
             bad.append(f"{path} (no such file)")
         elif anchor and anchor not in anchors(target.read_text()):
@@ -94,6 +96,7 @@ def test_every_doc_reference_resolves() -> None:
 
 def test_the_design_document_is_in_the_repository_and_linked_from_the_readme() -> None:
     assert DESIGN.is_file()
+    assert "design.md" in (ROOT / "mkdocs.yml").read_text(), "a page of the docs site"
     assert sections(DESIGN.read_text()) == set(range(14))  # the numbered sections docstrings cite
     assert "docs/design.md" in (ROOT / "README.md").read_text()
 
@@ -110,6 +113,9 @@ def test_a_dangling_reference_is_caught(tmp_path: Path) -> None:
         "docs/design.md#3-codecs (no such heading)"
     ]
     assert dangling("https://example.com/docs/NOTES.md and ../x/y.py", where, tmp_path) == []
+    (tmp_path / "docs" / "page.md").write_text("# p\n")
+    nav = "nav:\n  - P: page.md\n  - Q: gone.md\n"  # mkdocs.yml: pages relative to docs/
+    assert dangling(nav, tmp_path / "mkdocs.yml", tmp_path) == ["gone.md (no such file)"]
     design = tmp_path / "docs" / "design.md"
     assert dangling(design.read_text() + "[x](#2-blobs) [y](#nope)\n", design, tmp_path) == [
         "#nope (no such heading in design.md)",
