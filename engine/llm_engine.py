@@ -302,6 +302,8 @@ class LLMEngine:
             seq.first_token_time = now
             m.time_to_first_token.observe(now - seq.arrival_time)
             m.request_prefill_time.observe(now - (seq.first_scheduled_time or seq.arrival_time))
+            m.request_prompt_tokens.observe(seq.num_prompt_tokens)
+            m.request_prefill_kv_computed_tokens.observe(seq.num_prompt_tokens - seq.num_cached_tokens)
             m.prompt_tokens.inc(seq.num_prompt_tokens)
         else:
             m.inter_token_latency.observe(now - seq.last_token_time)

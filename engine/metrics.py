@@ -29,6 +29,8 @@ _LATENCY_BUCKETS = (
     40.0,
     80.0,
 )
+# 1-2-5 token counts up to 1M, as vLLM's token histograms (build_1_2_5_buckets up to max_model_len)
+_TOKEN_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5))
 
 
 class EngineMetrics:
@@ -63,6 +65,17 @@ class EngineMetrics:
         self.request_prefill_time = histogram(
             "vllm:request_prefill_time_seconds", "First scheduled to first token (the prefill phase)."
         )
+        # observed with the prefill time, for the same requests: the dashboard's cost of a computed token
+        # pairs them (vLLM observes the three when a request finishes, this engine at its first token)
+        self.request_prompt_tokens = Histogram(
+            "vllm:request_prompt_tokens", "Prompt tokens of a request (at its first token).", labels,
+            buckets=_TOKEN_BUCKETS, registry=r,
+        ).labels(model_name)  # fmt: skip
+        self.request_prefill_kv_computed_tokens = Histogram(
+            "vllm:request_prefill_kv_computed_tokens",
+            "Prompt tokens a request computed: neither in the prefix cache nor loaded from the KV store.",
+            labels, buckets=_TOKEN_BUCKETS, registry=r,
+        ).labels(model_name)  # fmt: skip
         self.inter_token_latency = histogram(
             "vllm:inter_token_latency_seconds", "Time between output tokens."
         )

@@ -11,7 +11,9 @@ whatever window it shows, treating a drop as a counter reset):
      "lookups": prefix lookups, "lookups_cut_short": those a missing key cut short (not in "misses"),
      "latency": {"get" | "put" | "lookup" | "get (same host)": [cumulative count per bucket of
                  LATENCY_BUCKETS, ..., +Inf]},
-     "engines": {prompt_tokens, engine_hit_tokens, store_hit_tokens, prefill_seconds, ...} or absent}
+     "engines": {prompt_tokens, engine_hit_tokens, store_hit_tokens, prefill_seconds, ...,
+                 "by_url": {metrics URL: the same fields of that engine alone, or None: it was down}}
+                or absent}
 """
 
 from __future__ import annotations

@@ -23,31 +23,61 @@ function storeReads(samples) {
   return {hits, misses, cutShort, rate: all ? hits / all : NaN};
 }
 
-// Prefill time the store saved, on a linear cost model: what a computed token costs the engines when
-// the store serves nothing (prefill seconds per computed token, over the sample steps of every sample
-// kept in which the store provided no token), times the tokens the engines did not find in their
-// own cache (computed + the store's), less the prefill time actually spent. The old estimate took
-// the cost per token from prefills that also loaded KV from the store, counting the load and every
-// request's fixed overhead as compute: 18.3 s "saved" where the whole cold prefill took 2.1 s.
-// `win`, `all`: samples with engine reports, in the window and all of them.
+// The engines of a sample, each on its own ({metrics URL: fields, or null when it did not answer}); a
+// sample of an older server holds only their sum, taken as one engine.
+function enginesOf(s) { return s.engines.by_url || {"": s.engines}; }
+
+// Prefill time the store saved (est.): the store's tokens times what a computed token costs, less
+// what the prefills the store served took beyond computing their own tokens (loading its KV).
+//
+// The cost of a computed token pairs numbers observed together for the same requests when their
+// prefill is over (server/engine_scrape.py): prefill seconds over `prefill_computed_tokens`, per
+// engine, over the sample steps whose prefills the store cannot have served: those that computed
+// every prompt token, and any while no request the store served was in flight on that engine (from a
+// step in which the store served it tokens to the next sample that finds the engine idle). The token
+// counters grow when a request is admitted, its prefill seconds when it is over: seconds of one step
+// over the tokens of the same step paired one request's time with another's tokens (vLLM: a cold
+// 2,915-token prefill of ~4 s read as 22.4 ms a token and 2.2 min saved, issue 43) or found no step.
+// `win`, `all`: samples with engine reports, in the window and all of them (the cost comes from all).
 function prefillSaved(win, all) {
-  const eng = f => x => x.engines[f];
+  const t0 = win.length ? win[0].t : Infinity;
   let coldSeconds = 0, coldTokens = 0, coldPrefills = 0;
-  for (let i = 1; i < all.length; i++) {
-    const a = all[i - 1], b = all[i];
-    const computed = stepGrowth(a, b, eng("prompt_tokens")) - stepGrowth(a, b, eng("engine_hit_tokens"));
-    const prefills = stepGrowth(a, b, eng("prefills"));
-    if (stepGrowth(a, b, eng("store_hit_tokens")) === 0 && prefills > 0 && computed > 0) {
-      coldSeconds += stepGrowth(a, b, eng("prefill_seconds"));
-      coldTokens += computed;
-      coldPrefills += prefills;
+  const served = [];  // [seconds, computed tokens] of the window's steps whose prefills the store may have served
+  for (const url of new Set(all.flatMap(s => Object.keys(enginesOf(s))))) {
+    let prev = null, prevT = 0, busy = true;  // busy: a request the store served may be in its prefill
+    for (const s of all) {
+      const e = enginesOf(s)[url];
+      if (!e) continue;  // down: the next step spans the gap
+      if (prev) {
+        const d = f => stepGrowth(prev, e, x => x[f]);
+        if (d("store_hit_tokens") > 0) busy = true;
+        const n = d("prefills"), seconds = d("prefill_seconds"), computed = d("prefill_computed_tokens");
+        const known = "prefill_computed_tokens" in prev && "prefill_computed_tokens" in e;
+        if (n > 0 && known && computed > 0) {
+          if (!busy || d("prefill_prompt_tokens") === computed) {
+            coldSeconds += seconds; coldTokens += computed; coldPrefills += n;
+          } else if (prevT >= t0) served.push([seconds, computed]);
+        }
+      }
+      if ((e.running || 0) + (e.waiting || 0) === 0) busy = false;
+      prev = e; prevT = s.t;
     }
   }
   const perToken = coldTokens > 0 ? coldSeconds / coldTokens : NaN;
-  const P = growth(win, eng("prompt_tokens")), E = growth(win, eng("engine_hit_tokens"));
-  const S = growth(win, eng("store_hit_tokens")), spent = growth(win, eng("prefill_seconds"));
-  const computed = Math.max(0, P - E - S);
-  return {seconds: S > 0 ? (computed + S) * perToken - spent : 0, perToken, coldPrefills, storeTokens: S};
+  const S = growth(win, x => x.engines.store_hit_tokens);
+  const loadSeconds = Math.max(0, served.reduce((a, [seconds, computed]) => a + seconds - computed * perToken, 0));
+  return {seconds: S > 0 ? S * perToken - loadSeconds : 0, perToken, coldPrefills, storeTokens: S, loadSeconds};
 }
 
-if (typeof module !== "undefined") module.exports = {growth, stepGrowth, storeReads, prefillSaved};
+// `total` split over `weights` in whole parts that add up to it (largest remainders).
+function splitWhole(total, weights) {
+  const sum = weights.reduce((a, b) => a + b, 0);
+  if (!(sum > 0)) return weights.map((_, i) => (i === 0 ? total : 0));
+  const exact = weights.map(w => (total * w) / sum), parts = exact.map(Math.floor);
+  let left = total - parts.reduce((a, b) => a + b, 0);
+  const order = exact.map((x, i) => [x - parts[i], i]).sort((a, b) => b[0] - a[0]);
+  for (let k = 0; left > 0 && k < order.length; k++, left--) parts[order[k][1]] += 1;
+  return parts;
+}
+
+if (typeof module !== "undefined") module.exports = {growth, stepGrowth, storeReads, prefillSaved, splitWhole};

@@ -28,6 +28,22 @@ def test_parse_engine_metrics_reads_vllm_names() -> None:
     assert (got["running"], got["waiting"], got["preemptions"]) == (1, 2, 3)
     assert got["chunk_misses_expired"] == 2
     assert metrics_url("http://e:8000/") == "http://e:8000/metrics" == metrics_url("http://e:8000/metrics")
+    assert (got["prefill_prompt_tokens"], got["prefill_computed_tokens"]) == (0, 0)
+    # an engine that does not say what its prefills computed: those fields are absent, not 0
+    older = parse_engine_metrics(ConnectorMetrics().render("SmolLM2").decode())
+    assert "prefill_computed_tokens" not in older and "prefill_prompt_tokens" not in older
+
+
+def test_a_prefills_seconds_and_tokens_are_read_together() -> None:
+    """Issue 43: kvstore-engine observes a prefill's prompt and computed tokens with its time, under
+    vLLM's names (vLLM: when the request finishes), so the dashboard pairs them per request."""
+    m = EngineMetrics("SmolLM2")
+    m.request_prefill_time.observe(0.5)
+    m.request_prompt_tokens.observe(600)
+    m.request_prefill_kv_computed_tokens.observe(8)
+    got = parse_engine_metrics(m.render().decode())
+    assert (got["prefills"], got["prefill_seconds"]) == (1, 0.5)
+    assert (got["prefill_prompt_tokens"], got["prefill_computed_tokens"]) == (600, 8)
 
 
 async def test_scraper_sums_engines_and_counts_the_down_ones(unused_tcp_port) -> None:
@@ -47,6 +63,8 @@ async def test_scraper_sums_engines_and_counts_the_down_ones(unused_tcp_port) ->
         await scraper.close()
         assert got["prompt_tokens"] == 200 and got["store_hit_tokens"] == 100
         assert (got["engines_up"], got["engines"]) == (2, 3)
+        assert got["by_url"]["http://127.0.0.1:9/metrics"] is None  # each engine's own fields, by URL
+        assert got["by_url"][up + "/metrics"]["prompt_tokens"] == 100
         assert await EngineScraper([]).scrape() is None
     finally:
         await runner.cleanup()
