@@ -18,13 +18,39 @@ engine's are its block hashes (kvstore.keys.hash_block chained from its root) wi
 Endpoints behave as vLLM's: one with `*`, `::`, or `ipc://` / `inproc://` is bound, any other is
 connected to; the replay endpoint is always bound. pyzmq and msgspec come with vLLM; they are imported
 only when events are enabled.
+
+What kvstore adds to vLLM's config (fields vLLM does not have; a vLLM config is read unchanged):
+
+- The default endpoint is `ipc:///tmp/kvstore-kv-events` (vLLM's is `tcp://*:5557`, every interface):
+  an ipc socket file only its owner's user can connect to. A second process binding the same ipc path
+  is refused (libzmq would silently take the path over).
+- `bind`: true binds the endpoint whatever vLLM's rule says (the way to keep a TCP publisher on
+  loopback: `tcp://127.0.0.1:5557` is connected to by vLLM's rule); false connects; null: vLLM's rule.
+- `auth`: "curve" encrypts and authenticates both sockets with ZMQ CURVE, the publisher's key pair
+  derived from a token (`curve_keys`): only a subscriber that holds the token can connect, read events
+  or ask for the replay. "none": plain ZMQ, as vLLM. null (the default): "curve" when the process has
+  a token (a kvstore-server's `--auth-token`, or `token_file`), else "none". A publisher that binds or
+  connects to a non-loopback address without CURVE logs a WARNING.
+- `token_file`: a file holding the token the CURVE keys are derived from (the engine has no token of
+  its own; for a server it replaces the server's token).
+- `reconcile_s` (servers): every this many seconds the server checks that the chunks it announced are
+  still in their tiers and publishes BlockRemoved for those gone without it seeing (evictions Valkey
+  made on its own, TTL expiry); 0: never.
+
+Hostile peers: the PUB socket is an XPUB in manual mode that accepts only subscriptions the topic
+matches (any other is dropped: a peer cannot grow the publisher's subscription table); every socket
+refuses frames over a few KiB from its peers (ZMQ_MAXMSGSIZE: such a peer is disconnected).
 """
 
 from __future__ import annotations
 
+import hashlib
+import ipaddress
 import json
 import logging
+import os
 import queue
+import socket
 import threading
 import time
 from collections import deque
@@ -43,20 +69,30 @@ MEDIUM_STORAGE = "STORAGE"
 MEDIUM_REDIS = "REDIS"
 TIER_MEDIUM = {"gpu": MEDIUM_GPU, "cpu": MEDIUM_CPU, "disk": MEDIUM_STORAGE, "redis": MEDIUM_REDIS}
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+MAX_SEQ = 2**63 - 1  # vLLM counts from 0, one a batch: a seq above this (or END_SEQ) is no batch's
+DEFAULT_ENDPOINT = "ipc:///tmp/kvstore-kv-events"
+CONTROL_MAX_BYTES = 4096  # the largest frame a publisher reads from a peer (subscriptions, replay requests)
+MAX_SUBSCRIPTIONS_PER_POLL = 1000  # subscription messages read between two batches
+AUTH_MODES = ("curve", "none")
 
 
 @dataclass(frozen=True)
 class KVEventsConfig:
-    """vLLM's KVEventsConfig, field for field (`--kv-events-config` takes it as JSON)."""
+    """vLLM's KVEventsConfig, field for field (`--kv-events-config` takes it as JSON), then kvstore's own
+    (see the module docstring): `bind`, `auth`, `token_file`, `reconcile_s`."""
 
     enable_kv_cache_events: bool = False
     publisher: str | None = None  # "zmq" or "null"; None: "zmq" when enabled
-    endpoint: str = "tcp://*:5557"
+    endpoint: str = DEFAULT_ENDPOINT
     replay_endpoint: str | None = None
     buffer_steps: int = 10_000
     hwm: int = 100_000
     max_queue_size: int = 100_000
     topic: str = ""
+    bind: bool | None = None  # None: vLLM's rule (module docstring)
+    auth: str | None = None  # "curve" | "none"; None: "curve" when there is a token
+    token_file: str | None = None
+    reconcile_s: float = 30.0
 
     @property
     def enabled(self) -> bool:
@@ -84,7 +120,56 @@ def parse_kv_events_config(value: str | Mapping[str, Any] | KVEventsConfig | Non
     for name in ("buffer_steps", "hwm", "max_queue_size"):
         if not isinstance(getattr(config, name), int) or getattr(config, name) < 1:
             raise ConfigError(f"--kv-events-config: {name} must be a positive integer")
+    for name in ("endpoint", "topic"):
+        if not isinstance(getattr(config, name), str):
+            raise ConfigError(f"--kv-events-config: {name} must be a string")
+    if config.bind not in (None, True, False):
+        raise ConfigError("--kv-events-config: bind must be true, false or null")
+    if config.auth not in (None, *AUTH_MODES):
+        raise ConfigError(f"--kv-events-config: auth must be one of {list(AUTH_MODES)} or null")
+    if config.token_file is not None and not isinstance(config.token_file, str):
+        raise ConfigError("--kv-events-config: token_file must be a path")
+    r = config.reconcile_s
+    if isinstance(r, bool) or not isinstance(r, int | float) or not 0 <= r < 1e9:
+        raise ConfigError("--kv-events-config: reconcile_s must be a number of seconds >= 0")
     return config
+
+
+def curve_keys(token: str) -> tuple[bytes, bytes]:
+    """The CURVE key pair (public, secret; Z85) of a publisher whose token is `token`.
+
+    Both come from the token (BLAKE2b, personalised): a subscriber that holds the token sets the public
+    one as its `curve_serverkey`, with a key pair of its own (any: `zmq.curve_keypair()`). The public
+    key never crosses the wire in a CURVE handshake, and a client that does not know it cannot complete
+    one: knowing the token is what lets a subscriber in."""
+    import zmq
+
+    seed = hashlib.blake2b(token.encode(), digest_size=32, person=b"kvstore-kvevents").digest()
+    secret = zmq.utils.z85.encode(seed)
+    return zmq.curve_public(secret), secret
+
+
+def curve_server_key(token: str) -> bytes:
+    """What a subscriber sets as `curve_serverkey` to read a publisher whose token is `token`."""
+    return curve_keys(token)[0]
+
+
+def is_local_endpoint(endpoint: str) -> bool:
+    """Whether only this host can reach `endpoint`: ipc://, inproc://, or TCP on a loopback address."""
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return True
+    if not endpoint.startswith("tcp://"):
+        return False
+    host = endpoint[len("tcp://") :].rsplit(":", 1)[0]
+    if ";" in host:  # tcp://source;target: where it goes is the target
+        host = host.split(";", 1)[1]
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # "*", an interface name, a host name: not provably local
 
 
 _STRUCTS: dict[str, Any] = {}
@@ -125,14 +210,62 @@ def decode_batch(payload: bytes) -> Any:
     return msgspec.msgpack.decode(payload, type=structs()["KVEventBatch"])
 
 
-def _is_bind_endpoint(endpoint: str) -> bool:
+def _is_bind_endpoint(endpoint: str, bind: bool | None = None) -> bool:
+    """vLLM's rule (wildcard, ipc and inproc endpoints are bound, the rest connected to) unless `bind`."""
+    if bind is not None:
+        return bind
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
-class ZmqEventPublisher:
-    """PUB + ROUTER replay, from one thread; `publish` only enqueues (bounded, never blocks)."""
+def _claim_ipc(endpoint: str, wait_s: float = 1.0) -> None:
+    """Refuse an ipc:// path another publisher listens on: libzmq would unlink it and bind anew, and the
+    other one's subscribers would silently read this one. A path nobody answers on (left by a process
+    that died, or one closing: waited for up to `wait_s`) is free."""
+    path = endpoint[len("ipc://") :] if endpoint.startswith("ipc://") else ""
+    if not path or path.startswith("@") or path == "*":
+        return
+    deadline = time.monotonic() + wait_s
+    while os.path.exists(path):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            try:
+                s.connect(path)
+            except OSError:
+                return
+        if time.monotonic() >= deadline:
+            raise ConfigError(
+                f"KV events: {endpoint} is in use by another process: give each publisher its own endpoint"
+            )
+        time.sleep(0.05)
 
-    def __init__(self, config: KVEventsConfig, data_parallel_rank: int = 0) -> None:
+
+def event_token(config: KVEventsConfig, token: str | None = None) -> str | None:
+    """The token a publisher's CURVE keys come from: `token_file`'s, else `token` (a server's own)."""
+    if config.token_file:
+        from kvstore.settings import read_token  # noqa: PLC0415
+
+        return read_token(None, config.token_file)
+    return token
+
+
+class _Every:
+    """At most one log line per `period_s` for one kind of nuisance (a hostile peer must not fill logs)."""
+
+    def __init__(self, period_s: float = 10.0) -> None:
+        self.period_s, self._next = period_s, 0.0
+
+    def __call__(self) -> bool:
+        now = time.monotonic()
+        if now < self._next:
+            return False
+        self._next = now + self.period_s
+        return True
+
+
+class ZmqEventPublisher:
+    """XPUB (manual subscriptions) + ROUTER replay, from one thread; `publish` only enqueues (bounded,
+    never blocks). `token`: the process's own token (a server's), for `auth` (module docstring)."""
+
+    def __init__(self, config: KVEventsConfig, data_parallel_rank: int = 0, token: str | None = None) -> None:
         try:
             import zmq
         except ImportError as e:
@@ -141,32 +274,82 @@ class ZmqEventPublisher:
         self.dp_rank = data_parallel_rank
         self.published = 0
         self.dropped = 0  # batches the full queue refused
+        self.refused_subscriptions = 0  # subscriptions the topic does not match (not applied)
+        self.bad_requests = 0  # replay requests not in vLLM's shape
+        token = event_token(config, token)
+        self.curve = config.auth == "curve" or (config.auth is None and token is not None)
+        if self.curve and token is None:
+            raise ConfigError(
+                '--kv-events-config: auth "curve" needs a token: token_file, or the server\'s own'
+            )
+        if self.curve and not zmq.has("curve"):
+            raise ConfigError(
+                '--kv-events-config: auth "curve" needs a libzmq with CURVE (pyzmq wheels have it)'
+            )
+        secret = curve_keys(token)[1] if self.curve and token is not None else None
         self._queue: queue.Queue[list[Any] | None] = queue.Queue(maxsize=config.max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._seq = count()
         self._topic = config.topic.encode()
+        self._log_refused, self._log_bad = _Every(), _Every()
         self._ctx = zmq.Context.instance()
-        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub = self._socket(zmq.XPUB, secret, config.endpoint)
+        self._pub.setsockopt(zmq.XPUB_MANUAL, 1)  # a subscription counts only once _subscribe applies it
         self._pub.set_hwm(config.hwm)
-        self._pub.setsockopt(zmq.LINGER, 0)
         self._replay = None
+        self.bound = _is_bind_endpoint(config.endpoint, config.bind)
         try:
-            if _is_bind_endpoint(config.endpoint):
+            if self.bound:
+                _claim_ipc(config.endpoint)
                 self._pub.bind(config.endpoint)
             else:
                 self._pub.connect(config.endpoint)
             if config.replay_endpoint:
-                self._replay = self._ctx.socket(zmq.ROUTER)
-                self._replay.setsockopt(zmq.LINGER, 0)
+                self._replay = self._socket(zmq.ROUTER, secret, config.replay_endpoint)
+                _claim_ipc(config.replay_endpoint)
                 self._replay.bind(config.replay_endpoint)
         except zmq.ZMQError as e:
             self._close_sockets()
             raise ConfigError(
                 f"KV events: cannot open {config.endpoint} / {config.replay_endpoint}: {e}"
             ) from None
+        except ConfigError:
+            self._close_sockets()
+            raise
+        self._warn_if_exposed()
         self._running = True
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()
+
+    def _socket(self, kind: int, secret: bytes | None, endpoint: str) -> Any:
+        import zmq
+
+        sock = self._ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, CONTROL_MAX_BYTES + len(self._topic))  # peers send only small frames
+        if endpoint.startswith("tcp://[") or "::" in endpoint:
+            sock.setsockopt(zmq.IPV6, 1)
+        if secret is not None:
+            sock.curve_server = True
+            sock.curve_secretkey = secret
+        return sock
+
+    def _warn_if_exposed(self) -> None:
+        config = self.config
+        if self.curve:
+            logger.info("KV events on %s%s: CURVE, keys from the token", config.endpoint,
+                        f" (replay {config.replay_endpoint})" if config.replay_endpoint else "")  # fmt: skip
+            return
+        for endpoint, bound in ((config.endpoint, self.bound), (config.replay_endpoint, True)):
+            if endpoint and not is_local_endpoint(endpoint):
+                logger.warning(
+                    "KV events: %s %s without authentication: whoever reaches it reads every event (an "
+                    "engine's prompts as token ids, a server's chunk keys) %s. Keep it on ipc:// or loopback "
+                    '("bind": true for tcp://127.0.0.1:PORT), or set a token ("auth": "curve")',
+                    endpoint,
+                    "is bound on a non-loopback interface" if bound else "is sent to, off this host",
+                    "and the replay buffer" if endpoint == config.replay_endpoint else "as it is published",
+                )  # fmt: skip
 
     def publish(self, events: list[Any]) -> None:
         """Queue one batch; dropped (and counted) when the queue is full or the publisher closed."""
@@ -183,8 +366,13 @@ class ZmqEventPublisher:
         encoder = msgspec.msgpack.Encoder()
         batch_cls = structs()["KVEventBatch"]
         while True:
-            if self._replay is not None and self._replay.poll(0):
-                self._serve_replay()
+            try:
+                if self._pub.poll(0):
+                    self._subscribe()
+                if self._replay is not None and self._replay.poll(0):
+                    self._serve_replay()
+            except Exception:  # a peer must never end the thread
+                logger.exception("KV events: serving a peer failed")
             try:
                 events = self._queue.get(timeout=0.05)
             except queue.Empty:
@@ -204,11 +392,32 @@ class ZmqEventPublisher:
             self._buffer.append((seq, payload))
             self.published += 1
 
+    def _subscribe(self) -> None:
+        """Apply the subscriptions peers sent that the topic matches (`\\x01` + a prefix of it; `\\x00`
+        unsubscribes); any other is dropped and counted, so a peer's subscriptions cost nothing kept."""
+        import zmq
+
+        for _ in range(MAX_SUBSCRIPTIONS_PER_POLL):
+            try:
+                msg = self._pub.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(msg) >= 1 and msg[0] in (0, 1) and self._topic.startswith(msg[1:]):
+                self._pub.setsockopt(zmq.SUBSCRIBE if msg[0] == 1 else zmq.UNSUBSCRIBE, msg[1:])
+                continue
+            self.refused_subscriptions += 1
+            if self._log_refused():
+                logger.warning("KV events: a subscription the topic does not match was refused (%d so far)",
+                               self.refused_subscriptions)  # fmt: skip
+
     def _serve_replay(self) -> None:
         assert self._replay is not None
         frames = self._replay.recv_multipart()
-        if len(frames) != 3 or len(frames[2]) != 8:
-            logger.warning("KV events: a replay request of %d frames ignored", len(frames))
+        if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
+            self.bad_requests += 1
+            if self._log_bad():
+                logger.warning("KV events: a replay request of %d frames ignored (%d so far)", len(frames),
+                               self.bad_requests)  # fmt: skip
             return
         client, _, start = frames
         first = int.from_bytes(start, "big")
@@ -249,28 +458,51 @@ class StoreEvents:
     evicted keys and every delete that removed a key, per tier). The first batch is AllBlocksCleared
     followed by what the local tiers already hold (a disk tier after a warm restart), so a subscriber,
     or a router replaying, starts from the truth. A server does not know a chunk's tokens: its
-    BlockStored events have no token_ids, no parent and block_size 0. Not seen: TTL expiry (a tier
-    drops an expired blob lazily) and evictions Redis makes on its own (maxmemory).
+    BlockStored events have no token_ids, no parent and block_size 0.
+
+    What a tier drops without the store seeing it (TTL expiry, which a tier notices lazily; evictions
+    Redis or Valkey makes on its own under maxmemory) is found by reconciliation: every `reconcile_s`
+    the chunks announced as stored (the latest TRACKED_PER_TIER per tier) are checked, in batches, and
+    those gone are published as BlockRemoved. A batch the tier could not answer (Redis down) is skipped.
     """
 
     SNAPSHOT_BATCH = 1024  # keys per BlockStored of the start-up snapshot
+    CHECK_BATCH = 1024  # keys per existence check of the reconciliation
+    TRACKED_PER_TIER = 262_144  # announced keys reconciliation remembers per tier (the latest)
 
-    def __init__(self, store: Any, config: KVEventsConfig) -> None:
-        self.publisher = ZmqEventPublisher(config)
+    def __init__(self, store: Any, config: KVEventsConfig, token: str | None = None) -> None:
+        self.publisher = ZmqEventPublisher(config, token=token)
+        self.store = store
+        self.reconciled = 0  # chunks found gone by reconciliation
+        self._lock = threading.Lock()  # announced + the order of what is published
+        self._gen = count(1)
+        self._announced: dict[str, dict[str, int]] = {t.name: {} for t in store.tiers}  # key -> generation
         self.publisher.publish([all_blocks_cleared()])
         for tier in store.tiers:
             if tier.name == "redis":  # shared by many servers and possibly huge: not listed
                 continue
             keys = list(tier.keys())
             for i in range(0, len(keys), self.SNAPSHOT_BATCH):
-                self.publisher.publish([self._stored(tier.name, keys[i : i + self.SNAPSHOT_BATCH])])
-        self.store = store
+                self(tier.name, keys[i : i + self.SNAPSHOT_BATCH], [])
         store.metrics.events = self
+        self._stop = threading.Event()
+        self._reconciler: threading.Thread | None = None
+        if config.reconcile_s > 0:
+            self._reconciler = threading.Thread(
+                target=self._reconcile_loop,
+                args=(config.reconcile_s,),
+                name="kv-events-reconcile",
+                daemon=True,
+            )
+            self._reconciler.start()
 
     @classmethod
-    def attach(cls, store: Any, value: str | Mapping[str, Any] | None) -> StoreEvents | None:
+    def attach(
+        cls, store: Any, value: str | Mapping[str, Any] | None, token: str | None = None
+    ) -> StoreEvents | None:
+        """The store's events as `--kv-events-config` asks (None when off); `token`: the server's own."""
         config = parse_kv_events_config(value)
-        return cls(store, config) if config.enabled else None
+        return cls(store, config, token) if config.enabled else None
 
     @staticmethod
     def _stored(tier: str, keys: list[str]) -> Any:
@@ -285,10 +517,79 @@ class StoreEvents:
             )
         if stored:
             events.append(self._stored(tier, stored))
-        self.publisher.publish(events)
+        with self._lock:
+            announced = self._announced.setdefault(tier, {})
+            for k in removed:
+                announced.pop(k, None)
+            for k in stored:
+                announced.pop(k, None)
+                announced[k] = next(self._gen)
+            while len(announced) > self.TRACKED_PER_TIER:
+                del announced[next(iter(announced))]
+            self.publisher.publish(events)
+
+    def reconcile(self) -> int:
+        """Check once that the announced chunks are still held; publish BlockRemoved for those gone.
+        Returns how many were found gone."""
+        gone_total = 0
+        for tier in self.store.tiers:
+            with self._lock:
+                pairs = list(self._announced.get(tier.name, {}).items())
+            for i in range(0, len(pairs), self.CHECK_BATCH):
+                if self._stop.is_set():
+                    return gone_total
+                batch = pairs[i : i + self.CHECK_BATCH]
+                held = self._held(tier, [k for k, _ in batch])
+                if held is None:
+                    continue  # the tier could not answer: nothing is known gone
+                with self._lock:
+                    announced = self._announced.get(tier.name, {})
+                    gone = [
+                        k
+                        for (k, gen), h in zip(batch, held, strict=True)
+                        if not h and announced.get(k) == gen
+                    ]
+                    for k in gone:
+                        del announced[k]
+                    if gone:
+                        medium = TIER_MEDIUM.get(tier.name, tier.name.upper())
+                        self.publisher.publish([block_removed([bytes.fromhex(k) for k in gone], medium)])
+                gone_total += len(gone)
+        self.reconciled += gone_total
+        return gone_total
+
+    @staticmethod
+    def _held(tier: Any, keys: list[str]) -> list[bool] | None:
+        """Which of `keys` the tier holds; None when it could not tell (a failure or a fast fail counted
+        meanwhile: a Redis that is down answers every key as missing)."""
+        stats = getattr(tier, "stats", None)
+
+        def failures() -> tuple[float, float]:
+            return (stats.errors, stats.extra.get("fast_fails", 0)) if stats is not None else (0, 0)
+
+        before = failures()
+        try:
+            many = getattr(tier, "contains_many", None)
+            held = list(many(keys)) if many is not None else [tier.contains(k) for k in keys]
+        except Exception as e:  # a tier that raises: nothing is known gone
+            logger.debug("KV events: reconciling tier %s: %r", tier.name, e)
+            return None
+        return held if failures() == before else None
+
+    def _reconcile_loop(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            try:
+                gone = self.reconcile()
+                if gone:
+                    logger.info("KV events: %d chunk(s) gone without an event (TTL, Redis eviction)", gone)
+            except Exception:
+                logger.exception("KV events: reconciliation failed")
 
     def shutdown(self) -> None:
         """Detach from the store (which may outlive the server) and close the sockets."""
+        self._stop.set()
         if self.store.metrics.events is self:
             self.store.metrics.events = None
+        if self._reconciler is not None:
+            self._reconciler.join(5)
         self.publisher.shutdown()

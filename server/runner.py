@@ -80,7 +80,7 @@ class RunningServer:
         self.store_config = store_config
         self.config = config
         self.app = make_app(store, store_config, config)
-        self.kv_events = StoreEvents.attach(store, config.kv_events_config)  # None unless configured
+        self.kv_events = StoreEvents.attach(store, config.kv_events_config, config.token())  # None unless on
         metrics = self.app[STATE].metrics
         limit = connection_limit(config.max_connections, config.store_threads)
         self.guard = ConnectionGuard(limit, config.header_timeout, metrics)

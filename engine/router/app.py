@@ -40,9 +40,11 @@ from kvstore.engine.router.dashboard import dashboard
 from kvstore.engine.router.index import PrefixIndex
 from kvstore.engine.router.metrics import RouterMetrics
 from kvstore.engine.router.scoring import POLICIES, Choice, EngineState, Request, choose
-from kvstore.engine.router.subscriber import EventSubscriber, Source
+from kvstore.engine.router.subscriber import EventSubscriber, FeedCollector, FeedOptions, Source
 from kvstore.engine.router.tokens import PromptTokens
 from kvstore.engine.server_middleware import MAX_BODY_KEY, errors_middleware, parse_json, unless_disconnected
+
+from kvstore.events import curve_server_key
 
 logger = logging.getLogger(__name__)
 ROUTER_KEY = web.AppKey("router", object)
@@ -77,6 +79,7 @@ class RouterConfig:
     timeout_s: float = 600.0
     topic: str = ""
     model: str = ""  # the router's --model: an alias of the engines' served name ("" for none)
+    events: FeedOptions = field(default_factory=FeedOptions)  # tokens, frame and index caps, checks
 
     def __post_init__(self) -> None:
         self.engines = [u.rstrip("/") for u in self.engines]
@@ -98,7 +101,7 @@ class Router:
     def __init__(self, config: RouterConfig, tokens: PromptTokens) -> None:
         self.config = config
         self.tokens = tokens
-        self.index = PrefixIndex()
+        self.index = PrefixIndex(config.events.max_engine_blocks, config.events.max_store_keys)
         self.metrics = RouterMetrics(config.engines, config.policy)
         self.calibrator = Calibrator()
         self.loads = {u: EngineLoad(u) for u in config.engines}
@@ -108,15 +111,18 @@ class Router:
         self.cards: dict[str, list[dict[str, Any]]] = {u: [] for u in config.engines}  # GET /v1/models
         self.models_read_at = -float("inf")  # monotonic time the last read of the engines' names ended
         self._reading: asyncio.Future | None = None  # the read in progress: callers share it
+        engine_key, store_key = (curve_server_key(t) if t else None
+                                 for t in (config.events.engine_token, config.events.store_token))  # fmt: skip
         sources = [
-            Source(url, ev, rp, self.index.apply_engine, config.topic)
+            Source(url, ev, rp, self.index.apply_engine, config.topic, engine_key)
             for url, ev, rp in zip(config.engines, config.engine_events, config.engine_replay, strict=True)
         ]
         sources += [
-            Source(f"store{i}", ev, rp, self.index.apply_store, config.topic)
+            Source(f"store{i}", ev, rp, self.index.apply_store, config.topic, store_key)
             for i, (ev, rp) in enumerate(zip(config.store_events, config.store_replay, strict=True))
         ]
-        self.subscriber = EventSubscriber(sources)
+        self.subscriber = EventSubscriber(sources, config.events)
+        self.metrics.registry.register(FeedCollector(self.subscriber, self.index))
 
     def served(self, url: str) -> list[str]:
         """The model names the engine at `url` serves, as its last GET /v1/models said ([] if never)."""
@@ -279,9 +285,7 @@ class Router:
             "policy": self.config.policy,
             "ready": self.subscriber.ready.is_set(),
             "index": self.index.stats(),
-            "sources": {
-                s.name: {"last_seq": s.last_seq, "batches": s.batches} for s in self.subscriber.sources
-            },
+            "sources": {s.name: s.state() for s in self.subscriber.sources},
             "costs": vars(self.calibrator.costs),
             "engines": {u: self.engine_state(u, now) for u in self.loads},
         }
@@ -385,6 +389,8 @@ async def health(request: web.Request) -> web.Response:
     router: Router = request.app[ROUTER_KEY]
     if not router.subscriber.ready.is_set():
         return web.json_response({"status": "replaying KV events"}, status=503)
+    if not router.subscriber.alive:
+        return web.json_response({"status": "the KV events thread has stopped"}, status=503)
     return web.json_response({"status": "ok"})
 
 

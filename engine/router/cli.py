@@ -32,6 +32,18 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--calibrate-interval", type=float, default=2.0,
                    help="seconds between reads of the engines' /metrics for the costs (0: never)")  # fmt: skip
     g.add_argument("--events-topic", default="", help="the publishers' topic")
+    g.add_argument("--engine-events-token-file", metavar="FILE",
+                   help="the engines' KV events token (their token_file): CURVE, only those publishers are read")  # fmt: skip
+    g.add_argument("--store-events-token-file", metavar="FILE",
+                   help="the kvstore-servers' KV events token (their --auth-token, or token_file): CURVE")  # fmt: skip
+    g.add_argument("--events-max-frame-mib", type=float, default=16.0,
+                   help="a publisher sending a larger KV events frame is disconnected (16)")  # fmt: skip
+    g.add_argument("--index-max-blocks", type=int, default=262_144,
+                   help="blocks indexed per engine; the oldest go first (262144)")  # fmt: skip
+    g.add_argument("--index-max-store-keys", type=int, default=1_048_576,
+                   help="chunk keys indexed per kvstore-server; the oldest go first (1048576)")  # fmt: skip
+    g.add_argument("--events-check-interval", type=float, default=5.0,
+                   help="seconds between checks of each publisher's replay endpoint (5; 0: never)")  # fmt: skip
     pd = p.add_argument_group("disaggregated prefill/decode (instead of --engine)")
     pd.add_argument("--prefill", action="append", help="prefill engine URL (repeatable)")
     pd.add_argument("--decode", action="append", help="decode engine URL (repeatable)")
@@ -56,13 +68,24 @@ def build(ns: argparse.Namespace) -> web.Application:
                                      ns.shutdown_timeout))  # fmt: skip
     from kvstore.engine.llm_engine import resolve_model_dir  # noqa: PLC0415
     from kvstore.engine.router.app import RouterConfig, build_router_app  # noqa: PLC0415
+    from kvstore.engine.router.subscriber import FeedOptions  # noqa: PLC0415
     from kvstore.engine.router.tokens import PromptTokens  # noqa: PLC0415
 
+    from kvstore.settings import read_token  # noqa: PLC0415
+
+    try:
+        events = FeedOptions(
+            read_token(None, ns.engine_events_token_file), read_token(None, ns.store_events_token_file),
+            int(ns.events_max_frame_mib * 2**20), ns.index_max_blocks, ns.index_max_store_keys,
+            ns.events_check_interval,
+        )  # fmt: skip
+    except ValueError as e:  # ConfigError too: an unreadable token file
+        raise InvalidRequest(str(e)) from None
     try:
         config = RouterConfig(
             ns.engine, ns.engine_events, ns.engine_replay, ns.store_events, ns.store_replay, ns.policy,
             ns.max_share, calibrate_s=ns.calibrate_interval, timeout_s=ns.timeout, topic=ns.events_topic,
-            model=ns.model,
+            model=ns.model, events=events,
         )  # fmt: skip
     except ValueError as e:
         raise InvalidRequest(str(e)) from None

@@ -5,6 +5,11 @@ any engine that publishes vLLM's BlockStored (token_ids, parent_block_hash; vLLM
 hash function and seed, or kvstore-engine) is matched against a prompt's tokens without the router
 knowing how it hashes. A store publishes chunk keys without tokens: the router computes a prompt's
 chunk keys itself (kvstore.keys.chunk_keys) and counts the leading ones some tier of some store holds.
+
+Bounded: at most `max_engine_blocks` blocks per engine and `max_store_keys` chunk keys per store; past
+the cap the least recently stored go first (a block or key stored again moves to the back), counted in
+`evicted` (a gauge and a counter per source in the router's /metrics: `kvstore_router_index_*`). An
+index that forgets makes the router under-estimate a cache, never send a prompt where nothing is.
 Thread-safe: the event thread applies batches while the request handlers look up.
 """
 
@@ -15,19 +20,38 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+MAX_MEDIA = 16  # media per store source (a publisher naming more is not believed past them)
+
 
 @dataclass
 class _EngineBlocks:
     block_size: int = 0
     children: dict[tuple[Any, tuple[int, ...]], Any] = field(default_factory=dict)
-    nodes: dict[Any, tuple[Any, tuple[int, ...]]] = field(default_factory=dict)
+    nodes: dict[Any, tuple[Any, tuple[int, ...]]] = field(default_factory=dict)  # oldest first
+    evicted: int = 0
+
+
+@dataclass
+class _StoreKeys:
+    keys: dict[Any, int] = field(default_factory=dict)  # chunk key -> bit mask of media; oldest first
+    media: dict[str, int] = field(default_factory=dict)  # medium -> its bit
+    evicted: int = 0
+
+    count: dict[str, int] = field(default_factory=dict)  # medium -> keys it holds
+
+    def drop(self, mask: int) -> None:
+        for m, bit in self.media.items():
+            if mask & bit:
+                self.count[m] -= 1
 
 
 class PrefixIndex:
-    def __init__(self) -> None:
+    def __init__(self, max_engine_blocks: int = 262_144, max_store_keys: int = 1_048_576) -> None:
         self._lock = threading.Lock()
+        self.max_engine_blocks = max_engine_blocks
+        self.max_store_keys = max_store_keys
         self._engines: dict[str, _EngineBlocks] = {}
-        self._store: dict[str, dict[str, set[bytes]]] = {}  # source -> medium -> chunk keys
+        self._store: dict[str, _StoreKeys] = {}
 
     # ---- events -------------------------------------------------------------------------------
     def apply_engine(self, engine: str, events: Sequence[Any]) -> None:
@@ -36,7 +60,7 @@ class PrefixIndex:
             for e in events:
                 kind = type(e).__name__
                 if kind == "AllBlocksCleared":
-                    self._engines[engine] = state = _EngineBlocks()
+                    self._engines[engine] = state = _EngineBlocks(evicted=state.evicted)
                 elif kind == "BlockStored":
                     bs = e.block_size
                     if bs <= 0 or len(e.token_ids) < bs * len(e.block_hashes):
@@ -44,27 +68,63 @@ class PrefixIndex:
                     state.block_size = bs
                     parent = e.parent_block_hash
                     for i, h in enumerate(e.block_hashes):
-                        tokens = tuple(e.token_ids[i * bs : (i + 1) * bs])
-                        state.children[(parent, tokens)] = h
-                        state.nodes[h] = (parent, tokens)
+                        node = (parent, tuple(e.token_ids[i * bs : (i + 1) * bs]))
+                        old = state.nodes.pop(h, None)
+                        if old is not None and old != node and state.children.get(old) == h:
+                            del state.children[old]  # the same hash for other content: the latest wins
+                        state.children[node] = h
+                        state.nodes[h] = node
                         parent = h
+                    self._evict_blocks(state)
                 elif kind == "BlockRemoved":
                     for h in e.block_hashes:
                         node = state.nodes.pop(h, None)
                         if node is not None and state.children.get(node) == h:
                             del state.children[node]
 
+    def _evict_blocks(self, state: _EngineBlocks) -> None:
+        while len(state.nodes) > self.max_engine_blocks:
+            h = next(iter(state.nodes))
+            node = state.nodes.pop(h)
+            if state.children.get(node) == h:
+                del state.children[node]
+            state.evicted += 1
+
     def apply_store(self, source: str, events: Sequence[Any]) -> None:
         with self._lock:
-            media = self._store.setdefault(source, {})
+            state = self._store.setdefault(source, _StoreKeys())
             for e in events:
                 kind = type(e).__name__
                 if kind == "AllBlocksCleared":
-                    media.clear()
-                elif kind == "BlockStored":
-                    media.setdefault(e.medium or "", set()).update(e.block_hashes)
-                elif kind == "BlockRemoved":
-                    media.setdefault(e.medium or "", set()).difference_update(e.block_hashes)
+                    self._store[source] = state = _StoreKeys(evicted=state.evicted)
+                    continue
+                if kind not in ("BlockStored", "BlockRemoved"):
+                    continue
+                medium = e.medium or ""
+                bit = state.media.get(medium)
+                if bit is None:
+                    if len(state.media) >= MAX_MEDIA:
+                        continue
+                    bit = state.media[medium] = 1 << len(state.media)
+                keys = state.keys
+                if kind == "BlockStored":
+                    for k in e.block_hashes:
+                        mask = keys.pop(k, 0)
+                        if not mask & bit:
+                            state.count[medium] = state.count.get(medium, 0) + 1
+                        keys[k] = mask | bit
+                    while len(keys) > self.max_store_keys:
+                        state.drop(keys.pop(next(iter(keys))))
+                        state.evicted += 1
+                else:
+                    for k in e.block_hashes:
+                        mask = keys.get(k)
+                        if mask is not None and mask & bit:
+                            state.count[medium] -= 1
+                            if mask & ~bit:
+                                keys[k] = mask & ~bit
+                            else:
+                                del keys[k]
 
     # ---- lookups ------------------------------------------------------------------------------
     def local_tokens(self, engine: str, tokens: Sequence[int]) -> int:
@@ -84,9 +144,9 @@ class PrefixIndex:
     def store_chunks(self, keys: Sequence[bytes]) -> int:
         """How many leading chunk `keys` some tier of some store holds."""
         with self._lock:
-            sets = [s for media in self._store.values() for s in media.values()]
+            held = [s.keys for s in self._store.values()]
             n = 0
-            while n < len(keys) and any(keys[n] in s for s in sets):
+            while n < len(keys) and any(keys[n] in s for s in held):
                 n += 1
             return n
 
@@ -94,5 +154,12 @@ class PrefixIndex:
         with self._lock:
             return {
                 "engines": {name: len(s.nodes) for name, s in self._engines.items()},
-                "stores": {src: {m: len(k) for m, k in media.items()} for src, media in self._store.items()},
+                "stores": {src: dict(s.count) for src, s in self._store.items()},
             }
+
+    def sizes(self) -> dict[str, tuple[int, int]]:
+        """source -> (entries indexed, entries evicted by the cap so far): the /metrics gauges."""
+        with self._lock:
+            out = {name: (len(s.nodes), s.evicted) for name, s in self._engines.items()}
+            out.update({src: (len(s.keys), s.evicted) for src, s in self._store.items()})
+            return out

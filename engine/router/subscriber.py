@@ -1,24 +1,70 @@
-"""The router's KV-event feed: one SUB socket per publisher (engines and stores), replayed from seq 0 on
-start (a restarted router rebuilds its index from the publishers' replay buffers) and again from the
-last seq seen whenever a gap shows (a batch lost to the PUB high-water mark or a slow join).
+"""The router's KV-event feed: one SUB socket per publisher (engines and stores), checked frame by frame,
+kept in step with each publisher's replay buffer.
 
-A batch whose seq is not above the last one seen is a duplicate, unless it starts with
-AllBlocksCleared: then the publisher restarted (its seq starts again at 0) and the stream is new.
+Every frame is validated before anything is applied: three frames (topic, seq, payload), the topic
+exactly the configured one, the seq exactly 8 bytes and at most 2^63 - 1 (vLLM counts from 0, one a
+batch), no frame over `max_frame_bytes` (ZMQ_MAXMSGSIZE: a publisher that sends one is disconnected
+before it is read, then reconnected). A frame that fails is dropped and counted in its source's
+`malformed`; nothing else stops, and nothing that goes wrong with one source ends the thread.
+
+Sequence: a batch whose seq is the last applied + 1 is applied. Anything else is checked against the
+publisher's replay buffer (`replay_endpoint`), anchored at the last applied seq:
+
+- the replay's first batch is that seq with the very payload applied (a digest is kept of the last
+  DIGESTS applied batches): the same stream; what follows fills the gap, contiguously;
+- otherwise the publisher restarted (its seq began again at 0, its first batches lost to ZMQ's slow
+  joiner) or its buffer no longer reaches our last batch: what the router indexed from it is forgotten
+  and it is replayed from 0.
+
+A live batch the replay does not confirm (a seq it does not reach, another payload at that seq) is not
+applied: it is counted in `untrusted`. A source without a replay endpoint cannot check: a gap is
+counted in `lost` and the batch applied; a seq at or below the last (another payload) means a restart:
+its index is reset and the batch applied. Every `check_s` (doubling up to 60 s while it does not answer)
+each source's replay is asked again from the last seq: a restarted publisher that has published
+nothing the router saw is still noticed, and a last batch lost to the high-water mark is recovered.
+
+Authentication (`Source.server_key`): the SUB and replay sockets are CURVE clients of that publisher
+key (kvstore.events.curve_server_key of the publisher's token): a peer that does not hold the token
+cannot complete the handshake, so nothing it sends is read.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from kvstore.events import END_SEQ, decode_batch
+from kvstore.events import END_SEQ, MAX_SEQ, all_blocks_cleared, decode_batch
 
 logger = logging.getLogger(__name__)
-REPLAY_TIMEOUT_S = 2.0
+REPLAY_TIMEOUT_S = 2.0  # a replay that sends nothing this long has failed
+REPLAY_TOTAL_S = 30.0  # and one that goes on longer is cut off (what it gave so far is kept)
+RESYNC_MIN_S = 0.2  # between two replays of one source asked for by live batches
+CHECK_MAX_S = 60.0  # the longest wait between two checks of a publisher that does not answer
+DIGESTS = 8192  # applied batches per source whose digest is kept (duplicates are recognised by it)
+MAX_FRAME_BYTES = 16 << 20
+
+
+@dataclass
+class FeedOptions:
+    """How the router reads KV events (RouterConfig.events; `kvstore-engine router` flags)."""
+
+    engine_token: str | None = field(default=None, repr=False)  # the engines' events token (CURVE)
+    store_token: str | None = field(default=None, repr=False)  # the stores' events token (CURVE)
+    max_frame_bytes: int = MAX_FRAME_BYTES  # a larger frame disconnects its publisher
+    max_engine_blocks: int = 262_144  # blocks indexed per engine (the oldest go first)
+    max_store_keys: int = 1_048_576  # chunk keys indexed per store
+    check_s: float = 5.0  # between checks of each publisher's replay (0: never)
+
+    def __post_init__(self) -> None:
+        if self.max_frame_bytes < 1024 or self.max_engine_blocks < 1 or self.max_store_keys < 1:
+            raise ValueError("events: max frame >= 1 KiB, index caps >= 1")
+        if self.check_s < 0:
+            raise ValueError("events: the check interval must be >= 0")
 
 
 @dataclass
@@ -28,96 +74,260 @@ class Source:
     replay_endpoint: str | None
     apply: Callable[[str, list[Any]], None]  # (source name, events)
     topic: str = ""
+    server_key: bytes | str | None = field(default=None, repr=False)  # the publisher's CURVE key (Z85)
     last_seq: int = -1
-    batches: int = 0
-    replayed: int = 0
+    batches: int = 0  # applied
+    replayed: int = 0  # of those, from the replay endpoint
+    malformed: int = 0  # frames dropped: shape, topic, seq, size of answer, undecodable payload
+    untrusted: int = 0  # live batches the publisher's replay did not confirm (not applied)
+    resyncs: int = 0  # restarts seen: its index reset, replayed from 0
+    lost: int = 0  # batches skipped by a gap no replay could fill (no replay endpoint)
+    errors: int = 0  # exceptions while handling its frames (logged)
+    applied: dict[int, int] = field(default_factory=dict, repr=False)  # seq -> digest, the last DIGESTS
+    next_check: float = 0.0  # monotonic
+    check_wait: float = 0.0
+    resync_after: float = 0.0  # monotonic: no replay for a live batch before
+
+    def state(self) -> dict[str, Any]:
+        """For /v1/router/state."""
+        keys = ("last_seq", "batches", "replayed", "malformed", "untrusted", "resyncs", "lost", "errors")
+        return {k: getattr(self, k) for k in keys}
+
+
+def _digest(payload: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(payload, digest_size=8).digest(), "big")
 
 
 class EventSubscriber:
-    def __init__(self, sources: list[Source]) -> None:
+    def __init__(self, sources: list[Source], options: FeedOptions | None = None) -> None:
         import zmq
 
         self._zmq = zmq
         self.sources = sources
+        self.options = options or FeedOptions()
         self._ctx = zmq.Context.instance()
         self._socks: dict[Any, Source] = {}
+        self._client_keys = zmq.curve_keypair() if any(s.server_key for s in sources) else None
         self._running = True
         self.ready = threading.Event()  # set once every source was asked for its replay
         self._thread = threading.Thread(target=self._run, name="router-events", daemon=True)
+        self._topics = {id(s): s.topic.encode() for s in sources}
 
     def start(self) -> EventSubscriber:
         self._thread.start()
         return self
 
-    def _handle(self, src: Source, seq: int, payload: bytes) -> None:
+    @property
+    def alive(self) -> bool:
+        """False when the events thread has ended while it should run: then nothing is followed."""
+        return self._thread.is_alive() or self._thread.ident is None or not self._running
+
+    # ---- sockets -------------------------------------------------------------------------------------
+    def _socket(self, kind: int, src: Source) -> Any:
+        zmq = self._zmq
+        sock = self._ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.options.max_frame_bytes)
+        if src.server_key:
+            assert self._client_keys is not None
+            key = src.server_key.encode() if isinstance(src.server_key, str) else src.server_key
+            sock.curve_serverkey = key
+            sock.curve_publickey, sock.curve_secretkey = self._client_keys
+        return sock
+
+    def _recv(self, sock: Any) -> list[bytes]:
+        """One message's frames; past five the rest are read and dropped (the message is malformed)."""
+        frames = [sock.recv()]
+        while sock.rcvmore:
+            frame = sock.recv()
+            if len(frames) < 5:
+                frames.append(frame)
+        return frames
+
+    def _parse(self, src: Source, frames: list[bytes]) -> tuple[int, bytes] | None:
+        """(seq, payload) of a well-formed (topic, seq, payload) message, else None (counted)."""
+        if len(frames) == 3 and frames[0] == self._topics[id(src)] and len(frames[1]) == 8:
+            seq = int.from_bytes(frames[1], "big")
+            if seq <= MAX_SEQ:
+                return seq, frames[2]
+        self._malformed(src, f"a message of {len(frames)} frame(s) not in vLLM's shape or topic")
+        return None
+
+    def _malformed(self, src: Source, what: str) -> None:
+        src.malformed += 1
+        if src.malformed & (src.malformed - 1) == 0:  # 1, 2, 4, 8...: a hostile peer cannot fill the log
+            logger.warning(
+                "KV events from %s: %s dropped (%d malformed so far)", src.name, what, src.malformed
+            )
+
+    # ---- applying --------------------------------------------------------------------------------------
+    def _apply(self, src: Source, seq: int, payload: bytes, digest: int | None = None) -> None:
+        """Apply the batch at `seq`, which follows the last applied (or starts a stream)."""
+        src.last_seq = seq
+        src.applied[seq] = _digest(payload) if digest is None else digest
+        while len(src.applied) > DIGESTS:
+            del src.applied[next(iter(src.applied))]
         try:
             batch = decode_batch(payload)
-        except Exception as e:  # msgspec.DecodeError and friends: one bad batch, not a dead feed
-            logger.warning("KV events from %s: undecodable batch %d (%s)", src.name, seq, e)
+        except Exception as e:  # msgspec.DecodeError and friends: its seq is used up, the stream goes on
+            self._malformed(src, f"undecodable batch {seq} ({e})")
             return
-        restart = bool(batch.events) and type(batch.events[0]).__name__ == "AllBlocksCleared"
-        if seq <= src.last_seq and not restart:
-            return
-        if seq > src.last_seq + 1 and src.last_seq >= 0 and not restart:
-            self._replay(src, src.last_seq + 1)  # fills the gap, then this batch is a duplicate
-            if seq <= src.last_seq:
-                return
-        src.last_seq = seq
         src.batches += 1
         src.apply(src.name, batch.events)
 
-    def _replay(self, src: Source, start: int) -> None:
-        if not src.replay_endpoint:
+    def _reset(self, src: Source, why: str) -> None:
+        """Forget what `src` announced: its index and seq (a restarted publisher starts again)."""
+        logger.warning(
+            "KV events from %s: %s; forgetting what it announced and replaying it from 0", src.name, why
+        )
+        src.apply(src.name, [all_blocks_cleared()])
+        src.last_seq = -1
+        src.applied.clear()
+        src.resyncs += 1
+
+    def _handle(self, src: Source, frames: list[bytes]) -> None:
+        parsed = self._parse(src, frames)
+        if parsed is None:
             return
+        seq, payload = parsed
+        if seq == src.last_seq + 1:
+            self._apply(src, seq, payload)
+            return
+        digest = _digest(payload)
+        if seq <= src.last_seq and src.applied.get(seq) == digest:
+            return  # a duplicate: the replay gave it first
+        if not src.replay_endpoint:  # nothing to check against: follow the publisher
+            if seq <= src.last_seq:
+                self._reset(src, f"its seq went back from {src.last_seq} to {seq}")
+            elif src.last_seq >= 0:
+                src.lost += seq - src.last_seq - 1
+            self._apply(src, seq, payload, digest)
+            return
+        now = time.monotonic()
+        if now < src.resync_after:  # replayed very recently: drop it, a check comes soon
+            src.next_check = min(src.next_check, src.resync_after)
+            return
+        self._resync(src)
+        if src.applied.get(seq) != digest:
+            src.untrusted += 1
+            if src.untrusted & (src.untrusted - 1) == 0:
+                logger.warning("KV events from %s: batch %d not confirmed by its replay, dropped (%d so far)",
+                               src.name, seq, src.untrusted)  # fmt: skip
+
+    def _resync(self, src: Source) -> bool:
+        """Bring `src` in step with its replay buffer (module docstring). False if the replay failed."""
+        src.resync_after = time.monotonic() + RESYNC_MIN_S
+        if src.last_seq >= 0:
+            anchor, anchor_digest = src.last_seq, src.applied.get(src.last_seq)
+            same: list[bool] = []
+
+            def follow(seq: int, payload: bytes) -> bool:
+                if not same:
+                    same.append(seq == anchor and _digest(payload) == anchor_digest)
+                    return same[0]
+                self._apply(src, seq, payload)
+                src.replayed += 1
+                return True
+
+            done = self._replay(src, anchor, follow)
+            if done is None:
+                return False
+            if same == [True]:
+                return True
+            self._reset(src, f"its replay no longer holds batch {anchor} as applied")
+
+        def take(seq: int, payload: bytes) -> bool:
+            self._apply(src, seq, payload)
+            src.replayed += 1
+            return True
+
+        return self._replay(src, 0, take) is not None
+
+    def _replay(self, src: Source, start: int, take: Callable[[int, bytes], bool]) -> bool | None:
+        """Ask src's replay endpoint for every batch from `start`; each well-formed one, in order and
+        contiguous, goes to `take` until it returns False. True: the end marker came; False: `take`
+        stopped; None: no answer in time, or a malformed one (what came before it was taken)."""
         zmq = self._zmq
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
+        sock = self._socket(zmq.DEALER, src)
         sock.connect(src.replay_endpoint)
         try:
             sock.send_multipart((b"", start.to_bytes(8, "big")))
-            deadline = time.monotonic() + REPLAY_TIMEOUT_S
-            while time.monotonic() < deadline:
+            began = idle = time.monotonic()
+            prev = None
+            while True:
+                now = time.monotonic()
+                if now - idle > REPLAY_TIMEOUT_S or now - began > REPLAY_TOTAL_S:
+                    logger.warning("KV events: no (whole) replay from %s within %g s", src.replay_endpoint,
+                                   REPLAY_TIMEOUT_S if now - idle > REPLAY_TIMEOUT_S else REPLAY_TOTAL_S)  # fmt: skip
+                    return None
                 if not sock.poll(50):
                     continue
-                frames = sock.recv_multipart()
-                if len(frames) != 4 or frames[2] == END_SEQ:
-                    return
-                src.replayed += 1
-                self._handle_replayed(src, int.from_bytes(frames[2], "big"), frames[3])
-            logger.warning("KV events: no replay from %s within %g s", src.replay_endpoint, REPLAY_TIMEOUT_S)
+                idle = time.monotonic()
+                frames = self._recv(sock)
+                if len(frames) == 4 and frames[0] == b"" and frames[2] == END_SEQ:
+                    return True
+                parsed = self._parse(src, frames[1:]) if len(frames) == 4 and frames[0] == b"" else None
+                if parsed is None:
+                    if len(frames) != 4 or frames[0] != b"":
+                        self._malformed(src, "a replay answer not in vLLM's shape")
+                    return None
+                seq, payload = parsed
+                if seq < start or (prev is not None and seq != prev + 1):
+                    self._malformed(src, f"replayed batch {seq} out of order (after {prev}, from {start})")
+                    return None
+                prev = seq
+                if not take(seq, payload):
+                    return False
         finally:
             sock.close()
 
-    def _handle_replayed(self, src: Source, seq: int, payload: bytes) -> None:
-        if seq > src.last_seq:
-            try:
-                batch = decode_batch(payload)
-            except Exception as e:  # msgspec.DecodeError and friends: skip the batch, keep the feed
-                logger.warning("KV events from %s: undecodable replayed batch %d (%s)", src.name, seq, e)
-                return
-            src.last_seq = seq
-            src.batches += 1
-            src.apply(src.name, batch.events)
+    # ---- the thread -----------------------------------------------------------------------------------
+    def _check(self, src: Source) -> None:
+        """The periodic replay of one source, backing off while it does not answer."""
+        ok = self._resync(src)
+        base = self.options.check_s
+        if ok:
+            src.check_wait = base
+            src.next_check = time.monotonic() + base if base > 0 else float("inf")
+        else:
+            src.check_wait = min(CHECK_MAX_S, max(base or 1.0, src.check_wait * 2))
+            src.next_check = time.monotonic() + src.check_wait
 
     def _run(self) -> None:
         zmq = self._zmq
         poller = zmq.Poller()
         for src in self.sources:
-            sock = self._ctx.socket(zmq.SUB)
-            sock.setsockopt(zmq.LINGER, 0)
+            sock = self._socket(zmq.SUB, src)
             sock.setsockopt(zmq.SUBSCRIBE, src.topic.encode())
             sock.connect(src.endpoint)
             self._socks[sock] = src
             poller.register(sock, zmq.POLLIN)
         for src in self.sources:  # live batches queue in the SUB sockets meanwhile
-            self._replay(src, 0)
+            if src.replay_endpoint:
+                try:
+                    self._check(src)
+                except Exception:
+                    src.errors += 1
+                    logger.exception("KV events from %s: the first replay failed", src.name)
         self.ready.set()
         try:
             while self._running:
                 for sock, _ in poller.poll(100):
-                    frames = sock.recv_multipart()
-                    if len(frames) == 3:
-                        self._handle(self._socks[sock], int.from_bytes(frames[1], "big"), frames[2])
+                    src = self._socks[sock]
+                    try:
+                        self._handle(src, self._recv(sock))
+                    except Exception:  # one source's trouble must not stop the others
+                        src.errors += 1
+                        logger.exception("KV events from %s: handling a batch failed", src.name)
+                now = time.monotonic()
+                for src in self.sources:
+                    if src.replay_endpoint and now >= src.next_check:
+                        try:
+                            self._check(src)
+                        except Exception:
+                            src.errors += 1
+                            src.next_check = now + CHECK_MAX_S
+                            logger.exception("KV events from %s: checking its replay failed", src.name)
         finally:
             for sock in self._socks:
                 sock.close()
@@ -125,3 +335,55 @@ class EventSubscriber:
     def stop(self) -> None:
         self._running = False
         self._thread.join(2)
+
+
+class FeedCollector:
+    """`kvstore_router_events_*` and `kvstore_router_index_*` per source, read at each scrape (register
+    it on the router's prometheus registry)."""
+
+    def __init__(self, subscriber: EventSubscriber, index: Any) -> None:
+        self.subscriber, self.index = subscriber, index
+
+    def collect(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        counters = {
+            "batches": "KV event batches applied",
+            "malformed": "KV event frames dropped as malformed (shape, topic, seq, size, undecodable)",
+            "untrusted": "live KV event batches the publisher's replay did not confirm (not applied)",
+            "resyncs": "publisher restarts seen: the source's index reset and replayed from 0",
+            "lost": "KV event batches skipped by a gap no replay could fill",
+            "errors": "exceptions while handling a source's KV events",
+        }
+        for name, doc in counters.items():
+            family = CounterMetricFamily(f"kvstore_router_events_{name}", doc, labels=["source"])
+            for s in self.subscriber.sources:
+                family.add_metric([s.name], getattr(s, name))
+            yield family
+        seq = GaugeMetricFamily(
+            "kvstore_router_events_last_seq", "last KV event seq applied", labels=["source"]
+        )
+        for s in self.subscriber.sources:
+            seq.add_metric([s.name], s.last_seq)
+        yield seq
+        yield GaugeMetricFamily(
+            "kvstore_router_events_up",
+            "1 while the router's KV events thread runs",
+            value=self.subscriber.alive,
+        )
+        sizes = self.index.sizes()
+        entries = GaugeMetricFamily(
+            "kvstore_router_index_entries",
+            "blocks (engines) or chunk keys (stores) indexed",
+            labels=["source"],
+        )
+        evicted = CounterMetricFamily(
+            "kvstore_router_index_evicted",
+            "index entries dropped by its cap, oldest first",
+            labels=["source"],
+        )
+        for name, (n, gone) in sizes.items():
+            entries.add_metric([name], n)
+            evicted.add_metric([name], gone)
+        yield entries
+        yield evicted
