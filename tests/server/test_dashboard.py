@@ -1,13 +1,16 @@
-"""/dashboard rendered by headless Chromium with real traffic from two SmolLM2 engines behind it: the
-funnel starts at the engines' own prefix cache, the store's tiers serve the rest, the charts draw the
-server's samples, and the token lives for the browser session only.
+"""/dashboard rendered by headless Chromium with real traffic behind it, from two kvstore-engines and
+from two vLLM processes: the funnel starts at the engines' own prefix cache and shows their counters,
+the store's tiers serve the rest, the prefill time saved is checked against the cold prefill measured
+here, the charts draw the server's samples, and the token lives for the browser session only.
 
-Chromium comes from the Debian package; the fixture installs it when missing and running as root.
+Chromium is Debian's package, which `make test` installs (the Makefile's `chromium` step); the fixture
+only finds it: missing, the tests fail under CI=true and skip elsewhere, saying how to install it.
 A screenshot is kept as a test artifact in artifacts/dashboard.png (gitignored).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -21,28 +24,31 @@ from kvstore.sdk.remote import RemoteBackend
 
 from tests.connectors.engine_util import ENGINE, doc, free_port
 from tests.connectors.test_engine_pd import Proc, http_json, metric, wait_saves_landed
-from tests.server.conftest import key, make_blob
+from tests.connectors.vllm.vllm_util import VllmServer, requires_vllm, start_all, transfer_config
+from tests.server.conftest import key, make_blob, wait_for
 
+log = logging.getLogger(__name__)
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
 TOKEN = "dash-token"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync"]  # fmt: skip
 
 
+def in_ci() -> bool:
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
 @pytest.fixture(scope="session")
 def chromium() -> str:
+    """Debian's chromium, put there by `make test` (its `chromium` step); never installed from here."""
     found = shutil.which("chromium") or shutil.which("chromium-browser")
     if found:
         return found
-    if os.geteuid() != 0 or shutil.which("apt-get") is None:
-        pytest.skip("chromium is not installed and this is not a root Debian box to install it on")
-    run = subprocess.run(["apt-get", "install", "-y", "--no-install-recommends", "chromium"],
-                         capture_output=True, text=True, timeout=900,
-                         env=dict(os.environ, DEBIAN_FRONTEND="noninteractive"))  # fmt: skip
-    found = shutil.which("chromium")
-    if run.returncode != 0 or not found:
-        pytest.skip(f"apt-get install chromium failed: {run.stderr[-500:]}")
-    return found
+    why = ("chromium is not installed, so the dashboard's DOM tests cannot run: `make chromium` installs "
+           "Debian's package as root (apt-get install -y --no-install-recommends chromium)")  # fmt: skip
+    if in_ci():
+        pytest.fail(f"{why} (CI=true: the set-up must have done it)", pytrace=False)
+    pytest.skip(why)
 
 
 def _run_chromium(chromium: str, profile: Path, url: str, *extra: str) -> subprocess.CompletedProcess:
@@ -57,13 +63,45 @@ def _attrs(tag: str) -> dict[str, str]:
     return dict(re.findall(r'([\w-]+)="([^"]*)"', tag))
 
 
+def _box(dom: str, box: str) -> str:
+    return dom.split(f'id="{box}"', 1)[1].split("</div></div>", 1)[0] if f'id="{box}"' in dom else ""
+
+
 def _stages(dom: str, box: str) -> dict[str, float]:
-    """data-stage -> data-value of the rows in the funnel box `box` (funnel or reasons)."""
-    part = dom.split(f'id="{box}"', 1)[1].split("</div></div>", 1)[0] if f'id="{box}"' in dom else ""
+    """label -> data-value of the rows in the funnel box `box` (funnel or reasons)."""
     rows = re.findall(
-        r'<div class="row" data-stage="([\w-]+)" data-value="([\d.e+-]+)"><span>([^<]*)</span>', part
+        r'<div class="row" data-stage="([\w-]+)" data-value="([\d.e+-]+)"><span>([^<]*)</span>',
+        _box(dom, box),
     )
     return {label: float(value) for _, value, label in rows}
+
+
+def _shown(dom: str, box: str) -> dict[str, str]:
+    """label -> the count a row shows (its text before the share), e.g. '2,816 tok'."""
+    rows = re.findall(r"<span>([^<]*)</span><div [^>]*></div><span class=\"num\">([^<]*) · ", _box(dom, box))
+    return dict(rows)
+
+
+def _saved(dom: str) -> float:
+    """The page's prefill time saved by the store (its data-value, seconds)."""
+    return float(re.search(r'id="kpi-seconds-saved" data-value="([\d.e+-]+)"', dom).group(1))
+
+
+def _wait_sampled(srv, prefills: int) -> None:
+    """Until the server's samples hold `prefills` finished prefills with every engine idle, and one more."""
+
+    def engines() -> dict:
+        return (srv.request("GET", "/v1/stats/history").json()["samples"][-1:] or [{}])[0].get(
+            "engines"
+        ) or {}
+
+    def done() -> bool:
+        e = engines()
+        return e.get("prefills") == prefills and e.get("running") == e.get("waiting") == 0
+
+    wait_for(done, timeout=60)
+    t = srv.request("GET", "/v1/stats/history").json()["samples"][-1]["t"]
+    wait_for(lambda: srv.request("GET", "/v1/stats/history").json()["samples"][-1]["t"] > t, timeout=30)
 
 
 def start_engine(port: int, store_url: str) -> Proc:
@@ -99,7 +137,7 @@ def test_dashboard_tells_the_cache_story_with_real_engines(server_factory, chrom
         body = {"prompt": doc(600, 77), "max_tokens": 2, "temperature": 0, "ignore_eos": True}
         first, second = (f"http://127.0.0.1:{p}" for p in ports)
         http_json(first + "/v1/completions", body)  # cold: computed, its chunks saved
-        cold_s = metric(first, "vllm:request_prefill_time_seconds_sum")  # the whole cold prefill
+        cold_s = metric(first, "vllm:request_prefill_time_seconds_sum")  # the whole cold prefill, measured
         http_json(first + "/v1/completions", body)  # the engine's own prefix cache
         wait_saves_landed(first)
         n = http_json(second + "/v1/completions", body)["usage"]["prompt_tokens"]  # another engine: the store
@@ -107,7 +145,7 @@ def test_dashboard_tells_the_cache_story_with_real_engines(server_factory, chrom
         # the full 256-token chunks and the first run's partial chunk, up to the block before the last token
         stored = (n - 1) // 16 * 16
         assert stored > 512 and metric(second, "vllm:external_prefix_cache_hits_total") == stored
-        time.sleep(1.5)  # a few samples that include all of it
+        _wait_sampled(srv, prefills=4)  # samples that include all of it
         url = f"{srv.url}/dashboard"
         run = _run_chromium(chromium, tmp_path / "profile", url, "--dump-dom")
         assert run.returncode == 0, run.stderr[-2000:]
@@ -117,19 +155,21 @@ def test_dashboard_tells_the_cache_story_with_real_engines(server_factory, chrom
         assert set(funnel) == {"engine prefix cache", "store: cpu", "store: disk", "recomputed"}, funnel
         assert funnel["engine prefix cache"] >= 512 and funnel["store: cpu"] == stored, funnel
         assert funnel["store: disk"] == 0 and funnel["recomputed"] > 0
+        assert _shown(dom, "funnel")["store: cpu"] == f"{stored:,} tok"  # the engines' count, not rounded
         hit_rate = float(re.search(r'id="kpi-hit-rate" data-value="([\d.]+)"', dom).group(1))
         prompt_tokens = sum(funnel.values())
         assert hit_rate == pytest.approx((funnel["engine prefix cache"] + stored) / prompt_tokens, rel=1e-6)
         assert re.search(r'id="kpi-seconds-saved"[^>]*>[\d.]+ (ms|s)<', dom), (
             "prefill time saved, with a unit"
         )
-        # issue 30 #15: the estimate counted KV loading as compute (18.3 s of a 2.1 s cold prefill, 9x).
-        # The store served one prompt, so the truth is about one cold prefill less its load; the cost per
-        # token comes from other prefills (a cold 300-token one on the second engine, an engine-cache
-        # hit's overhead), which on a loaded box run up to ~1.3x slower per token than this one (CI:
-        # 0.53 s estimated against a 0.47 s cold prefill). 1.5x still fails the old 9x overcount.
-        saved = float(re.search(r'id="kpi-seconds-saved" data-value="([\d.e+-]+)"', dom).group(1))
-        assert 0 < saved < 1.5 * cold_s, (saved, cold_s)
+        # issue 30 #15 (KV loading counted as compute: 9x) and issue 43 (one request's prefill seconds
+        # over another's tokens: 30x with vLLM; failed a loaded box's make test): within 1.5x of what
+        # computing the tokens the store served cost the cold prefill measured above
+        served_cold_s = cold_s * stored / n
+        saved = _saved(dom)
+        log.info("kvstore-engine: %.3f s saved, %.3f s the cold prefill of the store's %d tokens (%.2fx)",
+                 saved, served_cold_s, stored, saved / served_cold_s)  # fmt: skip
+        assert served_cold_s / 1.5 < saved < 1.5 * served_cold_s, (saved, served_cold_s)
         assert "per computed token, from" in dom
         assert _stages(dom, "reasons")["not stored"] >= 1
         charts = {_attrs(t)["id"]: _attrs(t) for t in re.findall(r"<svg [^>]*>", dom)}
@@ -157,6 +197,67 @@ def test_dashboard_tells_the_cache_story_with_real_engines(server_factory, chrom
     finally:
         for e in engines:
             e.stop()
+
+
+VLLM_BLOCK = 128  # vLLM's CPU block: a store hit is every whole block before the last prompt token
+
+
+@pytest.mark.slow
+@requires_vllm
+@pytest.mark.timeout(900)
+def test_two_vllm_processes_cold_then_a_store_hit(server_factory, chromium, tmp_path):
+    """Issue 43: after one cold 2,915-token prefill (~4 s) and one store hit the page said '2.2 min'
+    saved (22.4 ms per computed token where the cold prefill cost ~1.4), and its funnel read 2,820
+    store tokens where vLLM counted 2,816."""
+    from kvstore.engine.convert import ensure_smollm2  # noqa: PLC0415
+
+    ports = [free_port(), free_port()]
+    srv = server_factory(
+        store={"tiers": ["cpu", "disk"], "cpu_capacity": "256MiB"}, sample_interval=0.5,
+        engine_metrics=[f"http://127.0.0.1:{p}" for p in ports],
+    )  # fmt: skip
+    model = ensure_smollm2()
+    servers = [
+        VllmServer(model, p, transfer_config(srv.url, "kv_both"), tmp_path / f"vllm{i}.log", core=i)
+        for i, p in enumerate(ports)
+    ]
+    start_all(servers)
+    try:
+        cold, warm = servers
+        prompt = doc(2915, 79)
+        assert cold.complete(prompt, max_tokens=2)["cached"] == 0
+        cold_s = cold.metric("vllm:request_prefill_time_seconds_sum")  # the cold prefill, measured
+        hit = warm.complete(prompt, max_tokens=2)  # another process: the store's tokens
+        served = (len(prompt) - 1) // VLLM_BLOCK * VLLM_BLOCK
+        assert hit["cached"] == served == warm.metric("vllm:external_prefix_cache_hits_total") == 2816
+        _wait_sampled(srv, prefills=2)
+
+        def total(name: str) -> int:
+            return int(sum(s.metric(name) for s in servers))
+
+        run = _run_chromium(chromium, tmp_path / "profile", f"{srv.url}/dashboard", "--dump-dom")
+        assert run.returncode == 0, run.stderr[-2000:]
+        dom = run.stdout
+        funnel, shown = _stages(dom, "funnel"), _shown(dom, "funnel")
+        # the funnel is vLLM's own counters: its prefix cache, the connector's hits, what it computed
+        prompt_tokens, local = total("vllm:prefix_cache_queries_total"), total("vllm:prefix_cache_hits_total")
+        computed = total("vllm:request_prefill_kv_computed_tokens_sum")
+        assert (prompt_tokens, local, computed) == (2 * 2915, 0, 2915 + 2915 - served)
+        assert funnel == {"engine prefix cache": local, "store: cpu": served, "store: disk": 0,
+                          "recomputed": computed}  # fmt: skip
+        assert shown == {"engine prefix cache": "0 tok", "store: cpu": "2,816 tok", "store: disk": "0 tok",
+                         "recomputed": "3,014 tok"}  # fmt: skip
+        # saved: within 1.5x of what computing the store's tokens cost the cold prefill measured here
+        served_cold_s = cold_s * served / len(prompt)
+        saved = _saved(dom)
+        log.info("vLLM: %.3f s saved, %.3f s the cold prefill of the store's %d tokens (%.2fx; cold %.3f s)",
+                 saved, served_cold_s, served, saved / served_cold_s, cold_s)  # fmt: skip
+        assert served_cold_s / 1.5 < saved < 1.5 * served_cold_s, (saved, served_cold_s, cold_s)
+        assert re.search(r'id="kpi-seconds-saved"[^>]*>[\d.]+ (ms|s)<', dom)
+        assert "from 1 prefill the store served nothing to, times its 2,816 tokens" in dom
+    finally:
+        for s in servers:
+            s.stop()
 
 
 @pytest.mark.slow
