@@ -11,6 +11,7 @@ client hangs up is aborted (stream or not); SIGTERM drains in-flight requests fo
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import re
 import time
@@ -21,7 +22,7 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 from kvstore.engine.async_engine import AsyncEngine
-from kvstore.engine.errors import InvalidRequest, ModelNotFound, TokenizerError
+from kvstore.engine.errors import InvalidRequest, ModelNotFound, RequestFailed, TokenizerError
 from kvstore.engine.llm_engine import LLMEngine
 from kvstore.engine.openai_logprobs import LogprobsRenderer
 from kvstore.engine.outputs import RequestOutput
@@ -49,6 +50,8 @@ logger = logging.getLogger(__name__)
 ENGINE_KEY = web.AppKey("async_engine", AsyncEngine)
 LOGPROBS_KEY = web.AppKey("logprobs_renderer", LogprobsRenderer)
 MAX_BODY_BYTES = 8 * 2**20
+COMPILING_KEY = web.AppKey("compiling_per_client", dict)  # client -> its new constraints compiling now
+MAX_COMPILES_PER_CLIENT = 4  # of the compile helper's 32 slots (compile_worker.MAX_RUNNING_COMPILES)
 _PARSE_OFF_LOOP_BYTES = 256 * 2**10  # bigger bodies are parsed in the tokenizer pool
 R = TypeVar("R", CompletionRequest, ChatCompletionRequest)
 
@@ -157,17 +160,44 @@ def _tokenize_chat(engine: LLMEngine, req: ChatCompletionRequest) -> list[int]:
     return ids
 
 
-async def _compile_constraint(engine: LLMEngine, params: SamplingParams) -> None:
+def _client(request: web.Request) -> str:
+    """Who sent `request`, for fair shares: its credentials when it has some, else its address."""
+    auth = request.headers.get("Authorization")
+    if auth:
+        return "auth:" + hashlib.sha256(auth.encode(errors="replace")).hexdigest()[:16]
+    return f"addr:{request.remote}"
+
+
+async def _compile_constraint(request: web.Request, engine: LLMEngine, params: SamplingParams) -> None:
     """Compile a structured-output constraint before the request is queued: a bad one is a 400
     before any work, and a slow first compile (~0.3 s for a typical schema) blocks neither the event
     loop nor the running batch; add_request then finds it in the cache. The compile runs on its own
-    (a child process); waiting for it holds no executor thread, so slow ones queue nothing."""
-    if params.structured_outputs is not None:
+    (a child process); waiting for it holds no executor thread, so slow ones queue nothing.
+
+    A client has at most MAX_COMPILES_PER_CLIENT new constraints compiling at once (a 429 past
+    that), so one client's wave of slow schemas cannot take every compile slot from the others."""
+    constraint = params.structured_outputs
+    if constraint is None:
+        return
+    so = engine.structured_output
+    compiling = request.app[COMPILING_KEY]
+    client = None if so.cached(constraint) else _client(request)
+    if client is not None:
+        if compiling.get(client, 0) >= MAX_COMPILES_PER_CLIENT:
+            raise RequestFailed(
+                f"{MAX_COMPILES_PER_CLIENT} of your constraints are compiling already; retry when they are done",
+                status=429,
+            )
+        compiling[client] = compiling.get(client, 0) + 1
+    try:
         loop = asyncio.get_running_loop()  # the executor only for the lookup (and the first use's setup)
-        future = await loop.run_in_executor(
-            None, engine.structured_output.compile_future, params.structured_outputs
-        )
+        future = await loop.run_in_executor(None, so.compile_future, constraint)
         await asyncio.wrap_future(future)
+    finally:
+        if client is not None:
+            compiling[client] -= 1
+            if not compiling[client]:
+                del compiling[client]
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -188,7 +218,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     ]
     for ids, p in zip(token_ids, params, strict=True):  # all of them before the first is queued
         engine.check_request(ids, p)
-    await _compile_constraint(engine, params[0])  # one constraint for every prompt of the request
+    await _compile_constraint(request, engine, params[0])  # one constraint for every prompt of the request
     base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": engine.model_name}  # fmt: skip
     logprobs = request.app[LOGPROBS_KEY]
@@ -245,7 +275,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     params = sampling_params_from(req, max_tokens)
     engine.check_request(prompt, params)
     choice_params = choices_of(params, req.n)
-    await _compile_constraint(engine, params)
+    await _compile_constraint(request, engine, params)
     base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": engine.model_name}
     logprobs = request.app[LOGPROBS_KEY]
     if req.stream:
@@ -356,6 +386,7 @@ def build_app(
     aengine = AsyncEngine(engine)
     app[ENGINE_KEY] = aengine
     app[LOGPROBS_KEY] = LogprobsRenderer(engine.tokenizer)
+    app[COMPILING_KEY] = {}
 
     async def on_startup(_: web.Application) -> None:
         await aengine.start()

@@ -85,6 +85,10 @@ class GrammarCache:
         except TimeoutError:
             raise self._timeout(params) from None
 
+    def cached(self, params: StructuredOutputsParams) -> bool:
+        with self._lock:
+            return params.key in self._entries
+
     def future(self, params: StructuredOutputsParams) -> Future[xgr.CompiledGrammar]:
         """The compile of `params` as a future (done when cached), for callers that wait without
         holding a thread (the server awaits it). Concurrent requests for one new constraint share it."""

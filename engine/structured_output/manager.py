@@ -91,6 +91,10 @@ class StructuredOutputManager:
         The server calls this in a worker thread before queueing, so add_request finds it cached."""
         self.cache.get(params)
 
+    def cached(self, params: StructuredOutputsParams) -> bool:
+        """Whether `params` is compiled already (its compile costs nothing)."""
+        return self.cache.cached(params)
+
     def compile_future(self, params: StructuredOutputsParams) -> Future[None]:
         """`compile` as a future, for a caller that awaits it without holding a thread."""
         return self.cache.future(params)

@@ -250,3 +250,34 @@ async def test_a_small_schema_beside_two_compile_bombs_is_served_in_its_usual_ti
             assert status == 400 and "did not compile within 6 s" in body["error"]["message"]
             assert took < 20
     assert grammar_compiles_alive() == []
+
+
+async def test_one_clients_wave_of_slow_schemas_leaves_slots_for_the_others(
+    base_url: str, engine: LLMEngine, monkeypatch
+) -> None:
+    """Issue 45 item 8: one client sending more slow schemas than there are compile slots gets 429s
+    past its share; another client's new schema still compiles (before: 503 until the wave ended)."""
+    from kvstore.engine import server as engine_server  # noqa: PLC0415
+    from kvstore.engine.structured_output import compile_worker  # noqa: PLC0415
+
+    monkeypatch.setattr(engine.structured_output.cache, "timeout_s", 6.0)
+    monkeypatch.setattr(compile_worker, "MAX_RUNNING_COMPILES", 4)  # 32 in use: fewer bombs on 2 cores
+    monkeypatch.setattr(engine_server, "MAX_COMPILES_PER_CLIENT", 2)
+
+    async with aiohttp.ClientSession() as http:
+
+        async def ask(schema: dict, who: str) -> tuple[int, dict]:
+            body = {"messages": user("A color."), "max_tokens": 1, "temperature": 0,
+                    "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}  # fmt: skip
+            headers = {"Authorization": f"Bearer {who}"}
+            async with http.post(base_url + "/v1/chat/completions", json=body, headers=headers) as resp:
+                return resp.status, await resp.json()
+
+        await ask(small_schema(200), "warm-up")  # compile processes started
+        wave = [asyncio.create_task(ask(slow_schema(salt), "mallory")) for salt in range(300, 304)]
+        await asyncio.sleep(0.5)  # the wave is compiling or refused
+        status, body = await ask(small_schema(201), "alice")
+        assert status == 200, body
+        statuses = sorted(s for s, _ in await asyncio.gather(*wave))
+        assert statuses == [400, 400, 429, 429], statuses  # two compiled to their deadline, two refused
+    assert grammar_compiles_alive() == []
