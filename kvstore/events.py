@@ -143,9 +143,10 @@ def curve_keys(token: str) -> tuple[bytes, bytes]:
     key never crosses the wire in a CURVE handshake, and a client that does not know it cannot complete
     one: knowing the token is what lets a subscriber in."""
     import zmq
+    from zmq.utils import z85
 
     seed = hashlib.blake2b(token.encode(), digest_size=32, person=b"kvstore-kvevents").digest()
-    secret = zmq.utils.z85.encode(seed)
+    secret = z85.encode(seed)
     return zmq.curve_public(secret), secret
 
 

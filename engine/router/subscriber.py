@@ -45,6 +45,7 @@ REPLAY_TIMEOUT_S = 2.0  # a replay that sends nothing this long has failed
 REPLAY_TOTAL_S = 30.0  # and one that goes on longer is cut off (what it gave so far is kept)
 RESYNC_MIN_S = 0.2  # between two replays of one source asked for by live batches
 CHECK_MAX_S = 60.0  # the longest wait between two checks of a publisher that does not answer
+REOPEN_MIN_S, REOPEN_MAX_S = 0.1, 5.0  # a SUB opened anew after a disconnection: doubling while it recurs
 DIGESTS = 8192  # applied batches per source whose digest is kept (duplicates are recognised by it)
 MAX_FRAME_BYTES = 16 << 20
 
@@ -86,11 +87,17 @@ class Source:
     applied: dict[int, int] = field(default_factory=dict, repr=False)  # seq -> digest, the last DIGESTS
     next_check: float = 0.0  # monotonic
     check_wait: float = 0.0
+    reopen_at: float = float("inf")  # monotonic: when its SUB is opened anew (after a disconnection)
+    reopen_wait: float = 0.0
+    reopened_at: float = float("-inf")
+    verify_from: int | None = None  # the last seq applied before a disconnection: checked from there
+    reconnects: int = 0
     resync_after: float = 0.0  # monotonic: no replay for a live batch before
 
     def state(self) -> dict[str, Any]:
         """For /v1/router/state."""
-        keys = ("last_seq", "batches", "replayed", "malformed", "untrusted", "resyncs", "lost", "errors")
+        keys = ("last_seq", "batches", "replayed", "malformed", "untrusted", "resyncs", "lost", "errors",
+                "reconnects")  # fmt: skip
         return {k: getattr(self, k) for k in keys}
 
 
@@ -106,7 +113,10 @@ class EventSubscriber:
         self.sources = sources
         self.options = options or FeedOptions()
         self._ctx = zmq.Context.instance()
-        self._socks: dict[Any, Source] = {}
+        self._socks: dict[Any, Source] = {}  # SUB -> its source
+        self._monitors: dict[Any, Source] = {}  # the SUB's monitor -> its source
+        self._subs: dict[int, tuple[Any, Any]] = {}  # id(source) -> (SUB, monitor)
+        self._poller: Any = None
         self._client_keys = zmq.curve_keypair() if any(s.server_key for s in sources) else None
         self._running = True
         self.ready = threading.Event()  # set once every source was asked for its replay
@@ -183,6 +193,7 @@ class EventSubscriber:
         src.apply(src.name, [all_blocks_cleared()])
         src.last_seq = -1
         src.applied.clear()
+        src.verify_from = None
         src.resyncs += 1
 
     def _handle(self, src: Source, frames: list[bytes]) -> None:
@@ -217,24 +228,32 @@ class EventSubscriber:
     def _resync(self, src: Source) -> bool:
         """Bring `src` in step with its replay buffer (module docstring). False if the replay failed."""
         src.resync_after = time.monotonic() + RESYNC_MIN_S
-        if src.last_seq >= 0:
-            anchor, anchor_digest = src.last_seq, src.applied.get(src.last_seq)
-            same: list[bool] = []
+        anchor = src.verify_from if src.verify_from in src.applied else src.last_seq
+        if anchor is not None and anchor >= 0:
+            first: list[int] = []
+            differs: list[int] = []
 
             def follow(seq: int, payload: bytes) -> bool:
-                if not same:
-                    same.append(seq == anchor and _digest(payload) == anchor_digest)
-                    return same[0]
+                if not first:
+                    first.append(seq)
+                if seq <= src.last_seq:  # the anchor, and what was applied after it: the very same batches?
+                    known = src.applied.get(seq)
+                    if (seq == anchor and known is None) or (known is not None and known != _digest(payload)):
+                        differs.append(seq)
+                        return False
+                    return True
                 self._apply(src, seq, payload)
                 src.replayed += 1
                 return True
 
             done = self._replay(src, anchor, follow)
-            if done is None:
+            if done is None and not differs:
                 return False
-            if same == [True]:
+            if not differs and first and first[0] == anchor:
+                src.verify_from = None
                 return True
-            self._reset(src, f"its replay no longer holds batch {anchor} as applied")
+            why = f"batch {differs[0]} differs" if differs else f"batch {anchor} is no longer there"
+            self._reset(src, f"its replay does not continue what was applied ({why})")
 
         def take(seq: int, payload: bytes) -> bool:
             self._apply(src, seq, payload)
@@ -282,6 +301,45 @@ class EventSubscriber:
             sock.close()
 
     # ---- the thread -----------------------------------------------------------------------------------
+    def _open(self, src: Source) -> None:
+        """The source's SUB (and its monitor), connected, in the poller."""
+        zmq = self._zmq
+        sock = self._socket(zmq.SUB, src)
+        sock.setsockopt(zmq.SUBSCRIBE, src.topic.encode())
+        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        sock.connect(src.endpoint)
+        self._socks[sock], self._monitors[monitor], self._subs[id(src)] = src, src, (sock, monitor)
+        self._poller.register(sock, zmq.POLLIN)
+        self._poller.register(monitor, zmq.POLLIN)
+
+    def _close(self, src: Source) -> None:
+        sock, monitor = self._subs.pop(id(src))
+        for s in (sock, monitor):
+            self._poller.unregister(s)
+        del self._socks[sock], self._monitors[monitor]
+        sock.disable_monitor()
+        monitor.close()
+        sock.close()
+
+    def _on_monitor(self, src: Source, monitor: Any) -> None:
+        """A SUB's connection went down or came up: a publisher may have restarted meanwhile. What was
+        applied since the last batch before the disconnection is checked against its replay, once it is
+        up again. The SUB is opened anew after a disconnection: libzmq does not reconnect one whose
+        publisher broke the protocol (a frame over ZMQ_MAXMSGSIZE)."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        event = recv_monitor_message(monitor)["event"]
+        now = time.monotonic()
+        if event == self._zmq.EVENT_DISCONNECTED:
+            src.reconnects += 1
+            if src.verify_from is None and src.last_seq >= 0:
+                src.verify_from = src.last_seq
+            recent = now - src.reopened_at < REOPEN_MAX_S
+            src.reopen_wait = min(REOPEN_MAX_S, src.reopen_wait * 2) if recent else REOPEN_MIN_S
+            src.reopen_at = now + src.reopen_wait
+        elif event == self._zmq.EVENT_HANDSHAKE_SUCCEEDED and src.replay_endpoint:
+            src.next_check = min(src.next_check, now)
+
     def _check(self, src: Source) -> None:
         """The periodic replay of one source, backing off while it does not answer."""
         ok = self._resync(src)
@@ -293,15 +351,20 @@ class EventSubscriber:
             src.check_wait = min(CHECK_MAX_S, max(base or 1.0, src.check_wait * 2))
             src.next_check = time.monotonic() + src.check_wait
 
+    def _tick(self, src: Source, now: float) -> None:
+        """The source's timers: a SUB to open anew, a replay check due."""
+        if now >= src.reopen_at:
+            src.reopen_at, src.reopened_at = float("inf"), now
+            self._close(src)
+            self._open(src)
+        if src.replay_endpoint and now >= src.next_check:
+            self._check(src)
+
     def _run(self) -> None:
         zmq = self._zmq
-        poller = zmq.Poller()
+        self._poller = zmq.Poller()
         for src in self.sources:
-            sock = self._socket(zmq.SUB, src)
-            sock.setsockopt(zmq.SUBSCRIBE, src.topic.encode())
-            sock.connect(src.endpoint)
-            self._socks[sock] = src
-            poller.register(sock, zmq.POLLIN)
+            self._open(src)
         for src in self.sources:  # live batches queue in the SUB sockets meanwhile
             if src.replay_endpoint:
                 try:
@@ -312,8 +375,13 @@ class EventSubscriber:
         self.ready.set()
         try:
             while self._running:
-                for sock, _ in poller.poll(100):
-                    src = self._socks[sock]
+                for sock, _ in self._poller.poll(100):
+                    if sock in self._monitors:
+                        self._on_monitor(self._monitors[sock], sock)
+                        continue
+                    src = self._socks.get(sock)
+                    if src is None:
+                        continue
                     try:
                         self._handle(src, self._recv(sock))
                     except Exception:  # one source's trouble must not stop the others
@@ -321,16 +389,16 @@ class EventSubscriber:
                         logger.exception("KV events from %s: handling a batch failed", src.name)
                 now = time.monotonic()
                 for src in self.sources:
-                    if src.replay_endpoint and now >= src.next_check:
-                        try:
-                            self._check(src)
-                        except Exception:
-                            src.errors += 1
-                            src.next_check = now + CHECK_MAX_S
-                            logger.exception("KV events from %s: checking its replay failed", src.name)
+                    try:
+                        self._tick(src, now)
+                    except Exception:
+                        src.errors += 1
+                        src.next_check = now + CHECK_MAX_S
+                        logger.exception("KV events from %s: checking its replay failed", src.name)
         finally:
-            for sock in self._socks:
-                sock.close()
+            for src in self.sources:
+                if id(src) in self._subs:
+                    self._close(src)
 
     def stop(self) -> None:
         self._running = False
