@@ -60,8 +60,6 @@ def compile_constraint(compiler: xgr.GrammarCompiler, params: StructuredOutputsP
         return compiler.compile_json_schema(
             '{"type": "object"}', any_whitespace=True, max_whitespace_cnt=JSON_MAX_WHITESPACE
         )
-    if kind is StructuredOutputOptions.REGEX:
-        return compiler.compile_regex(params.regex)
     if kind is StructuredOutputOptions.CHOICE:
         return compiler.compile_grammar(choice_as_grammar(params.choice))
     if kind is StructuredOutputOptions.JSON:
@@ -71,12 +69,15 @@ def compile_constraint(compiler: xgr.GrammarCompiler, params: StructuredOutputsP
             grammar = xgr.Grammar.from_json_schema(
                 params.key[1], any_whitespace=True, max_whitespace_cnt=JSON_MAX_WHITESPACE
             )
+    elif kind is StructuredOutputOptions.REGEX:
+        grammar = xgr.Grammar.from_regex(params.regex)
     else:
         grammar = xgr.Grammar.from_ebnf(params.grammar)
     if (rule := unproductive_rule(grammar)) is not None:  # it would compile, then fail mid-answer
         raise ValueError(
             f"no finite text satisfies it: rule {rule!r} never completes (it only recurses, with no "
-            "base case: a $ref to itself or a $ref cycle, a rule defined by itself)"
+            "base case: a $ref to itself or a $ref cycle, a rule defined by itself; or it needs a "
+            "character from a class that matches none, such as [^\\d\\D])"
         )
     return compiler.compile_grammar(grammar)
 

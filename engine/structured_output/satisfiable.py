@@ -25,12 +25,29 @@ logger = logging.getLogger(__name__)
 
 KNOWN_FORMATS = ("v16",)  # xgrammar's serialisation versions whose expression table this reads
 # GrammarExprType values (xgrammar cpp/grammar_impl.h); every other type is a terminal here
-_RULE_REF, _SEQUENCE, _CHOICES, _REPEAT = 4, 5, 6, 8
+_CHAR_CLASS, _RULE_REF, _SEQUENCE, _CHOICES, _REPEAT = 1, 4, 5, 6, 8
+MAX_CODEPOINT = 0x10FFFF
+
+
+def _matches_nothing(payload: list[int]) -> bool:
+    """Whether a character class `[negated, lo, hi, lo, hi, ...]` matches no character at all (`[^\\d\\D]`,
+    `[^\\x00-\\U0010FFFF]`): its ranges cover every code point when negated, none when not."""
+    negated, bounds = payload[0], payload[1:]
+    ranges = sorted((lo, hi) for lo, hi in zip(bounds[::2], bounds[1::2], strict=True) if lo <= hi)
+    if not negated:
+        return not ranges
+    covered = -1  # every code point up to here is in some range
+    for lo, hi in ranges:
+        if lo > covered + 1:
+            return False
+        covered = max(covered, hi)
+    return covered >= MAX_CODEPOINT
 
 
 def unproductive_rule(grammar: xgr.Grammar) -> str | None:
-    """The name of a rule the grammar can reach that no finite text derives from (the root first),
-    else None. Past such a rule the matcher allows either nothing or never an end."""
+    """The name of a rule the grammar can reach that no finite text derives from, or whose body has
+    such a part (the root first), else None. Past such a part the matcher allows either nothing or
+    never an end."""
     spec = json.loads(grammar.serialize_json())
     if spec.get("__VERSION__") not in KNOWN_FORMATS:
         logger.debug(
@@ -64,6 +81,8 @@ def unproductive_rule(grammar: xgr.Grammar) -> str | None:
         for child in needs:
             parents[child].append(i)
         missing[i] = 1 if kind == _CHOICES and needs else len(needs)
+        if kind == _CHAR_CLASS and _matches_nothing(list(payload)):
+            missing[i] = 1  # a terminal no character matches: never productive
         if missing[i] == 0:
             ready.append(i)
     for r, rule in enumerate(rules):  # rule = [name, body_expr_id, ...]
@@ -81,13 +100,18 @@ def unproductive_rule(grammar: xgr.Grammar) -> str | None:
             if missing[parent] == 0:
                 ready.append(parent)
     root = num_exprs + spec["root_rule_id"]
-    seen, queue = {root}, deque([root])  # breadth first: the root, then the rules nearest to it
-    while queue:
-        node = queue.popleft()
-        if node >= num_exprs and not productive[node]:
-            return rules[node - num_exprs][0]
-        for used in uses[node]:
-            if used not in seen:
-                seen.add(used)
-                queue.append(used)
+    # breadth first: the root, then the rules nearest to it; then, where every reachable rule is
+    # productive, an unproductive part of one (`x|y[^\\d\\D]`): an answer that takes it never ends
+    for rules_only in (True, False):
+        seen, queue = {root}, deque([(root, rules[spec["root_rule_id"]][0])])
+        while queue:
+            node, rule = queue.popleft()
+            if node >= num_exprs:
+                rule = rules[node - num_exprs][0]
+            if not productive[node] and (node >= num_exprs or not rules_only):
+                return rule
+            for used in uses[node]:
+                if used not in seen:
+                    seen.add(used)
+                    queue.append((used, rule))
     return None

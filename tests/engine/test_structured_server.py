@@ -172,6 +172,10 @@ BAD = [
         "never completes",
     ),  # fmt: skip
     ({"structured_outputs": {"grammar": "root ::= root"}}, "rule 'root' never completes"),
+    ({"structured_outputs": {"regex": r"[^\d\D]"}}, "a class that matches none"),  # issue 45 item 11
+    ({"structured_outputs": {"regex": r"x[^\s\S]|y[^\x00-\U0010FFFF]"}}, "a class that matches none"),
+    ({"structured_outputs": {"regex": r"x|y[^\d\D]"}}, "a class that matches none"),
+    ({"structured_outputs": {"regex": "a[]b"}}, "Empty character class"),
     ({"structured_outputs": {"grammar": 'root ::= "x" | "y" a\na ::= a'}}, "rule 'a' never completes"),
     (
         {"structured_outputs": {"json": {"enum": [f"value number {i}" for i in range(200_000)]}}},
