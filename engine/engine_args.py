@@ -215,8 +215,9 @@ class EngineArgs:
         p.add_argument(
             "--kv-events-config", metavar="JSON",
             help="publish prefix-cache events as vLLM does (off by default), vLLM's KVEventsConfig: "
-            '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
-            '"replay_endpoint": "tcp://*:5558"}\'',
+            '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "ipc:///tmp/engine-events", '
+            '"replay_endpoint": "ipc:///tmp/engine-events-replay"}\'; the events hold prompts\' token ids: '
+            'off this host, give "token_file" (CURVE: only holders of the token read them)',
         )  # fmt: skip
         k = parser.add_argument_group("KV store (vLLM's --kv-transfer-config, or the shorthands below)")
         k.add_argument(

@@ -37,9 +37,12 @@ What kvstore adds to vLLM's config (fields vLLM does not have; a vLLM config is 
   still in their tiers and publishes BlockRemoved for those gone without it seeing (evictions Valkey
   made on its own, TTL expiry); 0: never.
 
-Hostile peers: the PUB socket is an XPUB in manual mode that accepts only subscriptions the topic
-matches (any other is dropped: a peer cannot grow the publisher's subscription table); every socket
-refuses frames over a few KiB from its peers (ZMQ_MAXMSGSIZE: such a peer is disconnected).
+Hostile peers: every socket refuses frames over a few hundred bytes from its peers (ZMQ_MAXMSGSIZE:
+such a peer is disconnected before the frame is read). libzmq keeps every subscription a peer sends in
+a table it never bounds (~48 bytes per byte sent), so the PUB socket is an XPUB that shows them to the
+publisher, a few at a time (RCVHWM): past JUNK_SUBSCRIPTION_BYTES of subscriptions the topic does not
+match, the socket is closed and opened again (the table goes with it; subscribers reconnect on their
+own, a router recovers what it missed from the replay), counted in `reopened`.
 """
 
 from __future__ import annotations
@@ -73,6 +76,9 @@ MAX_SEQ = 2**63 - 1  # vLLM counts from 0, one a batch: a seq above this (or END
 DEFAULT_ENDPOINT = "ipc:///tmp/kvstore-kv-events"
 CONTROL_MAX_BYTES = 4096  # the largest frame a publisher reads from a peer (subscriptions, replay requests)
 MAX_SUBSCRIPTIONS_PER_POLL = 1000  # subscription messages read between two batches
+SUBSCRIPTION_HWM = 64  # subscription messages libzmq takes in from one peer before the publisher reads
+SUBSCRIPTION_MAX_BYTES = 512  # the largest frame the PUB socket reads from a peer (+ the topic's length)
+JUNK_SUBSCRIPTION_BYTES = 64 << 10  # subscriptions matching no topic of ours before the PUB is reopened
 AUTH_MODES = ("curve", "none")
 
 
@@ -263,7 +269,7 @@ class _Every:
 
 
 class ZmqEventPublisher:
-    """XPUB (manual subscriptions) + ROUTER replay, from one thread; `publish` only enqueues (bounded,
+    """XPUB (subscriptions watched) + ROUTER replay, from one thread; `publish` only enqueues (bounded,
     never blocks). `token`: the process's own token (a server's), for `auth` (module docstring)."""
 
     def __init__(self, config: KVEventsConfig, data_parallel_rank: int = 0, token: str | None = None) -> None:
@@ -275,7 +281,9 @@ class ZmqEventPublisher:
         self.dp_rank = data_parallel_rank
         self.published = 0
         self.dropped = 0  # batches the full queue refused
-        self.refused_subscriptions = 0  # subscriptions the topic does not match (not applied)
+        self.junk_subscriptions = 0  # subscriptions the topic does not match
+        self.reopened = 0  # times the PUB socket was reopened to drop them
+        self._junk_bytes = 0
         self.bad_requests = 0  # replay requests not in vLLM's shape
         token = event_token(config, token)
         self.curve = config.auth == "curve" or (config.auth is None and token is not None)
@@ -294,17 +302,12 @@ class ZmqEventPublisher:
         self._topic = config.topic.encode()
         self._log_refused, self._log_bad = _Every(), _Every()
         self._ctx = zmq.Context.instance()
-        self._pub = self._socket(zmq.XPUB, secret, config.endpoint)
-        self._pub.setsockopt(zmq.XPUB_MANUAL, 1)  # a subscription counts only once _subscribe applies it
-        self._pub.set_hwm(config.hwm)
+        self._secret = secret
+        self._pub: Any = None
         self._replay = None
         self.bound = _is_bind_endpoint(config.endpoint, config.bind)
         try:
-            if self.bound:
-                _claim_ipc(config.endpoint)
-                self._pub.bind(config.endpoint)
-            else:
-                self._pub.connect(config.endpoint)
+            self._open_pub()
             if config.replay_endpoint:
                 self._replay = self._socket(zmq.ROUTER, secret, config.replay_endpoint)
                 _claim_ipc(config.replay_endpoint)
@@ -322,12 +325,50 @@ class ZmqEventPublisher:
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()
 
-    def _socket(self, kind: int, secret: bytes | None, endpoint: str) -> Any:
+    def _open_pub(self, wait_s: float = 0.0) -> None:
+        """The PUB socket (an XPUB showing every subscription), bound or connected; a bind is retried for
+        up to `wait_s` while the endpoint is still held (by the socket this one replaces)."""
+        import zmq
+
+        endpoint = self.config.endpoint
+        sock = self._socket(zmq.XPUB, self._secret, endpoint, SUBSCRIPTION_MAX_BYTES)
+        sock.setsockopt(zmq.XPUB_VERBOSE, 1)
+        sock.setsockopt(zmq.SNDHWM, self.config.hwm)
+        sock.setsockopt(zmq.RCVHWM, SUBSCRIPTION_HWM)
+        self._pub = sock
+        if not self.bound:
+            sock.connect(endpoint)
+            return
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                _claim_ipc(endpoint)
+                sock.bind(endpoint)
+                return
+            except zmq.ZMQError as e:
+                if e.errno != zmq.EADDRINUSE or time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.05)
+
+    def _reopen_pub(self) -> None:
+        """Close the PUB socket and open it again: the subscriptions libzmq kept for its peers go too."""
+        path = self.config.endpoint[len("ipc://") :] if self.config.endpoint.startswith("ipc://") else ""
+        self._pub.close(linger=0)
+        self._pub = None
+        deadline = time.monotonic() + 2.0
+        while self.bound and path and os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.01)  # the closing listener unlinks its path: bind only once it has
+        self._open_pub(wait_s=2.0)
+        self.reopened += 1
+
+    def _socket(
+        self, kind: int, secret: bytes | None, endpoint: str, max_bytes: int = CONTROL_MAX_BYTES
+    ) -> Any:
         import zmq
 
         sock = self._ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, CONTROL_MAX_BYTES + len(self._topic))  # peers send only small frames
+        sock.setsockopt(zmq.MAXMSGSIZE, max_bytes + len(self._topic))  # peers send only small frames
         if endpoint.startswith("tcp://[") or "::" in endpoint:
             sock.setsockopt(zmq.IPV6, 1)
         if secret is not None:
@@ -369,7 +410,7 @@ class ZmqEventPublisher:
         while True:
             try:
                 if self._pub.poll(0):
-                    self._subscribe()
+                    self._watch_subscriptions()
                 if self._replay is not None and self._replay.poll(0):
                     self._serve_replay()
             except Exception:  # a peer must never end the thread
@@ -393,9 +434,10 @@ class ZmqEventPublisher:
             self._buffer.append((seq, payload))
             self.published += 1
 
-    def _subscribe(self) -> None:
-        """Apply the subscriptions peers sent that the topic matches (`\\x01` + a prefix of it; `\\x00`
-        unsubscribes); any other is dropped and counted, so a peer's subscriptions cost nothing kept."""
+    def _watch_subscriptions(self) -> None:
+        """Read the subscriptions peers sent (`\\x01` + a prefix of the topic, `\\x00` to cancel); those
+        the topic does not match are counted, and past JUNK_SUBSCRIPTION_BYTES of them the PUB socket is
+        reopened (libzmq would keep every one for as long as the socket lives)."""
         import zmq
 
         for _ in range(MAX_SUBSCRIPTIONS_PER_POLL):
@@ -404,12 +446,19 @@ class ZmqEventPublisher:
             except zmq.Again:
                 return
             if len(msg) >= 1 and msg[0] in (0, 1) and self._topic.startswith(msg[1:]):
-                self._pub.setsockopt(zmq.SUBSCRIBE if msg[0] == 1 else zmq.UNSUBSCRIBE, msg[1:])
                 continue
-            self.refused_subscriptions += 1
-            if self._log_refused():
-                logger.warning("KV events: a subscription the topic does not match was refused (%d so far)",
-                               self.refused_subscriptions)  # fmt: skip
+            self.junk_subscriptions += 1
+            self._junk_bytes += len(msg) + 64  # + what libzmq keeps per message and trie node
+            if self._junk_bytes > JUNK_SUBSCRIPTION_BYTES:
+                self._junk_bytes = 0
+                if self._log_refused():
+                    logger.warning(
+                        "KV events: peers of %s sent %d subscriptions for topics it does not publish; "
+                        "its socket is reopened to drop them (%d times so far): subscribers reconnect",
+                        self.config.endpoint, self.junk_subscriptions, self.reopened + 1,
+                    )  # fmt: skip
+                self._reopen_pub()
+                return
 
     def _serve_replay(self) -> None:
         assert self._replay is not None

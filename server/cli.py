@@ -80,8 +80,10 @@ SERVER_FLAGS = {
     "shm_budget": "shared memory for clients on this host, all segments together, e.g. 4GiB (0: off; default {default})",
     "shm_max_segment": "largest shared-memory segment one client gets (default {default})",
     "kv_events_config": "publish every tier's stored/evicted chunks as vLLM KV events (off by default), vLLM's "
-    'KVEventsConfig JSON: \'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", '
-    '"replay_endpoint": "tcp://*:5558"}\'',
+    'KVEventsConfig JSON: \'{"enable_kv_cache_events": true, "endpoint": "ipc:///tmp/kvstore-events", '
+    '"replay_endpoint": "ipc:///tmp/kvstore-events-replay"}\'; with --auth-token the events need it too (CURVE); '
+    'kvstore\'s own fields: bind (true: bind e.g. tcp://127.0.0.1:5557), auth ("curve"/"none"), token_file, '
+    "reconcile_s (default 30)",
     "poll_us": "µs the loop polls for a same-host client's next request before sleeping (default 200; 0: off)",
 }
 

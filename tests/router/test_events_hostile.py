@@ -326,7 +326,7 @@ def test_frames_over_the_limit_are_never_read(tmp_path, feed, monkeypatch) -> No
 
 def test_the_index_is_bounded_oldest_first_and_says_so() -> None:
     index = PrefixIndex()
-    cap = index.max_engine_blocks
+    cap = 262_144  # the default: blocks per engine
     n = cap + 5000
     hashes = [k.to_bytes(16, "big") for k in range(n)]
     for i in range(0, n, 50_000):  # a forger's blocks: one token each, all chained
