@@ -72,7 +72,17 @@ def make_blob(tokens: int, seed: int) -> bytes:
 
 def start_server(capacity: str) -> tuple[subprocess.Popen, str]:
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    cmd = [sys.executable, "-m", "kvstore.server", "--tiers", "cpu", "--cpu-capacity", capacity, "--port", "0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvstore.server",
+        "--tiers",
+        "cpu",
+        "--cpu-capacity",
+        capacity,
+        "--port",
+        "0",
+    ]
     proc = subprocess.Popen(cmd + ["--log-level", "WARNING"], stdout=subprocess.PIPE, text=True, env=env)
     assert proc.stdout is not None
     line = proc.stdout.readline()

@@ -88,7 +88,9 @@ class Service:
 
 
 def kvstore_server(*args: str) -> tuple[Service, str]:
-    svc = Service([sys.executable, "-m", "kvstore.server", "--port", "0", *args], r"listening on (http://\S+)")
+    svc = Service(
+        [sys.executable, "-m", "kvstore.server", "--port", "0", *args], r"listening on (http://\S+)"
+    )
     return svc, svc.match.group(1)
 
 

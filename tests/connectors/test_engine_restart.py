@@ -25,7 +25,17 @@ TEXT = (
 
 
 def generate_in_new_process(store_url: str, prompt: str) -> tuple[list[int], int, int]:
-    cmd = [sys.executable, "-m", "kvstore.engine", "generate", "--prompt", prompt, "--json", "--max-tokens", "6"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvstore.engine",
+        "generate",
+        "--prompt",
+        prompt,
+        "--json",
+        "--max-tokens",
+        "6",
+    ]
     cmd += ["--ignore-eos", "--kv-backend", "kvstore", "--kv-store-url", store_url, "--num-threads", "1"]
     cmd += ["--max-model-len", str(ENGINE["max_model_len"]), "--kv-cache-memory", ENGINE["kv_cache_memory"]]
     env = {**os.environ, "PYTHONHASHSEED": str(len(store_url))}  # keys must not care
