@@ -42,6 +42,9 @@ COUNTERS = {
     "vllm:num_requests_waiting": "waiting",
 }
 ENGINE_FIELDS = (*dict.fromkeys(COUNTERS.values()), "engines_up", "engines")
+# what a sample keeps of each engine on its own (the page tells prefills apart by engine with them)
+PER_ENGINE = ("store_hit_tokens", "prefill_seconds", "prefills", "prefill_prompt_tokens",
+              "prefill_computed_tokens", "running", "waiting")  # fmt: skip
 
 
 def metrics_url(url: str) -> str:
@@ -94,7 +97,8 @@ class EngineScraper:
 
     async def scrape(self) -> dict[str, Any] | None:
         """The sum over every engine that answered, plus `engines_up` / `engines`, and `by_url`: each
-        engine's own fields by its metrics URL (None when it did not answer); None without engines."""
+        engine's own PER_ENGINE fields by its metrics URL (None when it did not answer); None without
+        engines."""
         if not self.urls:
             return None
         if self._session is None:
@@ -106,7 +110,10 @@ class EngineScraper:
                 total[k] = total.get(k, 0.0) + v
         total["engines_up"] = sum(r is not None for r in results)
         total["engines"] = len(self.urls)
-        total["by_url"] = dict(zip(self.urls, results, strict=True))
+        total["by_url"] = {
+            url: None if r is None else {k: r[k] for k in PER_ENGINE if k in r}
+            for url, r in zip(self.urls, results, strict=True)
+        }
         return total
 
     async def close(self) -> None:

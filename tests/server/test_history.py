@@ -64,7 +64,7 @@ async def test_scraper_sums_engines_and_counts_the_down_ones(unused_tcp_port) ->
         assert got["prompt_tokens"] == 200 and got["store_hit_tokens"] == 100
         assert (got["engines_up"], got["engines"]) == (2, 3)
         assert got["by_url"]["http://127.0.0.1:9/metrics"] is None  # each engine's own fields, by URL
-        assert got["by_url"][up + "/metrics"]["prompt_tokens"] == 100
+        assert got["by_url"][up + "/metrics"]["store_hit_tokens"] == 50
         assert await EngineScraper([]).scrape() is None
     finally:
         await runner.cleanup()
