@@ -36,8 +36,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    help="the engines' KV events token (their token_file): CURVE, only those publishers are read")  # fmt: skip
     g.add_argument("--store-events-token-file", metavar="FILE",
                    help="the kvstore-servers' KV events token (their --auth-token, or token_file): CURVE")  # fmt: skip
-    g.add_argument("--events-max-frame-mib", type=float, default=16.0,
-                   help="a publisher sending a larger KV events frame is disconnected (16)")  # fmt: skip
+    g.add_argument("--events-max-frame-mib", type=float, default=4.0,
+                   help="a publisher sending a larger KV events frame is disconnected (4)")  # fmt: skip
     g.add_argument("--index-max-blocks", type=int, default=262_144,
                    help="blocks indexed per engine; the oldest go first (262144)")  # fmt: skip
     g.add_argument("--index-max-store-keys", type=int, default=1_048_576,

@@ -17,7 +17,11 @@ publisher's replay buffer (`replay_endpoint`), anchored at the last applied seq:
   and it is replayed from 0.
 
 A live batch the replay does not confirm (a seq it does not reach, another payload at that seq) is not
-applied: it is counted in `untrusted`. A source without a replay endpoint cannot check: a gap is
+applied: it is counted in `untrusted`. After a SUB's connection drops (a restarting publisher's does),
+the check once it is up again starts from the last batch applied before the drop: every batch applied
+since must be in the replay, byte for byte, so a restarted publisher whose first batch seen happens to
+carry the next seq is still noticed. The SUB is then opened anew (libzmq does not reconnect one whose
+publisher sent a frame over the limit). A source without a replay endpoint cannot check: a gap is
 counted in `lost` and the batch applied; a seq at or below the last (another payload) means a restart:
 its index is reset and the batch applied. Every `check_s` (doubling up to 60 s while it does not answer)
 each source's replay is asked again from the last seq: a restarted publisher that has published
@@ -47,7 +51,7 @@ RESYNC_MIN_S = 0.2  # between two replays of one source asked for by live batche
 CHECK_MAX_S = 60.0  # the longest wait between two checks of a publisher that does not answer
 REOPEN_MIN_S, REOPEN_MAX_S = 0.1, 5.0  # a SUB opened anew after a disconnection: doubling while it recurs
 DIGESTS = 8192  # applied batches per source whose digest is kept (duplicates are recognised by it)
-MAX_FRAME_BYTES = 16 << 20
+MAX_FRAME_BYTES = 4 << 20  # a batch is KiBs (a server's snapshot batch ~20 KiB, a 64k-token step ~200 KiB)
 
 
 @dataclass
@@ -351,9 +355,15 @@ class EventSubscriber:
             src.check_wait = min(CHECK_MAX_S, max(base or 1.0, src.check_wait * 2))
             src.next_check = time.monotonic() + src.check_wait
 
+    def _error(self, src: Source, what: str) -> None:
+        """An exception while serving `src`: counted, logged with its traceback (1st, 2nd, 4th, 8th...)."""
+        src.errors += 1
+        if src.errors & (src.errors - 1) == 0:
+            logger.exception("KV events from %s: %s failed (%d errors so far)", src.name, what, src.errors)
+
     def _tick(self, src: Source, now: float) -> None:
         """The source's timers: a SUB to open anew, a replay check due."""
-        if now >= src.reopen_at:
+        if now >= src.reopen_at and id(src) in self._subs:
             src.reopen_at, src.reopened_at = float("inf"), now
             self._close(src)
             self._open(src)
@@ -364,14 +374,17 @@ class EventSubscriber:
         zmq = self._zmq
         self._poller = zmq.Poller()
         for src in self.sources:
-            self._open(src)
+            try:
+                self._open(src)
+            except zmq.ZMQError as e:  # a bad endpoint: that source is not followed, the others are
+                src.errors += 1
+                logger.error("KV events from %s: cannot subscribe to %s: %s", src.name, src.endpoint, e)
         for src in self.sources:  # live batches queue in the SUB sockets meanwhile
             if src.replay_endpoint:
                 try:
                     self._check(src)
                 except Exception:
-                    src.errors += 1
-                    logger.exception("KV events from %s: the first replay failed", src.name)
+                    self._error(src, "the first replay")
         self.ready.set()
         try:
             while self._running:
@@ -385,16 +398,14 @@ class EventSubscriber:
                     try:
                         self._handle(src, self._recv(sock))
                     except Exception:  # one source's trouble must not stop the others
-                        src.errors += 1
-                        logger.exception("KV events from %s: handling a batch failed", src.name)
+                        self._error(src, "handling a batch")
                 now = time.monotonic()
                 for src in self.sources:
                     try:
                         self._tick(src, now)
                     except Exception:
-                        src.errors += 1
-                        src.next_check = now + CHECK_MAX_S
-                        logger.exception("KV events from %s: checking its replay failed", src.name)
+                        src.next_check, src.reopen_at = now + CHECK_MAX_S, float("inf")
+                        self._error(src, "checking its replay")
         finally:
             for src in self.sources:
                 if id(src) in self._subs:

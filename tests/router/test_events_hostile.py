@@ -229,6 +229,22 @@ def test_a_source_whose_apply_raises_does_not_stop_the_others(tmp_path, feed) ->
         b.close()
 
 
+def test_a_bad_endpoint_costs_its_source_only_and_a_dead_thread_shows(tmp_path, feed, monkeypatch) -> None:
+    b = RawPublisher(tmp_path, "b")
+    index = PrefixIndex()
+    try:
+        sub = feed([Source("a", "bogus://nowhere", None, index.apply_engine),
+                    Source("b", b.endpoint, None, index.apply_engine)])  # fmt: skip
+        settle()
+        b.publish(blocks(0, 1))
+        until(lambda: index.local_tokens("b", prompt(0, 1)) == 4)
+        assert sub.sources[0].errors == 1 and sub.alive
+        monkeypatch.setattr(sub._poller, "poll", lambda *a: 1 / 0)  # a bug outside any one source's handling
+        until(lambda: not sub.alive, what="the thread's end")  # then the router's /health answers 503
+    finally:
+        b.close()
+
+
 # ---- item 5: a restarted publisher ---------------------------------------------------------------------
 def _stores(first: int, n: int) -> list:
     return [block_stored([k.to_bytes(16, "big")], None, [], 0, "CPU") for k in range(first, first + n)]
@@ -314,7 +330,7 @@ def test_frames_over_the_limit_are_never_read(tmp_path, feed, monkeypatch) -> No
     try:
         feed([Source("a", a.endpoint, a.replay_endpoint, index.apply_engine)])
         settle()
-        a.send_raw(b"", (0).to_bytes(8, "big"), bytes(32 << 20))  # 32 MiB: over the 16 MiB default
+        a.send_raw(b"", (0).to_bytes(8, "big"), bytes(32 << 20))  # 32 MiB: over the 4 MiB default
         a.forged_answer = [((0).to_bytes(8, "big"), bytes(32 << 20))]  # the next replay's answer too
         time.sleep(0.5)  # the SUB reconnects
         a.publish(blocks(0, 2))
