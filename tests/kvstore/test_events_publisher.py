@@ -22,7 +22,7 @@ from kvstore.engine.sampling_params import SamplingParams
 from kvstore.sdk import Store
 from kvstore.server.config import ServerConfig
 from kvstore.server.runner import ServerThread
-from vllm.distributed.kv_events import BlockStored
+from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
 from kvstore import events as ev  # its new names are looked up in the tests: each fails on its own before
 from kvstore.blob import encode_blob
@@ -254,16 +254,14 @@ def test_a_token_protected_servers_events_need_the_token(tmp_path) -> None:
     """Anonymous: no event, no replay. With the token (CURVE, keys from it): the chunk keys, as vLLM's
     decoder reads them."""
     token = "server-token-" + "z" * 24
-    port = free_port()
-    cfg = {"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{port}", "bind": True,
-           "replay_endpoint": f"tcp://127.0.0.1:{free_port()}"}  # fmt: skip
+    cfg = {"enable_kv_cache_events": True, "endpoint": f"ipc://{tmp_path}/srv-pub",
+           "replay_endpoint": f"ipc://{tmp_path}/srv-replay"}  # fmt: skip
     store_config = StoreConfig(tiers=["cpu"], cpu_capacity=64 << 20)
     store = TieredStore(store_config)
     server_config = ServerConfig(port=0, kv_events_config=cfg, auth_token=token)
     key = chunk_keys(list(range(16)), KVLayout("m", "0" * 32, 2, 2, 64, "bfloat16", 16))[0]
     with ServerThread(store, store_config, server_config, close_store=True) as srv:
         anonymous = _curve_sub(cfg["endpoint"], None)
-        holder = _curve_sub(cfg["endpoint"], ev.curve_server_key(token))
         try:
             settle()
             client = Store.connect(srv.server.url, token=token)
@@ -271,17 +269,28 @@ def test_a_token_protected_servers_events_need_the_token(tmp_path) -> None:
                 client.put(key, _blob(0))
             finally:
                 client.close()
-            got = receive(holder, lambda b: any(isinstance(e, BlockStored) for e in events(b)))
-            assert bytes.fromhex(key) in [
-                h for e in events(got) if isinstance(e, BlockStored) for h in e.block_hashes
-            ]
-            assert not anonymous.poll(1000)  # before: the chunk key of a PUT whose GET needs the token
+            assert not anonymous.poll(1500)  # before: the chunk key of a PUT whose GET needs the token
         finally:
             anonymous.close()
-            holder.close()
         assert _replay_answers(cfg["replay_endpoint"], None) == []  # before: the whole buffered history
         answer = _replay_answers(cfg["replay_endpoint"], ev.curve_server_key(token))
-        assert len(answer) >= 2 and answer[-1][2] == (-1).to_bytes(8, "big", signed=True)
+        assert answer[-1][2] == (-1).to_bytes(8, "big", signed=True)
+        stored = [e for a in answer[:-1] for e in DECODER.decode(a[3]).events if isinstance(e, BlockStored)]
+        assert bytes.fromhex(key) in [h for e in stored for h in e.block_hashes]  # vLLM's decoder reads it
+        holder = _curve_sub(cfg["endpoint"], ev.curve_server_key(token))  # and live, with the token
+        try:
+            settle()
+            client = Store.connect(srv.server.url, token=token)
+            try:
+                assert client.delete(key)
+            finally:
+                client.close()
+            got = receive(holder, lambda b: any(isinstance(e, BlockRemoved) for e in events(b)))
+            assert bytes.fromhex(key) in [
+                h for e in events(got) if isinstance(e, BlockRemoved) for h in e.block_hashes
+            ]
+        finally:
+            holder.close()
 
 
 def test_an_engine_with_a_token_file_does_not_give_prompts_away(tmp_path) -> None:
