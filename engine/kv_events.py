@@ -3,6 +3,11 @@ in vLLM's wire format (kvstore.events) with medium "GPU" (the engine's own cache
 
 The first batch is AllBlocksCleared: a restarted engine tells subscribers (and, through replay, a
 router that starts later) to forget what its previous process held.
+
+The events carry the prompts' token ids (BlockStored.token_ids): whoever reads them can rebuild what
+users asked. The default endpoint is an ipc:// socket file only this user can connect to; off this host,
+give `token_file` (CURVE, keys derived from the token: `kvstore-engine router --engine-events-token-file`
+reads them, an anonymous subscriber gets nothing). kvstore.events has the options.
 """
 
 from __future__ import annotations
