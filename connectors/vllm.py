@@ -25,6 +25,7 @@ to start without `kv_load_failure_policy: recompute` (vLLM's default, `fail`, wo
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +37,7 @@ from kvstore.connectors.layouts import PagedLayout, VllmCpuAmxLayout, VllmCpuLay
 from kvstore.connectors.meta import StepTransfers
 from kvstore.connectors.store_handle import StoreHandle, acquire_store, release_store
 from kvstore.connectors.vllm_scheduler import VllmScheduler
+from kvstore.connectors.vllm_support import check_supported
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -101,40 +103,42 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
 
 def transfer_config(vllm_config: VllmConfig) -> KVTransferConfig:
     """The connector's settings and the KV layout (the fingerprint of every key) of this vLLM."""
+    check_supported(vllm_config)  # what it cannot serve: one sentence naming the setting to change
     ktc = vllm_config.kv_transfer_config
-    if ktc.kv_load_failure_policy != "recompute":  # vLLM's default is "fail"
-        raise ConfigError(
-            'KVStoreConnectorV1 needs "kv_load_failure_policy": "recompute" in --kv-transfer-config (or '
-            f"LLM(kv_transfer_config=...)), got {ktc.kv_load_failure_policy!r}: kvstore is a cache, and "
-            "with vLLM's default 'fail' a chunk that cannot be loaded (evicted, corrupt, unreachable) fails "
-            "its request instead of being recomputed"
-        )
     base = KVTransferConfig.from_mapping({**(ktc.kv_connector_extra_config or {}), "kv_role": ktc.kv_role})
-    if base.is_local:
-        raise ConfigError(
-            "KVStoreConnectorV1 needs a kvstore-server: set kv_connector_extra_config.url "
-            "(vLLM's scheduler and worker are two processes; an in-process store would be two stores)"
-        )
-    par = vllm_config.parallel_config
-    if par.tensor_parallel_size != 1 or par.pipeline_parallel_size != 1:
-        raise ConfigError("KVStoreConnectorV1 supports tensor/pipeline parallel size 1 only (for now)")
     mc, cc = vllm_config.model_config, vllm_config.cache_config
     raw = get_hf_file_to_dict("config.json", mc.model, mc.revision)
     if not raw:
         raise ConfigError(f"cannot read config.json of {mc.model}: the KV layout fingerprint needs it")
     cache_dtype = str(cc.cache_dtype)
-    kv_dtype = _KV_DTYPES.get(str(mc.dtype).removeprefix("torch.") if cache_dtype == "auto" else cache_dtype)
-    if kv_dtype is None:
-        raise ConfigError(
-            f"KVStoreConnectorV1 does not move a {cache_dtype!r} KV cache (use auto/bfloat16/float16)"
-        )
+    kv_dtype = _KV_DTYPES[str(mc.dtype).removeprefix("torch.") if cache_dtype == "auto" else cache_dtype]
     layout = model_layout(raw, model=mc.model, kv_dtype=kv_dtype)
     return KVTransferConfig(
         **{**base.model_dump(), "layout": layout, "block_size": cc.block_size, "load_async": False}
     )
 
 
+def _vllm_config_being_built() -> VllmConfig | None:
+    """The `VllmConfig` whose `__post_init__` is looking this connector's class up, if one is (vLLM asks
+    the class there whether it supports the hybrid KV cache manager: the first moment a connector can see
+    the settings, before any process, weight or cache exists)."""
+    from vllm.config import VllmConfig  # noqa: PLC0415
+
+    frame = sys._getframe(2)
+    for _ in range(16):
+        if frame is None:
+            return None
+        if frame.f_code.co_name == "__post_init__":
+            config = frame.f_locals.get("self")
+            if isinstance(config, VllmConfig):
+                return config
+        frame = frame.f_back
+    return None
+
+
 class KVStoreConnectorV1(KVConnectorBase_V1):
+    """Reached through this module's `__getattr__` (see the end of the module)."""
+
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
     ) -> None:
@@ -284,3 +288,19 @@ def _check_cpu_layout(cache: torch.Tensor, vllm_config: VllmConfig, layout: Vllm
             f"vLLM's CPU KV cache layout for ISA {isa!r} is not the {layout.name!r} one KVStoreConnectorV1 "
             "converts"
         )
+
+
+_CONNECTOR = KVStoreConnectorV1
+del KVStoreConnectorV1  # looked up through __getattr__, which checks the VllmConfig being built
+
+
+def __getattr__(name: str) -> Any:
+    """`KVStoreConnectorV1`, after refusing what it cannot serve of the `VllmConfig` vLLM is building
+    when it looks the class up (`connectors/vllm_support.py`): `LLM(...)` or `vllm serve` then fails in
+    the user's process with one sentence, before a worker starts or a weight loads."""
+    if name == "KVStoreConnectorV1":
+        config = _vllm_config_being_built()
+        if config is not None:
+            check_supported(config)
+        return _CONNECTOR
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -62,3 +62,16 @@ def test_preemption_reaches_the_connector_before_the_blocks_are_reused() -> None
     source = inspect.getsource(GPUModelRunner.execute_model)
     at = source.find(".handle_preemptions(")
     assert 0 <= at < source.find("self._update_states(scheduler_output)"), "handle_preemptions moved"
+
+
+def test_vllm_config_looks_the_connector_class_up_while_it_is_built() -> None:
+    """connectors/vllm.py refuses what it cannot serve when vLLM's VllmConfig.__post_init__ looks the
+    class up (to ask whether it supports the hybrid KV cache manager): found by walking up to that frame."""
+    from vllm.config import VllmConfig  # noqa: PLC0415
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: PLC0415
+
+    assert "KVConnectorFactory.supports_hma_config(" in inspect.getsource(VllmConfig.__post_init__)
+    assert "get_connector_class(" in inspect.getsource(KVConnectorFactory.supports_hma_config)
+    assert "getattr(connector_module, connector_name)" in inspect.getsource(
+        KVConnectorFactory.get_connector_class
+    )
