@@ -280,8 +280,9 @@ class EventSubscriber:
             while True:
                 now = time.monotonic()
                 if now - idle > REPLAY_TIMEOUT_S or now - began > REPLAY_TOTAL_S:
-                    logger.warning("KV events: no (whole) replay from %s within %g s", src.replay_endpoint,
-                                   REPLAY_TIMEOUT_S if now - idle > REPLAY_TIMEOUT_S else REPLAY_TOTAL_S)  # fmt: skip
+                    hint = " (CURVE: the publisher's token?)" if src.server_key else ""
+                    logger.warning("KV events: no (whole) replay from %s within %g s%s", src.replay_endpoint,
+                                   REPLAY_TIMEOUT_S if now - idle > REPLAY_TIMEOUT_S else REPLAY_TOTAL_S, hint)  # fmt: skip
                     return None
                 if not sock.poll(50):
                     continue
