@@ -57,7 +57,7 @@ class TraceRequest:
         return min(self.chunk_size, self.input_tokens - i * self.chunk_size)
 
 
-def _check(obj: object, where: str, previous_ms: float) -> TraceRequest:
+def _check(obj: object, where: str, previous_ms: int | float) -> TraceRequest:
     if not isinstance(obj, dict):
         raise TraceError(f"{where}: expected a JSON object, got {type(obj).__name__}")
     missing = [k for k in ("timestamp", "input_length", "output_length", "hash_ids") if k not in obj]
@@ -87,8 +87,11 @@ def _check(obj: object, where: str, previous_ms: float) -> TraceRequest:
 
 
 def iter_trace(path: Path | str) -> Iterator[TraceRequest]:
+    """The requests of `path`, any slice of a trace: its timestamps need not start at 0, and each line's
+    is compared with the previous line's as written (integer milliseconds as integers: ts / 1000 * 1000
+    is not always ts)."""
     path = Path(path)
-    previous = 0.0
+    previous: int | float = 0
     index = 0
     with path.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -100,7 +103,7 @@ def iter_trace(path: Path | str) -> Iterator[TraceRequest]:
             except ValueError as e:
                 raise TraceError(f"{where}: not JSON ({e})") from None
             r = _check(obj, where, previous)
-            previous = r.arrival_s * 1000.0
+            previous = obj["timestamp"]
             yield TraceRequest(index, r.arrival_s, r.input_tokens, r.output_tokens, r.hash_ids)
             index += 1
 

@@ -80,3 +80,21 @@ def test_chunk_keys_follow_block_prefixes() -> None:
     s = keys.of(_req([7, 8], 64, block_tokens=32, chunk_size=32))
     assert s == [hash_block(ROOT, [0, 7, 0]), hash_block(hash_block(ROOT, [0, 7, 0]), [0, 8, 0])]
     assert not set(keys.of(_req([7, 8], 64, block_tokens=32, chunk_size=32), salt="ttft")) & set(s)
+
+
+def test_any_slice_of_a_public_trace_reads(tmp_path, traces) -> None:
+    """Timestamps are compared as written: 2051999 / 1000 * 1000 is 2051999.0000000002, which the
+    reader once took for the next line's (equal) timestamp going back in time (issue 46 item 6)."""
+    conversation, _ = traces
+    lines = conversation.read_text().splitlines()
+    for start in (0, 3000, 6570, 9000):
+        path = tmp_path / f"slice{start}.jsonl"
+        path.write_text("\n".join(lines[start : start + 1500]) + "\n")
+        trace = read_trace(path)
+        assert len(trace) == min(1500, len(lines) - start)
+        assert trace[0].arrival_s == json.loads(lines[start])["timestamp"] / 1000
+    path = tmp_path / "equal.jsonl"
+    path.write_text(
+        "\n".join(json.dumps({**GOOD, "timestamp": t}) for t in (260999, 260999, 2051999, 2051999))
+    )
+    assert [r.arrival_s for r in read_trace(path)] == [260.999, 260.999, 2051.999, 2051.999]
