@@ -4,8 +4,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 CACHE ?= $(HOME)/.cache/kvstore
+SGL_VENV := $(VENV)/sglang
+SGL_REQ := tests/connectors/sglang/requirements.txt
 
-.PHONY: demo test lint bench clean chromium
+.PHONY: demo test lint bench clean chromium sglang-env
 
 $(STAMP): pyproject.toml setup.py constraints.txt .ci/vllm_requirements.py
 	@echo "==> [1/4] a virtualenv in $(VENV) ($(PY))"
@@ -47,11 +49,26 @@ chromium:
 			echo "could not install chromium: the dashboard's DOM tests skip"; }; \
 	else echo "chromium is missing and this is not a root Debian box (apt-get install chromium): the dashboard's DOM tests skip"; fi
 
+# SGLang, for the HiCache backend's tests only (tests/connectors/sglang): a venv of its own inside .venv,
+# holding sglang and the three small packages its HiCache classes import that .venv lacks, all --no-deps,
+# with .venv's packages behind them (a .pth: site.addsitedir). Nothing in .venv changes, so vLLM's tests
+# keep their versions; SGLang's 11 GB of CUDA wheels are not needed to drive HiCache on CPU (~15 s).
+sglang-env: $(SGL_VENV)/.installed
+
+$(SGL_VENV)/.installed: $(STAMP) $(SGL_REQ)
+	@echo "==> SGLang for the HiCache tests in $(SGL_VENV) (sglang --no-deps over $(VENV))"
+	test -x $(SGL_VENV)/bin/python || $(BIN)/python -m venv $(SGL_VENV)
+	main=$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
+	own=$$($(SGL_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
+	echo "import site; site.addsitedir('$$main')" > "$$own/zz_kvstore_venv.pth"
+	$(SGL_VENV)/bin/pip install -q --progress-bar off --no-deps -r $(SGL_REQ)
+	touch $@
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-test: $(STAMP) lint chromium
+test: $(STAMP) lint chromium sglang-env
 	$(BIN)/python -m pytest -q -rs
 
 demo: $(STAMP)
