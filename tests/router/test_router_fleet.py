@@ -1,11 +1,16 @@
 """Three real SmolLM2 engines and a kvstore-server behind `kvstore-engine router` (policy ttft): a
 multi-turn conversation's turns land on the engine that holds its history, answer token for token as a
 single engine does, and a router killed and started again routes the next turn there too (its index
-comes back from the publishers' replay buffers)."""
+comes back from the publishers' replay buffers). The turns name the model as a client would: the
+router's `--model` ("smollm2", an alias), then the engines' served name, which the router lists in its
+/v1/models; a name neither is the router's own 404."""
 
 from __future__ import annotations
 
+import json
 import time
+import urllib.error
+import urllib.request
 from urllib.request import urlopen
 
 import pytest
@@ -24,6 +29,7 @@ SYSTEM = (
 TURNS = ("What did the keeper do each evening?", "What did he write down?", "Why did the lens turn?",
          "Say it all again in one line.")  # fmt: skip
 MAX_TOKENS = 8
+SERVED = "SmolLM2-135M-Instruct"  # what `kvstore-engine serve --model smollm2` serves
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +52,11 @@ def _blocks(router: str, engine: str) -> int:
     return router_state(router)["index"]["engines"].get(engine, 0)
 
 
-def _turn(router: str, messages: list[dict]) -> tuple[str, str]:
+def _turn(router: str, messages: list[dict], model: str) -> tuple[str, str]:
     before = {e: _blocks(router, e) for e in router_state(router)["engines"]}
-    body = {"messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0}
+    body = {"model": model, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0}
     answer, headers = post(router, "/v1/chat/completions", body)
+    assert answer["model"] == SERVED, answer["model"]
     engine = headers["X-KVStore-Engine"]
     deadline = time.monotonic() + 10  # the engine's BlockStored events reach the router's index
     while _blocks(router, engine) <= before[engine] and time.monotonic() < deadline:
@@ -78,13 +85,20 @@ def test_turns_follow_their_history_token_identical_and_after_a_router_restart(f
                 router_proc, router = start_router(engines, store_cfg)
                 assert _blocks(router, served[0]) > 0, "the replay rebuilt the index"
             messages.append({"role": "user", "content": question})
-            engine, text = _turn(router, messages)
+            engine, text = _turn(router, messages, "smollm2" if i % 2 == 0 else SERVED)
             (want,) = single.chat([messages], greedy)
             assert text == want.outputs[0].text, f"turn {i} differs from a single engine"
             served.append(engine)
             messages.append({"role": "assistant", "content": text})
         assert served == [served[0]] * len(TURNS), served
         assert _local_tokens(router) > 0, "the restarted router routed the last turn on a local prefix"
+        models = json.loads(urlopen(router + "/v1/models", timeout=10).read())
+        assert [c["id"] for c in models["data"]] == [SERVED]
+        bad = {"model": "nope", "messages": messages[:2], "max_tokens": 1}
+        with pytest.raises(urllib.error.HTTPError) as e:
+            post(router, "/v1/chat/completions", bad)
+        assert e.value.code == 404 and "X-KVStore-Engine" not in e.value.headers
+        assert json.loads(e.value.read())["error"]["param"] == "model"
     finally:
         router_proc.stop()
         single.engine.shutdown()
