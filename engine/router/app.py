@@ -217,7 +217,7 @@ class Router:
         among: list[str] | None = None,
     ) -> Choice:
         """Choose an engine (of `among`, every engine by default). It is counted in the share cap's
-        window now; in the metrics once the engine accepts the request (`routed`)."""
+        window now; in the metrics once the engine accepts the request (`answered`)."""
         policy = policy or self.config.policy
         recent = self.recent[policy]
         counts = collections.Counter(recent)
