@@ -26,8 +26,10 @@ hash, layers, heads, head dim, dtype, page size as the chunk size, TP rank and w
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
+import mmap
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -161,6 +163,13 @@ def page_keys(root: bytes, shard: str, hashes: Sequence[str]) -> list[str]:
     return [hashlib.blake2b(prefix + _field(h.encode()), digest_size=DIGEST_SIZE).hexdigest() for h in hashes]
 
 
+@functools.lru_cache(maxsize=8)
+def _stand_in(n: int) -> mmap.mmap:
+    """n bytes of address space never touched (no memory behind it): a payload of the right size for
+    `PreparedBlob.of`, which reads only its length."""
+    return mmap.mmap(-1, n)
+
+
 def _field(b: bytes) -> bytes:
     return len(b).to_bytes(4, "little") + b
 
@@ -176,13 +185,11 @@ class StridedBlob(PreparedBlob):
     `PreparedBlob`; `parts` (a socket) makes a contiguous copy first."""
 
     def __init__(self, view: torch.Tensor, key: str) -> None:
-        # the header: kvstore.blob lays it out, from a stand-in payload of the right size
-        # (np.empty: memory reserved, never touched, freed at once)
-        stand_in = np.empty(math.prod(view.shape) * view.dtype.itemsize, np.uint8)
+        n = math.prod(view.shape) * view.dtype.itemsize
         proto = PreparedBlob.of(
-            0, COMPRESSION_NONE, view.dtype, tuple(view.shape), {}, stand_in, key_tag(key)
+            0, COMPRESSION_NONE, view.dtype, tuple(view.shape), {}, _stand_in(n), key_tag(key)
         )
-        super().__init__(proto.head, memoryview(b""))
+        super().__init__(proto.head, memoryview(b""))  # kvstore.blob laid the header out
         object.__setattr__(self, "source", _bits(view))
 
     @property
