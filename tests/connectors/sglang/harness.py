@@ -67,9 +67,14 @@ class Engine:
         device_tokens: int = 256,
         host_ratio: float = 8.0,
         model: str = "test-model",
+        pools: Engine | None = None,
     ) -> None:
+        """`pools`: another engine whose device pool, host pool and allocator this one shares (a second
+        controller over the very same host memory: the benchmark's backends)."""
         self.page = page
-        if mla:
+        if pools is not None:
+            kv, host, alloc = pools.kv, pools.host, pools.alloc
+        elif mla:
             kv = MLATokenToKVPool(device_tokens, page, dtype, head_dim, 16, layers, "cpu", False, 0, layers)
             info = kv.get_device_pool_infos()[0].buffer_info
             host = MLATokenToKVPoolHost(
@@ -95,8 +100,9 @@ class Engine:
                 info, host_ratio, 0, page, layout, pin_memory=False, device="cpu",
                 device_capacity_tokens=kv.size, start_layer=0, end_layer=layers,
             )  # fmt: skip
-        alloc = PagedTokenToKVPoolAllocator(device_tokens, page, dtype, "cpu", kv, need_sort=False)
-        self.host = host
+        if pools is None:
+            alloc = PagedTokenToKVPoolAllocator(device_tokens, page, dtype, "cpu", kv, need_sort=False)
+        self.kv, self.host, self.alloc = kv, host, alloc
         with get_parallel().override(tp_rank=tp[0], tp_size=tp[1], attn_tp_rank=tp[0], attn_tp_size=tp[1]):
             self.ctrl = HiCacheController(
                 alloc, host, page, dist.group.WORLD, threading.Event(), io_backend="direct",
