@@ -127,9 +127,14 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         )  # fmt: skip
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """SGLang's HybridCacheController (every model's in a server) registers each pool of its host pool
+        group here: the KV pool is the one `register_mem_pool_host` took; any other is refused at start."""
+        if str(host_pool_name) == "kv" and host_pool is getattr(self, "mem_pool_host", None):
+            super().register_mem_host_pool_v2(host_pool, host_pool_name)
+            return
         raise ConfigError(
             f"KVStoreHiCacheStorage stores the KV pool only, not SGLang's {host_pool_name} pool (hybrid "
-            "models: Mamba, SWA, DSA indexer pools are not supported)"
+            "models: Mamba, SWA, DSA indexer and draft pools are not supported)"
         )
 
     def _config_hash(self, name: str) -> str:

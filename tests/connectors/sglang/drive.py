@@ -37,10 +37,10 @@ def canonical_blob_matches(engine: Engine, hashes: list[str], pages: list) -> bo
     )
 
 
-def roundtrip(url: str, v1: bool, seed: int) -> dict[str, Any]:
+def roundtrip(url: str, v1: bool, seed: int, hybrid: bool = False) -> dict[str, Any]:
     """Engine A backs up 6 pages; a prompt of 8 pages, 6 of them A's, hits 6 and prefetches them bit-exact;
     engine B (a new controller and new pools, another host layout) does the same from A's pages."""
-    a = Engine(extra(url, v1))
+    a = Engine(extra(url, v1), hybrid=hybrid)
     b = None
     try:
         stored = tokens(6 * PAGE, seed)
@@ -52,7 +52,7 @@ def roundtrip(url: str, v1: bool, seed: int) -> dict[str, Any]:
             "exact": same(p["pages"], up["pages"]),
             "blobs_canonical": canonical_blob_matches(a, a.hashes(stored), up["pages"]),
         }  # fmt: skip
-        b = Engine(extra(url, v1), layout="layer_first")
+        b = Engine(extra(url, v1), layout="layer_first", hybrid=hybrid)
         q = b.prefetch(prompt)
         # B's host layout differs: compare pages as blobs ([2, L, T, H, D])
         mine = [b.backend.geometry.canonical(x) for x in q["pages"]]
@@ -101,13 +101,13 @@ def stored_keys(url: str) -> int:
         return sum(t["keys"] for t in store.stats()["tiers"])
 
 
-def mla(url: str) -> dict[str, Any]:
+def mla(url: str, hybrid: bool = False, seed: int = 11) -> dict[str, Any]:
     """An MLA model under TP 2: rank 0 stores each page once; rank 1 (not a writer) stores nothing and
     loads rank 0's pages."""
-    stored = tokens(6 * PAGE, 11)
+    stored = tokens(6 * PAGE, seed)
     before = stored_keys(url)
-    r0 = Engine(extra(url), mla=True, tp=(0, 2), head_dim=64)
-    r1 = Engine(extra(url), mla=True, tp=(1, 2), head_dim=64)
+    r0 = Engine(extra(url), mla=True, tp=(0, 2), head_dim=64, hybrid=hybrid)
+    r1 = Engine(extra(url), mla=True, tp=(1, 2), head_dim=64, hybrid=hybrid)
     try:
         up0 = r0.backup(stored, seed=3)
         up1 = r1.backup(stored, seed=4)
@@ -266,6 +266,9 @@ def main() -> None:
         "local_generic": lambda: roundtrip("local", False, 4),
         "tp": lambda: tp_ranks(args.url),
         "mla": lambda: mla(args.url),
+        "hybrid_v1": lambda: roundtrip(args.url, True, 5, hybrid=True),
+        "hybrid_generic": lambda: roundtrip(args.url, False, 6, hybrid=True),
+        "hybrid_mla": lambda: mla(args.url, hybrid=True, seed=12),
         "tier_codec": lambda: tier_codec(args.codec_url),
         "faults": lambda: faults(args.fault_url, args.fault_pid),
     }

@@ -25,7 +25,12 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from sglang.srt.managers.cache_controller import HiCacheController  # noqa: E402
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator  # noqa: E402
+from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle  # noqa: E402
+from sglang.srt.mem_cache.hicache_storage import PoolName  # noqa: E402
+from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController  # noqa: E402
+from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import build_pool_entry  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool  # noqa: E402
+from sglang.srt.mem_cache.pool_host import HostPoolGroup  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost  # noqa: E402
 from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
@@ -68,9 +73,12 @@ class Engine:
         host_ratio: float = 8.0,
         model: str = "test-model",
         pools: Engine | None = None,
+        hybrid: bool = False,
     ) -> None:
         """`pools`: another engine whose device pool, host pool and allocator this one shares (a second
-        controller over the very same host memory: the benchmark's backends)."""
+        controller over the very same host memory: the benchmark's backends). `hybrid`: the controller an
+        SGLang server builds for a plain MHA/MLA model (`build_kv_only_stack`: a HybridCacheController over
+        a host pool group whose one entry is the KV pool) instead of the base HiCacheController."""
         self.page = page
         if pools is not None:
             kv, host, alloc = pools.kv, pools.host, pools.alloc
@@ -103,12 +111,25 @@ class Engine:
         if pools is None:
             alloc = PagedTokenToKVPoolAllocator(device_tokens, page, dtype, "cpu", kv, need_sort=False)
         self.kv, self.host, self.alloc = kv, host, alloc
+        self.hybrid = hybrid
+        config = dict(extra or {}) if backend == "dynamic" else extra
         with get_parallel().override(tp_rank=tp[0], tp_size=tp[1], attn_tp_rank=tp[0], attn_tp_size=tp[1]):
-            self.ctrl = HiCacheController(
-                alloc, host, page, dist.group.WORLD, threading.Event(), io_backend="direct",
-                storage_backend=backend, model_name=model,
-                storage_backend_extra_config=dict(extra or {}) if backend == "dynamic" else extra,
-            )  # fmt: skip
+            if hybrid:  # as hybrid_pool_assembler.build_kv_only_stack does
+                same_layers = {i: i for i in range(layers)}
+                entry = build_pool_entry(
+                    name=PoolName.KV, host_pool=host, device_pool=kv, layer_mapping=same_layers,
+                    transfer_layer_id_max=layers, is_anchor=True,
+                )  # fmt: skip
+                self.ctrl = HybridCacheController(
+                    alloc, HostPoolGroup([entry]), page, dist.group.WORLD, load_cache_event=threading.Event(),
+                    io_backend="direct", storage_backend=backend, model_name=model,
+                    storage_backend_extra_config=config, transfer_layer_id_max=layers,
+                )  # fmt: skip
+            else:
+                self.ctrl = HiCacheController(
+                    alloc, host, page, dist.group.WORLD, threading.Event(), io_backend="direct",
+                    storage_backend=backend, model_name=model, storage_backend_extra_config=config,
+                )  # fmt: skip
         self.backend = self.ctrl.storage_backend
         self._rid = 0
 
@@ -143,7 +164,8 @@ class Engine:
         `hang()` runs between the two (a test stops the server there)."""
         self._rid += 1
         t0 = time.monotonic()
-        op = self.ctrl.prefetch(f"r{self._rid}", tokens)
+        rid = f"r{self._rid}"
+        op = self.ctrl.prefetch(CacheRequestHandle(rid, 0) if self.hybrid else rid, tokens)
         hit_op = self.ctrl.prefetch_hit_queue.get(timeout=WAIT_S)
         assert hit_op is op
         hit, query_s = op.storage_hit_count, time.monotonic() - t0

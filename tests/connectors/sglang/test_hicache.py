@@ -21,6 +21,7 @@ from tests.connectors.sglang.sglang_env import ROOT, SGL_PYTHON, available, env,
 
 pytestmark = pytest.mark.slow
 SCENARIOS = ("v1", "generic", "local_v1", "local_generic", "tp", "mla", "tier_codec", "faults")
+SCENARIOS += ("hybrid_v1", "hybrid_generic", "hybrid_mla")
 PAGE = 16
 # bounds on a call against a hung or dead server: the deadlines the fault scenario sets (lookups 0.25 s,
 # loads and backups 1 s) plus scheduling slack on a loaded 2-core machine
@@ -73,12 +74,16 @@ def scenario(results: dict[str, Any], name: str) -> dict[str, Any]:
     return r
 
 
-@pytest.mark.parametrize("name", ["v1", "generic", "local_v1", "local_generic"])
+ROUNDTRIPS = ["v1", "generic", "local_v1", "local_generic", "hybrid_v1", "hybrid_generic"]
+
+
+@pytest.mark.parametrize("name", ROUNDTRIPS)
 def test_backup_hit_query_and_prefetch_bit_exact(results: dict[str, Any], name: str) -> None:
     """6 pages backed up by the controller's backup thread; a prompt of 8 pages (6 of them those) hits 6
     in the hit query and the prefetch brings them back into other host pages bit for bit. `v1`: the
     zero-copy batch_set_v1/batch_get_v1 over host indices; `generic`: SGLang's flat pages; `local_*`: an
-    in-process store instead of a kvstore-server."""
+    in-process store instead of a kvstore-server; `hybrid_*`: the controller an SGLang server builds for
+    an MHA model (HybridCacheController over a host pool group), instead of the base HiCacheController."""
     r = scenario(results, name)
     assert (r["backup_tokens"], r["hit"], r["done"]) == (6 * PAGE, 6 * PAGE, 6 * PAGE), r
     assert r["exact"]
@@ -86,7 +91,7 @@ def test_backup_hit_query_and_prefetch_bit_exact(results: dict[str, Any], name: 
     assert r["stats"]["saved"] == 6 and r["stats"]["loaded"] == 6 and r["stats"]["exists_hits"] == 6
 
 
-@pytest.mark.parametrize("name", ["v1", "generic", "local_v1", "local_generic"])
+@pytest.mark.parametrize("name", ROUNDTRIPS)
 def test_a_second_engine_reuses_the_first_ones_pages(results: dict[str, Any], name: str) -> None:
     """A new controller with new pools (and another host layout: layer_first, the first was page_first)
     finds the 6 pages the first stored and loads them bit-exact; it stores nothing itself."""
@@ -102,10 +107,11 @@ def test_tp_ranks_do_not_read_each_others_pages(results: dict[str, Any]) -> None
     assert r["rank0_gets_rank0"] and r["rank1_gets_rank1"] and not r["rank0_gets_rank1"]
 
 
-def test_an_mla_model_stores_one_copy(results: dict[str, Any]) -> None:
+@pytest.mark.parametrize("name", ["mla", "hybrid_mla"])
+def test_an_mla_model_stores_one_copy(results: dict[str, Any], name: str) -> None:
     """TP 2 of an MLA model: rank 0 stores the 6 pages once, rank 1 (no writer) stores nothing, and loads
     rank 0's pages bit-exact. The latent rows (kv_lora_rank 64 + rope 16) are stored as [2, L, T, 1, 40]."""
-    r = scenario(results, "mla")
+    r = scenario(results, name)
     assert r["backups"] == [6 * PAGE, 0] and r["saved"] == [6, 0]
     assert r["new_blobs"] == r["pages"] == 6
     assert (r["rank1_hit"], r["rank1_done"]) == (6 * PAGE, 6 * PAGE) and r["rank1_gets_rank0"]
