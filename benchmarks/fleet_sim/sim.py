@@ -378,6 +378,8 @@ def _stats(fleet: Fleet, jobs: list[Job], wall_s: float) -> dict[str, Any]:
     span = max(j.finish_s for j in jobs) - min(j.sent_s for j in jobs)
     out_tokens = sum(j.req.output_tokens for j in jobs)
     moved = c["load_bytes"] + c["save_bytes"]
+    per_engine = Counter(j.engine for j in jobs)
+    prompt = sum(j.req.input_tokens for j in jobs)
     return {
         "requests": len(jobs),
         "blocks": c["blocks"],
@@ -388,6 +390,12 @@ def _stats(fleet: Fleet, jobs: list[Job], wall_s: float) -> dict[str, Any]:
         "miss_elsewhere": c["elsewhere_blocks"] / blocks,
         "miss_evicted": c["evicted_blocks"] / blocks,
         "cold": c["cold_blocks"] / blocks,
+        # prompt tokens not prefilled (reused from the engine's cache or the store) / prompt tokens
+        "prefix_reuse": sum(j.local_tokens + j.store_tokens for j in jobs) / prompt if prompt else 0.0,
+        "local_reuse": sum(j.local_tokens for j in jobs) / prompt if prompt else 0.0,
+        # the busiest engine's requests / the mean per engine (1.0: even)
+        "imbalance": max(per_engine.values()) * fleet.config.engines / len(jobs) if jobs else 0.0,
+        "engines_used": len(per_engine),
         "ttft_p50_s": _quantile(ttft, 0.5),
         "ttft_p90_s": _quantile(ttft, 0.9),
         "ttft_p99_s": _quantile(ttft, 0.99),

@@ -21,8 +21,9 @@ local match: the classic KV-aware router, which hot-spots an engine holding a po
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 POLICIES = ("round_robin", "least_loaded", "prefix", "ttft")
 
@@ -88,6 +89,24 @@ def under_cap(engines: Sequence[EngineState], max_share: float) -> list[EngineSt
     return ok or list(engines)
 
 
+def _mix(x: int) -> int:
+    """splitmix64's finaliser: consecutive turns give unrelated 64-bit numbers."""
+    x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return x ^ (x >> 31)
+
+
+def _lowest(engines: Sequence[EngineState], key: Callable[[EngineState], Any], turn: int) -> EngineState:
+    """The engine with the lowest `key`; among equal keys one drawn by the decision's `turn` (a
+    pseudo-random pick, the same for the same turn), so no engine is favoured by its place in the list
+    (ties went to the first: at 128 idle engines least_loaded used engines 0-31 only)."""
+    keys = [key(e) for e in engines]
+    best = min(keys)
+    tied = [e for e, k in zip(engines, keys, strict=True) if k == best]
+    return tied[_mix(turn) % len(tied)] if len(tied) > 1 else tied[0]
+
+
 def choose(
     policy: str,
     engines: Sequence[EngineState],
@@ -96,7 +115,8 @@ def choose(
     max_share: float = 1.2,
     turn: int = 0,
 ) -> Choice:
-    """The engine `policy` picks for `request`. `turn` is round_robin's counter (the caller's)."""
+    """The engine `policy` picks for `request`. `turn` is the caller's count of its decisions:
+    round_robin's counter, and the draw that breaks ties between equal engines."""
     if not engines:
         raise ValueError("no engines to choose from")
     if policy not in POLICIES:
@@ -106,14 +126,14 @@ def choose(
     if policy == "round_robin":
         best = engines[turn % len(engines)]
     elif policy == "least_loaded":
-        best = min(engines, key=lambda e: (e.waiting_tokens, e.in_flight))
+        best = _lowest(engines, lambda e: (e.waiting_tokens, e.in_flight), turn)
     elif policy == "prefix":
-        best = max(engines, key=lambda e: (scored[e.name][1], -e.in_flight, -e.waiting_tokens))
+        best = _lowest(engines, lambda e: (-scored[e.name][1], e.in_flight, e.waiting_tokens), turn)
     else:
         allowed = under_cap(engines, max_share)
         ok = {e.name for e in allowed}
         capped = tuple(e.name for e in engines if e.name not in ok)
-        best = min(allowed, key=lambda e: scored[e.name][0])
+        best = _lowest(allowed, lambda e: scored[e.name][0], turn)
     ttft, local, load, compute = scored[best.name]
     estimates = {name: s[0] for name, s in scored.items()}
     return Choice(best.name, policy, ttft, local, load, compute, estimates, capped)

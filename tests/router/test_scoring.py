@@ -132,3 +132,19 @@ def test_the_router_counts_only_tokens_to_compute_as_queue() -> None:
     load = router.loads["http://e"]
     assert (load.in_flight, load.waiting_tokens) == (1, 100)
     assert router.decision_record(choice)["loads"] == {"http://e": [1, 100]}
+
+
+def test_ties_favour_no_engine_by_its_index() -> None:
+    """Equal engines: each policy's pick is drawn by the decision's turn (the same turn, the same pick),
+    spread over every engine rather than the first in the list (issue 46 item 2)."""
+    idle = [EngineState(str(i)) for i in range(128)]
+    for policy in ("least_loaded", "prefix", "ttft"):
+        picks = [choose(policy, idle, Request(1000), COSTS, turn=t).engine for t in range(2000)]
+        counts = {name: picks.count(name) for name in {e.name for e in idle}}
+        assert len(counts) == 128 and min(counts.values()) >= 4 and max(counts.values()) <= 35, policy
+        assert picks == [choose(policy, idle, Request(1000), COSTS, turn=t).engine for t in range(2000)]
+    # only the tied engines are drawn from: a busier or shorter-matching one is never picked
+    mixed = [EngineState("busy", waiting_tokens=10), EngineState("x"), EngineState("y")]
+    assert {choose("least_loaded", mixed, Request(10), COSTS, turn=t).engine for t in range(50)} == {"x", "y"}
+    holders = [EngineState("a", 512), EngineState("b"), EngineState("c", 512)]
+    assert {choose("prefix", holders, Request(1000), COSTS, turn=t).engine for t in range(50)} == {"a", "c"}
