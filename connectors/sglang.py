@@ -54,8 +54,14 @@ from kvstore.errors import ConfigError, CorruptBlob, KVStoreError
 from kvstore.keys import KVLayout, model_identity_hash, model_identity_name, root_key
 
 logger = logging.getLogger(__name__)
-# the extra config's keys that are SGLang's (its factory's, its controller's), not ours
-SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size")
+# the extra config's keys that are SGLang's (its factory's, its controllers', its file backend's), not ours
+SGLANG_KEYS = frozenset(
+    {
+        "backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size", "file_storage_path",
+        "prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token",
+        "hicache_storage_pass_prefix_keys", "enable_metadata_cache", "metadata_ttl",
+    }
+)  # fmt: skip
 TOKEN_HINT = '"token_file": "FILE" in --hicache-storage-backend-extra-config, or KVSTORE_AUTH_TOKEN_FILE'
 DEFAULT_TIMEOUT_S = 2.0  # a load or backup runs in SGLang's I/O threads: a hung store holds them no longer
 FORGET_AFTER = 1 << 18  # keys remembered for clear()

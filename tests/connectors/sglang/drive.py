@@ -243,6 +243,55 @@ def probe(e: Engine, stored: list[int]) -> dict[str, Any]:
     return res
 
 
+def config(url: str) -> dict[str, Any]:
+    """What is refused at start (a typo in the extra config, a pool other than KV), and SGLang's storage
+    metrics from get_stats()."""
+    from kvstore.connectors.sglang import KVStoreHiCacheStorage  # noqa: PLC0415
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolName  # noqa: PLC0415
+
+    from kvstore.errors import ConfigError  # noqa: PLC0415
+
+    def make(**more: Any) -> KVStoreHiCacheStorage:
+        cfg = HiCacheStorageConfig(
+            tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
+            enable_storage_metrics=True, is_page_first_layout=True, model_name="m",
+            extra_config=extra(url, **more),
+        )  # fmt: skip
+        return KVStoreHiCacheStorage(cfg, {})
+
+    out: dict[str, Any] = {}
+    try:
+        make(urll="http://127.0.0.1:1").close()
+        out["typo"] = "accepted"
+    except ConfigError as err:
+        out["typo"] = str(err)
+    e = Engine(extra(url))
+    be = make()
+    try:
+        be.register_mem_pool_host(e.host)
+        be.register_mem_host_pool_v2(e.host, PoolName.KV)
+        try:
+            be.register_mem_host_pool_v2(e.host, PoolName.MAMBA)
+            out["mamba"] = "accepted"
+        except ConfigError as err:
+            out["mamba"] = str(err)
+        idx, _ = e.fill(3, seed=21)
+        hashes = e.hashes(tokens(3 * PAGE, 21))
+        out["set"] = be.batch_set_v1(hashes, idx)
+        out["get"] = be.batch_get_v1(hashes, idx)
+        m = be.get_stats()
+        out["metrics"] = {
+            "type": type(m).__name__,
+            "backup_pgs": m.backup_pgs,
+            "prefetch_pgs": m.prefetch_pgs,
+        }
+        out["metrics_drained"] = be.get_stats().backup_pgs
+    finally:
+        be.close()
+        e.close()
+    return out
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -271,6 +320,7 @@ def main() -> None:
         "hybrid_mla": lambda: mla(args.url, hybrid=True, seed=12),
         "tier_codec": lambda: tier_codec(args.codec_url),
         "faults": lambda: faults(args.fault_url, args.fault_pid),
+        "config": lambda: config(args.url),
     }
     for name in args.scenarios:
         try:

@@ -21,7 +21,7 @@ from tests.connectors.sglang.sglang_env import ROOT, SGL_PYTHON, available, env,
 
 pytestmark = pytest.mark.slow
 SCENARIOS = ("v1", "generic", "local_v1", "local_generic", "tp", "mla", "tier_codec", "faults")
-SCENARIOS += ("hybrid_v1", "hybrid_generic", "hybrid_mla")
+SCENARIOS += ("hybrid_v1", "hybrid_generic", "hybrid_mla", "config")
 PAGE = 16
 # bounds on a call against a hung or dead server: the deadlines the fault scenario sets (lookups 0.25 s,
 # loads and backups 1 s) plus scheduling slack on a loaded 2-core machine
@@ -167,3 +167,16 @@ def test_a_dead_server_is_a_miss_and_the_controller_lives_on(results: dict[str, 
     r = scenario(results, "faults")
     _misses_in_bounded_time(r["down"])
     assert r["threads_alive"], "SGLang's backup, prefetch and I/O threads survived every fault"
+
+
+def test_settings_sglang_does_not_know_are_refused_at_start_and_metrics_reach_sglang(
+    results: dict[str, Any],
+) -> None:
+    r = scenario(results, "config")
+    assert "urll" in r["typo"], "a misspelt setting is a ConfigError naming it, at start"
+    assert "mamba" in r["mamba"] and "not supported" in r["mamba"], (
+        "a hybrid model's pool is refused at start"
+    )
+    assert r["set"] == [True] * 3 and r["get"] == [True] * 3
+    assert r["metrics"] == {"type": "StorageMetrics", "backup_pgs": [3], "prefetch_pgs": [3]}
+    assert r["metrics_drained"] == [], "get_stats() hands each call's figures over once"
