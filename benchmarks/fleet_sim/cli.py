@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from kvstore.engine.router.scoring import POLICIES
-from kvstore.fleet_sim import report
+from kvstore.fleet_sim import oracle, report
 from kvstore.fleet_sim.profile import load_profile
 from kvstore.fleet_sim.sim import SimConfig, simulate
 from kvstore.fleet_sim.trace import ChunkKeys, read_trace
@@ -83,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--profile", default="llama3-8b-h100", help="a name under benchmarks/fleet_sim/profiles or a path"
     )
+    p.add_argument("--oracle", action="store_true",
+                   help="beside every configuration: the same engines and policy with unbounded memory and free "
+                        "transfers (oracle p50/p90), and the bound no schedule beats (each request alone on an "
+                        "idle engine prefilling only what no earlier request had: bound p90, p90 / bound)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="one JSON object a line per configuration")
     p.add_argument("--plot", type=Path, default=PLOT, help=f"PNG (matplotlib) or HTML (default {PLOT})")
     p.add_argument("--no-plot", action="store_true")
@@ -99,8 +103,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     keys = ChunkKeys()
     rows = []
+    bound = oracle.bound_stats(trace, profile, keys) if args.oracle else {}
     for engines in args.engines:
         for policy in args.policy:
+            best = {}
+            if args.oracle:
+                config = oracle.oracle_config(SimConfig(engines, policy, math.inf, math.inf, args.server_gib,
+                                                        args.engines_per_server))  # fmt: skip
+                o = simulate(trace, config, oracle.free_transfers(profile), keys).stats
+                best = {"oracle_p50_s": o["ttft_p50_s"], "oracle_p90_s": o["ttft_p90_s"],
+                        "oracle_reuse": o["prefix_reuse"]}  # fmt: skip
             for store_gib in args.store_gib:
                 for kv_gib in args.engine_kv_gib:
                     config = SimConfig(
@@ -109,6 +121,10 @@ def main(argv: list[str] | None = None) -> int:
                     row = simulate(trace, config, profile, keys).row()
                     if row["engine_kv_gib"] is None:
                         row["engine_kv_gib"] = profile.engine_kv_gib
+                    if args.oracle:
+                        row.update(best, **bound)
+                        row["p90_vs_oracle"] = row["ttft_p90_s"] / best["oracle_p90_s"]
+                        row["p90_vs_bound"] = row["ttft_p90_s"] / bound["bound_p90_s"]
                     rows.append(row)
                     if args.json:
                         print(report.json_line(row), flush=True)
@@ -118,6 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args.json:
         print(f"{trace_path(args.trace).name}: {len(trace)} requests, profile {profile.name}")
         print(report.table(rows))
+        if args.oracle:
+            print(f"oracle: the same engines and policy with unbounded memory and free transfers; bound: each "
+                  f"request alone on an idle engine, prefilling only what no earlier request had (TTFT p50 "
+                  f"{bound['bound_p50_s']:.3f} s, p90 {bound['bound_p90_s']:.3f} s, prefix reuse "
+                  f"{bound['bound_reuse']:.1%}); x bound = TTFT p90 / the bound's")  # fmt: skip
         for engines, policy, gib, unbounded in report.capacity_for(rows):
             where = "not reached by the swept capacities" if math.isnan(gib) else f"~{gib:.0f} GiB"
             print(f"90% of the unbounded hit rate ({unbounded:.1%}) at {engines} engines, {policy}: {where}")

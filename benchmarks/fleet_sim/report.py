@@ -19,9 +19,17 @@ COLUMNS = (
     ("store_hit_rate", "store %", "{:.1%}"),
     ("ttft_p50_s", "TTFT p50 s", "{:.3f}"),
     ("ttft_p90_s", "TTFT p90 s", "{:.3f}"),
+    ("prefix_reuse", "reuse %", "{:.1%}"),
+    ("imbalance", "imbal", "{:.2f}"),
     ("throughput_tok_s", "out tok/s", "{:.0f}"),
     ("bytes_moved_per_request", "MB moved/req", "{:.1f}"),
     ("wall_s", "sim s", "{:.1f}"),
+)
+# with --oracle, after TTFT p90 (absent keys: the column is left out)
+ORACLE_COLUMNS = (
+    ("oracle_p90_s", "oracle p90 s", "{:.3f}"),
+    ("bound_p90_s", "bound p90 s", "{:.3f}"),
+    ("p90_vs_bound", "x bound", "{:.2f}"),
 )
 
 CHARTS = (
@@ -46,9 +54,11 @@ def _cell(row: dict[str, Any], key: str, fmt: str) -> str:
 
 
 def table(rows: Sequence[dict[str, Any]]) -> str:
-    cells = [[title for _, title, _ in COLUMNS]]
-    cells += [[_cell(r, key, fmt) for key, _, fmt in COLUMNS] for r in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(COLUMNS))]
+    at = [k for k, _, _ in COLUMNS].index("ttft_p90_s") + 1
+    columns = [*COLUMNS[:at], *(c for c in ORACLE_COLUMNS if any(c[0] in r for r in rows)), *COLUMNS[at:]]
+    cells = [[title for _, title, _ in columns]]
+    cells += [[_cell(r, key, fmt) for key, _, fmt in columns] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstore.engine.router.calibrate import Calibrator, parse_totals
-from kvstore.engine.router.scoring import EngineState, Request, choose
+from kvstore.engine.router.scoring import Costs, EngineState, Request, choose
 from kvstore.fleet_sim.cpu import SharedCPU
 from kvstore.fleet_sim.engine import Job, SimEngine
 from kvstore.fleet_sim.events import EventLoop
@@ -68,6 +68,9 @@ class SimConfig:
     # this long after it is sent, its first token the client this long after the engine made it, and a
     # conversation's next turn, due before the previous one finished, is sent this long after it did
     client_s: float = 0.0
+    # the router's costs before its first calibration (None: the scoring module's defaults); the oracle
+    # gives it loads that cost nothing, which no scrape would measure (a load of 0 s moves no cost)
+    router_costs: Costs | None = None
 
 
 @dataclass
@@ -129,7 +132,7 @@ class Fleet:
         )
         self.max_share, window, calibrate_s = _router_defaults()
         # the router's costs: its defaults, then what its calibrator makes of the engines' counters
-        self.calibrator = Calibrator()
+        self.calibrator = Calibrator(config.router_costs)
         self.calibrate_s = calibrate_s if config.calibrate_s is None else config.calibrate_s
         # each engine's counters as its /metrics would give them to the Calibrator (all 0 at first)
         self.metrics = [parse_totals("") for _ in range(config.engines)]
