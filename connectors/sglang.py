@@ -33,25 +33,31 @@ SGLang (through `module_path`).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 from kvstore.connectors.config import KVTransferConfig
-from kvstore.connectors.sglang_pages import PageGeometry, StridedBlob, geometry_of, load_into, page_keys
+from kvstore.connectors.sglang_pages import (
+    PageGeometry,
+    StridedBlob,
+    geometry_of,
+    load_into,
+    page_keys,
+    page_layout,
+    shard_of,
+)
 from kvstore.connectors.store_handle import StoreHandle, acquire_store, is_unreachable, release_store
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
 from kvstore.blob import prepare_blob
 from kvstore.errors import ConfigError, CorruptBlob, KVStoreError
-from kvstore.keys import KVLayout, model_identity_hash, model_identity_name, root_key
+from kvstore.keys import root_key
 
 logger = logging.getLogger(__name__)
 # the extra config's keys that are SGLang's (its factory's, its controllers', its file backend's), not ours
@@ -92,13 +98,10 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         self.writer = bool(writer) if writer is not None else not self.is_mla or storage_config.tp_rank == 0
         self.geometry: PageGeometry | None = None
         self.root = b""
-        self.shard = _shard(storage_config)
+        self.shard = shard_of(storage_config)
         self._stats: dict[str, int] = dict.fromkeys(STAT_NAMES, 0)
         self._metrics: dict[str, list] = {
-            "prefetch_pgs": [],
-            "backup_pgs": [],
-            "prefetch_bw": [],
-            "backup_bw": [],
+            k: [] for k in ("prefetch_pgs", "backup_pgs", "prefetch_bw", "backup_bw")
         }
         self._lock = threading.Lock()
         self._logged: dict[str, float] = {}
@@ -110,20 +113,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         """The host pool whose pages this backend moves: its geometry makes the layout fingerprint."""
         super().register_mem_pool_host(mem_pool_host)
         geo = geometry_of(mem_pool_host)
-        cfg = self.storage_config
-        tp_rank, tp_size = (0, 1) if self.is_mla else (cfg.tp_rank, cfg.tp_size)
-        name = self.model_path or cfg.model_name or "unknown-model"
-        layout = KVLayout(
-            model_name=model_identity_name(name),
-            model_config_hash=self._config_hash(name),
-            num_layers=geo.layers,
-            num_kv_heads=geo.heads,
-            head_dim=geo.head_dim,
-            kv_dtype=geo.kv_dtype,
-            chunk_size=geo.page_size,
-            tp_rank=tp_rank,
-            tp_world_size=tp_size,
-        )
+        layout = page_layout(geo, self.storage_config, self.model_path)
         self.geometry, self.root = geo, root_key(layout, self.settings.namespace)
         logger.info(
             "KVStoreHiCacheStorage: store %s, %s pages of %d tokens (%.2f MiB, host layout %s), %s, "
@@ -142,17 +132,6 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             f"KVStoreHiCacheStorage stores the KV pool only, not SGLang's {host_pool_name} pool (hybrid "
             "models: Mamba, SWA, DSA indexer and draft pools are not supported)"
         )
-
-    def _config_hash(self, name: str) -> str:
-        config = _model_config(name)
-        if config is None:
-            logger.warning(
-                "KVStoreHiCacheStorage: no config.json found for %r (set model_path in the extra config): "
-                "keys rest on the model's name and KV geometry alone",
-                name,
-            )
-            return ""
-        return model_identity_hash(config)
 
     # ---- existence (the hit query) ---------------------------------------------------------------
     def exists(self, key: str) -> bool:
@@ -408,34 +387,3 @@ STAT_NAMES = (
 
 def _leading(ok: Sequence[bool]) -> int:
     return next((i for i, x in enumerate(ok) if not x), len(ok))
-
-
-def _shard(cfg: HiCacheStorageConfig) -> str:
-    """What of a page this rank holds beyond the layout fingerprint: its pipeline stage (its layers) and
-    its attention-context slice."""
-    parts = []
-    if cfg.pp_size > 1:
-        parts.append(f"pp{cfg.pp_rank}/{cfg.pp_size}")
-    if getattr(cfg, "attn_cp_size", 1) > 1:
-        parts.append(f"cp{cfg.attn_cp_rank}/{cfg.attn_cp_size}")
-    return ",".join(parts)
-
-
-def _model_config(name: str) -> dict | None:
-    """The model's config.json: in its directory, else in the Hugging Face cache (never downloaded)."""
-    path = Path(name).expanduser() / "config.json"
-    if not path.is_file():
-        try:
-            from huggingface_hub import try_to_load_from_cache  # noqa: PLC0415
-
-            found = try_to_load_from_cache(name, "config.json")
-        except Exception:  # noqa: BLE001 (not a hub id, no hub library: no config)
-            return None
-        if not isinstance(found, str):
-            return None
-        path = Path(found)
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return config if isinstance(config, dict) else None

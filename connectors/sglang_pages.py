@@ -28,11 +28,14 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
+import logging
 import math
 import mmap
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -50,7 +53,9 @@ from kvstore.blob import (
 )
 from kvstore.codecs.raw import RawCodec
 from kvstore.errors import ConfigError, CorruptBlob, InvalidArgument
-from kvstore.keys import DIGEST_SIZE
+from kvstore.keys import DIGEST_SIZE, KVLayout, model_identity_hash, model_identity_name
+
+logger = logging.getLogger(__name__)
 
 # the blob header's checksum field (docs/design.md §2: offset 44, 8 bytes) and what it covers
 _CHECK_AT = V1_HEADER_SIZE - 8
@@ -154,6 +159,63 @@ def geometry_of(pool: Any) -> PageGeometry:
     geo = PageGeometry(kind, layout, page_size, layers, heads, head_dim, dtype, host_shape)
     geo.canonical(pool.get_data_page(0, flat=False))  # the shape checks out
     return geo
+
+
+def page_layout(geo: PageGeometry, cfg: Any, model_path: str | None = None) -> KVLayout:
+    """The layout fingerprint of a rank's pages (docs/design.md §1): the model's name and config hash, the
+    pool's geometry, the page size as the chunk size, and the TP rank and size of SGLang's
+    `HiCacheStorageConfig` (`cfg`); an MLA model's pages are every rank's, TP 0 of 1."""
+    name = model_path or cfg.model_name or "unknown-model"
+    config = model_config(name)
+    if config is None:
+        logger.warning(
+            "KVStoreHiCacheStorage: no config.json found for %r (set model_path in the extra config): keys "
+            "rest on the model's name and KV geometry alone",
+            name,
+        )
+    tp_rank, tp_size = (0, 1) if cfg.is_mla_model else (cfg.tp_rank, cfg.tp_size)
+    return KVLayout(
+        model_name=model_identity_name(name),
+        model_config_hash="" if config is None else model_identity_hash(config),
+        num_layers=geo.layers,
+        num_kv_heads=geo.heads,
+        head_dim=geo.head_dim,
+        kv_dtype=geo.kv_dtype,
+        chunk_size=geo.page_size,
+        tp_rank=tp_rank,
+        tp_world_size=tp_size,
+    )
+
+
+def shard_of(cfg: Any) -> str:
+    """What of a page a rank holds beyond the layout fingerprint: its pipeline stage (its layers) and
+    its attention-context slice; "" for neither."""
+    parts = []
+    if cfg.pp_size > 1:
+        parts.append(f"pp{cfg.pp_rank}/{cfg.pp_size}")
+    if getattr(cfg, "attn_cp_size", 1) > 1:
+        parts.append(f"cp{cfg.attn_cp_rank}/{cfg.attn_cp_size}")
+    return ",".join(parts)
+
+
+def model_config(name: str) -> dict | None:
+    """The model's config.json: in its directory, else in the Hugging Face cache (never downloaded)."""
+    path = Path(name).expanduser() / "config.json"
+    if not path.is_file():
+        try:
+            from huggingface_hub import try_to_load_from_cache  # noqa: PLC0415
+
+            found = try_to_load_from_cache(name, "config.json")
+        except Exception:  # noqa: BLE001 (not a hub id, no hub library: no config)
+            return None
+        if not isinstance(found, str):
+            return None
+        path = Path(found)
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
 
 
 def page_keys(root: bytes, shard: str, hashes: Sequence[str]) -> list[str]:

@@ -234,3 +234,31 @@ def test_a_strided_blob_goes_through_every_transport(shared_server, transport: s
         store.batch_put([(k, StridedBlob(p, k)) for k, p in zip(keys[1:], pages[1:], strict=True)])
         got = store.batch_get(keys)
     assert all(torch.equal(g, p) for g, p in zip(got, pages, strict=True))
+
+
+def test_the_layout_names_the_model_its_config_the_page_size_and_the_tp_rank(tmp_path) -> None:
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    from kvstore.connectors.sglang_pages import page_layout, shard_of  # noqa: PLC0415
+
+    model = tmp_path / "Llama-3-8B"
+    model.mkdir()
+    (model / "config.json").write_text('{"num_hidden_layers": 3, "transformers_version": "5"}')
+    cfg = SimpleNamespace(
+        model_name=str(model), is_mla_model=False, tp_rank=1, tp_size=2, pp_rank=0, pp_size=1
+    )
+    geo = geometry_of(Pool("page_first", dtype=torch.bfloat16))
+    layout = page_layout(geo, cfg)
+    assert (layout.model_name, layout.chunk_size, layout.tp_rank, layout.tp_world_size) == (
+        "Llama-3-8B",
+        4,
+        1,
+        2,
+    )
+    assert (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.kv_dtype) == (3, 2, 4, "bfloat16")
+    assert layout.model_config_hash and page_layout(geo, cfg, model_path="other").model_config_hash == ""
+    mla = page_layout(
+        geometry_of(Pool("page_first", row=6)), SimpleNamespace(**{**vars(cfg), "is_mla_model": True})
+    )
+    assert (mla.tp_rank, mla.tp_world_size, mla.num_kv_heads) == (0, 1, 1), "one copy for every TP rank"
+    assert shard_of(cfg) == "" and shard_of(SimpleNamespace(pp_rank=1, pp_size=2, attn_cp_size=1)) == "pp1/2"
