@@ -257,6 +257,23 @@ def verify_blob(
     return header
 
 
+def bind_blob(blob: bytes | bytearray | memoryview, header: BlobHeader, key: str) -> bytes | memoryview:
+    """`blob` (verified, `header` its header) bound to `key`: itself when it already is; a blob that
+    makes no claim (tag 0, or format version 1) is copied into a version-2 blob with `key`'s tag and
+    its checksum made again. The store binds every blob it keeps, so a file of one copied under
+    another key is a miss, never another key's bytes."""
+    if header.key_tag:
+        return blob
+    view = memoryview(blob).cast("B")
+    head = bytearray(view[: _HEAD.size])
+    struct.pack_into("<H", head, 4, FORMAT_VERSION)
+    old = HEADER_SIZES[struct.unpack_from("<H", view, 4)[0]]
+    tag = _CHECK.pack(key_tag(key))
+    params, payload = view[old : header.payload_offset], view[header.payload_offset :]
+    check = _checksum(head, tag + bytes(params), payload)
+    return b"".join((head, _CHECK.pack(check), tag, params, payload))
+
+
 _PIECE = 256 * 1024  # copied, then hashed while it is still in the CPU's cache
 
 

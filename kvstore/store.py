@@ -38,7 +38,7 @@ from typing import Any
 
 from kvstore import tier_calls
 from kvstore.acks import put_error, stale_error
-from kvstore.blob import BlobHeader, verify_blob
+from kvstore.blob import BlobHeader, bind_blob, verify_blob
 from kvstore.codecs.transcode import check_tier_codecs, transcode
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError, CorruptBlob, InvalidArgument, TooLarge, Unavailable
@@ -371,8 +371,8 @@ class TieredStore:
         size = memoryview(blob).nbytes
         if size > self.config.max_blob_size:
             raise TooLarge(f"blob of {size} bytes is over max_blob_size {self.config.max_blob_size}")
-        verify_blob(blob, key=key)  # raises CorruptBlob (ForeignBlob: bound to another key): nothing stored
-        return immutable(blob)  # tiers and the write-back queue keep it
+        header = verify_blob(blob, key=key)  # CorruptBlob (ForeignBlob: bound to another key): nothing stored
+        return immutable(bind_blob(blob, header, key))  # tiers and the write-back queue keep it
 
     def _store(self, items: list[tuple[str, bytes]]) -> list[list[str]]:
         """Write `items`; return the tiers now holding each, or raise what `acks.put_error` says.

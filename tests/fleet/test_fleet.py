@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from redis.crc import key_slot
 
 from kvstore.blob import encode_blob
+from tests.blobs import kept
 from tests.connectors.conftest import ServerProcess
 from tests.connectors.engine_util import doc, generate, llm, store_metrics
 from tests.fleet.conftest import fleet_servers, keys_by_slot
@@ -55,10 +56,11 @@ def clients(servers: list[ServerProcess]) -> Iterator[list[RemoteBackend]]:
 HITS = "vllm:external_prefix_cache_hits_total"
 
 
-def blob(seed: int, tokens: int = 256) -> bytes:
-    """A real KV blob (64 KiB at 256 tokens), different for each seed."""
+def blob(seed: int, tokens: int = 256, key: str | None = None) -> bytes:
+    """A real KV blob (64 KiB at 256 tokens), different for each seed; bound to `key` when given (the
+    store keeps it, and serves it, as it is), else kept bound to the key it is put under (kept)."""
     g = torch.Generator().manual_seed(seed)
-    return encode_blob(torch.randn(2, 4, tokens, 2, 16, generator=g).half())
+    return encode_blob(torch.randn(2, 4, tokens, 2, 16, generator=g).half(), key=key)
 
 
 def tier_stat(client: RemoteBackend, tier: str, field: str) -> int:
@@ -71,7 +73,7 @@ def tier_hits(client: RemoteBackend, tier: str) -> int:
 
 def test_a_blob_put_through_one_server_hits_through_the_other(clients: list[RemoteBackend]) -> None:
     one, two = clients
-    blobs = {uuid.uuid4().hex: blob(i, 200 + i) for i in range(20)}
+    blobs = {k: blob(i, 200 + i, key=k) for i, k in enumerate(uuid.uuid4().hex for _ in range(20))}
     written, read = tier_stat(one, "redis", "written_bytes"), tier_stat(two, "redis", "read_bytes")
     for k, b in blobs.items():
         assert "redis" in one.put_blob(k, b)  # write-through: the 201 names the shared tier
@@ -91,16 +93,16 @@ def test_delete_and_replace_across_servers(clients: list[RemoteBackend]) -> None
     it or is told too. A key server 2 does not hold locally is read from the Cluster: the latest."""
     one, two = clients
     held, not_held = uuid.uuid4().hex, uuid.uuid4().hex
-    v1, v2 = blob(100), blob(101)
+    v1, v2 = blob(100), blob(101)  # bound to no key: each server keeps them bound to their key
     one.put_blob(held, v1)
     one.put_blob(not_held, v1)
-    assert bytes(two.get_blob(held)) == v1  # server 2 now holds `held` in its cpu tier
+    assert bytes(two.get_blob(held)) == kept(v1, held)  # server 2 now holds `held` in its cpu tier
     one.put_blob(held, v2)
     one.put_blob(not_held, v2)
-    assert bytes(one.get_blob(held)) == v2 and bytes(two.get_blob(not_held)) == v2
-    assert bytes(two.get_blob(held)) == v1  # its own copy: not the latest, never torn or foreign
+    assert bytes(one.get_blob(held)) == kept(v2, held) and bytes(two.get_blob(not_held)) == kept(v2, not_held)
+    assert bytes(two.get_blob(held)) == kept(v1, held)  # its own copy: not the latest, never torn or foreign
     assert one.delete(held) and one.get_blob(held) is None
-    assert bytes(two.get_blob(held)) == v1  # still local on server 2
+    assert bytes(two.get_blob(held)) == kept(v1, held)  # still local on server 2
     assert two.delete(held)  # a fleet-wide delete is a delete on every server that may hold it
     assert two.get_blob(held) is None and one.get_blob(held) is None
 
@@ -119,7 +121,7 @@ def test_the_dashboards_show_the_shared_tier(
     served from there (the funnel's "store: redis" and the tier table). Which server wrote a blob is
     not recorded (README, "The fleet")."""
     one, two = clients
-    blobs = {uuid.uuid4().hex: blob(300 + i) for i in range(4)}
+    blobs = {k: blob(300 + i, key=k) for i, k in enumerate(uuid.uuid4().hex for _ in range(4))}
     for k, b in blobs.items():
         one.put_blob(k, b)
     assert [bytes(x) for x in two.batch_get(list(blobs))] == list(blobs.values())
@@ -161,7 +163,7 @@ def test_redirects_reach_both_servers_metrics(
     owners = cluster33.slot_owners()
     src, dst = cluster33.primaries()[:2]
     slots = keys_by_slot(prefix, src, owners, n_slots=2, per_slot=3)
-    blobs = {k: blob(200 + i, 16) for i, k in enumerate(k for ks in slots.values() for k in ks)}
+    blobs = {k: blob(200 + i, 16, key=k) for i, k in enumerate(k for ks in slots.values() for k in ks)}
     for k, b in blobs.items():
         one.put_blob(k, b)
     before = [metrics(c) for c in clients]
@@ -171,16 +173,16 @@ def test_redirects_reach_both_servers_metrics(
         new = uuid.uuid4().hex  # absent on the source: the put is ASKed to the target
         while key_slot((prefix + new).encode()) != slot:
             new = uuid.uuid4().hex
-        one.put_blob(new, blob(slot, 16))
-        assert bytes(two.get_blob(new)) == blob(slot, 16)
+        one.put_blob(new, blob(slot, 16, key=new))
+        assert bytes(two.get_blob(new)) == blob(slot, 16, key=new)
 
     assert cluster33.migrate_slots(list(slots), src, dst, between=half_moved) >= 6
     wait_until(lambda: all(cluster33.slot_owners()[s] is dst for s in slots), timeout=10)
     after_move = uuid.uuid4().hex
     while key_slot((prefix + after_move).encode()) not in slots:
         after_move = uuid.uuid4().hex
-    one.put_blob(after_move, blob(7, 16))  # server 1's map still says src: MOVED, followed
-    assert bytes(two.get_blob(after_move)) == blob(7, 16)
+    one.put_blob(after_move, blob(7, 16, key=after_move))  # server 1's map still says src: MOVED, followed
+    assert bytes(two.get_blob(after_move)) == blob(7, 16, key=after_move)
     refreshes = "kvstore_cluster_map_refreshes_total"
     wait_until(lambda: cluster_counter(metrics(one), refreshes) > cluster_counter(before[0], refreshes))
     after = [metrics(c) for c in clients]

@@ -46,7 +46,8 @@ def test_up_prints_urls_and_down_stops_everything(tmp_path: Path) -> None:
         urls = re.findall(r"kvstore-server \d: (http://\S+)", printed)
         assert len(urls) == 2
         one, two = (RemoteBackend(u, read_index=False) for u in urls)
-        k, b = uuid.uuid4().hex, blob(7)
+        k = uuid.uuid4().hex
+        b = blob(7, key=k)  # bound to its key: served as it is
         assert "redis" in one.put_blob(k, b)
         assert bytes(two.get_blob(k)) == b
         one.close()

@@ -104,6 +104,26 @@ def test_a_disk_file_replaced_by_another_keys_blob_is_a_miss(tmp_path: Path) -> 
         assert torch.equal(decode_blob(store.get_blob(B), key=B), _kv(4))
 
 
+@pytest.mark.parametrize("version", [1, 2])
+def test_the_store_binds_an_unbound_blob_so_a_swapped_file_of_it_is_a_miss(
+    tmp_path: Path, version: int
+) -> None:
+    """A raw PUT of a blob encoded with no key (issue 45 item 11): the store keeps it bound to its key."""
+    config = StoreConfig(tiers=["disk"], disk_path=tmp_path)
+    unbound = {A: encode_blob(_kv(3)), B: encode_blob(_kv(4))}  # the same size: only the key tells them apart
+    with TieredStore(config) as store:
+        for k, blob in unbound.items():
+            store.put_blob(k, blob if version == 2 else _v1(blob))
+            kept = store.get_blob(k)
+            assert verify_blob(kept, key=k).key_tag == key_tag(k)
+            assert torch.equal(decode_blob(kept, key=k), decode_blob(blob))
+    _disk_file(tmp_path, A).write_bytes(_disk_file(tmp_path, B).read_bytes())
+    with TieredStore(config) as store:
+        reasons: list[str | None] = []
+        assert store.get_blob(A, reasons) is None and reasons == ["corrupt"]
+        assert torch.equal(decode_blob(store.get_blob(B), key=B), _kv(4))
+
+
 def test_a_put_of_another_keys_blob_is_refused(tmp_path: Path) -> None:
     with TieredStore(StoreConfig(tiers=["cpu"])) as store:
         with pytest.raises(ForeignBlob):

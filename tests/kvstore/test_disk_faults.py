@@ -21,6 +21,7 @@ from kvstore.errors import NotStored
 from kvstore.store import TieredStore
 from kvstore.tiers.base import TierWriteError
 from kvstore.tiers.disk import DiskTier
+from tests.blobs import kept
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -117,7 +118,7 @@ def test_store_acks_name_the_tiers_and_count_only_written_bytes(tmpfs: Path) -> 
         with pytest.raises(NotStored) as e:  # a batch: what landed is said, the rest is the error
             store.batch_put([(key(10), blob(16, 1)), (key(11), blob(4096, 2))])
         assert e.value.stored_in == [["disk"], []]  # type: ignore[attr-defined]
-        assert store.get_blob(key(9)) is None and store.get_blob(key(10)) == blob(16, 1)
+        assert store.get_blob(key(9)) is None and store.get_blob(key(10)) == kept(blob(16, 1), key(10))
         assert store.metrics.value("kvstore_written_bytes_total", tier="disk") == 3 * len(blob(4096)) + len(
             blob(16)
         )
@@ -130,6 +131,7 @@ import os, resource, sys
 from kvstore.config import StoreConfig
 from kvstore.errors import NotStored, Unavailable
 from kvstore.store import TieredStore
+from tests.blobs import kept
 from tests.kvstore.test_disk_faults import blob, key
 
 store = TieredStore(StoreConfig(tiers=["disk"], disk_path=sys.argv[1]))
@@ -153,7 +155,7 @@ except Unavailable as e:
     print("GET", type(e).__name__, e)
 for fd in hog:
     os.close(fd)
-print("AFTER", store.get_blob(key(1)) == blob(16, 1), store.get_blob(key(2)))
+print("AFTER", store.get_blob(key(1)) == kept(blob(16, 1), key(1)), store.get_blob(key(2)))
 """
 
 
@@ -197,8 +199,8 @@ def test_a_removed_shard_directory_is_made_again_on_write(tmp_path: Path) -> Non
         shutil.rmtree(tmp_path / "00")
         assert not store.exists(key(1)) and store.lookup_prefix([key(1)]) == 0
         assert store.put_blob(key(2), blob(4, 2)) == ["disk"]  # same shard: made again, not lost
-        assert (shard(tmp_path, key(2)) / key(2)).read_bytes() == blob(4, 2)
-        assert store.get_blob(key(2)) == blob(4, 2)
+        assert (shard(tmp_path, key(2)) / key(2)).read_bytes() == kept(blob(4, 2), key(2))
+        assert store.get_blob(key(2)) == kept(blob(4, 2), key(2))
 
 
 def _plant(path: Path, kind: str) -> None:

@@ -18,6 +18,7 @@ from kvstore.errors import Unavailable
 from kvstore.store import TieredStore
 from kvstore.tiers.cpu import CpuTier
 from kvstore.tiers.redis import RedisTier
+from tests.blobs import kept
 from tests.valkey import ValkeyProcess, wait_until
 
 PREFIX = "outage:"
@@ -77,7 +78,7 @@ def test_a_delete_during_an_outage_is_replayed_and_never_resurrects(durable, sto
     assert redis_tier.get_many([key(1), key(5)]) == [None, None]
     assert redis_tier.contains_many([key(1), key(5)]) == [False, False]
     durable.start()  # the AOF brings the old blob back on the server
-    assert in_redis(durable, key(1)) == blob(1)
+    assert in_redis(durable, key(1)) == kept(blob(1), key(1))
     store.tiers[0].delete(key(5))  # only redis has key 5: batches mix it with the invalidated key 1
     for _ in range(20):  # from the moment it answers until the replay: a miss, never the old blob
         assert store.get_blob(key(1)) is None and not store.exists(key(1))
@@ -86,7 +87,7 @@ def test_a_delete_during_an_outage_is_replayed_and_never_resurrects(durable, sto
         assert store.tiers[1].get_many([key(1), key(5)])[0] is None
     wait_until(lambda: in_redis(durable, key(1)) is None)  # replayed
     wait_until(lambda: store.batch_exists([key(5), key(1)]) == [True, False])  # and out of backoff
-    assert store.tiers[1].get_many([key(1), key(5)]) == [None, blob(5)]
+    assert store.tiers[1].get_many([key(1), key(5)]) == [None, kept(blob(5), key(5))]
     assert store.get_blob(key(1)) is None
     wait_until(lambda: store.tiers[1].stats.extra["invalidated"] == 0)
 
@@ -101,7 +102,7 @@ def test_a_replace_during_an_outage_never_lets_the_old_blob_back(durable, store)
     wait_until(lambda: in_redis(durable, key(2)) is None)
     assert store.put_blob(key(2), blob(3)) == ["cpu", "redis"]  # and the key works normally again
     store.tiers[0].delete(key(2))
-    assert store.get_blob(key(2)) == blob(3)
+    assert store.get_blob(key(2)) == kept(blob(3), key(2))
 
 
 def test_a_hung_redis_sigstop_is_handled_the_same(durable) -> None:
@@ -165,9 +166,8 @@ def test_a_refused_delete_stays_refused_and_an_unrecorded_replace_is_not_acknowl
         durable.start()
         wait_until(lambda: in_redis(durable, key(0)) is None and in_redis(durable, key(1)) is None)
         wait_until(lambda: store.get_blob(key(3)) is not None)  # out of backoff
-        assert store.get_blob(key(3)) == blob(3) and store.get_blob(key(2)) == blob(
-            2
-        )  # the acknowledged ones
+        assert store.get_blob(key(3)) == kept(blob(3), key(3))  # the acknowledged ones
+        assert store.get_blob(key(2)) == kept(blob(2), key(2))
         assert store.delete(key(2)) is True and in_redis(durable, key(2)) is None
     finally:
         store.close()
@@ -189,7 +189,8 @@ def test_invalidations_survive_a_restart_of_the_store(durable, tmp_path: Path) -
     try:
         assert again.tiers[1].stats.extra["invalidated"] == 2
         durable.start()  # the AOF brings both old blobs back
-        assert in_redis(durable, key(1)) == blob(1) and in_redis(durable, key(2)) == blob(2)
+        assert in_redis(durable, key(1)) == kept(blob(1), key(1))
+        assert in_redis(durable, key(2)) == kept(blob(2), key(2))
         for _ in range(20):
             assert again.get_blob(key(1)) is None and again.get_blob(key(2)) is None
         wait_until(lambda: in_redis(durable, key(1)) is None and in_redis(durable, key(2)) is None)
@@ -221,7 +222,7 @@ def test_an_invalidation_that_cannot_be_made_durable_is_refused(durable, tmpfs: 
         assert store.delete(key(1)) is True  # room again: remembered
         durable.start()
         wait_until(lambda: in_redis(durable, key(1)) is None)
-        assert store.get_blob(key(2)) in (None, blob(2))  # the acknowledged blob or a miss
+        assert store.get_blob(key(2)) in (None, kept(blob(2), key(2)))  # the acknowledged blob or a miss
     finally:
         store.close()
 
@@ -267,10 +268,12 @@ def test_a_torn_journal_record_never_swallows_the_next_one(durable) -> None:
         again = make_store(durable, handoff_dir=mnt / "handoff")
         try:
             durable.start()  # the AOF brings the old blobs back
-            assert in_redis(durable, key(n - 1)) == blob(n - 1)
+            assert in_redis(durable, key(n - 1)) == kept(blob(n - 1), key(n - 1))
             for _ in range(20):
                 assert again.get_blob(key(n - 1)) is None
             wait_until(lambda: in_redis(durable, key(n - 1)) is None)
-            assert in_redis(durable, key(n - 2)) == blob(n - 2)  # the refused delete changed nothing
+            assert in_redis(durable, key(n - 2)) == kept(
+                blob(n - 2), key(n - 2)
+            )  # the refused delete changed nothing
         finally:
             again.close()

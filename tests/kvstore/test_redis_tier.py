@@ -23,6 +23,7 @@ from kvstore.store import TieredStore
 from kvstore.tiers import Tier, make_tier
 from kvstore.tiers.base import TierWriteError
 from kvstore.tiers.redis import RedisTier
+from tests.blobs import kept
 from tests.valkey import TlsProxy, ValkeyProcess, free_port, self_signed_cert, supports_tls, wait_until
 
 MiB = 2**20
@@ -475,19 +476,20 @@ def test_tiered_store_serves_from_cpu_while_redis_is_down(valkey_factory) -> Non
         assert sorted(redis_tier.keys()) == sorted(blobs)  # written through
 
         server.kill()
-        assert store.batch_get(list(blobs)) == list(blobs.values())  # cpu hits
+        assert store.batch_get(list(blobs)) == [kept(b, k) for k, b in blobs.items()]  # cpu hits
         store.put_blob(key(9), _blob(9))  # cpu keeps it; the redis write is dropped and counted
-        assert store.get_blob(key(9)) == _blob(9)
+        assert store.get_blob(key(9)) == kept(_blob(9), key(9))
         assert store.get_blob(key(99)) is None  # a miss in both, no exception
         assert redis_tier.stats.dropped_puts >= 1 and redis_tier.stats.errors >= 1
 
         server.start()
+        ten = kept(_blob(10), key(10))  # what the store keeps of _blob(10) under key(10)
 
         def written_through() -> bool:
             store.put_blob(key(10), _blob(10))
-            return redis_tier.get(key(10)) == _blob(10)
+            return redis_tier.get(key(10)) == ten
 
         wait_until(written_through)
         store.tiers[0].delete(key(10))
-        assert store.get_blob(key(10)) == _blob(10)  # served by redis again, promoted to cpu
-        assert store.tiers[0].get(key(10)) == _blob(10)
+        assert store.get_blob(key(10)) == ten  # served by redis again, promoted to cpu
+        assert store.tiers[0].get(key(10)) == ten

@@ -14,6 +14,7 @@ import pytest
 from kvstore.sdk.remote import RemoteBackend
 
 from kvstore.errors import KVStoreError
+from tests.blobs import kept
 from tests.server import test_cli
 from tests.server.conftest import key, make_blob
 from tests.server.test_cli import CliServer, _env
@@ -49,7 +50,7 @@ def test_a_server_restarted_during_a_valkey_outage_keeps_its_invalidations(
     try:
         valkey.start()  # the AOF brings both old blobs back
         with valkey.client() as c:
-            assert c.get("rs:" + key(1)) == make_blob(1)
+            assert c.get("rs:" + key(1)) == kept(make_blob(1), key(1))
         for _ in range(20):
             assert be.get_blob(key(1)) is None and be.get_blob(key(2)) is None
             time.sleep(0.05)
@@ -120,8 +121,8 @@ def test_sigterm_with_write_back_during_writers_never_serves_an_older_version(
     for i, b in enumerate(got):
         if b is None:
             continue
-        newer = {make_blob(1000 * v + i) for v in range(acked[i], tried[i] + 1)} | (
-            {make_blob(i)} if acked[i] == 0 else set()
+        newer = {kept(make_blob(1000 * v + i), key(i)) for v in range(acked[i], tried[i] + 1)} | (
+            {kept(make_blob(i), key(i))} if acked[i] == 0 else set()
         )
         if bytes(b) not in newer:
             older.append(i)

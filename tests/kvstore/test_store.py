@@ -18,15 +18,17 @@ from kvstore.protocol import Blob
 from kvstore.store import TieredStore
 from kvstore.tiers.cpu import CpuTier
 from kvstore.tiers.disk import DiskTier
+from tests.blobs import kept
 
 
 def key(i: int) -> str:
     return f"{i:032x}"
 
 
-def blob(seed: int, tokens: int = 4) -> bytes:
+def blob(seed: int, tokens: int = 4, key: str | None = None) -> bytes:
+    """Bound to no key unless `key` is given: the store keeps it bound to its key (tests.blobs.kept)."""
     g = torch.Generator().manual_seed(seed)
-    return encode_blob(torch.randn(2, 2, tokens, 1, 16, generator=g).half())
+    return encode_blob(torch.randn(2, 2, tokens, 1, 16, generator=g).half(), key=key)
 
 
 class GatedTier(CpuTier):
@@ -60,8 +62,8 @@ def value(s: TieredStore, name: str, **labels: str) -> float:
 
 def test_write_through_lookup_and_promotion(store: TieredStore) -> None:
     cpu, disk = store.tiers
-    b = blob(0)
-    store.put_blob(key(0), b)
+    b = kept(blob(0), key(0))  # what the store keeps of blob(0), bound to key(0)
+    store.put_blob(key(0), blob(0))
     assert cpu.contains(key(0)) and disk.contains(key(0))
     assert store.get_blob(key(0)) == b
     assert value(store, "kvstore_hits_total", tier="cpu") == 1
@@ -111,7 +113,7 @@ def test_batches_keep_order(store: TieredStore) -> None:
     store.batch_put([(key(i), blob(i)) for i in (0, 2, 3)])
     store.tiers[0].delete(key(2))  # one of them only on disk
     got = store.batch_get([key(3), key(1), key(2), key(0)])
-    assert got == [blob(3), None, blob(2), blob(0)]
+    assert got == [kept(blob(3), key(3)), None, kept(blob(2), key(2)), kept(blob(0), key(0))]
     assert store.batch_exists([key(0), key(1), key(2)]) == [True, False, True]
     assert store.tiers[0].contains(key(2))  # batch hits are promoted too
 
@@ -200,7 +202,7 @@ def test_admission_after_n_hits(tmp_path: Path) -> None:
         cpu.delete(key(1))  # lost from the top tier before admission: gone
         assert s.get_blob(key(1)) is None
         cpu.delete(key(0))
-        assert s.get_blob(key(0)) == blob(0)  # admitted blobs survive in the lower tier
+        assert s.get_blob(key(0)) == kept(blob(0), key(0))  # admitted blobs survive in the lower tier
 
 
 def test_ttl_expires_in_every_tier(tmp_path: Path) -> None:
@@ -208,7 +210,7 @@ def test_ttl_expires_in_every_tier(tmp_path: Path) -> None:
 
     with make_store(tmp_path, ttl=0.3) as s:
         s.put_blob(key(0), blob(0))
-        assert s.get_blob(key(0)) == blob(0)
+        assert s.get_blob(key(0)) == kept(blob(0), key(0))
         time.sleep(0.4)
         assert s.get_blob(key(0)) is None
         assert not s.exists(key(0)) and all(len(t) == 0 for t in s.tiers)
@@ -236,9 +238,9 @@ def test_corrupt_blob_in_the_top_tier_falls_through_to_a_good_copy(tmp_path: Pat
         bad = bytearray(blob(0))
         bad[60] ^= 1
         top.put(key(0), bytes(bad))  # corrupted behind the store's back
-        assert s.get_blob(key(0)) == blob(0)
+        assert s.get_blob(key(0)) == kept(blob(0), key(0))
         assert value(s, "kvstore_corrupt_blobs_total", tier="top") == 1
-        assert top.get(key(0)) == blob(0)  # replaced by the promoted good copy
+        assert top.get(key(0)) == kept(blob(0), key(0))  # replaced by the promoted good copy
 
 
 def test_reads_of_trusted_tiers_skip_the_checksum(
@@ -248,7 +250,7 @@ def test_reads_of_trusted_tiers_skip_the_checksum(
     disk hit is (the file crossed a trust boundary), as is the put itself."""
     import kvstore.blob as blob_mod  # noqa: PLC0415
 
-    b = blob(0)
+    b = blob(0, key=key(0))  # bound to its key: kept as it is, not hashed again to bind it
     calls: list[int] = []
     real = blob_mod._checksum
     monkeypatch.setattr(blob_mod, "_checksum", lambda *a: calls.append(1) or real(*a))
@@ -329,6 +331,7 @@ def test_threads_sharing_a_write_back_store(tmp_path: Path) -> None:
     import time
 
     blobs = {i: blob(i) for i in range(24)}
+    stored = {i: kept(b, key(i)) for i, b in blobs.items()}
     cpu_cap = 6 * len(blobs[0])
     s = TieredStore(
         StoreConfig(write_policy="back", write_back_queue=8, admission_hits=1),
@@ -347,7 +350,7 @@ def test_threads_sharing_a_write_back_store(tmp_path: Path) -> None:
                     s.put_blob(key(i), blobs[i])
                 elif op < 0.9:
                     got = s.get_blob(key(i))
-                    assert got is None or got == blobs[i]
+                    assert got is None or got == stored[i]
                 else:
                     s.delete(key(i))
                 assert s.tiers[0].usage() <= cpu_cap
@@ -363,6 +366,6 @@ def test_threads_sharing_a_write_back_store(tmp_path: Path) -> None:
     assert not errors, errors[0]
     for tier in s.tiers:
         for k in tier.keys():
-            assert tier.get(k) == blobs[int(k, 16)]
+            assert tier.get(k) == stored[int(k, 16)]
     assert s.stats()["tiers"][1]["errors"] == 0
     s.close()

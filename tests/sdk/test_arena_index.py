@@ -41,7 +41,7 @@ def cpu_hits(be: RemoteBackend) -> int:
 
 def test_gets_and_leases_of_arena_blobs_need_no_request(server):
     be = RemoteBackend(server.url, transport="shm")
-    blobs = {i: make_blob(i, tokens=4096) for i in range(1, 4)}  # 512 KiB each
+    blobs = {i: make_blob(i, tokens=4096, key=key(i)) for i in range(1, 4)}  # 512 KiB each, kept as they are
     be.batch_put([(key(i), b) for i, b in blobs.items()])
     seg = next(iter(server.thread.server.plane.shm._segments.values()))
     assert bytes(be.get_blob(key(1))) == blobs[1]
@@ -66,7 +66,7 @@ def test_large_leases_are_lent_where_they_lie_instead_of_copied(server):
     """Over INDEX_LEASE_MAX bytes a round trip costs less than a copy: the server lends them; a get
     (which copies either way) still needs no request."""
     be = RemoteBackend(server.url, transport="shm")
-    blobs = [make_blob(i, tokens=8000) for i in range(4)]  # 1,000 KiB each
+    blobs = [make_blob(i, tokens=8000, key=key(i)) for i in range(4)]  # 1,000 KiB each
     be.batch_put([(key(i), b) for i, b in enumerate(blobs)])
     keys = [key(i) for i in range(4)]
     with be.lease(keys[:3]) as got:
@@ -82,20 +82,20 @@ def test_large_leases_are_lent_where_they_lie_instead_of_copied(server):
 def test_deleted_replaced_and_evicted_blobs_are_never_read_from_the_table(server_factory):
     srv = server_factory(store={"cpu_capacity": "4MiB"})
     be = RemoteBackend(srv.url, transport="shm")
-    be.put_blob(key(1), make_blob(1, tokens=4096))
-    assert bytes(be.get_blob(key(1))) == make_blob(1, tokens=4096)
+    be.put_blob(key(1), make_blob(1, tokens=4096, key=key(1)))
+    assert bytes(be.get_blob(key(1))) == make_blob(1, tokens=4096, key=key(1))
     assert be.delete(key(1))
     assert be.get_blob(key(1)) is None
-    be.put_blob(key(1), make_blob(2, tokens=4096))
-    be.put_blob(key(1), make_blob(3, tokens=4096))  # replaced
-    assert bytes(be.get_blob(key(1))) == make_blob(3, tokens=4096)
+    be.put_blob(key(1), make_blob(2, tokens=4096, key=key(1)))
+    be.put_blob(key(1), make_blob(3, tokens=4096, key=key(1)))  # replaced
+    assert bytes(be.get_blob(key(1))) == make_blob(3, tokens=4096, key=key(1))
     wait_for(
         lambda: cpu_hits(be) == 2, timeout=5
     )  # the reads' reports (their recency) land before what follows
     for i in range(10, 20):  # 5 MiB more: key(1) is evicted
-        be.put_blob(key(i), make_blob(i, tokens=4096))
+        be.put_blob(key(i), make_blob(i, tokens=4096, key=key(i)))
     assert be.get_blob(key(1)) is None
-    assert bytes(be.get_blob(key(19))) == make_blob(19, tokens=4096)
+    assert bytes(be.get_blob(key(19))) == make_blob(19, tokens=4096, key=key(19))
     assert be.counts["index"] == 3
     be.close()
 
@@ -105,7 +105,7 @@ def test_reads_during_overwrites_and_evictions_get_whole_blobs(server_factory):
     were stored under that key (or a miss once evicted), never torn bytes."""
     srv = server_factory(store={"cpu_capacity": "3MiB"})
     writer = RemoteBackend(srv.url, transport="shm")
-    variants = {k: [make_blob(10 * k + v, tokens=4096) for v in range(3)] for k in range(6)}
+    variants = {k: [make_blob(10 * k + v, tokens=4096, key=key(k)) for v in range(3)] for k in range(6)}
     valid = {key(k): set(vs) for k, vs in variants.items()}
     for k, vs in variants.items():
         writer.put_blob(key(k), vs[0])
@@ -210,11 +210,11 @@ def test_a_server_that_stops_beating_is_asked_again(server):
     """A server that died or stopped leaves its arena mapped here: its heartbeat going stale sends
     the client's reads back to requests (which then fail, or find the server restarted)."""
     be = RemoteBackend(server.url, transport="shm")
-    be.put_blob(key(1), make_blob(1, tokens=4096))
+    be.put_blob(key(1), make_blob(1, tokens=4096, key=key(1)))
     assert be.get_blob(key(1)) is not None and be.counts["index"] == 1
     server.store.tiers[0].arena_index.stop_beating()
     time.sleep(STALE_S + 0.05)
-    assert bytes(be.get_blob(key(1))) == make_blob(1, tokens=4096)
+    assert bytes(be.get_blob(key(1))) == make_blob(1, tokens=4096, key=key(1))
     assert be.counts["index"] == 1 and be.counts["shm"] == 2  # the put, then this get: requests
     be.close()
 
@@ -233,19 +233,19 @@ def test_reads_through_the_table_refresh_recency(server_factory):
     srv = server_factory(store={"cpu_capacity": "2MiB"})
     be = RemoteBackend(srv.url, transport="shm")
     for i in range(1, 4):  # 3 x 512 KiB
-        be.put_blob(key(i), make_blob(i, tokens=4096))
+        be.put_blob(key(i), make_blob(i, tokens=4096, key=key(i)))
     assert be.get_blob(key(1)) is not None and be.counts["index"] == 1
     wait_for(lambda: cpu_hits(be) == 1, timeout=5)
-    be.put_blob(key(4), make_blob(4, tokens=4096))
-    be.put_blob(key(5), make_blob(5, tokens=4096))  # over capacity: key(2) goes, not key(1)
+    be.put_blob(key(4), make_blob(4, tokens=4096, key=key(4)))
+    be.put_blob(key(5), make_blob(5, tokens=4096, key=key(5)))  # over capacity: key(2) goes, not key(1)
     assert be.batch_exists([key(1), key(2)]) == [True, False]
     be.close()
 
 
 def test_read_index_false_asks_the_server_every_time(server):
     be = RemoteBackend(server.url, transport="shm", read_index=False)
-    be.put_blob(key(1), make_blob(1))
-    assert bytes(be.get_blob(key(1))) == make_blob(1)
+    be.put_blob(key(1), make_blob(1, key=key(1)))
+    assert bytes(be.get_blob(key(1))) == make_blob(1, key=key(1))
     assert be.counts["index"] == 0 and be.counts["shm"] == 1  # the get (a blob this small: put on TCP)
     be.close()
 
@@ -274,7 +274,7 @@ def answer(sock: socket.socket) -> tuple[dp.Head, dict]:
 def test_touch_is_never_answered_and_a_bad_one_closes_only_its_connection(server_factory):
     server = server_factory(auth_token="t0ken")
     be = RemoteBackend(server.url, token="t0ken", transport="shm")
-    be.put_blob(key(1), make_blob(1))
+    be.put_blob(key(1), make_blob(1, key=key(1)))
     sock = raw_plane(server.port)
     send(sock, dp.TOUCH, {"k": [key(1)], "g": [[1, 1e-4]]})  # before HELLO: refused, as every other op
     assert answer(sock)[0].status == 401
@@ -290,7 +290,9 @@ def test_touch_is_never_answered_and_a_bad_one_closes_only_its_connection(server
     sock.settimeout(5)
     assert sock.recv(1) == b""  # closed, without an answer
     sock.close()
-    assert bytes(be.get_blob(key(1))) == make_blob(1) and be.exists(key(1))  # others are unaffected
+    assert bytes(be.get_blob(key(1))) == make_blob(1, key=key(1)) and be.exists(
+        key(1)
+    )  # others are unaffected
     be.close()
 
 
@@ -309,7 +311,7 @@ def test_a_touch_cannot_forge_hits_or_latency(server_factory):
     reports go to their own series, never to the measured request metrics."""
     server = server_factory()
     be = RemoteBackend(server.url, transport="tcp")
-    be.put_blob(key(1), make_blob(1))
+    be.put_blob(key(1), make_blob(1, key=key(1)))
     sock = raw_plane(server.port)
     send(sock, dp.HELLO, {"v": dp.VERSION})
     assert answer(sock)[0].status == 200  # its HELLO lent the index
@@ -340,7 +342,7 @@ def test_in_place_leases_of_real_chunks_need_no_request_and_no_copy(server):
     """A lease of SmolLM2-sized chunks (5.9 MB each) `in_place`: views of the arena where the index
     says the blobs lie, whole (intact) while nothing overwrites them; no request, nothing lent."""
     be = RemoteBackend(server.url, transport="shm")
-    blobs = [make_blob(i, tokens=46_000) for i in range(3)]  # 5.75 MiB each
+    blobs = [make_blob(i, tokens=46_000, key=key(i)) for i in range(3)]  # 5.75 MiB each
     be.batch_put([(key(i), b) for i, b in enumerate(blobs)])
     seg = next(iter(server.thread.server.plane.shm._segments.values()))
     asked = dict(be.counts)
@@ -367,10 +369,10 @@ def test_an_in_place_lease_says_which_blobs_were_overwritten_while_out(server_fa
     srv = server_factory(store={"cpu_capacity": "3MiB"})
     be = RemoteBackend(srv.url, transport="shm")
     for i in range(3):
-        be.put_blob(key(i), make_blob(i, tokens=4096))  # 512 KiB each
+        be.put_blob(key(i), make_blob(i, tokens=4096, key=key(i)))  # 512 KiB each
     with be.lease([key(0), key(1), key(2)], in_place=True) as got:
         assert got.intact() == [True, True, True]
-        be.put_blob(key(1), make_blob(11, tokens=4096))  # replaced
+        be.put_blob(key(1), make_blob(11, tokens=4096, key=key(1)))  # replaced
         assert got.intact() == [True, False, True]
         be.delete(key(2))
         assert got.intact() == [True, False, False]
@@ -378,7 +380,7 @@ def test_an_in_place_lease_says_which_blobs_were_overwritten_while_out(server_fa
         # 6 MiB more, twice the capacity (whatever recency the lease's touches gave them): key(0) and
         # key(1) are evicted, their regions reused
         for i in range(20, 32):
-            be.put_blob(key(i), make_blob(i, tokens=4096))
+            be.put_blob(key(i), make_blob(i, tokens=4096, key=key(i)))
         assert got.intact() == [False, False]
     be.close()
 

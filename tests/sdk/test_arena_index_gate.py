@@ -53,7 +53,7 @@ def test_a_client_off_x86_does_not_read_an_offered_index(server, monkeypatch) ->
     monkeypatch.setattr(platform, "machine", lambda: "aarch64")  # the client's probe says no
     be = RemoteBackend(server.url, transport="shm")
     try:
-        blob = make_blob(1, tokens=4096)
+        blob = make_blob(1, tokens=4096, key=key(1))
         be.put_blob(key(1), blob)
         assert bytes(be.get_blob(key(1))) == blob and bytes(be.get_blob(key(1))) == blob
         assert be.counts["index"] == 0 and be.counts["shm"] >= 2  # asked the server each time

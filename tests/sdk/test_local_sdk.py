@@ -14,6 +14,7 @@ from kvstore.blob import encode_blob, verify_blob
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError, CorruptBlob, InvalidArgument, InvalidKey, TooLarge
 from kvstore.keys import KVLayout, chunk_keys
+from tests.blobs import kept
 
 LAYOUT = KVLayout("test-model", "cafe", num_layers=2, num_kv_heads=2, head_dim=16, chunk_size=8)
 
@@ -46,7 +47,7 @@ def test_put_blobs_and_reject_bad_input(store: Store) -> None:
     b = encode_blob(kv(2))
     store.put("ab" * 16, b)
     store.put("cd" * 16, bytearray(b))
-    assert store.get_blob("cd" * 16) == b
+    assert store.get_blob("cd" * 16) == kept(b, "cd" * 16)  # kept bound to its key
     with pytest.raises(CorruptBlob):
         store.put("ef" * 16, b[:-1])
     with pytest.raises(InvalidArgument):
@@ -83,7 +84,7 @@ async def test_async_twins(store: Store) -> None:
     await store.abatch_put([(keys[1], kv(1)), (keys[2], encode_blob(kv(2)))])
     assert torch.equal(await store.aget(keys[1]), kv(1))
     assert await store.aget("00" * 16) is None
-    assert (await store.aget_blob(keys[2])) == encode_blob(kv(2))
+    assert (await store.aget_blob(keys[2])) == kept(encode_blob(kv(2)), keys[2])
     assert await store.aexists(keys[0]) and not await store.aexists("00" * 16)
     assert await store.alookup_prefix(keys) == 3
     got = await store.abatch_get([keys[2], "00" * 16])

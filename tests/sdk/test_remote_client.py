@@ -49,15 +49,16 @@ def test_pooled_connections_survive_a_server_restart(tmp_path, transport):
     port = free_port()
     config = StoreConfig(tiers=["disk"], disk_path=tmp_path / "disk")
     be = RemoteBackend(f"http://127.0.0.1:{port}", retries=3, backoff=0.05, transport=transport)
-    blob = make_blob(1, tokens=512)
+    blob = make_blob(1, tokens=512, key=key(1))  # bound: the store keeps it as it is
+    other = make_blob(1, tokens=512, key=key(2))
     with ServerThread(TieredStore(config), config, ServerConfig(port=port), close_store=True):
         be.put_blob(key(1), blob)
         assert be.transport == transport
         assert _idle(be) >= 1  # the connection went back to the pool
     with ServerThread(TieredStore(config), config, ServerConfig(port=port), close_store=True) as srv:
         assert bytes(be.get_blob(key(1))) == blob  # the disk tier kept it; the stale socket retried
-        be.put_blob(key(2), blob)
-        assert bytes(be.get_blob(key(2))) == blob and be.transport == transport
+        be.put_blob(key(2), other)
+        assert bytes(be.get_blob(key(2))) == other and be.transport == transport
         if transport == "shm":
             assert srv.state.metrics.totals["requests"] and srv.server.plane.shm.used > 0
     be.close()
@@ -96,7 +97,7 @@ def test_many_threads_share_one_backend(server, transport):
     be = RemoteBackend(server.url, pool_size=4, transport=transport)
 
     def work(i: int) -> bool:
-        blob = make_blob(i)
+        blob = make_blob(i, key=key(i))
         be.put_blob(key(i), blob)
         ok = bytes(be.get_blob(key(i))) == blob
         got = be.batch_get([key(i), key(10_000 + i)])
@@ -114,7 +115,7 @@ def test_many_threads_share_one_backend(server, transport):
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_large_batches_roundtrip(server, transport):
     be = RemoteBackend(server.url, transport=transport)
-    items = [(key(i), make_blob(i, tokens=2048)) for i in range(8)]  # 8 x 128 KiB
+    items = [(key(i), make_blob(i, tokens=2048, key=key(i))) for i in range(8)]  # 8 x 128 KiB
     be.batch_put(items)
     got = be.batch_get([k for k, _ in items])
     assert [bytes(g) for g in got] == [b for _, b in items]
@@ -126,7 +127,7 @@ def test_async_calls_from_successive_event_loops(server, transport):
     import asyncio
 
     be = RemoteBackend(server.url, transport=transport)
-    asyncio.run(be.aput_blob(key(1), make_blob(1)))
+    asyncio.run(be.aput_blob(key(1), make_blob(1, key=key(1))))
     assert asyncio.run(be.aexists(key(1)))  # a new loop: the session of the first one is not reused
-    assert bytes(asyncio.run(be.aget_blob(key(1)))) == make_blob(1)
+    assert bytes(asyncio.run(be.aget_blob(key(1)))) == make_blob(1, key=key(1))
     asyncio.run(be.aclose())

@@ -40,7 +40,8 @@ def memfds() -> int:
 def test_round_trips_are_bit_exact(server, transport):
     be = RemoteBackend(server.url, transport=transport)
     assert be.transport == transport
-    blobs = {key(i): make_blob(i, tokens=t) for i, t in enumerate([1, 64, 512, 2048, 8192])}  # 180 B-1 MiB
+    sizes = [1, 64, 512, 2048, 8192]  # 180 B-1 MiB
+    blobs = {key(i): make_blob(i, tokens=t, key=key(i)) for i, t in enumerate(sizes)}  # kept as they are
     for k, b in blobs.items():
         be.put_blob(k, b)
     for k, b in blobs.items():
@@ -51,8 +52,9 @@ def test_round_trips_are_bit_exact(server, transport):
     assert [None if g is None else bytes(g) for g in be.batch_get(ks)] == [*blobs.values(), None]
     with be.lease(ks) as lease:
         assert [None if g is None else bytes(g) for g in lease] == [*blobs.values(), None]
-    be.batch_put([(key(100 + i), b) for i, b in enumerate(blobs.values())])
-    assert [bytes(b) for b in be.batch_get([key(100 + i) for i in range(5)])] == list(blobs.values())
+    again = {key(100 + i): make_blob(i, tokens=t, key=key(100 + i)) for i, t in enumerate(sizes)}
+    be.batch_put(list(again.items()))
+    assert [bytes(b) for b in be.batch_get(list(again))] == list(again.values())
     assert be.batch_exists([key(0), key(99)]) == [True, False] and be.lookup_prefix(ks) == 5
     assert be.delete(key(0)) and not be.delete(key(0)) and be.get_blob(key(0)) is None
     if transport == "shm":
@@ -73,7 +75,7 @@ def test_store_tensors_over_shared_memory(server):
 
 def test_a_released_lease_is_reused_and_its_views_are_dead(server):
     be = RemoteBackend(server.url, transport="shm")
-    a, b = make_blob(1, tokens=4096), make_blob(2, tokens=4096)
+    a, b = make_blob(1, tokens=4096, key=key(1)), make_blob(2, tokens=4096, key=key(2))
     be.batch_put([(key(1), a), (key(2), b)])
     owned = be.get_blob(key(1))
     lease = be.lease([key(1)])
@@ -91,7 +93,7 @@ def test_a_released_lease_is_reused_and_its_views_are_dead(server):
 
 def test_an_exported_view_keeps_its_region_out_of_reuse(server):
     be = RemoteBackend(server.url, transport="shm")
-    a, b = make_blob(1, tokens=4096), make_blob(2, tokens=4096)
+    a, b = make_blob(1, tokens=4096, key=key(1)), make_blob(2, tokens=4096, key=key(2))
     be.batch_put([(key(1), a), (key(2), b)])
     lease = be.lease([key(1)])
     held = pickle.PickleBuffer(lease.blobs[0])  # holds an export of the lent view, as C extensions do
@@ -109,7 +111,7 @@ def test_an_exported_view_keeps_its_region_out_of_reuse(server):
 def test_a_full_segment_falls_back_to_the_socket(server_factory):
     srv = server_factory(store={"tiers": ["disk"]})  # blobs outside the cpu arena: copied, not lent
     be = RemoteBackend(srv.url, transport="shm", shm_size=4 * 2**20)
-    blob = make_blob(1, tokens=16384)  # 2 MiB: one fits in a 4 MiB segment
+    blob = make_blob(1, tokens=16384, key=key(1))  # 2 MiB: one fits in a 4 MiB segment
     be.put_blob(key(1), blob)
     leases = [be.lease([key(1)]) for _ in range(4)]
     assert all(bytes(lease[0]) == blob for lease in leases)
@@ -125,7 +127,7 @@ def test_hits_in_the_cpu_arena_are_lent_where_they_lie(server):
     arena = server.store.tiers[0].arena
     assert arena is not None
     be = RemoteBackend(server.url, transport="shm", shm_size=4 * 2**20)
-    blob = make_blob(1, tokens=16384)  # 2 MiB
+    blob = make_blob(1, tokens=16384, key=key(1))  # 2 MiB, kept as it is
     be.put_blob(key(1), blob)
     leases = [be.lease([key(1), key(9)]) for _ in range(4)]
     assert all(bytes(lease[0]) == blob and lease[1] is None for lease in leases)
@@ -140,7 +142,9 @@ def test_hits_in_the_cpu_arena_are_lent_where_they_lie(server):
         lease.release()
     assert bytes(be.get_blob(key(1))) == blob  # a get copies out and gives its pin back at once
     be.batch_exists([key(1)])
-    be.put_blob(key(2), make_blob(2, tokens=512))  # the next shared-memory request carries the pins back
+    be.put_blob(
+        key(2), make_blob(2, tokens=512, key=key(2))
+    )  # the next shared-memory request carries the pins back
     assert not seg.lent and seg.lent_bytes == 0
     assert arena.offset_of(server.store.tiers[0].get(key(1))) == offset
     be.close()
@@ -149,21 +153,21 @@ def test_hits_in_the_cpu_arena_are_lent_where_they_lie(server):
 def test_a_lent_blob_outlives_its_eviction_and_overwrite(server_factory):
     srv = server_factory(store={"cpu_capacity": "4MiB"})
     be = RemoteBackend(srv.url, transport="shm")
-    first = make_blob(1, tokens=8192)  # 1 MiB
+    first = make_blob(1, tokens=8192, key=key(1))  # 1 MiB
     be.put_blob(key(1), first)
     lease = be.lease([key(1)])
-    be.put_blob(key(1), make_blob(2, tokens=8192))  # replaced
+    be.put_blob(key(1), make_blob(2, tokens=8192, key=key(1)))  # replaced
     for i in range(3, 12):  # and everything evicted many times over: its region stays the lease's
-        be.put_blob(key(i), make_blob(i, tokens=8192))
+        be.put_blob(key(i), make_blob(i, tokens=8192, key=key(i)))
     assert bytes(lease[0]) == first and verify_blob(lease[0])
-    assert bytes(be.get_blob(key(11))) == make_blob(11, tokens=8192)
+    assert bytes(be.get_blob(key(11))) == make_blob(11, tokens=8192, key=key(11))
     lease.release()
     be.close()
 
 
 def test_the_arena_cannot_be_mapped_writable_by_a_client(server):
     be = RemoteBackend(server.url, transport="shm")
-    be.put_blob(key(1), make_blob(1))
+    be.put_blob(key(1), make_blob(1, key=key(1)))
     path, size, nonce = be._plane.hello["arena"]
     assert shm.open_segment(path, size, nonce, writable=True) is None  # sealed: EPERM
     mapped = shm.open_segment(path, size, nonce, writable=False)
@@ -174,11 +178,11 @@ def test_the_arena_cannot_be_mapped_writable_by_a_client(server):
 
 def test_same_host_clients_use_the_unix_socket_and_fall_back_to_tcp(server):
     be = RemoteBackend(server.url)
-    be.put_blob(key(1), make_blob(1))
+    be.put_blob(key(1), make_blob(1, key=key(1)))
     conns = be._plane.pool._idle
     assert conns and all(c.sock.family == socket.AF_UNIX for c in conns)
     tcp = RemoteBackend(server.url, transport="tcp")
-    assert tcp.get_blob(key(1)) == make_blob(1)
+    assert tcp.get_blob(key(1)) == make_blob(1, key=key(1))
     assert all(c.sock.family == socket.AF_INET for c in tcp._plane.pool._idle)
     tcp.close()
     be.close()
@@ -186,7 +190,7 @@ def test_same_host_clients_use_the_unix_socket_and_fall_back_to_tcp(server):
     plane.unix_path = "\0kvstore-no-such-socket"  # as a server in another network namespace seems
     be = RemoteBackend(server.url)
     for _ in range(2):
-        assert bytes(be.get_blob(key(1))) == make_blob(1)
+        assert bytes(be.get_blob(key(1))) == make_blob(1, key=key(1))
     assert be._plane.unix_path is None and all(c.sock.family == socket.AF_INET for c in be._plane.pool._idle)
     be.close()
 
@@ -198,8 +202,8 @@ def test_auth_applies_to_the_data_plane(server_factory):
             with pytest.raises(Unauthorized):
                 RemoteBackend(srv.url, token=token, transport=transport, retries=0).get_blob(key(1))
         be = RemoteBackend(srv.url, token=TOKEN, transport=transport)
-        be.put_blob(key(1), make_blob(1, tokens=512))
-        assert bytes(be.get_blob(key(1))) == make_blob(1, tokens=512)
+        be.put_blob(key(1), make_blob(1, tokens=512, key=key(1)))
+        assert bytes(be.get_blob(key(1))) == make_blob(1, tokens=512, key=key(1))
         be.close()
 
 
@@ -231,15 +235,15 @@ def test_limits_and_checks_apply_unchanged(server_factory, transport):
 def test_fallbacks(server_factory, monkeypatch):
     http_only = server_factory(dataplane=False)
     be = RemoteBackend(http_only.url)
-    be.put_blob(key(1), make_blob(1))
-    assert be.transport == "http" and bytes(be.get_blob(key(1))) == make_blob(1)
+    be.put_blob(key(1), make_blob(1, key=key(1)))
+    assert be.transport == "http" and bytes(be.get_blob(key(1))) == make_blob(1, key=key(1))
     with pytest.raises(Unavailable):
         RemoteBackend(http_only.url, transport="tcp").get_blob(key(1))
 
     no_shm = server_factory(shm_budget=0)
     be = RemoteBackend(no_shm.url)
-    be.put_blob(key(1), make_blob(1, tokens=512))
-    assert be.transport == "tcp" and bytes(be.get_blob(key(1))) == make_blob(1, tokens=512)
+    be.put_blob(key(1), make_blob(1, tokens=512, key=key(1)))
+    assert be.transport == "tcp" and bytes(be.get_blob(key(1))) == make_blob(1, tokens=512, key=key(1))
     with pytest.raises(Unavailable):
         RemoteBackend(no_shm.url, transport="shm").get_blob(key(1))
 
@@ -254,8 +258,8 @@ def test_fallbacks(server_factory, monkeypatch):
     wait_for(lambda: plane.shm.used == 0)
     monkeypatch.setattr(shm, "open_segment", lambda *a: None)  # as in another PID namespace
     third = RemoteBackend(srv.url)
-    third.put_blob(key(2), make_blob(2, tokens=512))
-    assert third.transport == "tcp" and bytes(third.get_blob(key(2))) == make_blob(2, tokens=512)
+    third.put_blob(key(2), make_blob(2, tokens=512, key=key(2)))
+    assert third.transport == "tcp" and bytes(third.get_blob(key(2))) == make_blob(2, tokens=512, key=key(2))
     wait_for(lambda: plane.shm.used == 0)  # the segment it could not map was freed
     assert srv.thread.state.metrics.totals["errors"] == 0
     second.close()
@@ -266,7 +270,7 @@ def test_segments_go_with_their_connections(server):
     plane = server.thread.server.plane
     before = memfds()
     be = RemoteBackend(server.url, transport="shm", pool_size=2)
-    be.put_blob(key(1), make_blob(1, tokens=512))
+    be.put_blob(key(1), make_blob(1, tokens=512, key=key(1)))
     assert len(plane.shm) == 1 and memfds() > before
     be.close()
     wait_for(lambda: len(plane.shm) == 0 and plane.shm.used == 0 and memfds() == before)
@@ -275,7 +279,7 @@ def test_segments_go_with_their_connections(server):
 def test_calls_to_a_same_host_server_poll_before_sleeping_unless_told_not_to(server):
     spinning = RemoteBackend(server.url, transport="tcp")
     still = RemoteBackend(server.url, transport="tcp", spin_us=0)
-    blob = make_blob(7, tokens=512)
+    blob = make_blob(7, tokens=512, key=key(7))
     spinning.put_blob(key(7), blob)
     assert bytes(still.get_blob(key(7))) == blob == bytes(spinning.get_blob(key(7)))
     conns = lambda be: be._plane.pool._idle  # noqa: E731

@@ -20,9 +20,12 @@ from kvstore.protocol import wire
 from kvstore.store import TieredStore
 
 
-def make_blob(seed: int = 0, tokens: int = 16) -> bytes:
+def make_blob(seed: int = 0, tokens: int = 16, key: str | None = None) -> bytes:
+    """A test blob of `seed`'s KV; bound to `key` when given (the bytes the store keeps, and serves,
+    unchanged), else bound to no key (the store keeps it bound to the key it is put under:
+    tests.blobs.kept)."""
     g = torch.Generator().manual_seed(seed)
-    return encode_blob(torch.randn(2, 2, tokens, 2, 8, generator=g).half())
+    return encode_blob(torch.randn(2, 2, tokens, 2, 8, generator=g).half(), key=key)
 
 
 def key(i: int) -> str:

@@ -12,6 +12,7 @@ from kvstore.sdk import Store
 
 from kvstore.errors import NotStored
 from kvstore.protocol import wire
+from tests.blobs import kept
 from tests.server.conftest import key, make_blob
 from tests.valkey import wait_until
 
@@ -19,7 +20,7 @@ MiB = 2**20
 
 
 def big(i: int) -> bytes:
-    return make_blob(i, tokens=MiB // 128)  # [2, 2, T, 2, 8] fp16: 128 B per token -> 1 MiB + 52 B
+    return make_blob(i, tokens=MiB // 128)  # [2, 2, T, 2, 8] fp16: 128 B per token -> 1 MiB + 60 B
 
 
 def _metric(text: str, name: str, **labels: str) -> float:
@@ -50,7 +51,7 @@ def test_a_full_disk_is_a_507_never_a_201(disk_only):
             refused.append(i)
     assert len(acked) == 3 and len(refused) == 7
     for i in acked:  # every acknowledged blob reads back, byte for byte
-        assert disk_only.request("GET", wire.chunk_path(key(i))).body == big(i)
+        assert disk_only.request("GET", wire.chunk_path(key(i))).body == kept(big(i), key(i))
     for i in refused:
         assert disk_only.request("GET", wire.chunk_path(key(i))).status == 404
     metrics = disk_only.request("GET", "/metrics").body.decode()
@@ -66,7 +67,7 @@ def test_a_batch_names_the_tiers_of_each_blob(disk_only):
     assert r.json()["stored_in"] == [["disk"], ["disk"], ["disk"], ["disk"], []]
     got = disk_only.request("POST", wire.BATCH_GET_PATH, json.dumps({"keys": [key(3), key(4)]}).encode())
     _, payloads = wire.decode_frame(got.body, allow_missing=True)
-    assert bytes(payloads[0]) == big(3) and payloads[1] is None
+    assert bytes(payloads[0]) == kept(big(3), key(3)) and payloads[1] is None
 
 
 def test_the_sdk_raises_a_typed_error_and_returns_the_tiers(server_factory, tmpfs):

@@ -6,6 +6,7 @@ import json
 import time
 
 from kvstore.protocol import wire
+from tests.blobs import kept
 from tests.server.conftest import key, make_blob
 
 
@@ -22,7 +23,7 @@ def test_single_chunk_put_get_head_delete(server):
     r = server.request("PUT", wire.chunk_path(key(1)), blob)
     assert r.status == 201
     r = server.request("GET", wire.chunk_path(key(1)))
-    assert r.status == 200 and r.body == blob
+    assert r.status == 200 and r.body == kept(blob, key(1))  # a blob bound to no key: kept bound to key(1)
     assert r.headers["content-type"] == wire.BLOB_CONTENT_TYPE
     assert r.headers[wire.WIRE_VERSION_HEADER.lower()] == wire.WIRE_VERSION
     assert server.request("HEAD", wire.chunk_path(key(1))).status == 200
@@ -41,7 +42,7 @@ def test_single_chunk_put_get_head_delete(server):
 
 
 def test_large_blob_streams_back_intact(server):
-    blob = make_blob(2, tokens=2048)  # 256 KiB: takes the headers-then-buffers path
+    blob = make_blob(2, tokens=2048, key=key(2))  # 256 KiB: takes the headers-then-buffers path
     assert len(blob) > 64 * 1024
     assert server.request("PUT", wire.chunk_path(key(2)), blob).status == 201
     r = server.request("GET", wire.chunk_path(key(2)))
@@ -51,7 +52,7 @@ def test_large_blob_streams_back_intact(server):
 def test_put_replaces(server):
     server.request("PUT", wire.chunk_path(key(3)), make_blob(3))
     server.request("PUT", wire.chunk_path(key(3)), make_blob(4))
-    assert server.request("GET", wire.chunk_path(key(3))).body == make_blob(4)
+    assert server.request("GET", wire.chunk_path(key(3))).body == kept(make_blob(4), key(3))
     assert server.usage() == (1, len(make_blob(4)))
 
 
@@ -65,7 +66,11 @@ def test_batch_put_get_exists_delete(server):
     assert r.status == 200 and r.headers["content-type"] == wire.BATCH_CONTENT_TYPE
     keys, blobs = wire.decode_frame(r.body, allow_missing=True)
     assert keys == [key(2), key(99), key(0)]
-    assert [None if b is None else bytes(b) for b in blobs] == [items[2][1], None, items[0][1]]
+    assert [None if b is None else bytes(b) for b in blobs] == [
+        kept(items[2][1], key(2)),
+        None,
+        kept(items[0][1], key(0)),
+    ]
     r = server.request("POST", wire.BATCH_EXISTS_PATH, _keys(key(0), key(99), key(3)))
     assert r.json() == {"exists": [True, False, True]}
     r = server.request("POST", wire.BATCH_DELETE_PATH, _keys(key(0), key(99)))

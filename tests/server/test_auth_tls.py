@@ -15,6 +15,7 @@ from kvstore.server.runner import warn_if_open
 
 from kvstore.errors import ConfigError, Unauthorized, Unavailable
 from kvstore.protocol import wire
+from tests.blobs import kept
 from tests.server.conftest import key, make_blob, read_response
 
 TOKEN = "s3cret-token"
@@ -52,7 +53,7 @@ def test_every_protected_route_needs_the_token(secured, method, path, headers):
 def test_the_right_token_opens_everything(secured):
     h = _auth(TOKEN)
     assert secured.request("PUT", wire.chunk_path(key(1)), make_blob(1), h).status == 201
-    assert secured.request("GET", wire.chunk_path(key(1)), headers=h).body == make_blob(1)
+    assert secured.request("GET", wire.chunk_path(key(1)), headers=h).body == kept(make_blob(1), key(1))
     assert secured.request("GET", "/metrics", headers=h).status == 200
     assert secured.request("GET", wire.STATS_PATH, headers=h).json()["tiers"][0]["keys"] == 1
 
@@ -141,8 +142,8 @@ async def test_sdk_gets_typed_unauthorized(secured):
         await anonymous.aexists(k)
     await anonymous.aclose()
     with Store.connect(secured.url, token=TOKEN) as good:
-        good.put(k, make_blob(1))
-        assert bytes(good.get_blob(k)) == make_blob(1)
+        good.put(k, make_blob(1, key=k))  # bound to its key: kept as it is
+        assert bytes(good.get_blob(k)) == make_blob(1, key=k)
 
 
 @pytest.fixture(scope="module")
@@ -164,8 +165,8 @@ async def test_tls(server_factory, cert):
     srv = server_factory(tls_cert=cert_path, tls_key=key_path, auth_token=TOKEN)
     assert srv.url.startswith("https://")
     with Store.connect(srv.url, token=TOKEN, verify_tls=str(cert_path)) as s:
-        s.put(key(1), make_blob(1))
-        assert bytes(s.get_blob(key(1))) == make_blob(1)
+        s.put(key(1), make_blob(1, key=key(1)))  # bound to its key: kept as it is
+        assert bytes(s.get_blob(key(1))) == make_blob(1, key=key(1))
         assert s.batch_exists([key(1), key(2)]) == [True, False]
     s = Store.connect(srv.url, token=TOKEN, verify_tls=str(cert_path))
     assert await s.aexists(key(1))

@@ -45,8 +45,9 @@ def figures(call: str, **data: Any) -> Any:
 def test_lookups_cut_short_count_as_misses_in_the_store_read_rate(server_factory, transport):
     srv = server_factory(sample_interval=0.1)
     be = RemoteBackend(srv.url, transport=transport)
-    be.put_blob(key(1), make_blob(1))
-    assert bytes(be.get_blob(key(1))) == make_blob(1) and bytes(be.get_blob(key(1))) == make_blob(1)
+    blob = make_blob(1, key=key(1))
+    be.put_blob(key(1), blob)
+    assert bytes(be.get_blob(key(1))) == blob and bytes(be.get_blob(key(1))) == blob
     for i in range(10):  # an engine asking for prefixes the store never had: each stops at its first key
         assert be.lookup([key(100 + i), key(200 + i)]) == (0, "not_stored")
     assert be.lookup([key(1)]) == (1, None)  # a whole one: not a miss

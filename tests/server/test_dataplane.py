@@ -61,7 +61,7 @@ class Raw:
 
 def test_put_get_exists_delete_lookup(server):
     c = Raw(server.port)
-    blob = make_blob(1)
+    blob = make_blob(1, key=key(1))
     head, meta, _ = c.call(dp.PUT, {"k": [key(1)], "l": [len(blob)]}, blob)
     assert head.status == 201 and meta["stored"] == 1
     head, meta, body = c.call(dp.GET, {"k": [key(1), key(2)]})
@@ -76,9 +76,9 @@ def test_put_get_exists_delete_lookup(server):
 
 def test_http_and_the_data_plane_share_the_port(server):
     be = RemoteBackend(server.url, transport="http")
-    be.put_blob(key(1), make_blob(1))
+    be.put_blob(key(1), make_blob(1, key=key(1)))
     c = Raw(server.port)
-    assert c.call(dp.GET, {"k": [key(1)]})[2] == make_blob(1)
+    assert c.call(dp.GET, {"k": [key(1)]})[2] == make_blob(1, key=key(1))
     text = bytes(be.http.request("GET", "/metrics").body).decode()
     assert 'kvstore_http_requests_total{op="get",status="200"} 1.0' in text  # the data plane's get
     be.close()
@@ -165,7 +165,7 @@ def test_shared_memory_regions_are_checked(server):
     seg_id, size = meta["seg"], meta["size"]
     mapped = shm.open_segment(meta["path"], size, meta["nonce"])
     assert mapped is not None and mapped.size() == size
-    blob = make_blob(1)
+    blob = make_blob(1, key=key(1))
     mapped[shm.DATA_START : shm.DATA_START + len(blob)] = blob
     put = {"k": [key(1)], "l": [len(blob)], "s": [seg_id, shm.DATA_START, len(blob)]}
     assert c.call(dp.PUT, put, flags=dp.FLAG_SHM)[0].status == 201
@@ -187,7 +187,7 @@ def test_shared_memory_regions_are_checked(server):
 @pytest.mark.skipif(not shm.available(), reason="needs memfd and /proc (Linux)")
 def test_lending_needs_the_arena_nonce_and_pins_are_checked(server):
     c = Raw(server.port)
-    blob = make_blob(1, tokens=512)
+    blob = make_blob(1, tokens=512, key=key(1))  # kept, and lent, as it is
     assert c.call(dp.PUT, {"k": [key(1)], "l": [len(blob)]}, blob)[0].status == 201
     _, hello, _ = c.call(dp.HELLO, {"v": dp.VERSION})
     path, size, nonce = hello["arena"]

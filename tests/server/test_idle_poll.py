@@ -31,8 +31,8 @@ def test_same_host_connections_are_watched_until_they_close(server):
     tcp_client = RemoteBackend(server.url, transport="tcp")  # loopback TCP: this host too
     raw = Raw(server.port)
     for be in (shm_client, tcp_client):
-        be.put_blob(key(1), make_blob(1))
-        assert bytes(be.get_blob(key(1))) == make_blob(1)
+        be.put_blob(key(1), make_blob(1, key=key(1)))
+        assert bytes(be.get_blob(key(1))) == make_blob(1, key=key(1))
     conns = server.thread.server.plane.connections
     sockets = lambda: {c.transport.get_extra_info("socket").fileno() for c in list(conns)}  # noqa: E731
     wait_for(lambda: watched(poll) == sockets())  # HELLO's first socket closing
@@ -48,8 +48,8 @@ def test_same_host_connections_are_watched_until_they_close(server):
 def test_poll_us_0_watches_nothing(server_factory):
     srv = server_factory(poll_us=0)
     be = RemoteBackend(srv.url)
-    be.put_blob(key(2), make_blob(2))
-    assert bytes(be.get_blob(key(2))) == make_blob(2)
+    be.put_blob(key(2), make_blob(2, key=key(2)))
+    assert bytes(be.get_blob(key(2))) == make_blob(2, key=key(2))
     plane = srv.thread.server.plane
     assert plane.idle_poll._epoll is None and not any(c._polled for c in plane.connections)
     be.close()

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from kvstore.protocol import wire
+from tests.blobs import kept
 from tests.server.conftest import key, make_blob, read_response
 
 REPO = Path(__file__).resolve().parents[2]
@@ -88,7 +89,7 @@ def test_connections_over_the_limit_are_refused_fast(server_factory):
     for h in hogs:
         h.close()
     time.sleep(0.2)
-    assert srv.request("GET", wire.chunk_path(key(1))).body == make_blob(1)  # room again
+    assert srv.request("GET", wire.chunk_path(key(1))).body == kept(make_blob(1), key(1))  # room again
     metrics = srv.request("GET", "/metrics").body.decode()
     assert "kvstore_http_refused_connections_total 1.0" in metrics
 
@@ -181,7 +182,7 @@ def test_at_a_real_fd_limit_no_stored_blob_is_a_404_and_no_lost_write_a_201(tmp_
                     except OSError:
                         continue  # not answered at all (nothing claimed)
                     assert status in (200, 503), (len(hogs), i, status, body[:200])
-                    assert status != 200 or body == make_blob(i)
+                    assert status != 200 or body == kept(make_blob(i), key(i))
         acked, statuses = [], []
         for i in range(40):
             try:
@@ -196,13 +197,13 @@ def test_at_a_real_fd_limit_no_stored_blob_is_a_404_and_no_lost_write_a_201(tmp_
             status, body = request("GET", wire.chunk_path(key(i)))
             assert status in (200, 503), (i, status)
             if status == 200:
-                assert body == make_blob(i)
+                assert body == kept(make_blob(i), key(i))
         for h in hogs:
             h.close()
         hogs = []
         time.sleep(0.5)
         for i in acked + stored:  # with the hogs gone, every acknowledged blob is there
-            assert request("GET", wire.chunk_path(key(i))) == (200, make_blob(i))
+            assert request("GET", wire.chunk_path(key(i))) == (200, kept(make_blob(i), key(i)))
         for i in range(40, 45):
             assert request("PUT", wire.chunk_path(key(i)), make_blob(i))[0] == 201
         assert 503 in statuses  # the hogs did take every slot meanwhile
@@ -217,7 +218,9 @@ def test_slow_readers_hold_the_budget_only_until_the_body_timeout(server_factory
     """A large response pins its blob until it is read (even once the tier evicted it): it is charged
     to the same budget, and a client that does not read it within body_timeout is cut off."""
     srv = server_factory(max_body_bytes_in_flight=64 << 20, body_timeout=1.0)  # large ones share 48 MiB
-    blob = make_blob(1, tokens=131_072)  # 16 MiB: more than loopback's socket buffers take at once
+    blob = make_blob(
+        1, tokens=131_072, key=key(1)
+    )  # 16 MiB: more than loopback's socket buffers take at once
     assert srv.request("PUT", wire.chunk_path(key(1)), blob).status == 201
     readers = []
     for _ in range(3):

@@ -14,6 +14,7 @@ import msgpack
 import pytest
 
 from kvstore.protocol import wire
+from tests.blobs import kept
 from tests.kvstore.test_blob import forge
 from tests.server.conftest import RawResponse, key, make_blob, read_response
 
@@ -34,7 +35,7 @@ def assert_rejected(srv, r: RawResponse, status: int, type_name: str, before: tu
     body = r.json()
     assert body["type"] == type_name and body["error"], body
     assert srv.usage() == before, "a rejected request changed the store"
-    assert srv.request("GET", wire.chunk_path(key(0))).body == make_blob(0)
+    assert srv.request("GET", wire.chunk_path(key(0))).body == kept(make_blob(0), key(0))
 
 
 def frame(keys, lens, payload: bytes = b"") -> bytes:
@@ -157,7 +158,7 @@ def test_chunked_body_within_limits_is_stored(srv):
     head = f"PUT {wire.chunk_path(key(1))} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/octet-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
     body = b"".join(f"{len(c):x}\r\n".encode() + c + b"\r\n" for c in (blob[:100], blob[100:])) + b"0\r\n\r\n"
     assert srv.raw(head.encode() + body).status == 201
-    assert srv.request("GET", wire.chunk_path(key(1))).body == blob
+    assert srv.request("GET", wire.chunk_path(key(1))).body == kept(blob, key(1))
 
 
 @pytest.mark.parametrize(
@@ -183,7 +184,7 @@ def test_the_te_request_header_is_only_advice(srv):
     may use none (RFC 9110 section 10.1.4): a get with `TE: identity, chunked` is served as any other."""
     srv.request("PUT", wire.chunk_path(key(1)), make_blob(1))
     r = srv.request("GET", wire.chunk_path(key(1)), headers={"TE": "identity, chunked"})
-    assert r.status == 200 and r.body == make_blob(1)
+    assert r.status == 200 and r.body == kept(make_blob(1), key(1))
 
 
 def _batch(srv, body: bytes) -> RawResponse:
@@ -311,4 +312,4 @@ def test_server_survives_all_of_it(srv):
     for raw in (b"\x00\x01\x02\r\n\r\n", b"GET / HTTP/1.1\r\nContent-Length: x\r\n\r\n"):
         assert 400 <= srv.raw(raw).status < 500
     assert srv.request("PUT", wire.chunk_path(key(5)), make_blob(5)).status == 201
-    assert srv.request("GET", wire.chunk_path(key(5))).body == make_blob(5)
+    assert srv.request("GET", wire.chunk_path(key(5))).body == kept(make_blob(5), key(5))

@@ -1,0 +1,13 @@
+"""What the store keeps of a blob: tests that put a blob encoded with no key (or a version-1 blob)
+compare what they read back with `kept(blob, key)`, the bytes the store holds for it under `key`."""
+
+from __future__ import annotations
+
+from kvstore.blob import bind_blob, verify_blob
+
+
+def kept(blob: bytes, key: str) -> bytes:
+    """The bytes the store keeps for `blob` put under `key`: `blob` itself when it is bound to `key`
+    already, else a version-2 copy bound to `key` (kvstore.blob.bind_blob). Raises as a put does
+    (CorruptBlob, ForeignBlob) for a blob the store would refuse."""
+    return bytes(bind_blob(blob, verify_blob(blob, key=key), key))
