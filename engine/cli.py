@@ -10,6 +10,7 @@ from pathlib import Path
 
 from kvstore.engine.engine_args import EngineArgs
 from kvstore.engine.errors import EngineError
+from kvstore.engine.server_middleware import hosts_list
 
 from kvstore import __version__
 from kvstore.errors import KVStoreError
@@ -88,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default 8000)")
     srv.add_argument("--shutdown-timeout", type=float, default=10.0,
                      help="seconds requests in flight at SIGTERM may still run before they are failed (503)")  # fmt: skip
+    srv.add_argument("--allowed-hosts", type=hosts_list, default=[], metavar="HOSTS",
+                     help="host names clients may use besides IP addresses and localhost (comma list; * = any): "
+                          "a request naming another Host is refused, against DNS rebinding")  # fmt: skip
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     from kvstore.engine.bench import add_bench_parsers  # noqa: PLC0415
@@ -158,7 +162,9 @@ def _serve(ns: argparse.Namespace) -> None:
     args = EngineArgs.from_cli_args(ns)
     check_port_free(ns.host, ns.port)  # before the model load: a taken port fails in a second, not after it
     engine = LLMEngine(args)
-    serve(engine, ns.host, ns.port, ns.shutdown_timeout)  # prints its one "listening on" line once bound
+    serve(
+        engine, ns.host, ns.port, ns.shutdown_timeout, ns.allowed_hosts
+    )  # prints its one "listening on" line once bound
 
 
 def _bench(ns: argparse.Namespace) -> None:

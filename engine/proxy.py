@@ -13,31 +13,58 @@ engine that cannot serve is a 502 whose message names it in one sentence. Errors
 server's JSON shape; a stream that breaks after it started ends with an SSE `error` event. A client
 that hangs up closes the upstream requests (the engines abort them); SIGTERM stops accepting, lets
 in-flight requests finish for `--shutdown-timeout`, then ends the rest.
+
+The front door (`FrontDoor`, the router's too): kvstore-server's connection rules
+(kvstore.server.connections: a connection cap answered with a fast 503 and kept under RLIMIT_NOFILE,
+a header deadline, an idle timeout), a body deadline, bodies over the engines' limit (8 MiB) refused
+before they are read, and kvstore-server's cross-origin rules (kvstore.engine.server_middleware). Upstream,
+`--timeout` bounds the silence between two reads of an engine's answer (not its whole length: a stream
+still producing is never cut), and a client that reads nothing of its answer for as long is closed.
+Credentials in an engine URL (http://user:pass@host) are used, never shown: every message names the
+engine by its URL without them.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
 import signal
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 from aiohttp import web
+from aiohttp.log import access_logger
 from kvstore.engine.errors import EngineError, error_body
-from kvstore.engine.server_middleware import MAX_BODY_KEY, errors_middleware, parse_json, unless_disconnected
+from kvstore.engine.server_middleware import (
+    MAX_BODY_BYTES,
+    MAX_BODY_KEY,
+    browser_guard,
+    errors_middleware,
+    host_check,
+    hosts_list,
+    parse_json,
+    read_body,
+    unless_disconnected,
+)
 from kvstore.engine.streaming import STREAM_KEY
+from kvstore.server.connections import ConnectionGuard, connection_limit, raise_fd_limit
+from kvstore.server.listener import Listener
+from prometheus_client import CollectorRegistry, Counter
 
 logger = logging.getLogger(__name__)
 SESSION_KEY = web.AppKey("session", aiohttp.ClientSession)
 CONFIG_KEY = web.AppKey("proxy_config", object)
 INFLIGHT_KEY = web.AppKey("in_flight", set)
+DOOR_KEY = web.AppKey("front_door", object)
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding", "keep-alive"}
-_MAX_BODY_BYTES = 64 * 2**20
+CONNECT_TIMEOUT_S = 10.0  # to open a connection to an engine (at most --timeout)
 
 
 class BadGateway(EngineError):
@@ -48,6 +75,78 @@ class BadGateway(EngineError):
 
 class EngineUnreachable(BadGateway):
     """The engine could not be connected to: it never got the request (another one may serve it)."""
+
+
+class EngineHung(BadGateway):
+    """The engine took the request and sent nothing back in time (or stopped answering its health
+    probe meanwhile): another one may serve it."""
+
+    status = 504
+
+
+class Busy(EngineError):
+    """Too much is in flight here for one more request now: retry in a moment."""
+
+    status = 503
+    retry_after = 1
+
+
+def redact(url: str) -> str:
+    """`url` without its credentials (http://user:pass@host:port -> http://host:port): how an engine is
+    named in every header, message, metric and log."""
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=host))
+
+
+def between_bytes(timeout_s: float) -> aiohttp.ClientTimeout:
+    """An upstream request's timeout: `timeout_s` of silence between two reads (the first one
+    included), not a total; connecting within CONNECT_TIMEOUT_S."""
+    return aiohttp.ClientTimeout(
+        total=None, sock_connect=min(timeout_s, CONNECT_TIMEOUT_S), sock_read=timeout_s
+    )
+
+
+@dataclass
+class FrontDoor:
+    """What one client connection may cost the router or the proxy: kvstore-server's rules
+    (kvstore.server.connections) and its cross-origin ones (kvstore.engine.server_middleware.browser_guard)."""
+
+    max_connections: int = 1024  # beyond: a canned 503 (also kept under RLIMIT_NOFILE, 2 fds each)
+    header_timeout_s: float = 10.0  # from a request's first byte to its last header line: else 408
+    body_timeout_s: float = 30.0  # to receive a whole body: else 408
+    keepalive_timeout_s: float = 30.0  # an idle connection (or one that never sends) is closed after it
+    allowed_hosts: list[str] = field(default_factory=list)  # Host names besides IPs and localhost ("*": any)
+    host: str = "127.0.0.1"  # the address it listens on (a name there is allowed too)
+    counters: Any = None  # refused_connections, header_timeouts (prometheus Counters)
+
+    def __post_init__(self) -> None:
+        if (
+            min(self.header_timeout_s, self.body_timeout_s, self.keepalive_timeout_s) <= 0
+            or self.max_connections < 1
+        ):
+            raise ValueError(
+                "--header-timeout, --body-timeout, --keepalive-timeout and --max-connections must be positive"
+            )
+        if self.counters is None:
+            self.counters = DoorCounters(CollectorRegistry())
+
+
+class DoorCounters:
+    """The front door's counters, in `registry` (the router's /metrics)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.refused_connections = Counter(
+            "kvstore_router_refused_connections",
+            "Connections answered 503 over --max-connections",
+            registry=registry,
+        )
+        self.header_timeouts = Counter(
+            "kvstore_router_header_timeouts", "Connections closed: headers not in within --header-timeout",
+            registry=registry,
+        )  # fmt: skip
 
 
 class ProxyConfig:
@@ -65,7 +164,8 @@ class ProxyConfig:
         self.decode_urls = [u.rstrip("/") for u in decode]
         self._prefill = itertools.cycle(self.prefill_urls)
         self._decode = itertools.cycle(self.decode_urls)
-        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.timeout = between_bytes(timeout_s)
+        self.timeout_s = timeout_s
         self.health_timeout_s = health_timeout_s
         self.shutdown_timeout_s = shutdown_timeout_s
 
@@ -76,8 +176,10 @@ class ProxyConfig:
         return next(self._decode)
 
 
-def describe(role: str, url: str, e: BaseException, timeout_s: float) -> str:
-    """One sentence naming the engine and what went wrong, without aiohttp's internals."""
+def describe(role: str, url: str, e: BaseException, timeout_s: float, between: bool = False) -> str:
+    """One sentence naming the engine (without credentials) and what went wrong, without aiohttp's
+    internals. `between`: `timeout_s` was the longest silence allowed, not a total."""
+    url = redact(url)
     if isinstance(e, aiohttp.ClientConnectorError):
         cause = e.os_error
         why = (
@@ -87,7 +189,7 @@ def describe(role: str, url: str, e: BaseException, timeout_s: float) -> str:
         )
         return f"{role} engine {url} is not reachable ({why.lower()})"
     if isinstance(e, asyncio.TimeoutError):
-        return f"{role} engine {url} did not answer within {timeout_s:g} s"
+        return f"{role} engine {url} {'sent nothing for' if between else 'did not answer within'} {timeout_s:g} s"
     if isinstance(e, aiohttp.ServerDisconnectedError):
         return f"{role} engine {url} closed the connection before it answered"
     if isinstance(e, aiohttp.ClientResponseError):
@@ -141,31 +243,68 @@ async def _prefill(request: web.Request, path: str, body: dict) -> web.Response 
                     return web.Response(body=payload, status=resp.status, content_type="application/json")
                 return None
         except aiohttp.ClientConnectorError as e:  # it never got the request: try the next one
-            problems.append(describe("prefill", url, e, config.timeout.total))
+            problems.append(describe("prefill", url, e, config.timeout_s, True))
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            raise BadGateway(describe("prefill", url, e, config.timeout.total)) from None
+            raise BadGateway(describe("prefill", url, e, config.timeout_s, True)) from None
     raise BadGateway("; ".join(problems))
+
+
+async def _answer_begins(
+    post: Any, role: str, url: str, first_byte_s: float | None, abandon: asyncio.Future | None
+) -> aiohttp.ClientResponse:
+    """The engine's response once its status line is in; EngineHung when `first_byte_s` passes first,
+    or `abandon` is done first (the engine's health probe failed meanwhile)."""
+
+    if first_byte_s is None and abandon is None:
+        return await post
+
+    async def begin() -> aiohttp.ClientResponse:
+        return await post
+
+    task = asyncio.ensure_future(begin())
+    waits: set[asyncio.Future] = {task} if abandon is None else {task, abandon}
+    try:
+        await asyncio.wait(waits, timeout=first_byte_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if not task.cancelled():
+        return task.result()  # or its ClientError / TimeoutError
+    if abandon is not None and abandon.done():
+        raise EngineHung(f"{role} engine {redact(url)} stopped answering its health probe before it answered")
+    raise EngineHung(f"{role} engine {redact(url)} did not begin its answer within {first_byte_s:g} s")
 
 
 async def forward(
     request: web.Request,
     path: str,
-    body: dict,
+    body: dict | bytes,
     url: str,
     role: str = "decode",
     on_first_chunk: Callable[[int], None] | None = None,
     headers: dict[str, str] | None = None,
     on_status: Callable[[int], None] | None = None,
+    first_byte_s: float | None = None,
+    abandon: asyncio.Future | None = None,
 ) -> web.StreamResponse:
-    """Send `body` to the engine at `url` and stream its answer back (the proxy's decode step and the
-    router's only step). `on_status(status)` runs when the engine's status line arrives (before its
-    body: a non-streamed answer's comes when it is complete); `on_first_chunk(status)` when the first
-    bytes of the body arrive: for a streamed completion, its first token. `headers` are added to the
-    response."""
-    config = request.app[CONFIG_KEY]  # ProxyConfig or RouterConfig: both have `timeout`
+    """Send `body` (a JSON object, or its bytes) to the engine at `url` and stream its answer back (the
+    proxy's decode step and the router's only step). `on_status(status)` runs when the engine's status
+    line arrives (before its body: a non-streamed answer's comes when it is complete);
+    `on_first_chunk(status)` when the first bytes of the body arrive: for a streamed completion, its
+    first token. `headers` are added to the response. Before the status line: EngineHung (nothing sent
+    to the client yet) past `first_byte_s` or once `abandon` is done. After it, the config's timeout is
+    the longest silence from the engine, and from our client (a write that does not drain closes it)."""
+    config = request.app[CONFIG_KEY]  # ProxyConfig or RouterConfig: both have `timeout_s`
     out: web.StreamResponse | None = None
+    data = (
+        {"data": body, "headers": {"Content-Type": "application/json"}}
+        if isinstance(body, bytes)
+        else {"json": body}
+    )
     try:
-        async with request.app[SESSION_KEY].post(url + path, json=body) as resp:
+        post = request.app[SESSION_KEY].post(url + path, **data)
+        async with await _answer_begins(post, role, url, first_byte_s, abandon) as resp:
             if on_status is not None:
                 on_status(resp.status)
             out = web.StreamResponse(status=resp.status)
@@ -179,7 +318,8 @@ async def forward(
                 if on_first_chunk is not None:
                     on_first_chunk(resp.status)
                     on_first_chunk = None
-                await out.write(chunk)
+                if not await _write(request, out, chunk, config.timeout_s):
+                    return out  # our client reads nothing: closed, and the engine's request with it
             await out.write_eof()
             return out
     except (aiohttp.ClientError, asyncio.TimeoutError, asyncio.CancelledError) as e:
@@ -188,18 +328,35 @@ async def forward(
         if isinstance(e, asyncio.CancelledError):  # the drain at shutdown ran out of time
             message, status = "the proxy is shutting down", 503
         else:
-            message, status = describe(role, url, e, config.timeout.total), 502
+            message, status = describe(role, url, e, config.timeout_s, True), 502
         if out is None:
             unreachable = isinstance(e, aiohttp.ClientConnectorError)
             raise (EngineUnreachable if unreachable else BadGateway)(message) from None
         logger.warning("%s %s: %s", request.method, request.path, message)
         if out.headers.get("Content-Type", "").startswith("text/event-stream"):
             error = json.dumps(error_body(status, message))
-            await out.write(f"event: error\ndata: {error}\n\ndata: [DONE]\n\n".encode())
+            await _write(
+                request, out, f"event: error\ndata: {error}\n\ndata: [DONE]\n\n".encode(), config.timeout_s
+            )
         await out.write_eof()
         if isinstance(e, asyncio.CancelledError):
             raise
         return out
+
+
+async def _write(request: web.Request, out: web.StreamResponse, chunk: bytes, timeout_s: float) -> bool:
+    """Write `chunk` to our client; False (and the connection aborted) when it has read nothing for
+    `timeout_s` seconds (its buffers stayed full)."""
+    try:
+        await asyncio.wait_for(out.write(chunk), timeout_s)
+        return True
+    except asyncio.TimeoutError:
+        logger.info(
+            "%s %s: the client read nothing for %g s: closed", request.method, request.path, timeout_s
+        )
+        if request.transport is not None:
+            request.transport.abort()
+        return False
 
 
 async def _handle(request: web.Request, path: str) -> web.StreamResponse:
@@ -207,7 +364,7 @@ async def _handle(request: web.Request, path: str) -> web.StreamResponse:
     task = asyncio.current_task()
     inflight.add(task)
     try:
-        body = parse_json(await request.read())
+        body = parse_json(await read_body(request, request.app[DOOR_KEY].body_timeout_s))
         decode_url = await _healthy_decode(request)
 
         async def both() -> web.StreamResponse:
@@ -234,7 +391,7 @@ async def models(request: web.Request) -> web.Response:
         async with request.app[SESSION_KEY].get(url + "/v1/models") as resp:
             return web.Response(body=await resp.read(), status=resp.status, content_type="application/json")
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-        raise BadGateway(describe("decode", url, e, config.timeout.total)) from None
+        raise BadGateway(describe("decode", url, e, config.timeout_s, True)) from None
 
 
 async def health(request: web.Request) -> web.Response:
@@ -252,10 +409,13 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
-def build_app(config: ProxyConfig) -> web.Application:
-    app = web.Application(middlewares=[errors_middleware], client_max_size=_MAX_BODY_BYTES)
+def build_app(config: ProxyConfig, door: FrontDoor | None = None) -> web.Application:
+    door = door or FrontDoor()
+    guard = browser_guard(host_check(door.allowed_hosts, door.host))
+    app = web.Application(middlewares=[errors_middleware, guard], client_max_size=MAX_BODY_BYTES)
     app[CONFIG_KEY] = config
-    app[MAX_BODY_KEY] = _MAX_BODY_BYTES
+    app[DOOR_KEY] = door
+    app[MAX_BODY_KEY] = MAX_BODY_BYTES
     app[INFLIGHT_KEY] = set()
 
     async def on_startup(_: web.Application) -> None:
@@ -289,38 +449,86 @@ def build_app(config: ProxyConfig) -> web.Application:
 def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", action="append", required=True, help="prefill engine URL (repeatable)")
     p.add_argument("--decode", action="append", required=True, help="decode engine URL (repeatable)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8200, help="0 picks a free port")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per upstream request")
     p.add_argument("--health-timeout", type=float, default=2.0,
                    help="seconds a decode engine has to answer its health check before the prefill")  # fmt: skip
+    add_front_door_args(p, 8200)
+
+
+def add_front_door_args(p: argparse.ArgumentParser, port: int) -> None:
+    """The options of the proxy's and the router's listening side (FrontDoor) and upstream timeout."""
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=port, help="0 picks a free port")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds an engine may send nothing while it answers (between bytes, not in total: "
+                        "a stream still producing is never cut); a client reading nothing for as long is closed")  # fmt: skip
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds requests in flight at SIGTERM may still run")  # fmt: skip
+    d = FrontDoor()
+    p.add_argument("--max-connections", type=int, default=d.max_connections,
+                   help="open client connections; beyond, a fast 503 (kept under RLIMIT_NOFILE)")  # fmt: skip
+    p.add_argument("--header-timeout", type=float, default=d.header_timeout_s,
+                   help="seconds from a request's first byte to its last header (else 408, closed)")  # fmt: skip
+    p.add_argument("--body-timeout", type=float, default=d.body_timeout_s,
+                   help="seconds to receive a whole request body (else 408)")  # fmt: skip
+    p.add_argument("--keepalive-timeout", type=float, default=d.keepalive_timeout_s,
+                   help="seconds an idle client connection stays open")  # fmt: skip
+    p.add_argument("--allowed-hosts", type=hosts_list, default=[], metavar="HOSTS",
+                   help="host names clients may use besides IP addresses and localhost (comma list; * = any): "
+                        "a request naming another Host is refused, against DNS rebinding")  # fmt: skip
+
+
+def front_door(ns: argparse.Namespace, registry: CollectorRegistry | None = None) -> FrontDoor:
+    counters = DoorCounters(registry) if registry is not None else None
+    return FrontDoor(ns.max_connections, ns.header_timeout, ns.body_timeout, ns.keepalive_timeout,
+                     ns.allowed_hosts, ns.host, counters)  # fmt: skip
+
+
+@contextlib.asynccontextmanager
+async def listening(
+    app: web.Application, host: str, port: int, shutdown_timeout: float = 5.0
+) -> AsyncIterator[str]:
+    """Serve `app` on host:port behind its FrontDoor (kvstore-server's Listener and GuardedHandler, in
+    the engines' error shape); yields its URL. Leaving stops accepting, then drains (on_shutdown)."""
+    door: FrontDoor = app[DOOR_KEY]
+    runner = web.AppRunner(app, shutdown_timeout=shutdown_timeout)
+    await runner.setup()
+    server: asyncio.AbstractServer | None = None
+    try:
+        assert runner.server is not None
+        guard = ConnectionGuard(
+            connection_limit(door.max_connections, 0, fds_per_connection=2), door.header_timeout_s,
+            door.counters, shape=lambda status, message, _type: error_body(status, message),
+        )  # fmt: skip
+        kwargs = {"access_log": access_logger, "keepalive_timeout": door.keepalive_timeout_s}
+        factory = Listener(runner.server, guard, kwargs, None, door.keepalive_timeout_s)
+        server = await asyncio.get_running_loop().create_server(factory, host, port, backlog=1024)
+        bound = server.sockets[0].getsockname()[1]
+        yield f"http://{host if ':' not in host else f'[{host}]'}:{bound}"
+    finally:
+        if server is not None:
+            server.close()
+        await runner.cleanup()
 
 
 def serve(app: web.Application, host: str, port: int, name: str, shutdown_timeout: float) -> None:
     """Run `app` on host:port until SIGTERM/SIGINT (the proxy's and the router's one serving loop)."""
+    raise_fd_limit()
 
     async def main() -> None:
-        runner = web.AppRunner(app, shutdown_timeout=shutdown_timeout)
-        await runner.setup()
-        site = web.TCPSite(runner, host, port)
-        await site.start()
-        bound = runner.addresses[0][1]
-        print(f"kvstore-engine {name} listening on http://{host}:{bound}", flush=True)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        try:
+        async with listening(app, host, port, shutdown_timeout) as url:
+            print(f"kvstore-engine {name} listening on {url}", flush=True)
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, stop.set)
             await stop.wait()
             logger.info("stopping: no new connections, draining in-flight requests")
-        finally:
-            await runner.cleanup()
 
     asyncio.run(main())
 
 
 def run_proxy(ns: argparse.Namespace) -> None:
     config = ProxyConfig(ns.prefill, ns.decode, ns.timeout, ns.health_timeout, ns.shutdown_timeout)
-    serve(build_app(config), ns.host, ns.port, "proxy", 5.0)  # 5 s after on_shutdown's drain: a backstop
+    serve(
+        build_app(config, front_door(ns)), ns.host, ns.port, "proxy", 5.0
+    )  # 5 s after on_shutdown's drain: a backstop

@@ -38,9 +38,12 @@ from kvstore.engine.protocol import (
 )
 from kvstore.engine.sampling_params import SamplingParams
 from kvstore.engine.server_middleware import (
+    MAX_BODY_BYTES,
     MAX_BODY_KEY,
+    browser_guard,
     error_response,
     errors_middleware,
+    host_check,
     parse_json,
     unless_disconnected,
 )
@@ -49,7 +52,6 @@ from kvstore.engine.streaming import Delta, SSEStream
 logger = logging.getLogger(__name__)
 ENGINE_KEY = web.AppKey("async_engine", AsyncEngine)
 LOGPROBS_KEY = web.AppKey("logprobs_renderer", LogprobsRenderer)
-MAX_BODY_BYTES = 8 * 2**20
 COMPILING_KEY = web.AppKey("compiling_per_client", dict)  # client -> its new constraints compiling now
 MAX_COMPILES_PER_CLIENT = 4  # of the compile helper's 32 slots (compile_worker.MAX_RUNNING_COMPILES)
 _PARSE_OFF_LOOP_BYTES = 256 * 2**10  # bigger bodies are parsed in the tokenizer pool
@@ -378,10 +380,17 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def build_app(
-    engine: LLMEngine, max_body_bytes: int = MAX_BODY_BYTES, shutdown_timeout: float = 10.0
+    engine: LLMEngine,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    shutdown_timeout: float = 10.0,
+    allowed_hosts: list[str] | tuple[str, ...] = (),
+    host: str = "",
 ) -> web.Application:
-    """`shutdown_timeout`: how long requests in flight at shutdown may run before they are failed."""
-    app = web.Application(middlewares=[errors_middleware], client_max_size=max_body_bytes)
+    """`shutdown_timeout`: how long requests in flight at shutdown may run before they are failed;
+    `allowed_hosts` (and `host`, the name it listens on): names a request's Host may give besides IP
+    addresses and localhost (kvstore.engine.server_middleware.browser_guard; "*": any)."""
+    guard = browser_guard(host_check(allowed_hosts, host))
+    app = web.Application(middlewares=[errors_middleware, guard], client_max_size=max_body_bytes)
     app[MAX_BODY_KEY] = max_body_bytes
     aengine = AsyncEngine(engine)
     app[ENGINE_KEY] = aengine
@@ -412,9 +421,13 @@ def build_app(
 
 
 def serve(
-    engine: LLMEngine, host: str = "127.0.0.1", port: int = 8000, shutdown_timeout: float = 10.0
+    engine: LLMEngine,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    shutdown_timeout: float = 10.0,
+    allowed_hosts: list[str] | tuple[str, ...] = (),
 ) -> None:
-    app = build_app(engine, shutdown_timeout=shutdown_timeout)
+    app = build_app(engine, shutdown_timeout=shutdown_timeout, allowed_hosts=allowed_hosts, host=host)
 
     def ready(message: str) -> None:
         """aiohttp's "Running on URL", once the socket is bound: with --port 0, the real port."""

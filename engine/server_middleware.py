@@ -1,5 +1,16 @@
-"""The OpenAI server's request plumbing: one JSON error shape for every failure (aiohttp's own 404 /
-405 / 413 included), safe JSON parsing, and noticing a client that hung up."""
+"""The OpenAI server's request plumbing (`kvstore-engine serve`, `router`, `proxy`): one JSON error shape
+for every failure (aiohttp's own 404 / 405 / 413 included), safe JSON parsing, a body read within its
+size limit and a deadline, noticing a client that hung up, and kvstore-server's cross-origin rules.
+
+Cross-origin (`browser_guard`): what keeps a web page in a browser from using an engine or router
+(running prompts on its GPU, reading the answers). These servers have no token, so kvstore-server's
+token-less rules apply (kvstore.server.origin.HostCheck): a request's `Host` must be an IP address,
+`localhost` or a name given to `--allowed-hosts` (`*` turns the check off), against DNS rebinding; an
+`Origin` (only browsers send one) must be the server itself, loopback or an allowed name. A POST whose
+Content-Type a page may send cross-origin without a CORS preflight (none, text/plain, a form) is refused
+(415): OpenAI clients send application/json, and no answer here grants CORS, so a page's preflight for
+that fails and the request is never sent.
+"""
 
 from __future__ import annotations
 
@@ -13,9 +24,14 @@ from typing import TypeVar
 from aiohttp import web
 from kvstore.engine.errors import EngineError, InvalidRequest, error_body
 from kvstore.engine.streaming import STREAM_KEY
+from kvstore.server.origin import HostCheck
 
 logger = logging.getLogger(__name__)
 MAX_BODY_KEY = web.AppKey("max_body_bytes", int)
+MAX_BODY_BYTES = 8 * 2**20  # an engine's request body; the router and the proxy refuse above it too
+ENGINE_HOST_HINT = "connect by IP address or localhost, or list the name in --allowed-hosts"
+# What a page may send cross-origin with no preflight (Fetch standard, CORS-safelisted request header)
+_SIMPLE_TYPES = frozenset({"text/plain", "application/x-www-form-urlencoded", "multipart/form-data"})
 _DISCONNECT_POLL_S = 0.2
 T = TypeVar("T")
 
@@ -54,9 +70,61 @@ def _json_error(request: web.Request, e: Exception) -> web.StreamResponse:
         return web.Response(status=499)  # nobody reads it; nginx's "client closed request"
     if isinstance(e, EngineError):
         logger.warning("%s %s: %s", request.method, request.path, e)
-        return error_response(getattr(e, "status", 500), str(e))
+        retry = getattr(e, "retry_after", None)  # a 503 for a moment's overload
+        return error_response(
+            getattr(e, "status", 500), str(e), headers={"Retry-After": str(retry)} if retry else None
+        )
     logger.error("%s %s failed", request.method, request.path, exc_info=e)  # a bug: still JSON
     return error_response(500, f"internal error: {e!r}")
+
+
+def hosts_list(value: str) -> list[str]:
+    """`--allowed-hosts a,b`: the names."""
+    return [h.strip() for h in value.split(",") if h.strip()]
+
+
+def host_check(allowed_hosts: list[str] | tuple[str, ...] = (), bind_host: str = "") -> HostCheck:
+    """kvstore-server's Host/Origin check with the engines' hint (`--allowed-hosts`)."""
+    return HostCheck(allowed_hosts, bind_host, ENGINE_HOST_HINT)
+
+
+def browser_guard(check: HostCheck):  # noqa: ANN201 (an aiohttp middleware)
+    """The middleware refusing what a web page in a browser could send (the module docstring): 403 for
+    a Host or Origin not allowed, 415 for a POST a page could send without a CORS preflight. It goes
+    inside errors_middleware, so both are the engines' JSON errors."""
+
+    @web.middleware
+    async def guard(request: web.Request, handler) -> web.StreamResponse:
+        problem = check.problem(request)
+        if problem is not None:
+            return error_response(403, problem)
+        if request.method == "POST":
+            given = request.headers.get("Content-Type")
+            kind = (given or "").partition(";")[0].strip().lower()
+            if not kind or kind in _SIMPLE_TYPES:
+                return error_response(
+                    415, f"POST {request.path} takes Content-Type application/json, got {given!r:.60}"
+                )
+        return await handler(request)
+
+    return guard
+
+
+class BodyTimeout(InvalidRequest):
+    status = 408
+
+
+async def read_body(request: web.Request, timeout: float) -> bytes:
+    """The whole body, within the app's size limit (MAX_BODY_KEY) and `timeout` seconds. A declared
+    Content-Length over the limit is refused (413) before a byte of it is read; a chunked body at the
+    limit (aiohttp's client_max_size); one that has not all arrived in `timeout` is a 408."""
+    limit = request.app[MAX_BODY_KEY]
+    if request.content_length is not None and request.content_length > limit:
+        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
+    try:
+        return await asyncio.wait_for(request.read(), timeout)
+    except asyncio.TimeoutError:
+        raise BodyTimeout(f"the request body did not arrive within {timeout:g} s") from None
 
 
 def _http_message(request: web.Request, e: web.HTTPException) -> str:

@@ -11,6 +11,9 @@
   that long; kvstore.server.listener closes one that connected and never sent anything, and the data plane
   its idle connections, after the same time.
 - Requests the HTTP parser rejects (bad request line, bad Content-Length...) get our JSON error body.
+
+The same machinery is the front door of `kvstore-engine router` (kvstore.engine.router.app.listen): its
+guard answers in the engines' OpenAI error shape (`ConnectionGuard.shape`) and counts in its own metrics.
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ import asyncio
 import json
 import logging
 import resource
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -32,12 +36,13 @@ log = logging.getLogger(__name__)
 FD_RESERVE = 64  # descriptors kept for the tiers (disk files, Redis sockets), logs, the event loop
 
 
-def connection_limit(configured: int, store_threads: int) -> int:
-    """`configured`, lowered to fit under RLIMIT_NOFILE with FD_RESERVE (+ 2 per store thread) spare."""
+def connection_limit(configured: int, store_threads: int, fds_per_connection: int = 1) -> int:
+    """`configured`, lowered to fit under RLIMIT_NOFILE with FD_RESERVE (+ 2 per store thread) spare;
+    `fds_per_connection`: descriptors one connection may hold (a proxy: its client's and its upstream's)."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         return configured
-    room = soft - FD_RESERVE - 2 * store_threads
+    room = (soft - FD_RESERVE - 2 * store_threads) // fds_per_connection
     limit = min(configured, max(room, 8))
     if limit < configured:
         log.warning(
@@ -57,15 +62,30 @@ def raise_fd_limit() -> None:
             log.warning("cannot raise RLIMIT_NOFILE from %d to %d: %s", soft, hard, e)
 
 
+class GuardCounters(Protocol):
+    """What a guard counts in: kvstore.server.metrics.ServerMetrics, the router's RouterMetrics."""
+
+    refused_connections: Any  # prometheus Counters
+    header_timeouts: Any
+
+
+def kvstore_shape(status: int, message: str, type_name: str) -> dict[str, Any]:
+    """kvstore-server's error body."""
+    return {"error": message, "type": type_name}
+
+
 @dataclass
 class ConnectionGuard:
     max_connections: int
     header_timeout: float
-    metrics: ServerMetrics
+    metrics: GuardCounters | ServerMetrics
+    shape: Callable[[int, str, str], dict[str, Any]] = field(default=kvstore_shape)  # the error body
 
 
-def _canned(status: int, reason: str, message: str, type_name: str, extra: str = "") -> bytes:
-    body = json.dumps({"error": message, "type": type_name}).encode()
+def _canned(
+    guard: ConnectionGuard, status: int, reason: str, message: str, type_name: str, extra: str = ""
+) -> bytes:
+    body = json.dumps(guard.shape(status, message, type_name)).encode()
     head = (
         f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
         f"Connection: close\r\n{extra}\r\n"
@@ -77,7 +97,7 @@ def refuse(transport: asyncio.BaseTransport, guard: ConnectionGuard) -> None:
     """Answer a connection over the limit with a canned 503 before reading a byte of it, and close it."""
     guard.metrics.refused_connections.inc()
     message = f"over the server's limit of {guard.max_connections} connections; retry shortly"
-    transport.write(_canned(503, "Service Unavailable", message, "Busy", "Retry-After: 1\r\n"))  # type: ignore[attr-defined]
+    transport.write(_canned(guard, 503, "Service Unavailable", message, "Busy", "Retry-After: 1\r\n"))  # type: ignore[attr-defined]
     transport.close()
 
 
@@ -111,7 +131,7 @@ class GuardedHandler(RequestHandler):
         self.guard.metrics.header_timeouts.inc()
         if self._waiter is not None:  # waiting for a request whose headers never finished
             message = f"request headers did not arrive within {self.guard.header_timeout:g} s"
-            self.transport.write(_canned(408, "Request Timeout", message, "InvalidArgument"))
+            self.transport.write(_canned(self.guard, 408, "Request Timeout", message, "InvalidArgument"))
         self.force_close()
 
     def connection_lost(self, exc: BaseException | None) -> None:
@@ -132,7 +152,10 @@ class GuardedHandler(RequestHandler):
             text = message or (f"bad HTTP request: {exc}" if exc else f"HTTP {status}")
             text = text if len(text) <= 300 else text[:300] + "..."
         type_name = "InvalidArgument" if 400 <= status < 500 else "KVStoreError"
-        resp = json_error(status, text, type_name)
+        if self.guard.shape is kvstore_shape:
+            resp = json_error(status, text, type_name)
+        else:
+            resp = web.json_response(self.guard.shape(status, text, type_name), status=status)
         resp.force_close()
         return resp
 

@@ -48,7 +48,10 @@ def _is_loopback(host: str) -> bool:
 class HostCheck:
     """Refuses (403) a request whose Host or Origin names a host that is not allowed."""
 
-    def __init__(self, allowed_hosts: Iterable[str], bind_host: str = "") -> None:
+    SERVER_HINT = "connect by IP address or localhost, list the name in allowed_hosts, or set a token"
+
+    def __init__(self, allowed_hosts: Iterable[str], bind_host: str = "", hint: str = SERVER_HINT) -> None:
+        self.hint = hint  # what the refused client may do instead
         names = {_hostname(h) for h in allowed_hosts if h}
         if bind_host and not _is_ip(bind_host):
             names.add(_hostname(bind_host))
@@ -65,17 +68,22 @@ class HostCheck:
         )
 
     def check(self, request: web.BaseRequest) -> None:
+        problem = self.problem(request)
+        if problem is not None:
+            raise Forbidden(problem)
+
+    def problem(self, request: web.BaseRequest) -> str | None:
+        """Why `request` is refused (its Host or Origin), None when it is not. kvstore-server and
+        kvstore-engine's servers (serve, router, proxy: kvstore.engine.server_middleware) share it."""
         if self.any:
-            return
+            return None
         host = request.headers.get("Host")
         if host is not None and not self.allowed(_hostname(host)):
-            raise Forbidden(
-                f"Host {host!r:.80} is not allowed without an auth token (DNS rebinding protection); "
-                "connect by IP address or localhost, list the name in allowed_hosts, or set a token"
-            )
+            return f"Host {host!r:.80} is not allowed (DNS rebinding protection); {self.hint}"
         origin = request.headers.get("Origin")  # only browsers send it ("null" from sandboxes, files)
         if origin is not None:
             name = _hostname(urlsplit(origin).netloc)
             same_site = host is not None and name == _hostname(host)  # the dashboard's own requests
             if not (same_site or self.any or name in self.names or name == "localhost" or _is_loopback(name)):
-                raise Forbidden(f"cross-origin request from {origin!r:.80} refused")
+                return f"cross-origin request from {origin!r:.80} refused"
+        return None

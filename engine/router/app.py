@@ -19,6 +19,23 @@ chosen engine's served name replaces it, e.g. "smollm2" -> "SmolLM2-135M-Instruc
 one and counted nowhere. A request counts as routed (kvstore_router_decisions, its prompt tokens as
 local / remote / computed) only when its engine accepted it (status below 400); an engine's error
 answer is counted in kvstore_router_engine_errors instead.
+
+The front door (kvstore.engine.proxy.FrontDoor: kvstore-server's connection cap, header / body / idle
+deadlines, its cross-origin rules): a body over the engines' limit (8 MiB) is a 413 before a byte of
+it is read, and the bodies being read or routed hold at most `body_budget_bytes` (503 past it). A body
+is parsed, checked and tokenized in a small pool of threads (`prep_workers`, `prep_queue` waiting:
+503 past them), never in the event loop, and only its leading `route_tokens` tokens are routed on
+(kvstore.engine.router.tokens), so a prompt of megabytes costs what one of kilobytes does. The body
+goes to the engine as it came (re-encoded only to replace the model alias).
+
+A hung engine is passed over: a streamed request whose engine has not begun its answer within
+`first_byte_timeout_s` (its first token), or any request waiting on an engine whose health probe
+(GET /health every `health_interval_s`, `health_timeout_s` to answer) fails, goes to the next engine
+(504 when none is left), and the engine is not chosen again until its probe answers. The share cap
+counts each engine's requests in flight and the requests it completed recently, so a request that never
+completes keeps counting against its engine (a window of decisions forgot it and sent more). An
+engine URL may carry credentials (http://user:pass@host): they are sent to it and shown nowhere (the
+engine's name everywhere is its URL without them).
 """
 
 from __future__ import annotations
@@ -27,42 +44,69 @@ import asyncio
 import collections
 import json
 import logging
+import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 from kvstore.engine.errors import InvalidRequest, ModelNotFound
-from kvstore.engine.proxy import CONFIG_KEY, INFLIGHT_KEY, SESSION_KEY, BadGateway, EngineUnreachable, forward
+from kvstore.engine.proxy import (
+    CONFIG_KEY,
+    DOOR_KEY,
+    INFLIGHT_KEY,
+    SESSION_KEY,
+    BadGateway,
+    Busy,
+    DoorCounters,
+    EngineHung,
+    EngineUnreachable,
+    FrontDoor,
+    between_bytes,
+    forward,
+    redact,
+)
 from kvstore.engine.router.calibrate import Calibrator
 from kvstore.engine.router.dashboard import dashboard
 from kvstore.engine.router.index import PrefixIndex
 from kvstore.engine.router.metrics import RouterMetrics
 from kvstore.engine.router.scoring import POLICIES, Choice, EngineState, Request, choose
 from kvstore.engine.router.subscriber import EventSubscriber, FeedCollector, FeedOptions, Source
-from kvstore.engine.router.tokens import PromptTokens
-from kvstore.engine.server_middleware import MAX_BODY_KEY, errors_middleware, parse_json, unless_disconnected
+from kvstore.engine.router.tokens import Prompt, PromptTokens
+from kvstore.engine.server_middleware import (
+    MAX_BODY_BYTES,
+    MAX_BODY_KEY,
+    browser_guard,
+    errors_middleware,
+    host_check,
+    parse_json,
+    read_body,
+    unless_disconnected,
+)
+from kvstore.server.budget import BodyBudget
 
+from kvstore.errors import Busy as BudgetFull
 from kvstore.events import curve_server_key
 
 logger = logging.getLogger(__name__)
 ROUTER_KEY = web.AppKey("router", object)
 ENGINE_HEADER = "X-KVStore-Engine"  # on every routed response: the engine that served it
-DOWN_S = 5.0  # an engine that refused a connection is passed over this long
+DOWN_S = 5.0  # an engine that refused a connection, or began no answer in time, is passed over this long
 POLICY_HEADER = "X-KVStore-Policy"  # a request's own policy (A/B runs, benchmarks/bench_router.py)
 DECISION_HEADER = "X-KVStore-Decision"  # on every routed response: why that engine (JSON, decision_record)
-_MAX_BODY_BYTES = 64 * 2**20
 MODELS_TIMEOUT_S = 2.0  # an engine's GET /v1/models
 MODELS_REFRESH_S = 1.0  # a request naming an unknown model re-reads the engines' names at most this often
 
 
 @dataclass
 class EngineLoad:
-    url: str
+    url: str  # the engine's name: its URL without credentials
     in_flight: int = 0  # requests this router forwarded to it and not finished
     waiting_tokens: int = 0  # of those, prompt tokens it is to compute before their first token
-    down_until: float = 0.0  # monotonic time; after a refused connection it is not chosen till then
+    down_until: float = 0.0  # monotonic time it is not chosen till (inf: till its health probe answers)
+    down_why: str = ""  # what put it down last
 
 
 @dataclass
@@ -74,24 +118,77 @@ class RouterConfig:
     store_replay: list[str | None] = field(default_factory=list)
     policy: str = "ttft"
     max_share: float = 1.2
-    share_window: int = 64  # decisions per engine the share cap looks back over
+    share_window: int = 64  # completed requests per engine the share cap looks back over
     calibrate_s: float = 2.0  # between scrapes of the engines' /metrics (0: never)
-    timeout_s: float = 600.0
+    timeout_s: float = 600.0  # the longest silence of an engine answering (between bytes)
     topic: str = ""
     model: str = ""  # the router's --model: an alias of the engines' served name ("" for none)
     events: FeedOptions = field(default_factory=FeedOptions)  # tokens, frame and index caps, checks
+    first_byte_timeout_s: float = 30.0  # a streamed answer's first bytes (its first token)
+    health_interval_s: float = 2.0  # between health probes of each engine (0: never)
+    health_timeout_s: float = 2.0  # for an engine to answer GET /health
+    prep_workers: int = 2  # threads parsing and tokenizing bodies
+    prep_queue: int = 64  # bodies waiting for them; beyond, a 503
+    body_budget_bytes: int = 256 * 2**20  # request body bytes read or routed at once (2x each); beyond, a 503
+    door: FrontDoor = field(default_factory=FrontDoor)
 
     def __post_init__(self) -> None:
-        self.engines = [u.rstrip("/") for u in self.engines]
-        if not self.engines:
+        urls = [u.rstrip("/") for u in self.engines]
+        if not urls:
             raise ValueError("the router needs at least one --engine URL")
+        self.engines = [redact(u) for u in urls]  # names: what headers, state, metrics and logs show
+        self.address = dict(zip(self.engines, urls, strict=True))  # name -> URL (with its credentials)
+        if len(self.address) != len(urls):
+            raise ValueError("two --engine URLs name the same engine")
+        if (
+            min(self.timeout_s, self.first_byte_timeout_s, self.health_timeout_s) <= 0
+            or self.health_interval_s < 0
+        ):
+            raise ValueError("--timeout, --first-byte-timeout and --health-timeout must be positive")
+        if self.prep_workers < 1 or self.prep_queue < 0:
+            raise ValueError("--prep-workers must be at least 1, --prep-queue at least 0")
+        if self.body_budget_bytes < 2 * MAX_BODY_BYTES:
+            raise ValueError(f"--max-body-bytes-in-flight must be at least {2 * MAX_BODY_BYTES} (two bodies)")
         if len(self.engine_events) != len(self.engines):
             raise ValueError("give one --engine-events endpoint per --engine, in the same order")
         self.engine_replay = (list(self.engine_replay) + [None] * len(self.engines))[: len(self.engines)]
         self.store_replay = (list(self.store_replay) + [None] * len(self.store_events))[
             : len(self.store_events)
         ]
-        self.timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        self.timeout = between_bytes(self.timeout_s)
+
+
+@dataclass
+class Prepared:
+    """What the router reads of a body (in its prep pool): never the parsed body itself."""
+
+    model: Any
+    stream: bool
+    prompt: Prompt | None  # the leading tokens routed on, and the prompt's length
+    keys: list[bytes]  # the chunk keys of those tokens
+    aliased: dict[str, bytes]  # served name -> the body with it in place of the router's alias
+
+
+class Prep:
+    """The bounded pool that parses, checks and tokenizes bodies off the event loop: `workers`
+    threads, `queue` bodies waiting; a body past them is a 503 at once."""
+
+    def __init__(self, workers: int, queue: int) -> None:
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="router-prep")
+        self.limit = workers + queue
+        self.admitted = 0
+
+    async def run(self, fn: Any, *args: Any) -> Any:
+        if self.admitted >= self.limit:
+            raise Busy(f"{self.admitted} request bodies are being routed already; retry in a moment")
+        self.admitted += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+        finally:
+            self.admitted -= 1
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
 
 
 class Router:
@@ -106,7 +203,12 @@ class Router:
         self.calibrator = Calibrator()
         self.loads = {u: EngineLoad(u) for u in config.engines}
         window = config.share_window * len(config.engines)
-        self.recent = collections.defaultdict(lambda: collections.deque(maxlen=window))  # per policy
+        # the share cap, per policy: engines of the requests completed lately, requests in flight
+        self.completed = collections.defaultdict(lambda: collections.deque(maxlen=window))
+        self.running: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+        self.gone: dict[str, asyncio.Future] = {}  # engine -> done when its probe fails (see `abandon`)
+        self.prep = Prep(config.prep_workers, config.prep_queue)
+        self.budget = BodyBudget(config.body_budget_bytes)
         self.turn = 0
         self.cards: dict[str, list[dict[str, Any]]] = {u: [] for u in config.engines}  # GET /v1/models
         self.models_read_at = -float("inf")  # monotonic time the last read of the engines' names ended
@@ -168,7 +270,7 @@ class Router:
 
         async def one(url: str) -> None:
             try:
-                async with session.get(url + "/v1/models", timeout=timeout) as resp:
+                async with session.get(self.config.address[url] + "/v1/models", timeout=timeout) as resp:
                     if resp.status == 200:
                         self.learn_models(url, await resp.json(content_type=None))
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
@@ -215,16 +317,18 @@ class Router:
         policy: str | None = None,
         now: float = 0.0,
         among: list[str] | None = None,
+        prompt_tokens: int | None = None,
+        keys: list[bytes] | None = None,
     ) -> Choice:
-        """Choose an engine (of `among`, every engine by default). It is counted in the share cap's
-        window now; in the metrics once the engine accepts the request (`answered`)."""
+        """Choose an engine (of `among`, every engine by default) for a prompt starting with
+        `token_ids` (`prompt_tokens` long in all, its chunk `keys` when computed already). It counts
+        in the share cap once sent (`add_load`), in the metrics once the engine accepts it (`answered`)."""
         policy = policy or self.config.policy
-        recent = self.recent[policy]
-        counts = collections.Counter(recent)
+        counts = collections.Counter(self.completed[policy]) + self.running[policy]
         if token_ids:
-            keys = self.tokens.chunk_keys(token_ids)
+            keys = self.tokens.chunk_keys(token_ids) if keys is None else keys
             store = self.index.store_chunks(keys) * self.tokens.chunk_size
-            request = Request(len(token_ids), store)
+            request = Request(max(prompt_tokens or 0, len(token_ids)), store)
         else:
             request = Request(1)
         engines = [
@@ -240,30 +344,67 @@ class Router:
         ] or [EngineState(url, recent=counts[url]) for url in among or self.loads]  # all down: try them all
         choice = choose(policy, engines, request, self.calibrator.costs, self.config.max_share, self.turn)
         self.turn += 1
-        recent.append(choice.engine)
         return choice
 
     def answered(self, choice: Choice, status: int) -> None:
         """The engine answered `choice`'s request with `status`: below 400 it is a routed request
-        (decisions, prompt tokens by source, predicted TTFT); an error answer is counted as one and
-        leaves the share cap's window (the engine did no work for it)."""
+        (decisions, prompt tokens by source, predicted TTFT); an error answer is counted as one."""
         if status < 400:
             self.metrics.decided(choice)
-            return
-        self.metrics.engine_error(choice.engine, status)
-        try:
-            self.recent[choice.policy].remove(choice.engine)
-        except ValueError:  # the window moved past it already
-            pass
+        else:
+            self.metrics.engine_error(choice.engine, status)
 
     def add_load(self, choice: Choice) -> int:
-        """Count `choice` in its engine's load: one more in flight, and its tokens to compute waiting
-        (not those it loads from the store: a load runs beside the engine's steps, queueing no one).
-        Returns the waiting tokens added, which the caller takes off at the first token."""
+        """Count `choice` in its engine's load: one more in flight (in the share cap too), and its tokens
+        to compute waiting (not those it loads from the store: a load runs beside the engine's steps,
+        queueing no one). Returns the waiting tokens added, which the caller takes off at the first
+        token; `finished` takes the request off again."""
         load = self.loads[choice.engine]
         load.in_flight += 1
         load.waiting_tokens += choice.compute_tokens
+        self.running[choice.policy][choice.engine] += 1
         return choice.compute_tokens
+
+    def finished(self, choice: Choice, status: int | None) -> None:
+        """`choice`'s request is over: it leaves the engine's load; an answer below 400 joins the share
+        cap's recent completions (an error, a failover, a hang did no work worth counting)."""
+        load = self.loads[choice.engine]
+        load.in_flight -= 1
+        running = self.running[choice.policy]
+        running[choice.engine] -= 1
+        if running[choice.engine] <= 0:
+            del running[choice.engine]
+        if status is not None and status < 400:
+            self.completed[choice.policy].append(choice.engine)
+
+    # ---- engines up and down ---------------------------------------------------------------------
+    def mark_down(self, url: str, why: str, for_s: float = math.inf, abandon: bool = False) -> None:
+        """Pass `url` over for `for_s` seconds (inf: till its probe answers); `abandon`: the requests
+        waiting for it to begin an answer go elsewhere now (a probe that got no answer)."""
+        load = self.loads[url]
+        until = time.monotonic() + for_s
+        if until > load.down_until:
+            if load.down_until <= time.monotonic():
+                logger.warning("engine %s passed over: %s", url, why)
+            load.down_until, load.down_why = until, why
+        if abandon:
+            gone = self.gone.pop(url, None)
+            if gone is not None and not gone.done():
+                gone.set_result(None)
+
+    def mark_up(self, url: str) -> None:
+        """Its probe answered: chosen again (a timed pass-over still runs out first)."""
+        load = self.loads[url]
+        if math.isinf(load.down_until):
+            logger.warning("engine %s is back (its health probe answers)", url)
+            load.down_until, load.down_why = 0.0, ""
+
+    def abandon(self, url: str) -> asyncio.Future:
+        """Done when `url`'s probe fails: what a request waiting for its first bytes also waits on."""
+        gone = self.gone.get(url)
+        if gone is None or gone.done():
+            gone = self.gone[url] = asyncio.get_running_loop().create_future()
+        return gone
 
     def decision_record(self, choice: Choice) -> dict[str, Any]:
         """What the router knew when it chose: the estimate, the prompt's split, every engine's load
@@ -283,6 +424,7 @@ class Router:
     def state(self, now: float) -> dict[str, Any]:
         return {
             "policy": self.config.policy,
+            "routing": {"prep_admitted": self.prep.admitted, "body_bytes": self.budget.used},
             "ready": self.subscriber.ready.is_set(),
             "index": self.index.stats(),
             "sources": {s.name: s.state() for s in self.subscriber.sources},
@@ -294,7 +436,23 @@ class Router:
         """One engine's load (`url`, `in_flight`, `waiting_tokens`, `down_until`, `up`) and its figures
         (kvstore.engine.router.metrics.EngineTally.summary): the dashboard's panel."""
         load = self.loads[url]
-        return {**vars(load), "up": load.down_until <= now, **self.metrics.summary(url)}
+        down = {"down_until": min(load.down_until, 1e18)}  # JSON has no infinity
+        return {**vars(load), **down, "up": load.down_until <= now, **self.metrics.summary(url)}
+
+
+def _prepare(router: Router, raw: bytes, chat: bool, served: frozenset[str]) -> Prepared:
+    """In the prep pool: parse and check the body, read its leading tokens and their chunk keys, and
+    encode it with each of `served` in place of the router's alias when it names the alias."""
+    body = parse_json(raw)
+    tokens = router.tokens
+    prompt = tokens.of_chat(body) if chat else tokens.of_completion(body)
+    keys = tokens.chunk_keys(prompt.tokens) if prompt and prompt.tokens else []
+    model = body.get("model")
+    alias = router.config.model
+    aliased = {}
+    if alias and model == alias and alias not in served:
+        aliased = {name: json.dumps({**body, "model": name}).encode() for name in served}
+    return Prepared(model, bool(body.get("stream")), prompt, keys, aliased)
 
 
 async def _route(request: web.Request, path: str, chat: bool) -> web.StreamResponse:
@@ -304,13 +462,17 @@ async def _route(request: web.Request, path: str, chat: bool) -> web.StreamRespo
     inflight.add(task)
     started = time.monotonic()
     try:
-        body = parse_json(await request.read())
-        if not isinstance(body, dict):
-            raise InvalidRequest("the request body must be a JSON object")
         policy = request.headers.get(POLICY_HEADER)
         if policy is not None and policy not in POLICIES:
             raise InvalidRequest(f"{POLICY_HEADER} must be one of {', '.join(POLICIES)}, got {policy!r}")
-        model = body.get("model")
+        try:  # what reading, parsing and routing the body holds at most: 2x its bytes
+            router.budget.reserve(request, 2 * (request.content_length or request.app[MAX_BODY_KEY]))
+        except BudgetFull as e:
+            raise Busy(str(e)) from None
+        raw = await read_body(request, router.config.door.body_timeout_s)
+        served = frozenset(names[0] for names in map(router.served, router.loads) if names)
+        prep = await router.prep.run(_prepare, router, raw, chat, served)
+        model = prep.model
         target = router.engines_for(model)
         unknown = target is None or (model is not None and not any(router.cards.values()))
         if unknown and router.models_stale(time.monotonic()):  # not read yet, or an engine changed model
@@ -319,27 +481,42 @@ async def _route(request: web.Request, path: str, chat: bool) -> web.StreamRespo
         if target is None:
             raise router.model_not_found(model)
         among, alias = target
-        token_ids = router.tokens.of_chat(body) if chat else router.tokens.of_completion(body)
-        streamed = bool(body.get("stream"))
-        problems = []
-        for _ in among:  # an engine that refuses the connection never got it: the next one may
-            choice = router.decide(token_ids, policy, time.monotonic(), among)
-            sent = router.engine_body(body, choice.engine, alias)
+        token_ids, total = (prep.prompt.tokens, prep.prompt.total) if prep.prompt else (None, None)
+        problems, hung = [], False
+        for _ in among:  # an engine that never got the request, or never began its answer: the next one
+            choice = router.decide(token_ids, policy, time.monotonic(), among, total, prep.keys)
+            sent = _engine_body(router, raw, prep, choice.engine, alias)
             try:
-                return await _send(request, router, path, sent, choice, started, streamed)
+                return await _send(request, router, path, sent, choice, started, prep.stream)
             except EngineUnreachable as e:
-                router.loads[choice.engine].down_until = time.monotonic() + DOWN_S
+                router.mark_down(choice.engine, "it refused a connection", DOWN_S)
                 problems.append(str(e))
-        raise BadGateway("; ".join(problems))
+            except EngineHung as e:
+                router.mark_down(choice.engine, str(e), DOWN_S)
+                problems.append(str(e))
+                hung = True
+        raise (EngineHung if hung else BadGateway)("; ".join(problems))
     finally:
+        router.budget.release(request)
         inflight.discard(task)
+
+
+def _engine_body(router: Router, raw: bytes, prep: Prepared, url: str, alias: bool) -> bytes:
+    """The body the engine at `url` gets: as it came, or with the alias replaced by its served name."""
+    names = router.served(url)
+    if not alias or not names:
+        return raw
+    body = prep.aliased.get(names[0])
+    if body is None:  # the engine's name changed since the prep: encode it here (rare)
+        body = json.dumps({**parse_json(raw), "model": names[0]}).encode()
+    return body
 
 
 async def _send(
     request: web.Request,
     router: Router,
     path: str,
-    body: dict,
+    body: bytes,
     choice: Choice,
     started: float,
     streamed: bool,
@@ -347,23 +524,30 @@ async def _send(
     load = router.loads[choice.engine]
     headers = {ENGINE_HEADER: choice.engine, DECISION_HEADER: json.dumps(router.decision_record(choice))}
     pending = router.add_load(choice)
+    status: int | None = None
 
-    def first(status: int) -> None:
+    def first(code: int) -> None:
         nonlocal pending
         load.waiting_tokens -= pending
         pending = 0
-        if streamed and status == 200:
+        if streamed and code == 200:
             router.metrics.first_token(choice, time.monotonic() - started)
 
+    def answered(code: int) -> None:
+        nonlocal status
+        status = code
+        router.answered(choice, code)
+
+    first_byte = router.config.first_byte_timeout_s if streamed else None
     try:
         return await unless_disconnected(
             request,
-            forward(request, path, body, choice.engine, "engine", first, headers,
-                    lambda status: router.answered(choice, status)),
+            forward(request, path, body, router.config.address[choice.engine], "engine", first, headers,
+                    answered, first_byte, router.abandon(choice.engine)),
         )  # fmt: skip
     finally:
-        load.in_flight -= 1
         load.waiting_tokens -= pending
+        router.finished(choice, status)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -416,19 +600,48 @@ async def _calibrate(app: web.Application) -> None:
         await router.read_models(session)
         for url in router.config.engines:
             try:
-                async with session.get(url + "/metrics", timeout=timeout) as resp:
+                async with session.get(router.config.address[url] + "/metrics", timeout=timeout) as resp:
                     if resp.status == 200:
                         router.calibrator.observe(url, await resp.text())
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
                 logger.debug("calibration: %s/metrics: %r", url, e)
 
 
+async def probe(router: Router, session: aiohttp.ClientSession, url: str) -> None:
+    """One health probe of `url`: 200 puts it up; another status puts it down (an engine draining
+    finishes what it has); no answer within health_timeout_s puts it down and sends the requests
+    waiting for its first bytes elsewhere."""
+    timeout = aiohttp.ClientTimeout(total=router.config.health_timeout_s)
+    try:
+        async with session.get(router.config.address[url] + "/health", timeout=timeout) as resp:
+            if resp.status == 200:
+                router.mark_up(url)
+            else:
+                router.mark_down(url, f"its health probe answered HTTP {resp.status}")
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        why = "refused" if isinstance(e, aiohttp.ClientConnectorError) else "got no answer"
+        router.mark_down(
+            url, f"its health probe {why} (within {router.config.health_timeout_s:g} s)", abandon=True
+        )
+
+
+async def _probe(app: web.Application) -> None:
+    router: Router = app[ROUTER_KEY]
+    while True:
+        await asyncio.gather(*(probe(router, app[SESSION_KEY], u) for u in router.config.engines))
+        await asyncio.sleep(router.config.health_interval_s)
+
+
 def build_router_app(config: RouterConfig, tokens: PromptTokens) -> web.Application:
-    app = web.Application(middlewares=[errors_middleware], client_max_size=_MAX_BODY_BYTES)
+    door = config.door
+    guard = browser_guard(host_check(door.allowed_hosts, door.host))
+    app = web.Application(middlewares=[errors_middleware, guard], client_max_size=MAX_BODY_BYTES)
     router = Router(config, tokens)
+    door.counters = DoorCounters(router.metrics.registry)
     app[ROUTER_KEY] = router
     app[CONFIG_KEY] = config
-    app[MAX_BODY_KEY] = _MAX_BODY_BYTES
+    app[DOOR_KEY] = door
+    app[MAX_BODY_KEY] = MAX_BODY_BYTES
     app[INFLIGHT_KEY] = set()
     tasks: list[asyncio.Task] = []
 
@@ -438,12 +651,15 @@ def build_router_app(config: RouterConfig, tokens: PromptTokens) -> web.Applicat
         tasks.append(asyncio.create_task(router.read_models(app[SESSION_KEY])))
         if config.calibrate_s > 0:
             tasks.append(asyncio.create_task(_calibrate(app)))
+        if config.health_interval_s > 0:
+            tasks.append(asyncio.create_task(_probe(app)))
 
     async def on_cleanup(_: web.Application) -> None:
         for t in tasks:
             t.cancel()
         router.stop_reading()
         router.subscriber.stop()
+        router.prep.close()
         await app[SESSION_KEY].close()
 
     app.on_startup.append(on_startup)

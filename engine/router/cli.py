@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 
 from aiohttp import web
+from kvstore.engine.proxy import add_front_door_args, front_door
 from kvstore.engine.router.scoring import POLICIES
+from kvstore.engine.router.tokens import ROUTE_TOKENS
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -44,14 +46,26 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    help="chunk keys indexed per kvstore-server; the oldest go first (1048576)")  # fmt: skip
     g.add_argument("--events-check-interval", type=float, default=5.0,
                    help="seconds between checks of each publisher's replay endpoint (5; 0: never)")  # fmt: skip
+    g.add_argument("--first-byte-timeout", type=float, default=30.0,
+                   help="seconds an engine has to begin a streamed answer (its first token); then the request "
+                        "goes to the next engine (504 when none is left) and the engine is passed over a while (30)")  # fmt: skip
+    g.add_argument("--health-interval", type=float, default=2.0,
+                   help="seconds between health probes (GET /health) of each engine: one that does not answer "
+                        "within --health-timeout is passed over till it does (2; 0: never)")  # fmt: skip
+    g.add_argument("--route-tokens", type=int, default=ROUTE_TOKENS,
+                   help=f"a prompt's leading tokens routed on; no more of it is tokenized ({ROUTE_TOKENS})")  # fmt: skip
+    g.add_argument("--prep-workers", type=int, default=2,
+                   help="threads parsing and tokenizing request bodies, off the event loop (2)")  # fmt: skip
+    g.add_argument("--prep-queue", type=int, default=64,
+                   help="request bodies waiting for them; beyond, a 503 (64)")  # fmt: skip
+    g.add_argument("--max-body-bytes-in-flight", type=int, default=256 * 2**20,
+                   help="request body bytes being read or routed at once (each counts twice); beyond, a 503")  # fmt: skip
     pd = p.add_argument_group("disaggregated prefill/decode (instead of --engine)")
     pd.add_argument("--prefill", action="append", help="prefill engine URL (repeatable)")
     pd.add_argument("--decode", action="append", help="decode engine URL (repeatable)")
-    pd.add_argument("--health-timeout", type=float, default=2.0)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8200, help="0 picks a free port")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per upstream request")
-    p.add_argument("--shutdown-timeout", type=float, default=10.0)
+    p.add_argument("--health-timeout", type=float, default=2.0,
+                   help="seconds an engine has to answer its health probe (2)")  # fmt: skip
+    add_front_door_args(p, 8200)
 
 
 def build(ns: argparse.Namespace) -> web.Application:
@@ -64,8 +78,13 @@ def build(ns: argparse.Namespace) -> web.Application:
             raise InvalidRequest(
                 "give --engine (KV-aware routing) or --prefill/--decode (disaggregated), not both"
             )
-        return build_app(ProxyConfig(ns.prefill or [], ns.decode or [], ns.timeout, ns.health_timeout,
-                                     ns.shutdown_timeout))  # fmt: skip
+        try:
+            config = ProxyConfig(
+                ns.prefill or [], ns.decode or [], ns.timeout, ns.health_timeout, ns.shutdown_timeout
+            )
+            return build_app(config, front_door(ns))
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
     from kvstore.engine.llm_engine import resolve_model_dir  # noqa: PLC0415
     from kvstore.engine.router.app import RouterConfig, build_router_app  # noqa: PLC0415
     from kvstore.engine.router.subscriber import FeedOptions  # noqa: PLC0415
@@ -85,12 +104,22 @@ def build(ns: argparse.Namespace) -> web.Application:
         config = RouterConfig(
             ns.engine, ns.engine_events, ns.engine_replay, ns.store_events, ns.store_replay, ns.policy,
             ns.max_share, calibrate_s=ns.calibrate_interval, timeout_s=ns.timeout, topic=ns.events_topic,
-            model=ns.model, events=events,
+            model=ns.model, events=events, first_byte_timeout_s=ns.first_byte_timeout,
+            health_interval_s=ns.health_interval, health_timeout_s=ns.health_timeout,
+            prep_workers=ns.prep_workers, prep_queue=ns.prep_queue,
+            body_budget_bytes=ns.max_body_bytes_in_flight, door=front_door(ns),
         )  # fmt: skip
+        if ns.route_tokens < 1:
+            raise ValueError("--route-tokens must be at least 1")
     except ValueError as e:
         raise InvalidRequest(str(e)) from None
     tokens = PromptTokens(
-        resolve_model_dir(ns.model), ns.chunk_size, ns.kv_namespace, ns.dtype, ns.kv_cache_dtype
+        resolve_model_dir(ns.model),
+        ns.chunk_size,
+        ns.kv_namespace,
+        ns.dtype,
+        ns.kv_cache_dtype,
+        ns.route_tokens,
     )
     return build_router_app(config, tokens)
 

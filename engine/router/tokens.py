@@ -1,15 +1,21 @@
 """A request's prompt tokens as the engines compute them (the same tokenizer and chat template), and
-their chunk keys as the engines' KV connector stores them (kvstore.keys with the same layout)."""
+their chunk keys as the engines' KV connector stores them (kvstore.keys with the same layout).
+
+The router routes on a prompt's leading `route_tokens` tokens only (`Prompt`): a prefix match past
+them changes no decision worth the work, and a text is tokenized only as far as it takes to get them
+(`CHARS_PER_TOKEN` characters a token), so a prompt of megabytes costs what one of kilobytes does. Its
+length is then estimated from its characters. Token ids outside [0, 2^31) are a 400 here, before any
+work (the keys hash them as 32-bit integers)."""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from kvstore.engine.config import ModelConfig, resolve_dtype
-from kvstore.engine.errors import TokenizerError
+from kvstore.engine.errors import InvalidRequest, TokenizerError
 from kvstore.engine.kv_cache.spec import resolve_kv_cache_dtype
 from kvstore.engine.protocol import ChatCompletionRequest, CompletionRequest
 from kvstore.engine.tokenizer import Tokenizer
@@ -18,6 +24,25 @@ from pydantic import ValidationError
 from kvstore.keys import KVLayout, hash_block, model_layout, root_key
 
 logger = logging.getLogger(__name__)
+ROUTE_TOKENS = 16_384  # a prompt's leading tokens the router routes on
+CHARS_PER_TOKEN = 8  # a text is tokenized up to route_tokens x this many characters
+CUT_TAIL = 8  # tokens dropped at the end of a cut text: the cut may have split a word
+MAX_TOKEN_ID = 2**31
+
+
+class Prompt(NamedTuple):
+    tokens: list[int]  # its leading tokens (at most route_tokens), as the engine computes them
+    total: int  # its length in tokens (estimated from its characters when the text was cut)
+
+
+def check_token_ids(prompt: Any) -> None:
+    """InvalidRequest (400) when `prompt` holds token ids outside [0, 2^31), in any of its prompts."""
+    lists = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], list) else [prompt]
+    for ids in lists:
+        if not isinstance(ids, list) or not ids or not all(type(t) is int for t in ids):
+            continue  # text, or not token ids: the engine's validation says what is wrong with it
+        if min(ids) < 0 or max(ids) >= MAX_TOKEN_ID:
+            raise InvalidRequest(f"prompt token ids must be in [0, {MAX_TOKEN_ID})", param="prompt")
 
 
 class PromptTokens:
@@ -28,7 +53,9 @@ class PromptTokens:
         namespace: str = "",
         dtype: str = "auto",
         kv_cache_dtype: str = "auto",
+        route_tokens: int = ROUTE_TOKENS,
     ) -> None:
+        self.route_tokens = route_tokens
         cfg = ModelConfig.from_pretrained(model_dir)
         self.tokenizer = Tokenizer.from_pretrained(model_dir)
         kv_dtype = resolve_kv_cache_dtype(
@@ -46,19 +73,24 @@ class PromptTokens:
             keys.append(parent)
         return keys
 
-    def of_completion(self, body: dict[str, Any]) -> list[int] | None:
-        """The first prompt's tokens; None when the body is not one the router can read (the engine will
-        say what is wrong with it)."""
-        try:
-            req = CompletionRequest.model_validate(body)
+    def of_completion(self, body: dict[str, Any]) -> Prompt | None:
+        """The first prompt's leading tokens; None when the body is not one the router can read (the engine
+        will say what is wrong with it). InvalidRequest for token ids out of range."""
+        raw = body.get("prompt")
+        check_token_ids(raw)
+        first = raw[0] if isinstance(raw, list) and raw and isinstance(raw[0], (str, list)) else raw
+        total = len(first) if isinstance(first, list) else 0
+        try:  # validated with the first prompt only, its ids cut to those routed on
+            cut = first[: self.route_tokens] if isinstance(first, list) else first
+            req = CompletionRequest.model_validate({**body, "prompt": cut})
             prompt = req.prompts()[0]
         except (ValidationError, IndexError, ValueError):
             return None
         if isinstance(prompt, list):
-            return list(prompt)
-        return self.tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens)
+            return Prompt(list(prompt), total)
+        return self._leading(prompt, req.add_special_tokens)
 
-    def of_chat(self, body: dict[str, Any]) -> list[int] | None:
+    def of_chat(self, body: dict[str, Any]) -> Prompt | None:
         try:
             req = ChatCompletionRequest.model_validate(body)
             kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items()
@@ -69,4 +101,14 @@ class PromptTokens:
         except (ValidationError, TokenizerError, ValueError) as e:
             logger.debug("routing a chat request without its tokens: %s", e)
             return None
-        return self.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+        return self._leading(text, req.add_special_tokens)
+
+    def _leading(self, text: str, add_special_tokens: bool) -> Prompt:
+        """`text`'s leading tokens, tokenizing no more of it than they take."""
+        cut = self.route_tokens * CHARS_PER_TOKEN
+        if len(text) <= cut:
+            ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+            return Prompt(ids[: self.route_tokens], len(ids))
+        ids = self.tokenizer.encode(text[:cut], add_special_tokens=add_special_tokens)
+        total = max(len(ids), round(len(ids) * len(text) / cut))
+        return Prompt(ids[: min(self.route_tokens, max(len(ids) - CUT_TAIL, 1))], total)
