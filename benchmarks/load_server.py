@@ -78,6 +78,13 @@ def blob_for(table: list[list[bytes]], key: str, version: int = 0) -> bytes:
     return table[h % len(table)][((h >> 8) + version) % VARIANTS]
 
 
+def kept(blob: bytes, key: str) -> bytes:
+    """What the store keeps of `blob` (bound to no key) put under `key`: bound to it (kvstore.blob.bind_blob)."""
+    from kvstore.blob import bind_blob, verify_blob  # noqa: PLC0415
+
+    return bytes(bind_blob(blob, verify_blob(blob), key))
+
+
 def rss_bytes(pid: int, field: str = "VmRSS") -> int:
     """VmRSS (all resident memory, shared memory the process touched included) or another field of
     /proc/PID/status, such as RssShmem."""
@@ -121,9 +128,9 @@ def worker(args: tuple) -> dict:
             log.append((time.monotonic(), key, 0, MISS, started))
             return
         data = bytes(blob)
-        if data == blob_for(table, key, version[key]):
+        if data == kept(blob_for(table, key, version[key]), key):
             log.append((time.monotonic(), key, len(data), HIT, started))
-        elif any(data == blob_for(table, key, v) for v in range(version[key])):
+        elif any(data == kept(blob_for(table, key, v), key) for v in range(version[key])):
             stale += 1  # an older version of a replaced key
         else:
             wrong += 1
