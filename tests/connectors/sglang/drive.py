@@ -324,6 +324,8 @@ def config(url: str) -> dict[str, Any]:
             "prefetch_pgs": m.prefetch_pgs,
         }
         out["metrics_drained"] = be.get_stats().backup_pgs
+        be.clear()  # deletes what this process stored
+        out["after_clear"] = be.batch_exists(hashes)
     finally:
         be.close()
         e.close()

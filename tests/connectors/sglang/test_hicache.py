@@ -192,7 +192,7 @@ def test_a_dead_server_is_a_miss_and_the_controller_lives_on(results: dict[str, 
     assert r["threads_alive"], "SGLang's backup, prefetch and I/O threads survived every fault"
 
 
-def test_settings_sglang_does_not_know_are_refused_at_start_and_metrics_reach_sglang(
+def test_unknown_settings_are_refused_at_start_metrics_reach_sglang_clear_deletes(
     results: dict[str, Any],
 ) -> None:
     r = scenario(results, "config")
@@ -203,6 +203,7 @@ def test_settings_sglang_does_not_know_are_refused_at_start_and_metrics_reach_sg
     assert r["set"] == [True] * 3 and r["get"] == [True] * 3
     assert r["metrics"] == {"type": "StorageMetrics", "backup_pgs": [3], "prefetch_pgs": [3]}
     assert r["metrics_drained"] == [], "get_stats() hands each call's figures over once"
+    assert r["after_clear"] == 0, "clear() deleted the pages this process stored"
 
 
 def test_two_servers_sharing_a_valkey_serve_each_others_pages_and_publish_kv_events(
