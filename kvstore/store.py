@@ -39,7 +39,6 @@ from typing import Any
 from kvstore import tier_calls
 from kvstore.acks import put_error, stale_error
 from kvstore.blob import BlobHeader, bind_blob, verify_blob
-from kvstore.codecs.transcode import check_tier_codecs, transcode
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError, CorruptBlob, InvalidArgument, TooLarge, Unavailable
 from kvstore.keys import validate_key
@@ -49,6 +48,7 @@ from kvstore.miss_log import MissLog
 from kvstore.protocol import Blob
 from kvstore.tiers import Tier, make_tier
 from kvstore.tiers.base import QUEUE_FULL, TierWriteError, immutable
+from kvstore.transcode import check_tier_codecs, transcode
 from kvstore.write_back import WriteBack
 from kvstore.write_fence import WriteFence
 
@@ -111,7 +111,7 @@ class TieredStore:
 
     def _put_tier(self, tier: Tier, items: Sequence[tuple[str, bytes]]) -> TierWriteError | None:
         codec = self._tier_codec.get(tier.name)
-        if codec is not None:  # re-encoded once, where it enters the tier (kvstore.codecs.transcode)
+        if codec is not None:  # re-encoded once, where it enters the tier (kvstore.transcode)
             items = [(k, transcode(b, k, codec)) for k, b in items]
         evicted, error = tier_calls.put(self.metrics, tier, items, self._ttl)
         if evicted and self._admission and tier is self.tiers[0]:

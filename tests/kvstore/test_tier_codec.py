@@ -1,5 +1,5 @@
 """A codec per tier (`tier_codec`): blobs re-encoded once where they enter a tier, by the rules of
-kvstore.codecs.transcode, still bound to their key; real disk and Valkey tiers."""
+kvstore.transcode, still bound to their key; real disk and Valkey tiers."""
 
 from __future__ import annotations
 
