@@ -97,12 +97,16 @@ def key_tag(key: str) -> int:
     return xxhash.xxh3_64_intdigest(validate_key(key).encode()) or 1
 
 
-def _checksum(head: bytes | memoryview, params: bytes | memoryview, payload: Any) -> int:
-    """`params` is everything between the checksum and the payload: (version 2) key tag, then params."""
-    h = xxhash.xxh3_64(head)
-    h.update(params)
-    h.update(payload)
-    return h.intdigest()
+def _hashed(blob: bytes | bytearray | memoryview, *rest: Any) -> Any:
+    """The running checksum of `blob` (a whole blob, or its start: the header, with the checksum field
+    anywhere), then of each of `rest`: what the checksum covers is every byte but its own field, i.e.
+    bytes 0..44 and everything from byte 52 on. The one place that spells the hole; every writer and
+    reader hashes through it (`.update()` for more pieces, `.intdigest()` for the value)."""
+    h = xxhash.xxh3_64(blob[: _HEAD.size])
+    h.update(blob[V1_HEADER_SIZE:])
+    for part in rest:
+        h.update(part)
+    return h
 
 
 def prepare_blob(
@@ -182,8 +186,7 @@ class PreparedBlob:
 
     def parts(self) -> list[bytes | memoryview]:
         """The blob as two buffers (header, payload), nothing copied but the header."""
-        check = _checksum(self.head[: _HEAD.size], self.head[V1_HEADER_SIZE:], self.payload)
-        return [self._checksummed_head(check), self.payload]
+        return [self._checksummed_head(_hashed(self.head, self.payload).intdigest()), self.payload]
 
     def to_bytes(self) -> bytes:
         return b"".join(self.parts())
@@ -196,8 +199,7 @@ class PreparedBlob:
             raise InvalidArgument(f"a {self.nbytes}-byte blob does not fit {len(d)} bytes")
         n = len(self.head)
         d[:n] = self.head
-        h = xxhash.xxh3_64(self.head[: _HEAD.size])
-        h.update(self.head[V1_HEADER_SIZE:])
+        h = _hashed(self.head)
         for pos in range(0, len(self.payload), _PIECE):
             piece = d[n + pos : n + pos + _PIECE]
             piece[:] = self.payload[pos : pos + _PIECE]
@@ -239,10 +241,7 @@ def verify_blob(
         raise CorruptBlob(f"blob length {len(view)} does not match header ({size}+{plen}+{nlen})")
     (check,) = _CHECK.unpack_from(view, _HEAD.size)
     pstart, payload_offset = size, size + plen
-    if (
-        checksum
-        and _checksum(view[: _HEAD.size], view[V1_HEADER_SIZE:payload_offset], view[payload_offset:]) != check
-    ):
+    if checksum and _hashed(view).intdigest() != check:
         raise CorruptBlob("checksum mismatch")
     tag = _CHECK.unpack_from(view, V1_HEADER_SIZE)[0] if version > 1 else 0
     try:
@@ -265,13 +264,14 @@ def bind_blob(blob: bytes | bytearray | memoryview, header: BlobHeader, key: str
     if header.key_tag:
         return blob
     view = memoryview(blob).cast("B")
-    head = bytearray(view[: _HEAD.size])
-    struct.pack_into("<H", head, 4, FORMAT_VERSION)
     old = HEADER_SIZES[struct.unpack_from("<H", view, 4)[0]]
-    tag = _CHECK.pack(key_tag(key))
-    params, payload = view[old : header.payload_offset], view[header.payload_offset :]
-    check = _checksum(head, tag + bytes(params), payload)
-    return b"".join((head, _CHECK.pack(check), tag, params, payload))
+    # the new header (the checksum field zero), the key's tag, the params; then the payload
+    head = bytearray(view[: _HEAD.size]) + bytes(_CHECK.size) + _CHECK.pack(key_tag(key))
+    head += view[old : header.payload_offset]
+    struct.pack_into("<H", head, 4, FORMAT_VERSION)
+    payload = view[header.payload_offset :]
+    _CHECK.pack_into(head, _HEAD.size, _hashed(head, payload).intdigest())
+    return b"".join((head, payload))
 
 
 _PIECE = 256 * 1024  # copied, then hashed while it is still in the CPU's cache
@@ -290,15 +290,13 @@ def copy_verified(
     if n < V1_HEADER_SIZE:
         d[:] = s
         return verify_blob(d, key=key)
-    h = xxhash.xxh3_64()
-    for pos in range(0, n, _PIECE):
+    first = min(n, _PIECE)  # holds the whole header
+    d[:first] = s[:first]
+    h = _hashed(d[:first])
+    for pos in range(first, n, _PIECE):
         end = min(n, pos + _PIECE)
         d[pos:end] = s[pos:end]
-        if pos == 0:  # the checksum covers the header up to itself, then everything after it
-            h.update(d[: _HEAD.size])
-            h.update(d[V1_HEADER_SIZE:end])
-        else:
-            h.update(d[pos:end])
+        h.update(d[pos:end])
     header = verify_blob(d, checksum=False, key=key)
     if h.intdigest() != _CHECK.unpack_from(d, _HEAD.size)[0]:
         raise CorruptBlob("checksum mismatch")

@@ -3,7 +3,7 @@ compare what they read back with `kept(blob, key)`, the bytes the store holds fo
 
 from __future__ import annotations
 
-from kvstore.blob import bind_blob, verify_blob
+from kvstore.blob import _CHECK, _hashed, bind_blob, verify_blob
 
 
 def kept(blob: bytes, key: str) -> bytes:
@@ -11,3 +11,9 @@ def kept(blob: bytes, key: str) -> bytes:
     already, else a version-2 copy bound to `key` (kvstore.blob.bind_blob). Raises as a put does
     (CorruptBlob, ForeignBlob) for a blob the store would refuse."""
     return bytes(bind_blob(blob, verify_blob(blob, key=key), key))
+
+
+def sealed(head: bytes, rest: bytes) -> bytes:
+    """A blob forged from `head` (the 44 header bytes before the checksum) and `rest` (what follows
+    the checksum: key tag, params, payload), with the checksum over both filled in."""
+    return head + _CHECK.pack(_hashed(head + bytes(_CHECK.size), rest).intdigest()) + rest

@@ -14,7 +14,6 @@ from kvstore.blob import (
     HEADER_SIZE,
     MAGIC,
     V1_HEADER_SIZE,
-    _checksum,
     copy_verified,
     decode_blob,
     encode_blob,
@@ -22,6 +21,7 @@ from kvstore.blob import (
     verify_blob,
 )
 from kvstore.errors import CorruptBlob, InvalidArgument
+from tests.blobs import sealed
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -155,7 +155,7 @@ def test_forged_headers_with_a_valid_checksum_never_escape(
     pbytes = params if isinstance(params, bytes) else msgpack.packb(params)
     version, tagged = (1, b"") if tag is None else (2, _CHECK.pack(tag))
     head = _HEAD.pack(MAGIC, version, codec, compression, dtype_id, 5, 0, *shape, len(pbytes), len(payload))
-    blob = head + _CHECK.pack(_checksum(head, tagged + pbytes, payload)) + tagged + pbytes + payload
+    blob = sealed(head, tagged + pbytes + payload)
     try:
         kv = decode_blob(blob)
     except CorruptBlob:
@@ -169,7 +169,7 @@ def test_a_forged_header_that_tells_the_truth_decodes() -> None:
     kv = _kv((2, 1, 3, 1, 4), torch.float32)
     payload = kv.numpy().tobytes()
     head = _HEAD.pack(MAGIC, 1, 0, 0, 3, 5, 0, 2, 1, 3, 1, 4, 0, len(payload))
-    blob = head + _CHECK.pack(_checksum(head, b"", payload)) + payload
+    blob = sealed(head, payload)
     assert torch.equal(decode_blob(blob), kv)
 
 
@@ -186,7 +186,7 @@ def forge(
         head[7:12] = shape
     head[12], head[13] = len(pbytes), len(payload)
     packed, tag = _HEAD.pack(*head), blob[V1_HEADER_SIZE:HEADER_SIZE]
-    return packed + _CHECK.pack(_checksum(packed, tag + pbytes, payload)) + tag + pbytes + payload
+    return sealed(packed, tag + pbytes + payload)
 
 
 def _payload(blob: bytes) -> bytes:

@@ -19,7 +19,6 @@ from kvstore.blob import (
     _HEAD,
     HEADER_SIZE,
     V1_HEADER_SIZE,
-    _checksum,
     copy_verified,
     decode_blob,
     encode_blob,
@@ -29,6 +28,7 @@ from kvstore.blob import (
 from kvstore.config import StoreConfig
 from kvstore.errors import CorruptBlob, ForeignBlob
 from kvstore.store import TieredStore
+from tests.blobs import sealed
 from tests.valkey import ValkeyProcess
 
 A, B = f"{1:032x}", f"{2:032x}"  # keys that differ in their last byte only
@@ -44,7 +44,7 @@ def _v1(blob: bytes) -> bytes:
     head = list(_HEAD.unpack_from(blob))
     head[1] = 1
     packed, rest = _HEAD.pack(*head), blob[HEADER_SIZE:]
-    return packed + _CHECK.pack(_checksum(packed, b"", rest)) + rest
+    return sealed(packed, rest)
 
 
 @pytest.mark.parametrize("codec", ["raw", "fp8", "int4"])

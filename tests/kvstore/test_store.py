@@ -252,8 +252,8 @@ def test_reads_of_trusted_tiers_skip_the_checksum(
 
     b = blob(0, key=key(0))  # bound to its key: kept as it is, not hashed again to bind it
     calls: list[int] = []
-    real = blob_mod._checksum
-    monkeypatch.setattr(blob_mod, "_checksum", lambda *a: calls.append(1) or real(*a))
+    real = blob_mod._hashed
+    monkeypatch.setattr(blob_mod, "_hashed", lambda *a: calls.append(1) or real(*a))
     cpu, _ = store.tiers
     store.put_blob(key(0), b)
     assert len(calls) == 1
