@@ -11,7 +11,9 @@ class Codec(Protocol):
     """A codec turns a KV tensor `[2, L, T, H, D]` into payload bytes plus small params, and back.
 
     `params` must be msgpack-serialisable (ints, floats, strings): they travel in the blob header.
-    `decode` gets the original shape and dtype from the header and must return exactly that.
+    `decode` gets the original shape and dtype from the header and must return exactly that, on
+    `device` (None: the CPU): every codec takes it, and decodes on a CUDA device where it has kernels
+    there (fp8, int4, kivi, the `+ans` stage), else on the CPU and moves the result.
     """
 
     name: str
@@ -20,7 +22,12 @@ class Codec(Protocol):
     def encode(self, kv: torch.Tensor, **options: Any) -> tuple[bytes | bytearray | memoryview, dict]: ...
 
     def decode(
-        self, payload: memoryview, params: dict, shape: tuple[int, ...], dtype: torch.dtype
+        self,
+        payload: bytes | bytearray | memoryview,
+        params: dict,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device | str | None = None,
     ) -> torch.Tensor: ...
 
     def payload_nbytes(self, params: dict, shape: tuple[int, ...], dtype: torch.dtype) -> int:

@@ -347,20 +347,27 @@ class KiviCodec:
         params: dict,
         shape: tuple[int, ...],
         dtype: torch.dtype,
+        device: torch.device | str | None = None,
     ) -> torch.Tensor:
+        """Decode to a CPU tensor, or with `device="cuda"` on the GPU through the Triton kernel."""
         shape = common.check_shape(shape, dtype, self.name)
         lay = KiviLayout.from_params(shape, params, dtype, self.bits)
         if len(payload) != lay.nbytes():
             raise CodecError(
                 f"{self.name}: payload is {len(payload)} bytes, shape {shape} needs {lay.nbytes()}"
             )
+        if device is not None and torch.device(device).type == "cuda":
+            from kvstore.codecs import triton_kivi  # noqa: PLC0415 (Triton: only on this path)
+
+            buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+            return triton_kivi.kivi_decode(buf, lay, dtype).reshape(shape)
         parts = lay.carve(common.payload_array(payload))
         out, ob = common.empty_bits((2, lay.shape[1], lay.shape[2], lay.channels), dtype)
         if not cpu_kivi.decode(parts, lay, common.KINDS[dtype], ob, _POW.numpy()):  # no compiler: torch
             _decode_torch(parts, lay, self.bits, out)
         if lay.sink:
             ob[0, :, : lay.sink] = parts["sink"]
-        return out.reshape(shape)
+        return out.reshape(shape) if device is None else out.reshape(shape).to(device)
 
 
 def _decode_torch(parts: dict[str, np.ndarray], lay: KiviLayout, bits: int, out: torch.Tensor) -> None:

@@ -27,11 +27,17 @@ class RawCodec:
         return math.prod(shape) * dtype.itemsize  # python ints: a forged shape cannot wrap
 
     def decode(
-        self, payload: memoryview, params: dict, shape: tuple[int, ...], dtype: torch.dtype
+        self,
+        payload: bytes | bytearray | memoryview,
+        params: dict,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device | str | None = None,
     ) -> torch.Tensor:
+        """The KV as stored, on the CPU or copied to `device`."""
         expected = self.payload_nbytes(params, shape, dtype)
         if len(payload) != expected:
             raise CorruptBlob(f"raw payload is {len(payload)} bytes, shape {shape} needs {expected}")
         out = torch.empty(shape, dtype=dtype)
         out.view(torch.uint8).view(-1).numpy()[:] = memoryview(payload).cast("B")
-        return out
+        return out if device is None else out.to(device)

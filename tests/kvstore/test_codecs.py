@@ -32,6 +32,22 @@ def test_registry() -> None:
     assert [get_codec(n).codec_id for n in names] == list(range(9))
 
 
+@pytest.mark.parametrize("name", codec_names())
+def test_every_codec_decodes_as_the_protocol_says(name: str) -> None:
+    """kvstore.codecs.base.Codec: decode(payload, params, shape, dtype, device=None) for every codec;
+    device="cpu" gives the same tensor as no device."""
+    import inspect  # noqa: PLC0415
+
+    codec = get_codec(name)
+    device = inspect.signature(codec.decode).parameters.get("device")
+    assert device is not None and device.default is None and device.kind is device.POSITIONAL_OR_KEYWORD
+    kv = make_kv((2, 1, 128, 2, 64), torch.float16)
+    payload, params = codec.encode(kv)
+    plain = codec.decode(memoryview(payload), params, tuple(kv.shape), kv.dtype)
+    on_cpu = codec.decode(memoryview(payload), params, tuple(kv.shape), kv.dtype, device="cpu")
+    assert on_cpu.device.type == "cpu" and torch.equal(plain, on_cpu)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("mode", ["token", "tensor"])
 def test_fp8_relative_error_bound(dtype: torch.dtype, mode: str) -> None:
