@@ -7,7 +7,7 @@ import functools
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from aiohttp import web
 from kvstore.server.budget import BodyBudget
@@ -17,13 +17,16 @@ from kvstore.server.metrics import ServerMetrics
 
 from kvstore.config import StoreConfig
 
+if TYPE_CHECKING:  # imported for its type only: it imports torch, and `kvstore-server --help` stays fast
+    from kvstore.store import TieredStore
+
 T = TypeVar("T")
 MEMORY_TIERS = frozenset({"cpu", "gpu"})
 
 
 @dataclass
 class ServerState:
-    store: Any  # kvstore.store.TieredStore (typed loosely: the server only needs its methods)
+    store: TieredStore  # the store every handler calls (server/runner.py open_store)
     store_config: StoreConfig
     config: ServerConfig
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
