@@ -6,8 +6,8 @@ import argparse
 
 from aiohttp import web
 from kvstore.engine.proxy import add_front_door_args, front_door
+from kvstore.engine.router import ROUTE_TOKENS
 from kvstore.engine.router.scoring import POLICIES
-from kvstore.engine.router.tokens import ROUTE_TOKENS
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:

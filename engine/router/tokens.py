@@ -18,13 +18,13 @@ from kvstore.engine.config import ModelConfig, resolve_dtype
 from kvstore.engine.errors import InvalidRequest, TokenizerError
 from kvstore.engine.kv_cache.spec import resolve_kv_cache_dtype
 from kvstore.engine.protocol import ChatCompletionRequest, CompletionRequest
+from kvstore.engine.router import ROUTE_TOKENS
 from kvstore.engine.tokenizer import Tokenizer
 from pydantic import ValidationError
 
 from kvstore.keys import KVLayout, hash_block, model_layout, root_key
 
 logger = logging.getLogger(__name__)
-ROUTE_TOKENS = 16_384  # a prompt's leading tokens the router routes on
 CHARS_PER_TOKEN = 8  # a text is tokenized up to route_tokens x this many characters
 CUT_TAIL = 8  # tokens dropped at the end of a cut text: the cut may have split a word
 MAX_TOKEN_ID = 2**31
