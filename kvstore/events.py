@@ -11,13 +11,23 @@ batch from that seq on, as `(empty, topic, seq, payload)`, then `(empty, b"", se
 
 `medium` names where a block lives: "GPU" for an engine's own KV cache (vLLM's name for it, on CPU too),
 and a kvstore-server's tiers "GPU" / "CPU" / "STORAGE" (disk) / "REDIS" (Redis or Valkey, standalone or
-Cluster). A server's `block_hashes` are its chunk keys as 16+ raw bytes (`bytes.fromhex(key)`); an
-engine's are its block hashes (kvstore.keys.hash_block chained from its root) with
-`parent_block_hash` None for a prompt's first block, as vLLM does.
+Cluster). A server's block hashes are its chunk keys; an engine's are its block hashes
+(kvstore.keys.hash_block chained from its root) with `parent_block_hash` None for a prompt's first
+block, as vLLM does. Both are 16+ bytes; on the wire they take vLLM's form (`external_block_hash`): by
+default, as vLLM 0.32 (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1), a 64-bit integer, the low 64 bits of the
+bytes read big-endian (their last 8 bytes); with `"int_block_hashes": false` the bytes themselves.
+Dynamo's indexer reads only the integers. The publisher converts every BlockStored / BlockRemoved it
+sends (parents too), so the engine, the server and anyone publishing through it agree.
 
 Endpoints behave as vLLM's: one with `*`, `::`, or `ipc://` / `inproc://` is bound, any other is
-connected to; the replay endpoint is always bound. pyzmq and msgspec come with vLLM; they are imported
-only when events are enabled.
+connected to; the replay endpoint is always bound. A publisher that connects (to a subscriber that
+binds, as llm-d's indexer does) holds its batches until that peer's subscription has reached it, then
+sends them in order: an XPUB drops what no subscription matches, and a bound SUB sends its
+subscription to a peer that connected only once its own thread next polls or reads, so without the
+hold every batch published before then was lost (AllBlocksCleared always). At most `hwm` batches are
+held (the oldest go first, counted in `unsent`). After that, libzmq keeps the connection's queue across
+reconnects: batches published while the peer is away reach it when it is back (up to `hwm`). pyzmq and
+msgspec come with vLLM; they are imported only when events are enabled.
 
 What kvstore adds to vLLM's config (fields vLLM does not have; a vLLM config is read unchanged):
 
@@ -33,6 +43,9 @@ What kvstore adds to vLLM's config (fields vLLM does not have; a vLLM config is 
   connects to a non-loopback address without CURVE logs a WARNING.
 - `token_file`: a file holding the token the CURVE keys are derived from (the engine has no token of
   its own; for a server it replaces the server's token).
+- `int_block_hashes`: true, block hashes as 64-bit integers (vLLM's default form); false, as bytes;
+  null (the default): vLLM's own switch, the environment variable VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES
+  (unset: 1, integers).
 - `reconcile_s` (servers): every this many seconds the server checks that the chunks it announced are
   still in their tiers and publishes BlockRemoved for those gone without it seeing (evictions Valkey
   made on its own, TTL expiry); 0: never.
@@ -80,12 +93,14 @@ SUBSCRIPTION_HWM = 64  # subscription messages libzmq takes in from one peer bef
 SUBSCRIPTION_MAX_BYTES = 512  # the largest frame the PUB socket reads from a peer (+ the topic's length)
 JUNK_SUBSCRIPTION_BYTES = 64 << 10  # subscriptions matching no topic of ours before the PUB is reopened
 AUTH_MODES = ("curve", "none")
+INT_HASHES_ENV = "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"  # vLLM's switch (vllm/envs.py), default 1
+HASH_MASK = (1 << 64) - 1
 
 
 @dataclass(frozen=True)
 class KVEventsConfig:
     """vLLM's KVEventsConfig, field for field (`--kv-events-config` takes it as JSON), then kvstore's own
-    (see the module docstring): `bind`, `auth`, `token_file`, `reconcile_s`."""
+    (see the module docstring): `bind`, `auth`, `token_file`, `int_block_hashes`, `reconcile_s`."""
 
     enable_kv_cache_events: bool = False
     publisher: str | None = None  # "zmq" or "null"; None: "zmq" when enabled
@@ -98,6 +113,7 @@ class KVEventsConfig:
     bind: bool | None = None  # None: vLLM's rule (module docstring)
     auth: str | None = None  # "curve" | "none"; None: "curve" when there is a token
     token_file: str | None = None
+    int_block_hashes: bool | None = None  # None: $VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES, default integers
     reconcile_s: float = 30.0
 
     @property
@@ -135,10 +151,48 @@ def parse_kv_events_config(value: str | Mapping[str, Any] | KVEventsConfig | Non
         raise ConfigError(f"--kv-events-config: auth must be one of {list(AUTH_MODES)} or null")
     if config.token_file is not None and not isinstance(config.token_file, str):
         raise ConfigError("--kv-events-config: token_file must be a path")
+    if config.int_block_hashes is not None and not isinstance(config.int_block_hashes, bool):
+        raise ConfigError("--kv-events-config: int_block_hashes must be true, false or null")
+    int_block_hashes(config)  # a bad VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES stops here too
     r = config.reconcile_s
     if isinstance(r, bool) or not isinstance(r, int | float) or not 0 <= r < 1e9:
         raise ConfigError("--kv-events-config: reconcile_s must be a number of seconds >= 0")
     return config
+
+
+def int_block_hashes(config: KVEventsConfig) -> bool:
+    """Whether block hashes go out as 64-bit integers: `int_block_hashes`, else vLLM's switch
+    VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES read as vLLM reads it (`bool(int(value))`, unset: 1)."""
+    if config.int_block_hashes is not None:
+        return config.int_block_hashes
+    value = os.environ.get(INT_HASHES_ENV, "1")
+    try:
+        return bool(int(value))
+    except ValueError:
+        raise ConfigError(f"{INT_HASHES_ENV} must be 0 or 1, got {value!r}") from None
+
+
+def external_block_hash(block_hash: bytes | int, as_int: bool = True) -> bytes | int:
+    """A block hash as vLLM publishes it (`vllm.v1.core.kv_cache_utils.maybe_convert_block_hash`):
+    with `as_int`, the low 64 bits of the bytes read big-endian (a chunk key's last 8 bytes), else the
+    bytes unchanged; an int is already in that form. The router compares hashes in this form too."""
+    if not as_int or isinstance(block_hash, int):
+        return block_hash
+    return int.from_bytes(block_hash, byteorder="big") & HASH_MASK
+
+
+def _with_int_hashes(event: Any) -> Any:
+    """`event` with its block hashes (and parent) in the 64-bit integer form."""
+    import msgspec
+
+    hashes = getattr(event, "block_hashes", None)
+    if hashes is None:
+        return event
+    changes: dict[str, Any] = {"block_hashes": [external_block_hash(h) for h in hashes]}
+    parent = getattr(event, "parent_block_hash", None)
+    if parent is not None:
+        changes["parent_block_hash"] = external_block_hash(parent)
+    return msgspec.structs.replace(event, **changes)
 
 
 def curve_keys(token: str) -> tuple[bytes, bytes]:
@@ -285,6 +339,8 @@ class ZmqEventPublisher:
         self.reopened = 0  # times the PUB socket was reopened to drop them
         self._junk_bytes = 0
         self.bad_requests = 0  # replay requests not in vLLM's shape
+        self.unsent = 0  # connect mode: batches dropped from the hold before the peer subscribed
+        self.int_hashes = int_block_hashes(config)
         token = event_token(config, token)
         self.curve = config.auth == "curve" or (config.auth is None and token is not None)
         if self.curve and token is None:
@@ -306,6 +362,10 @@ class ZmqEventPublisher:
         self._pub: Any = None
         self._replay = None
         self.bound = _is_bind_endpoint(config.endpoint, config.bind)
+        # Connect mode: batches wait here until the peer's subscription has reached the XPUB (module
+        # docstring); a bound socket sends at once (its subscribers come and go: they replay).
+        self._held: deque[tuple[int, bytes]] = deque()
+        self.peer_subscribed = self.bound
         try:
             self._open_pub()
             if config.replay_endpoint:
@@ -360,6 +420,8 @@ class ZmqEventPublisher:
             time.sleep(0.01)  # the closing listener unlinks its path: bind only once it has
         self._open_pub(wait_s=2.0)
         self.reopened += 1
+        if not self.bound:
+            self.peer_subscribed = False  # a new connection: hold again until the peer subscribes
 
     def _socket(
         self, kind: int, secret: bytes | None, endpoint: str, max_bytes: int = CONTROL_MAX_BYTES
@@ -423,16 +485,41 @@ class ZmqEventPublisher:
                 continue
             if events is None:
                 break
+            if self.int_hashes:
+                events = [_with_int_hashes(e) for e in events]
             seq = next(self._seq)
             payload = encoder.encode(
                 batch_cls(ts=time.time(), events=events, data_parallel_rank=self.dp_rank)
             )
-            try:
-                self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
-            except Exception:  # a ZMQ failure must not end the thread: the batch stays replayable
-                logger.exception("KV events: publishing batch %d failed", seq)
+            if self.peer_subscribed:
+                self._send(seq, payload)
+            else:
+                self._hold(seq, payload)
             self._buffer.append((seq, payload))
             self.published += 1
+
+    def _send(self, seq: int, payload: bytes) -> None:
+        try:
+            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+        except Exception:  # a ZMQ failure must not end the thread: the batch stays replayable
+            logger.exception("KV events: publishing batch %d failed", seq)
+
+    def _hold(self, seq: int, payload: bytes) -> None:
+        """Keep a batch until the peer this publisher connects to has subscribed (at most `hwm`)."""
+        if len(self._held) >= self.config.hwm:
+            self._held.popleft()
+            self.unsent += 1
+        self._held.append((seq, payload))
+
+    def _peer_ready(self) -> None:
+        """The connected peer subscribed: what was held goes out, in order, and from now on every batch."""
+        self.peer_subscribed = True
+        held, self._held = self._held, deque()
+        if held or self.unsent:
+            logger.info("KV events: %s subscribed; %d held batch(es) sent%s", self.config.endpoint, len(held),
+                        f", {self.unsent} dropped (more than hwm)" if self.unsent else "")  # fmt: skip
+        for seq, payload in held:
+            self._send(seq, payload)
 
     def _watch_subscriptions(self) -> None:
         """Read the subscriptions peers sent (`\\x01` + a prefix of the topic, `\\x00` to cancel); those
@@ -446,6 +533,8 @@ class ZmqEventPublisher:
             except zmq.Again:
                 return
             if len(msg) >= 1 and msg[0] in (0, 1) and self._topic.startswith(msg[1:]):
+                if msg[0] == 1 and not self.peer_subscribed:
+                    self._peer_ready()
                 continue
             self.junk_subscriptions += 1
             self._junk_bytes += len(msg) + 64  # + what libzmq keeps per message and trie node

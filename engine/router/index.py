@@ -5,6 +5,9 @@ any engine that publishes vLLM's BlockStored (token_ids, parent_block_hash; vLLM
 hash function and seed, or kvstore-engine) is matched against a prompt's tokens without the router
 knowing how it hashes. A store publishes chunk keys without tokens: the router computes a prompt's
 chunk keys itself (kvstore.keys.chunk_keys) and counts the leading ones some tier of some store holds.
+Every hash is compared in vLLM's 64-bit integer form (kvstore.events.external_block_hash: the low 64
+bits, big-endian), whichever form a publisher sends (vLLM's and kvstore's default integers, or bytes)
+and for the chunk keys the router computes, so both meet.
 
 Bounded: at most `max_engine_blocks` blocks per engine and `max_store_keys` chunk keys per store; past
 the cap the least recently stored go first (a block or key stored again moves to the back), counted in
@@ -19,6 +22,8 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from kvstore.events import external_block_hash as _key
 
 MAX_MEDIA = 16  # media per store source (a publisher naming more is not believed past them)
 
@@ -66,8 +71,8 @@ class PrefixIndex:
                     if bs <= 0 or len(e.token_ids) < bs * len(e.block_hashes):
                         continue  # no tokens (not an engine's event): nothing to match prompts against
                     state.block_size = bs
-                    parent = e.parent_block_hash
-                    for i, h in enumerate(e.block_hashes):
+                    parent = None if e.parent_block_hash is None else _key(e.parent_block_hash)
+                    for i, h in enumerate(map(_key, e.block_hashes)):
                         node = (parent, tuple(e.token_ids[i * bs : (i + 1) * bs]))
                         old = state.nodes.pop(h, None)
                         if old is not None and old != node and state.children.get(old) == h:
@@ -77,7 +82,7 @@ class PrefixIndex:
                         parent = h
                     self._evict_blocks(state)
                 elif kind == "BlockRemoved":
-                    for h in e.block_hashes:
+                    for h in map(_key, e.block_hashes):
                         node = state.nodes.pop(h, None)
                         if node is not None and state.children.get(node) == h:
                             del state.children[node]
@@ -108,7 +113,7 @@ class PrefixIndex:
                     bit = state.media[medium] = 1 << len(state.media)
                 keys = state.keys
                 if kind == "BlockStored":
-                    for k in e.block_hashes:
+                    for k in map(_key, e.block_hashes):
                         mask = keys.pop(k, 0)
                         if not mask & bit:
                             state.count[medium] = state.count.get(medium, 0) + 1
@@ -117,7 +122,7 @@ class PrefixIndex:
                         state.drop(keys.pop(next(iter(keys))))
                         state.evicted += 1
                 else:
-                    for k in e.block_hashes:
+                    for k in map(_key, e.block_hashes):
                         mask = keys.get(k)
                         if mask is not None and mask & bit:
                             state.count[medium] -= 1
@@ -141,8 +146,9 @@ class PrefixIndex:
                 parent, n = h, n + 1
             return n * bs
 
-    def store_chunks(self, keys: Sequence[bytes]) -> int:
-        """How many leading chunk `keys` some tier of some store holds."""
+    def store_chunks(self, keys: Sequence[bytes | int]) -> int:
+        """How many leading chunk `keys` (raw bytes, or vLLM's int form) some tier of some store holds."""
+        keys = [_key(k) for k in keys]
         with self._lock:
             held = [s.keys for s in self._store.values()]
             n = 0

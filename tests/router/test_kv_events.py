@@ -36,6 +36,7 @@ def _config(tmp_path, name: str) -> dict:
         "endpoint": f"ipc://{tmp_path}/{name}-pub",
         "replay_endpoint": f"ipc://{tmp_path}/{name}-replay",
         "buffer_steps": 100,
+        "int_block_hashes": False,  # hashes as bytes, compared below (the int default: test_events_forms.py)
     }
 
 
