@@ -47,6 +47,16 @@ class Response:
         return json.loads(bytes(self.body))
 
 
+def tls_context(verify_tls: bool | str) -> ssl.SSLContext:
+    """The TLS context of an https:// server: verified against the system's CAs, or the CA file
+    `verify_tls` names, or (False) not verified at all."""
+    tls = ssl.create_default_context(cafile=verify_tls if isinstance(verify_tls, str) else None)
+    if verify_tls is False:
+        tls.check_hostname = False
+        tls.verify_mode = ssl.CERT_NONE
+    return tls
+
+
 def connect(host: str, port: int, timeout: float, connect_timeout: float, tls: ssl.SSLContext | None):
     sock = socket.create_connection((host, port), timeout=connect_timeout)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -16,12 +16,15 @@ import collections
 import logging
 import mmap
 from collections.abc import Sequence
+from typing import Any
 
 from kvstore.blob import PreparedBlob
-from kvstore.errors import InvalidArgument
+from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.protocol import Blob, shm
-from kvstore.protocol.arena_table import IndexReader
+from kvstore.protocol.arena_table import IndexReader, usable_here
 from kvstore.protocol.dataplane import MAX_PINS
+
+log = logging.getLogger(__name__)
 
 
 class ClientArena:
@@ -115,3 +118,52 @@ def _unmap(view: memoryview, mapped: mmap.mmap) -> None:
         mapped.close()
     except BufferError:  # a lease is still out: the mapping (and its fd) goes when its last view does
         logging.getLogger(__name__).debug("a shared-memory mapping outlives its close: a lease is still out")
+
+
+def open_client_segment(client: Any, size: int, read_index: bool, url: str) -> ClientSegment | None:
+    """A segment of `size` bytes from the server of `client` (kvstore.sdk.dataplane.DataPlaneClient),
+    mapped here, with the server's arena (and its index, with `read_index`) when its HELLO offers them;
+    None when the server offers none, runs on another host, or cannot be mapped from here."""
+    hello = client.hello
+    if not hello.get("shm") or hello.get("host") != shm.host_id() or not shm.host_id():
+        return None  # the server offers none, or runs on another host
+    try:
+        opened = client.open_segment(size)
+    except (KVStoreError, OSError, ConnectionError) as e:
+        log.info("no shared memory from %s (%s): blobs go over TCP", url, e)
+        return None
+    if opened is None:
+        log.info("%s has no shared memory to give (budget spent?): blobs go over TCP", url)
+        return None
+    meta, conn = opened
+    mapped = shm.open_segment(meta["path"], meta["size"], meta["nonce"])
+    if mapped is None:  # another PID namespace or user: closing the connection frees the segment
+        client.drop(conn)
+        log.info("cannot map the shared memory of %s: blobs go over TCP", url)
+        return None
+    client.keep(conn)
+    arena = None
+    described = hello.get("arena")
+    if isinstance(described, list) and len(described) == 3:
+        path, arena_size, nonce = described
+        arena_map = shm.open_segment(path, arena_size, nonce, writable=False)
+        if arena_map is not None:
+            index = _map_index(hello, arena_size, url) if read_index else None
+            arena = ClientArena(arena_size, nonce, arena_map, index)
+    return ClientSegment(meta["seg"], meta["size"], meta["nonce"], mapped, arena)
+
+
+def _map_index(hello: dict, arena_size: int, url: str) -> IndexReader | None:
+    described = hello.get("index")
+    if not usable_here() or not isinstance(described, list) or len(described) != 5:
+        return None
+    path, size, nonce, slots, seed = described
+    mapped = shm.open_segment(path, size, nonce, writable=False)
+    if mapped is None or type(slots) is not int or type(seed) is not int:
+        return None
+    try:
+        return IndexReader(mapped, slots, seed, arena_size)
+    except ValueError as e:
+        mapped.close()
+        log.info("not reading the arena index of %s: %s", url, e)
+        return None

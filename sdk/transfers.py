@@ -1,6 +1,6 @@
-"""How blobs travel on each transport of `kvstore.sdk.remote.RemoteBackend`: HTTP, the data plane's socket,
-and a same-host server's shared memory. Each get answers (blobs, Loan | None): buffers the caller owns
-(no Loan), or lent ones (`kvstore.sdk.buffers`) whose Loan gives them back."""
+"""How blobs travel on the data plane (kvstore.sdk.plane_transport): on its socket, in a same-host server's
+shared memory, or read through its arena index. Each get answers (blobs, Loan | None): buffers the
+caller owns (no Loan), or lent ones (`kvstore.sdk.buffers`) whose Loan gives them back."""
 
 from __future__ import annotations
 
@@ -10,12 +10,11 @@ from typing import Any
 from kvstore.sdk.backend import Outgoing
 from kvstore.sdk.buffers import BufferPool, Free, Loan, fresh_buffer
 from kvstore.sdk.dataplane import DataPlaneClient
-from kvstore.sdk.http import HttpClient
 from kvstore.sdk.shm import ClientArena, ClientSegment
 
 from kvstore.blob import BlobHeader, PreparedBlob, copy_verified, verify_blob
 from kvstore.errors import CorruptBlob, InvalidArgument
-from kvstore.protocol import Blob, shm, wire
+from kvstore.protocol import Blob, ops, shm
 from kvstore.protocol import dataplane as dp
 
 Got = tuple[list[Blob | None], Loan | None]
@@ -83,42 +82,15 @@ def reasons_of(meta: dict, blobs: Sequence[Blob | None]) -> list[str | None]:
     ]
 
 
-# -- HTTP -----------------------------------------------------------------------------------------------
-
-
-def fetch_http(http: HttpClient, keys: list[str], rx: Receiver, reasons: list[str | None] | None) -> Got:
-    if len(keys) == 1 and reasons is None:
-        resp = http.request("GET", wire.chunk_path(keys[0]), into=rx.into)
-        return rx.blobs(
-            [None if resp.status == 404 else resp.body], resp.body if resp.status != 404 else None
-        )
-    resp = http.keys_request(wire.BATCH_GET_PATH, keys, into=rx.into)
-    got_keys, views = wire.decode_frame(resp.body, allow_missing=True)
-    if got_keys != keys:
-        raise InvalidArgument("server answered a batch get with other keys than asked")
-    blobs: list[Blob | None] = list(views)
-    if reasons is not None:
-        given = wire.parse_frame_header(resp.body, allow_missing=True).reasons or [None] * len(blobs)
-        reasons[:] = [None if b is not None else (r if isinstance(r, str) else "not_stored")
-                      for b, r in zip(blobs, given, strict=True)]  # fmt: skip
-    return rx.blobs(blobs, memoryview(resp.body))
-
-
-def put_http(http: HttpClient, keys: list[str], blobs: Sequence[Outgoing]) -> list[list[str]]:
-    """The tiers that stored each blob (the server's acknowledgement)."""
-    if len(keys) == 1:
-        resp = http.request("PUT", wire.chunk_path(keys[0]), body_of(blobs))
-        header = resp.headers.get(wire.STORED_IN_HEADER.lower()) or ""  # `cpu,disk`
-        return [[t for t in header.split(",") if t]]
-    frame = [wire.frame_header(keys, [nbytes(b) for b in blobs]), *body_of(blobs)]
-    return http.request("POST", wire.BATCH_PUT_PATH, frame, wire.BATCH_CONTENT_TYPE).json()["stored_in"]
-
-
 # -- the data plane -------------------------------------------------------------------------------------
 
 
+def _get_meta(keys: list[str]) -> dict[str, Any]:
+    return ops.to_wire(ops.GET.request, ops.KeysRequest(keys), ops.PLANE)
+
+
 def fetch_socket(plane: DataPlaneClient, keys: list[str], rx: Receiver) -> tuple[dict, Got]:
-    _, meta, body = plane.call(dp.GET, {"k": keys}, into=rx.into)
+    _, meta, body = plane.call(dp.GET, _get_meta(keys), into=rx.into)
     return meta, rx.split(meta, body, len(keys))
 
 
@@ -137,7 +109,7 @@ def fetch_shm(
         offset, capacity = shm.DATA_START, 0  # no room for a copy, but lent blobs need none
     pins = seg.pins_to_give_back()
     try:
-        meta_in: dict[str, Any] = {"k": keys, "s": [seg.seg_id, offset, capacity], "u": pins}
+        meta_in = {**_get_meta(keys), "s": [seg.seg_id, offset, capacity], "u": pins}
         if seg.arena is not None:
             meta_in["a"] = seg.arena.nonce
         head, meta, body = plane.call(dp.GET, meta_in, flags=dp.FLAG_SHM, into=rx.into, segment=seg)
@@ -245,28 +217,19 @@ def _hand_over(views: list[memoryview | None], done: Free, rx: Receiver) -> Got:
     return owned, None
 
 
-def put_shm(
-    plane: DataPlaneClient,
-    seg: ClientSegment,
-    keys: list[str],
-    lens: list[int],
-    blobs: Sequence[Outgoing],
-    replaces: list[str],
-) -> dict | None:
-    """A put through a free region of `seg` (None while there is none): each blob written into it once
-    (a PreparedBlob laid out there, not copied from a blob laid out first); the server's answer
-    (`stored_in`: the tiers that stored each; `x`: which of `replaces` it deleted once they were)."""
-    total = sum(lens)
+def put_shm(plane: DataPlaneClient, seg: ClientSegment, meta: dict, blobs: Sequence[Outgoing]) -> dict | None:
+    """A put (`meta`: its request, kvstore.protocol.ops.PUT) through a free region of `seg` (None while
+    there is none): each blob written into it once (a PreparedBlob laid out there, not copied from a
+    blob laid out first); the server's answer."""
+    total = sum(meta["l"])
     offset = seg.reserve(total)
     if offset is None:
         return None
     pins = seg.pins_to_give_back()
     try:
         seg.write(offset, blobs)
-        meta: dict[str, Any] = {"k": keys, "l": lens, "s": [seg.seg_id, offset, total], "u": pins}
-        if replaces:
-            meta["x"] = replaces
-        return plane.call(dp.PUT, meta, flags=dp.FLAG_SHM, segment=seg)[1]
+        return plane.call(dp.PUT, {**meta, "s": [seg.seg_id, offset, total], "u": pins}, flags=dp.FLAG_SHM,
+                          segment=seg)[1]  # fmt: skip
     except BaseException:
         seg.unpin.extend(pins)
         raise
@@ -274,13 +237,8 @@ def put_shm(
         seg.free(offset, total)
 
 
-def put_socket(
-    plane: DataPlaneClient, keys: list[str], lens: list[int], blobs: Sequence[Outgoing], replaces: list[str]
-) -> dict:
-    """A put with the blobs on the socket; the server's answer as `put_shm`'s."""
-    meta: dict[str, Any] = {"k": keys, "l": lens}
-    if replaces:
-        meta["x"] = replaces
+def put_socket(plane: DataPlaneClient, meta: dict, blobs: Sequence[Outgoing]) -> dict:
+    """A put with the blobs on the socket; the server's answer."""
     return plane.call(dp.PUT, meta, body_of(blobs))[1]
 
 

@@ -1,5 +1,8 @@
-"""What each data-plane request does (kvstore.protocol.dataplane): the same store calls, limits, auth and
-metric names as the HTTP routes, so the two transports cannot drift apart in what they allow."""
+"""What each data-plane request does (kvstore.protocol.dataplane): a store operation is read off the meta
+into its request (kvstore.protocol.ops), handled by the handler the HTTP route calls too
+(kvstore.server.handlers) and its answer written back; the same limits, auth and metric names as the
+HTTP routes, so the two transports cannot drift apart in what they allow. What is the data plane's own
+is here: HELLO, shared memory (regions, lending the arena), TOUCH."""
 
 from __future__ import annotations
 
@@ -9,11 +12,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kvstore.server import handlers
 from kvstore.server.state import ServerState
 
 from kvstore.errors import Busy, InvalidArgument, KVStoreError, TooLarge, Unauthorized
 from kvstore.protocol import dataplane as dp
-from kvstore.protocol import shm
+from kvstore.protocol import ops, shm
 from kvstore.protocol.arena_table import usable_here
 from kvstore.protocol.wire import MAX_BATCH_KEYS
 
@@ -68,30 +72,18 @@ def handle(conn: Connection, req: Request) -> Reply:
     if req.op == dp.SHM_ATTACH:
         return _shm_attach(conn, req)
     keys = dp.meta_keys(req.meta)
-    single = len(keys) == 1
     if req.op == dp.GET:
         return _get(conn, req, keys)
     if req.op == dp.PUT:
         return _put(conn, req, keys)
-    store = conn.st.store
-    if req.op == dp.EXISTS:
-        found = [store.exists(keys[0])] if single else store.batch_exists(keys)
-        status = 404 if single and not found[0] else 200
-        return Reply(status, {"e": [bool(f) for f in found]}, op_name="head" if single else "batch_exists")
-    if req.op == dp.DELETE:
-        gone = [bool(store.delete(k)) for k in keys]
-        status = 404 if single and not gone[0] else 200
-        return Reply(status, {"d": gone}, op_name="delete" if single else "batch_delete")
     if req.op == dp.TOUCH:
         return _touch(conn, req, keys)
-    if req.op == dp.LOOKUP:
-        n, reason = store.lookup(keys)
-        conn.st.metrics.count_lookup(n, len(keys))
-        meta = {"n": int(n), "miss": reason}
-        if "x" in req.meta:  # and whether these keys are stored (the candidates after the prefix)
-            meta["x"] = [bool(f) for f in store.batch_exists(dp.meta_keys({"k": req.meta["x"]}))]
-        return Reply(200, meta, op_name="lookup")
-    raise InvalidArgument(f"unknown data-plane op {req.op}")
+    op = ops.BY_CODE.get(req.op)
+    if op is None or op.name not in handlers.HANDLERS:
+        raise InvalidArgument(f"unknown data-plane op {req.op}")
+    answer = handlers.HANDLERS[op.name](conn.st, ops.request_from(op, req.meta, ops.PLANE, keys=keys))
+    meta = ops.to_wire(op.answer, answer, ops.PLANE)
+    return Reply(ops.status(answer, len(keys)), meta, op_name=op.route_name(len(keys)))
 
 
 def _hello(conn: Connection, req: Request) -> Reply:
@@ -151,17 +143,11 @@ def _lend(conn: Connection, seg: shm.Segment, req: Request, blobs: list[Any], le
 
 
 def _get(conn: Connection, req: Request, keys: list[str]) -> Reply:
-    store = conn.st.store
-    single = len(keys) == 1
-    reasons: list[str | None] = []
-    blobs = [store.get_blob(keys[0], reasons)] if single else store.batch_get(keys, reasons)
-    lens = [dp.MISSING if b is None else memoryview(b).nbytes for b in blobs]
+    answer = handlers.get(conn.st, ops.KeysRequest(keys))
+    blobs, lens = answer.blobs, answer.lens
     total = dp.total(lens)
-    meta: dict[str, Any] = {"l": lens}
-    if any(b is None for b in blobs):
-        meta["r"] = reasons  # why each miss missed (kvstore/miss_log.py)
-    reply = Reply(404 if single and blobs[0] is None else 200, meta, bytes_out=total,
-                  op_name="get" if single else "batch_get")  # fmt: skip
+    reply = Reply(ops.status(answer, len(keys)), ops.to_wire(ops.GET.answer, answer, ops.PLANE),
+                  bytes_out=total, op_name=ops.GET.route_name(len(keys)))  # fmt: skip
     present = [b for b in blobs if b is not None]
     if req.flags & dp.FLAG_SHM:
         seg, offset, capacity = _region(conn, req, 0)
@@ -185,43 +171,25 @@ def _get(conn: Connection, req: Request, keys: list[str]) -> Reply:
 def _put(conn: Connection, req: Request, keys: list[str]) -> Reply:
     st = conn.st
     lens = dp.meta_lens(req.meta, len(keys))
+    request = ops.request_from(ops.PUT, req.meta, ops.PLANE, keys=keys, lens=lens)  # `x` checked first
     total = sum(lens)
-    replaces = dp.meta_keys({"k": req.meta["x"]}) if "x" in req.meta else []  # checked before any put
     limit = st.store_config.max_blob_size if len(keys) == 1 else st.config.max_request_size
     if total > limit:
         raise TooLarge(f"put of {total} bytes is over the limit ({limit})")
     if req.flags & dp.FLAG_SHM:
         seg, offset, _ = _region(conn, req, total)
-        blobs: list[Any] = []
         pos = offset
         arena = conn.plane.arena
         for n in lens:  # copied out before the store verifies: the client cannot change what is checked
             with seg.view[pos : pos + n] as part:  # released here: the segment may close any time
                 copied = None if arena is None else arena.store(part)  # where the cpu tier keeps it
-                blobs.append(bytes(part) if copied is None else copied)
+                request.blobs.append(bytes(part) if copied is None else copied)
             pos += n
     else:
-        blobs = req.bufs
-    # The store verifies every blob (CorruptBlob -> 422) and its size before it stores the first one,
-    # and raises (507, 503...) when no tier stored it: a 201 says where each one is.
-    if len(keys) == 1:
-        stored_in = [st.store.put_blob(keys[0], blobs[0])]
-    else:
-        stored_in = st.store.batch_put(list(zip(keys, blobs, strict=True)))
-    meta: dict[str, Any] = {"stored": len(keys), "stored_in": stored_in}
-    if replaces:  # the keys the new blobs supersede go now that every one of them is stored
-        meta["x"] = [k not in keys and _delete_superseded(st, k) for k in replaces]
-    return Reply(201, meta, op_name="put" if len(keys) == 1 else "batch_put", bytes_in=total)
-
-
-def _delete_superseded(st: ServerState, key: str) -> bool:
-    """Whether `key` was stored and is gone; one a tier could not delete only takes room (the put it
-    follows succeeded: its answer says so)."""
-    try:
-        return bool(st.store.delete(key))
-    except KVStoreError as e:
-        log.warning("a superseded chunk %s stays: %s", key, e)
-        return False
+        request.blobs = req.bufs
+    answer = handlers.put(st, request)
+    meta = ops.to_wire(ops.PUT.answer, answer, ops.PLANE)
+    return Reply(201, meta, op_name=ops.PUT.route_name(len(keys)), bytes_in=total)
 
 
 def _touch(conn: Connection, req: Request, keys: list[str]) -> Reply:

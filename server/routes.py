@@ -1,4 +1,6 @@
-"""The data-plane handlers: single chunks, batches, prefix lookup (docs/design.md §6)."""
+"""The HTTP front door of the store operations (docs/design.md §6): each route reads its request off HTTP
+(kvstore.protocol.ops: the route, the JSON names), calls the operation's handler (kvstore.server.handlers,
+which the data plane calls too) and writes the answer."""
 
 from __future__ import annotations
 
@@ -7,12 +9,13 @@ import json
 from typing import Any
 
 from aiohttp import web
+from kvstore.server import handlers
 from kvstore.server.body import read_blob, read_body, read_frame
 from kvstore.server.state import BYTES_IN, BYTES_OUT, STATE, ServerState
 
 from kvstore.errors import InvalidArgument
 from kvstore.keys import validate_key
-from kvstore.protocol import wire
+from kvstore.protocol import ops, wire
 
 routes = web.RouteTableDef()
 
@@ -59,7 +62,10 @@ async def _write_all(resp: web.StreamResponse, parts: list) -> None:
     await resp.write_eof()
 
 
-@routes.put(wire.CHUNKS_PATH + "/{key}", name="put")
+# -- one key: in the path (kvstore.protocol.ops: each operation's `one` route) ---------------------------
+
+
+@routes.put(ops.PUT.one.path, name=ops.PUT.one.name)
 async def put_chunk(request: web.Request) -> web.Response:
     st = _state(request)
     key = validate_key(request.match_info["key"])
@@ -67,44 +73,43 @@ async def put_chunk(request: web.Request) -> web.Response:
         request, st.store_config.max_blob_size, st.config.body_timeout, wire.BLOB_CONTENT_TYPE
     )
     request[BYTES_IN] = len(body)
-    # The store verifies the blob (CorruptBlob -> 422) and its size before storing anything, and
-    # raises (507, 503...) when no tier stored it: a 201 says where it is.
-    tiers = await st.call(st.store.put_blob, key, body)
-    return web.Response(status=201, headers={**_WIRE_HEADERS, wire.STORED_IN_HEADER: ",".join(tiers)})
+    answer = await st.call(handlers.put, st, ops.PutRequest([key], [len(body)], blobs=[body]))
+    return web.Response(
+        status=201, headers={**_WIRE_HEADERS, wire.STORED_IN_HEADER: ",".join(answer.stored_in[0])}
+    )
 
 
-@routes.get(wire.CHUNKS_PATH + "/{key}", name="get", allow_head=False)  # HEAD has its own handler
+@routes.get(ops.GET.one.path, name=ops.GET.one.name, allow_head=False)  # HEAD has its own handler
 async def get_chunk(request: web.Request) -> web.StreamResponse:
     st = _state(request)
     key = validate_key(request.match_info["key"])
-    reasons: list[str | None] = []
-    blob = await st.call(st.store.get_blob, key, reasons)
-    if blob is None:
-        body = {"error": f"no chunk {key}", "type": "NotFound", "reason": reasons[0]}
-        return web.json_response(body, status=404, headers={wire.MISS_REASON_HEADER: str(reasons[0])})
-    return await send_buffers(request, [blob], wire.BLOB_CONTENT_TYPE)
+    answer = await st.call(handlers.get, st, ops.KeysRequest([key]))
+    if not answer.found():
+        reason = answer.reasons[0] if answer.reasons else None
+        body = {"error": f"no chunk {key}", "type": "NotFound", "reason": reason}
+        return web.json_response(body, status=404, headers={wire.MISS_REASON_HEADER: str(reason)})
+    return await send_buffers(request, answer.blobs, wire.BLOB_CONTENT_TYPE)
 
 
-@routes.head(wire.CHUNKS_PATH + "/{key}", name="head")
+@routes.head(ops.EXISTS.one.path, name=ops.EXISTS.one.name)
 async def head_chunk(request: web.Request) -> web.Response:
     st = _state(request)
-    key = validate_key(request.match_info["key"])
-    if not await st.call(st.store.exists, key):
+    answer = await st.call(handlers.exists, st, ops.KeysRequest([validate_key(request.match_info["key"])]))
+    if not answer.found():
         return web.Response(status=404)  # HEAD responses carry no body, not even a JSON error
     return web.Response(status=200, headers=_WIRE_HEADERS)
 
 
-@routes.delete(wire.CHUNKS_PATH + "/{key}", name="delete")
+@routes.delete(ops.DELETE.one.path, name=ops.DELETE.one.name)
 async def delete_chunk(request: web.Request) -> web.Response:
     st = _state(request)
     key = validate_key(request.match_info["key"])
-    if not await st.call(st.store.delete, key):
+    if not (await st.call(handlers.delete, st, ops.KeysRequest([key]))).found():
         raise web.HTTPNotFound(text=f"no chunk {key}")
     return web.Response(status=204)
 
 
-async def _json_keys(request: web.Request) -> list[str]:
-    return wire.parse_keys(await _json_body(request))
+# -- batches: a JSON body or a batch frame ---------------------------------------------------------------
 
 
 async def _json_body(request: web.Request) -> Any:
@@ -119,56 +124,39 @@ async def _json_body(request: web.Request) -> Any:
     return data
 
 
-@routes.post(wire.BATCH_GET_PATH, name="batch_get")
+@routes.post(ops.GET.batch.path, name=ops.GET.batch.name)
 async def batch_get(request: web.Request) -> web.StreamResponse:
     st = _state(request)
-    keys = await _json_keys(request)
-    reasons: list[str | None] = []
-    blobs = await st.call(st.store.batch_get, keys, reasons)
-    return await send_buffers(request, wire.encode_frame(keys, blobs, reasons), wire.BATCH_CONTENT_TYPE)
+    req = ops.request_from(ops.GET, await _json_body(request), ops.HTTP)
+    answer = await st.call(handlers.get, st, req)
+    reasons = answer.reasons or [None] * len(req.keys)
+    return await send_buffers(
+        request, wire.encode_frame(req.keys, answer.blobs, reasons), wire.BATCH_CONTENT_TYPE
+    )
 
 
-@routes.post(wire.BATCH_PUT_PATH, name="batch_put")
+@routes.post(ops.PUT.batch.path, name=ops.PUT.batch.name)
 async def batch_put(request: web.Request) -> web.Response:
     st = _state(request)
     keys, blobs = await read_frame(
         request, st.config.max_request_size, st.store_config.max_blob_size, st.config.body_timeout
     )
     request[BYTES_IN] = sum(len(b) for b in blobs)
-    # The store verifies every blob before it stores the first one: a bad batch stores nothing.
-    stored_in = await st.call(st.store.batch_put, list(zip(keys, blobs, strict=True)))
-    return web.json_response({"stored": len(keys), "stored_in": stored_in}, status=201)
+    answer = await st.call(handlers.put, st, ops.PutRequest(keys, [len(b) for b in blobs], blobs=blobs))
+    return web.json_response(ops.to_wire(ops.PUT.answer, answer, ops.HTTP), status=201)
 
 
-@routes.post(wire.BATCH_EXISTS_PATH, name="batch_exists")
-async def batch_exists(request: web.Request) -> web.Response:
-    st = _state(request)
-    keys = await _json_keys(request)
-    found = await st.call(st.store.batch_exists, keys)
-    return web.json_response({"exists": [bool(f) for f in found]})
+def _json_op(op: ops.Op) -> Any:
+    """The batch route of an operation whose request and answer are JSON: read, handled, written."""
+
+    async def route(request: web.Request) -> web.Response:
+        st = _state(request)
+        req = ops.request_from(op, await _json_body(request), ops.HTTP)
+        answer = await st.call(handlers.HANDLERS[op.name], st, req)
+        return web.json_response(ops.to_wire(op.answer, answer, ops.HTTP))
+
+    return route
 
 
-@routes.post(wire.BATCH_DELETE_PATH, name="batch_delete")
-async def batch_delete(request: web.Request) -> web.Response:
-    st = _state(request)
-    keys = await _json_keys(request)
-    deleted = await st.call(lambda: sum(bool(st.store.delete(k)) for k in keys))
-    return web.json_response({"deleted": deleted})
-
-
-@routes.post(wire.LOOKUP_PATH, name="lookup")
-async def lookup(request: web.Request) -> web.Response:
-    """The number of leading keys that are present (Spec 1: the first gap ends the prefix), and why the
-    next one is not (`miss`: not_stored, evicted, expired, corrupt, unreachable; null when all are).
-    With `also` in the body, whether each of those keys is stored too (in the same order): a client
-    asks for a prefix and the candidates after it in one round trip."""
-    st = _state(request)
-    data = await _json_body(request)
-    keys = wire.parse_keys(data)
-    n, reason = await st.call(st.store.lookup, keys)
-    st.metrics.count_lookup(n, len(keys))
-    answer = {"prefix": int(n), "keys": len(keys), "miss": reason}
-    if "also" in data:
-        others = wire.parse_keys({"keys": data["also"]})
-        answer["also"] = [bool(f) for f in await st.call(st.store.batch_exists, others)]
-    return web.json_response(answer)
+for _op in (ops.EXISTS, ops.DELETE, ops.LOOKUP):
+    routes.post(_op.batch.path, name=_op.batch.name)(_json_op(_op))

@@ -222,9 +222,9 @@ def test_a_server_that_stops_beating_is_asked_again(server):
 def test_clients_cannot_write_the_table(server):
     be = RemoteBackend(server.url, transport="shm")
     assert be.transport == "shm"
-    path, size, nonce, _, _ = be._plane.hello["index"]
+    path, size, nonce, _, _ = be.plane.client.hello["index"]
     assert shm.open_segment(path, size, nonce, writable=True) is None  # sealed: EPERM
-    assert be._segment.arena.index.words.flags.writeable is False
+    assert be.plane.segment.arena.index.words.flags.writeable is False
     be.close()
 
 

@@ -57,6 +57,10 @@ def test_a_client_off_x86_does_not_read_an_offered_index(server, monkeypatch) ->
         be.put_blob(key(1), blob)
         assert bytes(be.get_blob(key(1))) == blob and bytes(be.get_blob(key(1))) == blob
         assert be.counts["index"] == 0 and be.counts["shm"] >= 2  # asked the server each time
-        assert be._segment is not None and be._segment.arena is not None and be._segment.arena.index is None
+        assert (
+            be.plane.segment is not None
+            and be.plane.segment.arena is not None
+            and be.plane.segment.arena.index is None
+        )
     finally:
         be.close()

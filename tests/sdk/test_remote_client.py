@@ -39,7 +39,7 @@ TRANSPORTS = ["http", "tcp", "shm"]
 
 
 def _idle(be: RemoteBackend) -> int:
-    return len(be.http.pool) if be.transport == "http" else len(be._plane.pool)
+    return len(be.http.pool) if be.transport == "http" else len(be.plane.client.pool)
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

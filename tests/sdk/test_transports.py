@@ -168,7 +168,7 @@ def test_a_lent_blob_outlives_its_eviction_and_overwrite(server_factory):
 def test_the_arena_cannot_be_mapped_writable_by_a_client(server):
     be = RemoteBackend(server.url, transport="shm")
     be.put_blob(key(1), make_blob(1, key=key(1)))
-    path, size, nonce = be._plane.hello["arena"]
+    path, size, nonce = be.plane.client.hello["arena"]
     assert shm.open_segment(path, size, nonce, writable=True) is None  # sealed: EPERM
     mapped = shm.open_segment(path, size, nonce, writable=False)
     assert mapped is not None
@@ -179,11 +179,11 @@ def test_the_arena_cannot_be_mapped_writable_by_a_client(server):
 def test_same_host_clients_use_the_unix_socket_and_fall_back_to_tcp(server):
     be = RemoteBackend(server.url)
     be.put_blob(key(1), make_blob(1, key=key(1)))
-    conns = be._plane.pool._idle
+    conns = be.plane.client.pool._idle
     assert conns and all(c.sock.family == socket.AF_UNIX for c in conns)
     tcp = RemoteBackend(server.url, transport="tcp")
     assert tcp.get_blob(key(1)) == make_blob(1, key=key(1))
-    assert all(c.sock.family == socket.AF_INET for c in tcp._plane.pool._idle)
+    assert all(c.sock.family == socket.AF_INET for c in tcp.plane.client.pool._idle)
     tcp.close()
     be.close()
     plane = server.thread.server.plane
@@ -191,7 +191,9 @@ def test_same_host_clients_use_the_unix_socket_and_fall_back_to_tcp(server):
     be = RemoteBackend(server.url)
     for _ in range(2):
         assert bytes(be.get_blob(key(1))) == make_blob(1, key=key(1))
-    assert be._plane.unix_path is None and all(c.sock.family == socket.AF_INET for c in be._plane.pool._idle)
+    assert be.plane.client.unix_path is None and all(
+        c.sock.family == socket.AF_INET for c in be.plane.client.pool._idle
+    )
     be.close()
 
 
@@ -282,7 +284,7 @@ def test_calls_to_a_same_host_server_poll_before_sleeping_unless_told_not_to(ser
     blob = make_blob(7, tokens=512, key=key(7))
     spinning.put_blob(key(7), blob)
     assert bytes(still.get_blob(key(7))) == blob == bytes(spinning.get_blob(key(7)))
-    conns = lambda be: be._plane.pool._idle  # noqa: E731
+    conns = lambda be: be.plane.client.pool._idle  # noqa: E731
     assert {c.spin_s for c in conns(spinning)} == {200e-6} and {c.spin_s for c in conns(still)} == {0.0}
     for bad in (-1, float("nan"), 2e6, "10"):
         with pytest.raises(InvalidArgument, match="spin_us"):
