@@ -1,6 +1,7 @@
 """vLLM TTFT with kvstore (KVStoreConnectorV1) on SmolLM2, bf16, vLLM's CPU build, one core per server.
 
     .venv/bin/python benchmarks/bench_vllm.py [--rounds 3] [--lengths 1024 4096] [--codecs raw fp8 int4]
+    .venv/bin/python benchmarks/bench_vllm.py --tp 2 [--rounds 3] [--lengths 4096]
 
 Per round, prompt length and codec, on a prompt nobody has seen (random tokens):
   cold           vLLM A (kv_both) computes the whole prompt; its connector stores the chunks (raw)
@@ -14,6 +15,12 @@ int4) and puts them into both servers; the readers decode any codec. TTFT is the
 max_tokens=1 completion over HTTP. Systems are interleaved within every round; the table shows median
 TTFTs, and the median (min-max) over rounds of the per-round ratios. Goal: a 4k kvstore hit >= 10x
 faster than cold and within 2x of vLLM's own prefix-cache hit.
+
+`--tp 2`: tensor parallel (both cores, one a rank) on a random-weight Llama of SmolLM2's size whose heads
+split over two ranks (8 heads, 4 KV heads of 64; SmolLM2's 9 / 3 do not): vLLM A (kv_both, TP=2) computes
+the prompt cold and stores it (its saves gather the heads to rank 0), A answers it again from its own
+prefix cache, and vLLM B (kv_consumer, TP=2, a process that never saw it) loads it from the store, each
+rank its own heads. Raw codec, a cpu-tier kvstore-server.
 """
 
 from __future__ import annotations
@@ -100,8 +107,11 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096])
     p.add_argument("--codecs", nargs="+", default=["raw", "fp8", "int4"])
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel size (2: the TP run above)")
     args = p.parse_args()
     torch.set_num_threads(1)
+    if args.tp > 1:
+        return main_tp(args)
     from kvstore.engine.convert import ensure_smollm2  # noqa: PLC0415
 
     model_dir = ensure_smollm2()
@@ -138,6 +148,81 @@ def main() -> int:
                 s.stop()
             cpu.stop()
             disk.stop()
+
+
+def tp_model(out: Path) -> Path:
+    """A random-weight Llama of SmolLM2's size whose 8 heads / 4 KV heads split over TP ranks, with
+    SmolLM2's tokenizer (the same vocabulary)."""
+    import shutil  # noqa: PLC0415
+
+    import transformers  # noqa: PLC0415
+    from kvstore.engine.convert import ensure_smollm2  # noqa: PLC0415
+
+    config = transformers.LlamaConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=64, max_position_embeddings=8192, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ensure_smollm2() / name, out / name)
+    return out
+
+
+def main_tp(args) -> int:
+    with tempfile.TemporaryDirectory(prefix="bench-vllm-tp-") as tmp:
+        tmp = Path(tmp)
+        model_dir = tp_model(tmp / "llama-tp")
+        layout = layout_of(model_dir)
+        store = ServerProcess("--tiers", "cpu", "--cpu-capacity", "4GiB").start()
+        flags = ("--tensor-parallel-size", str(args.tp))
+        servers = [
+            VllmServer(model_dir, free_port(), transfer_config(store.url, role), tmp / f"vllm-{role}.log",
+                       core="|".join(str(i % (os.cpu_count() or 1)) for i in range(args.tp)), extra_args=flags)
+            for role in ("kv_both", "kv_consumer")
+        ]  # fmt: skip
+        try:
+            start_all(servers)
+            a, b = (s.url for s in servers)
+            for i, url in enumerate((a, b)):  # warm-up, not measured
+                ttft(url, [random.Random(f"warm-{i}").randrange(49152) for _ in range(max(args.lengths))])
+            with Store.connect(store.url) as client:
+                return run_tp(args, layout, a, b, client)
+        finally:
+            for s in servers:
+                s.stop()
+            store.stop()
+
+
+def run_tp(args, layout: KVLayout, a: str, b: str, client: Store) -> int:
+    names = ("cold", "vLLM prefix", "kvstore hit")
+    times: dict[tuple[int, str], list[float]] = {}
+    ratios: dict[tuple[int, str], list[float]] = {}
+    print(f"TP={args.tp}, rounds {args.rounds}, lengths {args.lengths}; each row: TTFT s", flush=True)
+    for r in range(args.rounds):
+        for n in args.lengths:
+            prompt = [random.Random(f"tp-{r}-{n}").randrange(49152) for _ in range(n)]
+            got = {"cold": ttft(a, prompt)[0]}
+            wait_stored(client, chunk_keys(prompt, layout))
+            got["vLLM prefix"] = ttft(a, prompt)[0]
+            got["kvstore hit"], hit = ttft(b, prompt)
+            for k, t in got.items():
+                times.setdefault((n, k), []).append(t)
+            ratios.setdefault((n, "cold/hit"), []).append(got["cold"] / got["kvstore hit"])
+            ratios.setdefault((n, "hit/prefix"), []).append(got["kvstore hit"] / got["vLLM prefix"])
+            print(f"round {r} {n:5d} tok: " + "  ".join(f"{k} {v:.3f}" for k, v in got.items()) + f"  (hit {hit})",
+                  flush=True)  # fmt: skip
+    print(
+        f"\n{'prompt':>6} | "
+        + " | ".join(f"{k:>12}" for k in names)
+        + " | cold / hit           | hit / prefix"
+    )
+    for n in args.lengths:
+        med = [statistics.median(times[n, k]) for k in names]
+        print(f"{n:>6} | " + " | ".join(f"{t:11.3f}s" for t in med)
+              + f" | {spread(ratios[n, 'cold/hit']):<20} | {spread(ratios[n, 'hit/prefix'])}")  # fmt: skip
+    return 0
 
 
 def run(args, layout: KVLayout, urls, cpu_client: Store, disk_client: Store, disk_dir: Path) -> int:

@@ -29,6 +29,7 @@ class CacheGeometry:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    planes: int = 2  # K and V; 1 for an MLA cache's latent (one vector per token)
 
     @classmethod
     def of(cls, kv_caches: Sequence[torch.Tensor]) -> CacheGeometry:
@@ -46,7 +47,7 @@ class CacheGeometry:
         return cls(len(kv_caches), nb, bs, h, d, first.dtype)
 
     def chunk_shape(self, num_tokens: int) -> tuple[int, int, int, int, int]:
-        return (2, self.num_layers, num_tokens, self.num_kv_heads, self.head_dim)
+        return (self.planes, self.num_layers, num_tokens, self.num_kv_heads, self.head_dim)
 
 
 def _index(block_ids: Sequence[int], device: torch.device) -> torch.Tensor:

@@ -68,6 +68,8 @@ class KVTransferConfig(BaseModel):
     # filled by the engine
     layout: KVLayout | None = None
     block_size: int = 16
+    # pipeline parallel: each stage's layers [a, b); its chunks are stored under kvstore.keys.stage_key
+    pp_stages: tuple[tuple[int, int], ...] = ()
 
     def __init__(self, **data: Any) -> None:
         try:

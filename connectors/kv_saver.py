@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -39,6 +39,7 @@ class ChunkSaver:
         self.handle = handle
         self.paged = paged
         self.codec = config.codec  # what saves use (the worker's register_kv_caches: raw for an fp8 cache)
+        self.blob_dtype: torch.dtype | None = None  # what the chunks' bytes are, when not their dtype (fp8)
         self.metrics = handle.metrics
         self._pool = ThreadPoolExecutor(config.save_threads, thread_name_prefix="kv-save")
         self._lock = threading.Lock()
@@ -52,12 +53,19 @@ class ChunkSaver:
             return request_id in self._inflight
 
     def copy_out(self, kv_caches: Sequence[torch.Tensor], saves: Sequence[SaveSpec]) -> None:
+        self.submit(saves, lambda i, out: self.paged.gather(kv_caches, saves[i].block_ids, out=out))
+
+    def submit(
+        self, saves: Sequence[SaveSpec], fill: Callable[[int, torch.Tensor | None], torch.Tensor]
+    ) -> None:
+        """Queue `saves`: `fill(i, out)` gives the i-th one's chunk, a copy (into `out`, a reused
+        full-chunk buffer, when one is given) that no later step can change."""
         if not self.handle.reachable():  # the store is down: copying the blocks out would be wasted
             self.metrics.dropped_saves.labels("store_error").inc(len(saves))
             return
         t0 = time.perf_counter()
         batch: list[tuple[SaveSpec, torch.Tensor]] = []
-        for spec in saves:
+        for i, spec in enumerate(saves):
             with self._lock:
                 full = self._pending >= self.config.max_pending_saves
                 if not full:
@@ -70,7 +78,7 @@ class ChunkSaver:
             if not spec.partial:
                 with self._lock:
                     buf = self._spare.pop() if self._spare else None
-            batch.append((spec, self.paged.gather(kv_caches, spec.block_ids, out=buf)))
+            batch.append((spec, fill(i, buf)))
         self.metrics.copy_out_seconds.observe(time.perf_counter() - t0)
         self.metrics.pending_saves.set(self._pending)
         n = max(1, -(-len(batch) // self.config.save_threads))
@@ -89,7 +97,7 @@ class ChunkSaver:
             present = self.handle.batch_exists(keys + replaced)  # one round trip for both
             stale = [k for k, have in zip(replaced, present[len(keys) :], strict=True) if have]
             items = [
-                (spec.key, prepare_blob(kv, codec=self.codec, key=spec.key))
+                (spec.key, prepare_blob(self._as_stored(kv), codec=self.codec, key=spec.key))
                 for (spec, kv), have in zip(batch, present[: len(keys)], strict=True)
                 if not have
             ]
@@ -123,6 +131,9 @@ class ChunkSaver:
                         del self._inflight[spec.request_id]
                 self._pending -= len(batch)
                 self.metrics.pending_saves.set(self._pending)
+
+    def _as_stored(self, kv: torch.Tensor) -> torch.Tensor:
+        return kv if self.blob_dtype is None else kv.view(self.blob_dtype)
 
     def _recycle(self, buffers: list[torch.Tensor]) -> None:
         """Their blobs are written out: the buffers can take the next copy-out."""

@@ -32,6 +32,7 @@ from kvstore.connectors.prefix import PrefixHit, PrefixQuery, plan_prefix_query
 from kvstore.connectors.store_handle import StoreHandle, is_unreachable
 
 from kvstore.errors import KVStoreError
+from kvstore.keys import stage_key
 
 logger = logging.getLogger(__name__)
 
@@ -63,9 +64,22 @@ class KVStoreScheduler:
         self._lookups: dict[str, _Lookup] = {}
         self._saved: dict[str, int] = {}
         self._with_saves: set[str] = set()  # requests with chunks handed to the worker for saving
+        self._allocated: set[str] = set()  # requests update_state_after_alloc has seen (vLLM calls it again
+        # for a request whose load was asynchronous, once the load is done)
         self._loads: list[LoadSpec] = []
         self._finished_saves: list[SaveSpec] = []  # partial chunks of finished requests, for the next meta
         self._preempt_saves: list[SaveSpec] = []  # partial chunks of requests preempted this step
+        stages = config.pp_stages
+        # pipeline parallel: a chunk is stored once per stage (kvstore.keys.stage_key); asked for all
+        self._expand = (lambda key: [stage_key(key, a, b) for a, b in stages]) if stages else None
+
+    def chunk_keys_of(self, request_id: str) -> ChunkKeys | None:
+        """The chunk keys of a live request, as far as they were computed."""
+        return self._keys.get(request_id)
+
+    def reset_lookups(self) -> None:
+        """Forget the cached lookup answers: the next ask goes to the store."""
+        self._lookups.clear()
 
     def _chunk_keys(self, request: ConnectorRequest) -> ChunkKeys:
         ck = self._keys.get(request.request_id)
@@ -87,7 +101,9 @@ class KVStoreScheduler:
             return look.external, self.config.load_async and look.external > 0
         cap = (len(tokens) - 1) // bs * bs  # the last token is always recomputed for its logits
         keys = self._chunk_keys(request)
-        query = plan_prefix_query(keys, tokens, num_computed_tokens, cap, bs, self.config.partial_chunks)
+        query = plan_prefix_query(
+            keys, tokens, num_computed_tokens, cap, bs, self.config.partial_chunks, self._expand
+        )
         wanted = query.first_chunk + len(query.full_keys)
         n = len(tokens)
         look = _Lookup(num_computed_tokens, n, wanted, PrefixHit(query.first_chunk, None, cs), 0)
@@ -123,6 +139,9 @@ class KVStoreScheduler:
     ) -> None:
         rid = request.request_id
         look = self._lookups.pop(rid, None)
+        if look is None and num_external_tokens == 0 and rid in self._allocated:
+            return  # an async load's request, allocated again once its load is done: counted already
+        self._allocated.add(rid)
         preempted = getattr(request, "num_preemptions", 0) > 0
         self.metrics.record_lookup(len(request.all_token_ids), num_external_tokens, preempted)
         if look is None:
@@ -230,6 +249,7 @@ class KVStoreScheduler:
                 self._finished_saves.append(spec)
         self._keys.pop(rid, None)
         self._lookups.pop(rid, None)
+        self._allocated.discard(rid)
         delay = spec is not None or rid in self._with_saves
         self._with_saves.discard(rid)
         params = {"stored_chunks": saved, "chunk_size": self.chunk_size} if saved else None

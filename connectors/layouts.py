@@ -13,6 +13,7 @@ scratch; no per-token loops.
 | `EngineLayout` | `[2, num_blocks, block_size, H, D]` | the bundled engine |
 | `VllmCpuLayout` | `[num_blocks, H, block_size, 2*D]`, contiguous; each (block, head) slab is K **transposed** `[D, block_size]` then V `[block_size, D]` | vLLM's CPU attention backend |
 | `VllmCpuAmxLayout` | the same tensor; with AMX tiles (bf16, block_size a multiple of 32) each slab is K as `[block_size/16, D/2, 16, 2]` (16 tokens by pairs of dims) then V as `[D/16, block_size/2, 16, 2]` (16 dims by pairs of tokens) | vLLM's CPU attention on AMX CPUs |
+| `VllmMlaLayout` | `[num_blocks, block_size, D]` (CPU: `[num_blocks, 1, block_size, D]`), one latent row per token (`kv_lora_rank` then `qk_rope_head_dim` values); the chunk is `[1, L, T, 1, D]` | vLLM's MLA backends (CPU_MLA, AMX MLA) |
 | `VllmCudaLayout` | logical `[num_blocks, H, block_size, 2*D]` (any strides: flash-attn's NHD memory is `[num_blocks, block_size, H, 2*D]`), K = `[..., :D]`, V = `[..., D:]` | vLLM CUDA (flash-attn, FlashInfer NHD/HND) |
 """
 
@@ -35,7 +36,10 @@ class PagedLayout(Protocol):
     def geometry(self, kv_caches: Sequence[torch.Tensor]) -> CacheGeometry: ...
 
     def gather(
-        self, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int], out: torch.Tensor | None = None
+        self,
+        kv_caches: Sequence[torch.Tensor],
+        block_ids: Sequence[int],
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
     def scatter(
@@ -56,7 +60,10 @@ class EngineLayout:
         return CacheGeometry.of(kv_caches)
 
     def gather(
-        self, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int], out: torch.Tensor | None = None
+        self,
+        kv_caches: Sequence[torch.Tensor],
+        block_ids: Sequence[int],
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return gather_chunk(kv_caches, block_ids, out)
 
@@ -146,7 +153,10 @@ class _BlockMajorLayout:
         raise NotImplementedError
 
     def gather(
-        self, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int], out: torch.Tensor | None = None
+        self,
+        kv_caches: Sequence[torch.Tensor],
+        block_ids: Sequence[int],
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         first = kv_caches[0]
         _, h, bs, d2 = first.shape
@@ -201,7 +211,11 @@ class _BlockMajorLayout:
             for layer, cache in enumerate(kv_caches):
                 k, v = self._kv_of(cache)
                 for b, i, r in runs:
-                    kb, vb, src = k[b : b + r], v[b : b + r], chunk[:, layer, lo + i * bs : lo + (i + r) * bs]
+                    kb, vb, src = (
+                        k[b : b + r],
+                        v[b : b + r],
+                        chunk[:, layer, lo + i * bs : lo + (i + r) * bs],
+                    )
                     kb.copy_(src[0].view(kb.shape))  # casts and moves to the cache's device
                     vb.copy_(src[1].view(vb.shape))
             return
@@ -270,4 +284,140 @@ class VllmCudaLayout(_BlockMajorLayout):
         return blocks[..., :d].transpose(1, 2), blocks[..., d:].transpose(1, 2)
 
 
+class VllmMlaLayout:
+    """vLLM's MLA caches: a per-layer tensor whose blocks are `block_size` rows of the latent (the
+    compressed KV, then the rope part of the key), written by `concat_and_cache_mla` (checked against
+    vLLM's own CPU writer by the connector at startup and by the tests). The chunk holds one plane:
+    `[1, L, T, 1, D]`."""
+
+    name = "vllm-mla"
+
+    @staticmethod
+    def _rows(cache: torch.Tensor) -> torch.Tensor:
+        """`[num_blocks, block_size, D]` over the cache."""
+        return cache.view(cache.shape[0], cache.shape[-2], cache.shape[-1])
+
+    def geometry(self, kv_caches: Sequence[torch.Tensor]) -> CacheGeometry:
+        if not kv_caches:
+            raise InvalidArgument("register_kv_caches needs at least one layer")
+        first = kv_caches[0]
+        if (
+            first.dim() not in (3, 4)
+            or (first.dim() == 4 and first.shape[1] != 1)
+            or not first.is_contiguous()
+        ):
+            raise InvalidArgument(
+                f"an MLA KV cache is a contiguous [num_blocks, (1,) block_size, D], got {tuple(first.shape)}"
+            )
+        for i, c in enumerate(kv_caches):
+            if c.shape != first.shape or c.dtype != first.dtype or c.device != first.device:
+                raise InvalidArgument(f"layer {i} KV cache {tuple(c.shape)} {c.dtype} differs from layer 0")
+        nb, bs, d = first.shape[0], first.shape[-2], first.shape[-1]
+        return CacheGeometry(len(kv_caches), nb, bs, 1, d, first.dtype, planes=1)
+
+    def gather(
+        self,
+        kv_caches: Sequence[torch.Tensor],
+        block_ids: Sequence[int],
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        first = kv_caches[0]
+        bs, d = first.shape[-2], first.shape[-1]
+        n = len(block_ids)
+        shape = (1, len(kv_caches), n * bs, 1, d)
+        if out is None:
+            out = torch.empty(shape, dtype=first.dtype, device=first.device)
+        assert tuple(out.shape) == shape and out.dtype == first.dtype and out.is_contiguous(), out.shape
+        idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=first.device)
+        for layer, cache in enumerate(kv_caches):
+            torch.index_select(self._rows(cache), 0, idx, out=out[0, layer].view(n, bs, d))
+        return out
+
+    def scatter(
+        self,
+        kv_caches: Sequence[torch.Tensor],
+        chunk: torch.Tensor,
+        block_ids: Sequence[int],
+        first_block: int = 0,
+    ) -> None:
+        first = kv_caches[0]
+        bs, d = first.shape[-2], first.shape[-1]
+        n = len(block_ids)
+        lo, hi = first_block * bs, (first_block + n) * bs
+        if (
+            chunk.dim() != 5
+            or chunk.shape[:2] != (1, len(kv_caches))
+            or chunk.shape[2] < hi
+            or chunk.shape[3:] != (1, d)
+        ):
+            raise InvalidArgument(
+                f"chunk {tuple(chunk.shape)} does not cover blocks {first_block}..{first_block + n} of a latent of {d}"
+            )
+        idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=first.device)
+        for layer, cache in enumerate(kv_caches):
+            src = chunk[0, layer, lo:hi, 0].to(device=first.device, dtype=first.dtype)
+            self._rows(cache).index_copy_(0, idx, src.reshape(n, bs, d))
+
+
 ENGINE_LAYOUT = EngineLayout()
+
+
+class GroupedLayout:
+    """vLLM's hybrid KV cache manager (HMA): layers in several KV cache groups, each with its own block
+    table. Block ids are then tuples, one id per group (`block_ids[j][g]`: the j-th block of group g);
+    every group's layers move through `inner` with their own ids, into and out of one chunk of all layers.
+    A sliding-window group (`windowed`) keeps only its last window of blocks: vLLM gives the others as
+    its null block (id 0), which a load skips (a window layer needs only its window; the chunk holds it)."""
+
+    NULL_BLOCK = 0
+
+    def __init__(self, inner: PagedLayout, layer_groups: Sequence[int], windowed: set[int]) -> None:
+        self.inner = inner
+        self.name = f"{inner.name}+groups"
+        self.windowed = set(windowed)
+        self._layers: dict[int, list[int]] = {}
+        for layer, g in enumerate(layer_groups):
+            self._layers.setdefault(g, []).append(layer)
+
+    def geometry(self, kv_caches: Sequence[torch.Tensor]) -> CacheGeometry:
+        return self.inner.geometry(kv_caches)
+
+    def gather(
+        self,
+        kv_caches: Sequence[torch.Tensor],
+        block_ids: Sequence[Sequence[int]],
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        parts = {}
+        for g, layers in self._layers.items():
+            ids = [b[g] for b in block_ids]
+            parts[g] = (layers, self.inner.gather([kv_caches[i] for i in layers], ids))
+        first = next(iter(parts.values()))[1]
+        shape = (first.shape[0], len(kv_caches), *first.shape[2:])
+        if out is None:
+            out = torch.empty(shape, dtype=first.dtype, device=first.device)
+        for layers, part in parts.values():
+            out[:, layers] = part
+        return out
+
+    def scatter(
+        self,
+        kv_caches: Sequence[torch.Tensor],
+        chunk: torch.Tensor,
+        block_ids: Sequence[Sequence[int]],
+        first_block: int = 0,
+    ) -> None:
+        for g, layers in self._layers.items():
+            ids = [b[g] for b in block_ids]
+            caches = [kv_caches[i] for i in layers]
+            sub = chunk[:, layers]
+            j = 0
+            while j < len(ids):  # each run of real blocks (a window group's are a suffix: one run)
+                if g in self.windowed and ids[j] == self.NULL_BLOCK:
+                    j += 1
+                    continue
+                k = j
+                while k < len(ids) and not (g in self.windowed and ids[k] == self.NULL_BLOCK):
+                    k += 1
+                self.inner.scatter(caches, sub, ids[j:k], first_block + j)
+                j = k

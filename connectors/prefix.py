@@ -15,7 +15,7 @@ Without partial candidates (partials off, or nothing they could add) the query i
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +49,9 @@ class PrefixQuery:
     full_keys: tuple[str, ...]
     partials: tuple[Partial, ...]
     chunk_size: int
+    # pipeline parallel: the keys each chunk is stored under (one per stage); a chunk is there when
+    # every one of them is (None: the chunk key itself)
+    expand: Callable[[str], list[str]] | None = None
 
     @property
     def keys(self) -> list[str]:
@@ -71,16 +74,29 @@ class PrefixQuery:
         One round trip, hit or miss: `lookup` of the full chunks (the server says why the first missing
         one is missing: evicted, expired, ...: the miss metrics say it) that also asks whether each
         partial candidate is stored (`lookup_and_exists`)."""
+        expand = self.expand or (lambda key: [key])
+        n = len(expand(self.full_keys[0] if self.full_keys else self.partials[0].key))
+        full = [k for key in self.full_keys for k in expand(key)]
         if not self.partials:
-            found, reason = store.lookup(list(self.full_keys))
-            return PrefixHit(self.first_chunk + found, None, self.chunk_size), reason
-        found, reason, there = store.lookup_and_exists(list(self.full_keys), [p.key for p in self.partials])
+            found, reason = store.lookup(full)
+            return PrefixHit(self.first_chunk + found // n, None, self.chunk_size), reason
+        found, reason, there = store.lookup_and_exists(
+            full, [k for p in self.partials for k in expand(p.key)]
+        )
+        found //= n  # chunks with every stage's keys there
+        there = [all(there[i : i + n]) for i in range(0, len(there), n)]
         run = [True] * found + [False] * (len(self.full_keys) - found)  # what resolve reads of the full keys
         return self.resolve([*run, *there]), reason
 
 
 def plan_prefix_query(
-    keys: ChunkKeys, tokens: Sequence[int], num_computed: int, cap: int, block_size: int, partials: bool
+    keys: ChunkKeys,
+    tokens: Sequence[int],
+    num_computed: int,
+    cap: int,
+    block_size: int,
+    partials: bool,
+    expand: Callable[[str], list[str]] | None = None,
 ) -> PrefixQuery:
     """What to ask so that tokens `num_computed..cap` can come from the store.
 
@@ -102,4 +118,4 @@ def plan_prefix_query(
             cands += [
                 Partial(c, n, k) for n, k in zip(lengths, keys.partial_keys(tokens, c, lengths), strict=True)
             ]
-    return PrefixQuery(first, full, tuple(cands), cs)
+    return PrefixQuery(first, full, tuple(cands), cs, expand)

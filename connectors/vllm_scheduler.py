@@ -57,13 +57,15 @@ class VllmScheduler:
         self._held: set[str] = set()
         # per running request: (its blocks, tokens with KV) after the last step it was scheduled in
         self._last: dict[str, tuple[list[int], int]] = {}
+        self._events: list[Any] = []  # vLLM KV events of this connector's stores (vllm_stats)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self._requests[request.request_id] = request
-        (block_ids,) = blocks.get_block_ids()  # one KV cache group (checked at startup)
+        groups = blocks.get_block_ids()  # one list per KV cache group (several: vLLM's hybrid manager)
+        block_ids = list(groups[0]) if len(groups) == 1 else list(zip(*groups, strict=True))
         self.scheduler.update_state_after_alloc(request, block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> tuple[StepTransfers, frozenset[str]]:
@@ -84,7 +86,39 @@ class VllmScheduler:
             items.append(_Scheduled(seq, scheduler_output.num_scheduled_tokens[rid]))
             self._last[rid] = (seq.block_table, num_computed + items[-1].num_new_tokens)
         held, self._held = frozenset(self._held), set()
-        return self.scheduler.build_connector_meta(_Step(items)), held
+        transfers = self.scheduler.build_connector_meta(_Step(items))
+        self._announce(transfers)
+        return transfers, held
+
+    def _announce(self, transfers: StepTransfers) -> None:
+        """vLLM KV events for the chunks this step hands to the saver (when vLLM publishes events)."""
+        saves = [*transfers.saves, *transfers.preempt_saves]
+        if not saves:
+            return
+        from kvstore.connectors.vllm_stats import removed_events, stored_events  # noqa: PLC0415
+
+        cs = self.scheduler.chunk_size
+        parents: dict[str, str | None] = {}
+        tokens: dict[str, list[int]] = {}
+        for spec in saves:
+            keys = self.scheduler.chunk_keys_of(spec.request_id)
+            request = self._requests.get(spec.request_id)
+            if keys is None or request is None:
+                continue
+            c = spec.chunk_index
+            parents[spec.key] = keys.keys[c - 1] if c > 0 else None
+            n = len(spec.block_ids) * self.scheduler.block_size
+            tokens[spec.key] = list(request.all_token_ids[c * cs : c * cs + n])
+        self._events += stored_events(saves, parents, tokens, cs)
+        self._events += removed_events([k for spec in saves for k in spec.replaces])
+
+    def take_events(self) -> list[Any]:
+        events, self._events = self._events, []
+        return events
+
+    def reset(self) -> None:
+        """Forget cached lookup answers (vLLM's reset of its prefix cache, with the connector's)."""
+        self.scheduler.reset_lookups()
 
     def _preempted(self, rid: str) -> None:
         request, last = self._requests.get(rid), self._last.pop(rid, None)

@@ -23,7 +23,7 @@ from kvstore.connectors.config import KVTransferConfig
 
 from kvstore.errors import ConfigError
 
-Status = Literal["supported", "required", "refused"]
+Status = Literal["supported", "required", "refused", "runs, no reuse"]
 # vLLM's --kv-cache-dtype values the connector moves as they are (fp8 ones as their bytes)
 PLAIN_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
 FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
@@ -36,25 +36,17 @@ NO_SERVER = (
     "KVStoreConnectorV1 needs a kvstore-server: set kv_connector_extra_config.url (vLLM's scheduler and "
     "worker are two processes; an in-process store would be two stores)"
 )
-TP = (
-    "KVStoreConnectorV1 does not serve tensor_parallel_size={size} yet: set --tensor-parallel-size 1 "
-    "(LLM(tensor_parallel_size=1)) or drop --kv-transfer-config"
-)
-PP = (
-    "KVStoreConnectorV1 does not serve pipeline_parallel_size={size} yet: set --pipeline-parallel-size 1 "
-    "(LLM(pipeline_parallel_size=1)) or drop --kv-transfer-config"
-)
 CACHE_DTYPE = (
-    "KVStoreConnectorV1 does not move a {dtype!r} KV cache: set --kv-cache-dtype (LLM(kv_cache_dtype=...)) "
-    "to one of {choices}"
+    "KVStoreConnectorV1 does not move a {dtype!r} KV cache (its scales are per token and head, or its format is "
+    "not one kvstore stores): set --kv-cache-dtype (LLM(kv_cache_dtype=...)) to one of {choices}"
 )
-MLA = (
-    "KVStoreConnectorV1 does not move an MLA (latent) KV cache yet: set VLLM_MLA_DISABLE=1 to run "
-    "{model!r} with plain attention, or drop --kv-transfer-config"
+MLA_CODEC = (
+    "KVStoreConnectorV1 stores an MLA latent KV cache raw (its codecs quantise K and V, not a latent): set "
+    'kv_connector_extra_config.codec to "raw" (got {codec!r})'
 )
-HYBRID = (
-    "KVStoreConnectorV1 does not move the state of {model!r}'s Mamba / linear-attention layers yet: "
-    "drop --kv-transfer-config to serve it"
+WINDOW = (
+    "KVStoreConnectorV1 needs a sliding window that is a multiple of the block size (window {window}, "
+    "--block-size {block}): set --block-size to a divisor of {window}, or --disable-hybrid-kv-cache-manager"
 )
 
 
@@ -85,28 +77,51 @@ MATRIX: tuple[Row, ...] = (
     Row("a token the store rejects", "refused",
         "the message names `kv_connector_extra_config` and `\"token_file\"`, never the token",
         ("test_vllm_config.py::test_a_rejected_token_names_vllms_setting",)),
-    Row("`tensor_parallel_size` > 1", "refused", _msg(TP, size=2),
-        ("test_vllm_support.py::test_each_refusal_comes_before_vllm_starts_anything",)),
-    Row("`pipeline_parallel_size` > 1", "refused", _msg(PP, size=2),
-        ("test_vllm_support.py::test_each_refusal_comes_before_vllm_starts_anything",)),
+    Row("`tensor_parallel_size` > 1", "supported",
+        "TP-free chunks (the keys and bytes of TP=1): each rank loads only its KV heads, saves gather the heads "
+        "to TP rank 0, which stores the chunk; reused at any TP size and by `kvstore-engine`",
+        ("test_vllm_tp.py::test_tp2_stores_and_a_fresh_tp1_reuses_it_token_for_token",
+         "test_vllm_tp.py::test_tp1_stores_and_a_fresh_tp2_reuses_it_token_for_token",
+         "test_vllm_tp.py::test_kvstore_engine_reuses_what_vllm_tp2_stored_and_the_reverse",
+         "test_tp_shards.py::test_a_chunk_saved_at_tp2_is_the_tp1_chunk_and_loads_at_tp1_and_tp4")),
+    Row("`pipeline_parallel_size` > 1", "supported",
+        "each stage stores and loads its own layers (keys derived from the chunk keys and the stage's layers: "
+        "reused by an engine with the same stages); the scheduler asks for every stage's keys in one lookup. "
+        "Shown without vLLM: vLLM CPU 0.32 itself fails PP=2 at its first request (`assert "
+        "self.intermediate_tensors is not None`, with or without a connector)",
+        ("test_tp_shards.py::test_pp_stages_store_their_own_layers_and_a_lookup_needs_every_stage",)),
     Row("`--dtype` bfloat16 / float16 / float32 (KV cache `auto`)", "supported",
         "the same chunk keys as `kvstore-engine` for the same model directory",
         ("test_vllm_config.py::test_vllm_and_kvstore_engine_compute_one_fingerprint", "test_vllm_cross_engine.py")),
-    Row("`--kv-cache-dtype` fp8 / fp8_e4m3 / fp8_e5m2", "refused",
-        _msg(CACHE_DTYPE, dtype="fp8", choices=", ".join(PLAIN_CACHE_DTYPES)),
-        ("test_vllm_support.py::test_each_refusal_comes_before_vllm_starts_anything",)),
+    Row("`--kv-cache-dtype` fp8 / fp8_e4m3 / fp8_e5m2", "supported",
+        "moved as they are (vLLM hands the cache over as uint8; stored as the fp8 format, raw); the format and a "
+        "digest of the layers' per-tensor k/v scales are in the layout, so an engine with other scales or the "
+        "other format misses; each worker checks at startup that its layers use the scales the keys were made for",
+        ("test_vllm_fp8.py::test_fp8_stored_by_one_vllm_is_reused_by_a_fresh_one_at_tp2",
+         "test_vllm_fp8.py::test_another_format_or_other_scales_is_a_miss_never_a_load")),
     Row("any other `--kv-cache-dtype` (fp8_inc, *_per_token_head, nvfp4, turboquant_*, ...)", "refused",
-        _msg(CACHE_DTYPE, dtype="int8_per_token_head", choices=", ".join(PLAIN_CACHE_DTYPES)),
+        _msg(CACHE_DTYPE, dtype="int8_per_token_head", choices=", ".join(PLAIN_CACHE_DTYPES + FP8_CACHE_DTYPES)),
         ("test_vllm_support.py::test_each_refusal_comes_before_vllm_starts_anything",)),
     Row("`chunk_size` not a multiple of the block size", "refused", "a `ConfigError` from the connector's settings",
         ("test_vllm_config.py::test_what_the_connector_cannot_serve_is_refused_at_startup",)),
-    Row("MLA (DeepSeek / Kimi / GLM latent KV)", "refused", _msg(MLA, model="MODEL"),
+    Row("MLA (DeepSeek / Kimi / GLM latent KV)", "supported",
+        "the latent (kv_lora_rank + qk_rope_head_dim per token and layer) is stored once, raw, whatever the TP "
+        "size, and every rank loads all of it; also when vLLM CPU turns its own prefix caching off (CPU_MLA)",
+        ("test_vllm_mla.py::test_mla_tp2_stores_and_a_fresh_tp1_reuses_it",
+         "test_vllm_mla.py::test_mla_tp1_stores_the_same_bytes_as_tp2")),
+    Row("MLA with a `codec` other than raw", "refused", _msg(MLA_CODEC, codec="int4"),
         ("test_vllm_support.py::test_each_refusal_comes_before_vllm_starts_anything",)),
-    Row("sliding-window layers (Gemma-3, Mistral)", "supported",
-        "vLLM turns its hybrid KV cache manager off (the connector is not `SupportsHMA`): the window layers "
-        "keep every block, and reuse is exact", ()),
-    Row("Mamba / linear-attention hybrids", "refused", _msg(HYBRID, model="MODEL"),
+    Row("sliding-window layers (Gemma-3, Mistral), vLLM's hybrid KV cache manager on", "supported",
+        "`SupportsHMA`: a block table per KV cache group; a window layer's blocks out of its window stay free "
+        "(vLLM's memory savings kept) and a load fills only its window; a failed load fails its request whole "
+        "(recomputed): loads are asynchronous for such a model",
+        ("test_vllm_hybrid.py::test_a_sliding_window_model_with_the_hybrid_manager_reuses_a_prompt",)),
+    Row("a sliding window that is not a multiple of the block size", "refused", _msg(WINDOW, window=100, block=128),
         ("test_vllm_support.py::test_each_refusal_comes_before_vllm_starts_anything",)),
+    Row("Mamba / linear-attention hybrids (Jamba, Bamba, LFM2, Qwen3.5, ...)", "runs, no reuse",
+        "vLLM starts with its hybrid manager; the connector reports no hits and saves nothing for the model "
+        "(kvstore does not store Mamba / linear-attention state), and says so in one log line",
+        ("test_vllm_hybrid.py::test_a_mamba_style_hybrid_starts_and_answers_with_no_store_hits",)),
     Row("CPU attention layout, AVX-512/generic or AMX", "supported",
         "converted; checked at startup against vLLM's own cache writer",
         ("test_layouts.py::test_vllm_cpu_layout_matches_vllms_own_cache_writer",)),
@@ -136,25 +151,6 @@ def render_matrix() -> str:
     return "\n".join(lines)
 
 
-def _model_name(vllm_config: Any) -> str:
-    mc = getattr(vllm_config, "model_config", None)
-    return str(getattr(mc, "served_model_name", None) or getattr(mc, "model", "the model"))
-
-
-def _has_state_layers(model_config: Any) -> bool:
-    """Whether the model has layers whose state is not a per-token KV (Mamba, linear attention, conv)."""
-    try:
-        if bool(getattr(model_config, "is_hybrid", False)) or bool(
-            getattr(model_config, "has_inner_state", False)
-        ):
-            return True
-    except (AttributeError, RuntimeError, ValueError):
-        pass
-    text = getattr(model_config, "hf_text_config", None)
-    kinds = getattr(text, "layer_types", None) or ()
-    return any(k not in ("full_attention", "sliding_attention", "attention") for k in kinds)
-
-
 def refusal(vllm_config: Any) -> str | None:
     """The first setting of `vllm_config` the connector cannot serve, as the sentence that refuses it."""
     ktc = getattr(vllm_config, "kv_transfer_config", None)
@@ -169,21 +165,24 @@ def refusal(vllm_config: Any) -> str | None:
     if isinstance(block_size, int) and "block_size" not in extra:
         extra["block_size"] = block_size  # chunk_size must be a multiple of it
     # the connector's own settings: a bad one is a ConfigError naming it, now
-    if KVTransferConfig.from_mapping(extra).is_local:
+    settings = KVTransferConfig.from_mapping(extra)
+    if settings.is_local:
         return NO_SERVER
-    par = getattr(vllm_config, "parallel_config", None)
-    if par is not None and par.tensor_parallel_size != 1:
-        return _msg(TP, size=par.tensor_parallel_size)
-    if par is not None and par.pipeline_parallel_size != 1:
-        return _msg(PP, size=par.pipeline_parallel_size)
     cache_dtype = str(getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto"))
-    if cache_dtype not in PLAIN_CACHE_DTYPES:
-        return _msg(CACHE_DTYPE, dtype=cache_dtype, choices=", ".join(PLAIN_CACHE_DTYPES))
+    if cache_dtype not in PLAIN_CACHE_DTYPES + FP8_CACHE_DTYPES:
+        return _msg(CACHE_DTYPE, dtype=cache_dtype, choices=", ".join(PLAIN_CACHE_DTYPES + FP8_CACHE_DTYPES))
     mc = getattr(vllm_config, "model_config", None)
-    if mc is not None and getattr(mc, "use_mla", False):
-        return _msg(MLA, model=_model_name(vllm_config))
-    if mc is not None and _has_state_layers(mc):
-        return _msg(HYBRID, model=_model_name(vllm_config))
+    if mc is not None and getattr(mc, "use_mla", False) and settings.codec != "raw":
+        return _msg(MLA_CODEC, codec=settings.codec)
+    window = getattr(getattr(mc, "hf_text_config", None), "sliding_window", None)
+    hma_off = getattr(getattr(vllm_config, "scheduler_config", None), "disable_hybrid_kv_cache_manager", None)
+    if (
+        isinstance(window, int)
+        and isinstance(block_size, int)
+        and window % block_size
+        and hma_off is not True
+    ):
+        return _msg(WINDOW, window=window, block=block_size)
     return None
 
 

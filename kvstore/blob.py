@@ -7,8 +7,8 @@ Layout, all little-endian:
     4      2    format version (2; 1 is still read, see below)
     6      1    codec id (kvstore.codecs; docs/design.md §3: raw=0 ... fp8+ans=8)
     7      1    compression (0 none, 1 lz4), applied after the codec
-    8      1    KV dtype id (1 float16, 2 bfloat16, 3 float32, 4 float8_e4m3fn: an fp8 KV cache, raw only)
-    9      1    ndim (5: [2, layers, tokens, kv_heads, head_dim])
+    8      1    KV dtype id (1 float16, 2 bfloat16, 3 float32, 4 float8_e4m3fn, 5 float8_e5m2: fp8, raw only)
+    9      1    ndim (5: [2, layers, tokens, kv_heads, head_dim]; [1, ...] for an MLA latent, raw only)
     10     2    reserved, zero
     12     20   shape, 5 x uint32
     32     4    params length P (msgpack map of codec parameters)
@@ -61,7 +61,14 @@ HEADER_SIZES = {1: V1_HEADER_SIZE, FORMAT_VERSION: HEADER_SIZE}
 assert HEADER_SIZE == 60
 
 COMPRESSION_NONE, COMPRESSION_LZ4 = 0, 1
-DTYPE_IDS = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float8_e4m3fn: 4}
+DTYPE_IDS = {
+    torch.float16: 1,
+    torch.bfloat16: 2,
+    torch.float32: 3,
+    torch.float8_e4m3fn: 4,
+    torch.float8_e5m2: 5,
+}
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 DTYPES = {v: k for k, v in DTYPE_IDS.items()}
 MAX_PARAMS = 1 << 16
 
@@ -121,15 +128,18 @@ def prepare_blob(
     tag = 0 if key is None else key_tag(key)
     if not isinstance(kv, torch.Tensor):
         raise InvalidArgument(f"kv must be a torch.Tensor, got {type(kv).__name__}")
-    if kv.dim() != 5 or kv.shape[0] != 2 or kv.numel() == 0:
+    if kv.dim() != 5 or kv.shape[0] not in (1, 2) or kv.numel() == 0:
         raise InvalidArgument(
-            f"kv must have shape [2, layers, tokens, kv_heads, head_dim], got {tuple(kv.shape)}"
+            f"kv must have shape [2, layers, tokens, kv_heads, head_dim] (or [1, ...]: an MLA latent), "
+            f"got {tuple(kv.shape)}"
         )
     if kv.dtype not in DTYPE_IDS:
         raise CodecError(f"KV dtype must be one of {[str(d) for d in DTYPE_IDS]}, got {kv.dtype}")
     c = get_codec(codec)
-    if kv.dtype == torch.float8_e4m3fn and c.codec_id != RawCodec.codec_id:
+    if kv.dtype in FP8_DTYPES and c.codec_id != RawCodec.codec_id:
         raise CodecError(f"an fp8 KV cache is stored as is (raw codec), not quantised again with {c.name}")
+    if kv.shape[0] == 1 and c.codec_id != RawCodec.codec_id:
+        raise CodecError(f"an MLA latent (one plane, not K and V) is stored raw, not with {c.name}")
     payload, params = c.encode(kv, **options)
     compression = COMPRESSION_NONE
     if lz4:
@@ -235,8 +245,10 @@ def verify_blob(
     size = HEADER_SIZES[version]
     if ndim != 5 or dtype_id not in DTYPES or compression not in (COMPRESSION_NONE, COMPRESSION_LZ4):
         raise CorruptBlob("bad header fields")
-    if shape[0] != 2 or 0 in shape:
-        raise CorruptBlob(f"bad KV shape {shape}: [2, layers, tokens, kv_heads, head_dim], none empty")
+    if shape[0] not in (1, 2) or 0 in shape:
+        raise CorruptBlob(
+            f"bad KV shape {shape}: [2 (1: MLA), layers, tokens, kv_heads, head_dim], none empty"
+        )
     if plen > MAX_PARAMS or size + plen + nlen != len(view):
         raise CorruptBlob(f"blob length {len(view)} does not match header ({size}+{plen}+{nlen})")
     (check,) = _CHECK.unpack_from(view, _HEAD.size)

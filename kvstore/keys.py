@@ -6,9 +6,10 @@ A key never depends on the process, the machine, PYTHONHASHSEED or the codec. Re
     root      = blake2b-128( field(b"kvstore/v1") ‖ field(namespace utf-8) ‖ field(layout.fingerprint()) )
     key_i     = blake2b-128( key_{i-1} ‖ tokens_i as little-endian int32 ‖ extra )      key_{-1} = root
     partial   = blake2b-128( key_{i-1} ‖ b"partial" ‖ uint32 n ‖ tokens as little-endian int32 ‖ extra )
+    stage     = blake2b-128( key ‖ b"layers" ‖ uint32 first ‖ uint32 end )     (pipeline parallel only)
 
 `layout.fingerprint()` is the UTF-8 JSON of the layout fields with sorted keys and no spaces (an
-empty `kv_scales`, the usual case, is left out). Keys are 16 raw bytes, printed as 32 lowercase hex
+empty `kv_scales` or `kv_format`, the usual case, is left out). Keys are 16 raw bytes, printed as 32 lowercase hex
 characters. Changing any of this is a new KEY_VERSION.
 
 Every engine builds its layout with `KVLayout.for_model` (or `model_layout` when the chunk size is
@@ -32,7 +33,10 @@ from kvstore.errors import InvalidArgument, InvalidKey
 KEY_VERSION = "kvstore/v1"
 DIGEST_SIZE = 16
 _KEY_RE = re.compile(r"[0-9a-f]{32,128}")  # always fullmatch: `$` would accept a trailing "\n"
-KV_DTYPES = ("float16", "bfloat16", "float32", "float8_e4m3fn")
+KV_DTYPES = ("float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2")
+# KVLayout.kv_format: "" is K and V per KV head; "mla" is one latent vector per token and layer (an MLA
+# model's compressed KV: kv_lora_rank + qk_rope_head_dim wide, num_kv_heads 1, the same on every TP rank)
+KV_FORMATS = ("", "mla")
 # config.json keys that change when a tool re-saves the same model (and `_name_or_path`-style keys,
 # which start with "_"): never part of a model's identity, so the same weights keep their KV keys.
 VOLATILE_CONFIG_KEYS = frozenset({"transformers_version", "use_cache"})
@@ -55,6 +59,8 @@ class KVLayout:
     # with other scales must never share keys. Empty for unscaled dtypes (and absent from the
     # fingerprint then, so those keys are unchanged).
     kv_scales: str = ""
+    # what one token's KV is (KV_FORMATS); empty (K and V per head) is absent from the fingerprint
+    kv_format: str = ""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "chunk_size", "tp_world_size"):
@@ -64,11 +70,14 @@ class KVLayout:
             raise InvalidArgument(f"tp_rank {self.tp_rank} outside tp_world_size {self.tp_world_size}")
         if self.kv_dtype not in KV_DTYPES:
             raise InvalidArgument(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
+        if self.kv_format not in KV_FORMATS:
+            raise InvalidArgument(f"kv_format must be one of {KV_FORMATS}, got {self.kv_format!r}")
 
     def fingerprint(self) -> bytes:
         fields = asdict(self)
-        if not fields["kv_scales"]:
-            del fields["kv_scales"]
+        for name in ("kv_scales", "kv_format"):  # empty: absent, so the keys of older layouts stay
+            if not fields[name]:
+                del fields[name]
         return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
 
     @classmethod
@@ -82,11 +91,12 @@ class KVLayout:
         tp_rank: int = 0,
         tp_world_size: int = 1,
         kv_scales: str = "",
+        mla: bool = False,
     ) -> KVLayout:
         """The layout of `model`'s KV cache from its config.json; see `model_layout`."""
         fields = model_layout(
             config, model=model, kv_dtype=kv_dtype, tp_rank=tp_rank, tp_world_size=tp_world_size,
-            kv_scales=kv_scales,
+            kv_scales=kv_scales, mla=mla,
         )  # fmt: skip
         return cls(**fields, chunk_size=chunk_size)
 
@@ -116,6 +126,7 @@ def model_layout(
     tp_rank: int = 0,
     tp_world_size: int = 1,
     kv_scales: str = "",
+    mla: bool = False,
 ) -> dict[str, Any]:
     """Every `KVLayout` field but `chunk_size`, computed the same way for every engine.
 
@@ -123,7 +134,8 @@ def model_layout(
     defaults that vary by version); `kv_dtype` the dtype of the KV cache (`torch.bfloat16` or
     `"bfloat16"`), and an fp8 cache's `kv_scales` digest. Under tensor parallelism each rank holds
     `num_key_value_heads / tp_world_size` KV heads (at least one; a rank replicates a head when
-    there are more ranks than heads).
+    there are more ranks than heads). `mla`: the engine keeps an MLA model's latent KV (one vector of
+    `kv_lora_rank + qk_rope_head_dim` per token and layer, the same on every rank): kv_format "mla".
     """
     text = config.get("text_config") if "num_hidden_layers" not in config else None
     geo = text if isinstance(text, Mapping) else config
@@ -136,6 +148,14 @@ def model_layout(
         raise InvalidArgument(f"the model config lacks a KV geometry field: {e!r}") from None
     if tp_world_size <= 0:
         raise InvalidArgument(f"tp_world_size must be positive, got {tp_world_size}")
+    if mla:
+        try:
+            head_dim = int(geo["kv_lora_rank"]) + int(geo["qk_rope_head_dim"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise InvalidArgument(
+                f"an MLA model config needs kv_lora_rank and qk_rope_head_dim: {e!r}"
+            ) from None
+        kv_heads, tp_world_size, tp_rank = 1, 1, 0  # one latent, whole on every rank
     return {
         "model_name": model_identity_name(model),
         "model_config_hash": model_identity_hash(config),
@@ -146,6 +166,7 @@ def model_layout(
         "tp_rank": tp_rank,
         "tp_world_size": tp_world_size,
         **({"kv_scales": kv_scales} if kv_scales else {}),
+        **({"kv_format": "mla"} if mla else {}),
     }
 
 
@@ -191,6 +212,16 @@ def hash_partials(
         data = parent + b"partial" + n.to_bytes(4, "little") + body[: 4 * n] + extra
         out.append(hashlib.blake2b(data, digest_size=DIGEST_SIZE).digest())
     return out
+
+
+def stage_key(key: str, first_layer: int, end_layer: int) -> str:
+    """The key of layers `[first_layer, end_layer)` of the chunk (or partial chunk) stored under `key`,
+    for an engine split by pipeline parallelism: each stage stores its own layers under this key
+    (an engine in one piece stores them all under `key` itself)."""
+    if not 0 <= first_layer < end_layer < 2**32:
+        raise InvalidArgument(f"bad layer range [{first_layer}, {end_layer})")
+    data = bytes.fromhex(validate_key(key)) + b"layers" + first_layer.to_bytes(4, "little")
+    return hashlib.blake2b(data + end_layer.to_bytes(4, "little"), digest_size=DIGEST_SIZE).hexdigest()
 
 
 def chunk_keys(

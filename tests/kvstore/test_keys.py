@@ -51,7 +51,8 @@ def test_recomputed_by_hand_from_the_documented_recipe() -> None:
     def h(b: bytes) -> bytes:
         return hashlib.blake2b(b, digest_size=16).digest()
 
-    fields = {k: v for k, v in dataclasses.asdict(LAYOUT).items() if k != "kv_scales" or v}  # empty: absent
+    # an empty kv_scales / kv_format is absent
+    fields = {k: v for k, v in dataclasses.asdict(LAYOUT).items() if k not in ("kv_scales", "kv_format") or v}
     fp = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
     root = h(field(b"kvstore/v1") + field(b"") + field(fp))
     k0 = h(root + np.arange(0, 256, dtype="<i4").tobytes())
@@ -96,6 +97,7 @@ def test_identical_in_a_fresh_process_with_another_hash_seed(seed: str) -> None:
         ("tp_rank", 1),
         ("tp_world_size", 2),
         ("kv_scales", "head:0123456789abcdef"),
+        ("kv_format", "mla"),
     ],
 )
 def test_every_layout_field_changes_every_key(field: str, value: object) -> None:
@@ -110,7 +112,7 @@ def test_every_layout_field_changes_every_key(field: str, value: object) -> None
 
 def test_all_layout_fields_are_covered() -> None:
     covered = {"model_name", "model_config_hash", "num_layers", "num_kv_heads", "head_dim", "kv_dtype",
-               "chunk_size", "tp_rank", "tp_world_size", "kv_scales"}  # fmt: skip
+               "chunk_size", "tp_rank", "tp_world_size", "kv_scales", "kv_format"}  # fmt: skip
     assert {f.name for f in dataclasses.fields(KVLayout)} == covered
 
 
@@ -204,7 +206,9 @@ def test_model_layout_is_one_fingerprint_for_every_engine() -> None:
     )
     assert root_key(again) == root_key(layout)
     assert model_layout(SMOL_CONFIG, model="SmolLM2-135M-Instruct", kv_dtype="bfloat16") == {
-        k: v for k, v in dataclasses.asdict(layout).items() if k != "chunk_size" and (k != "kv_scales" or v)
+        k: v
+        for k, v in dataclasses.asdict(layout).items()
+        if k != "chunk_size" and (k not in ("kv_scales", "kv_format") or v)
     }
 
 

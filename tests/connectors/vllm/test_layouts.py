@@ -229,3 +229,82 @@ def test_the_c_path_refuses_block_ids_outside_the_cache() -> None:
         with pytest.raises(InvalidArgument):
             layout_c.gather(cache, bad, chunk)
     assert not any(c.any() for c in cache)
+
+
+def test_vllm_mla_layout_matches_vllms_own_cpu_mla_cache_writer() -> None:
+    """An MLA cache holds one latent row per token (kv_lora_rank values, then the rope part of the key):
+    the chunk is `[1, L, T, 1, 576]`, and scatter writes back exactly what vLLM's writer wrote."""
+    pytest.importorskip("vllm._custom_ops")
+    from kvstore.connectors.layouts import VllmMlaLayout  # noqa: PLC0415
+
+    op = getattr(torch.ops._C, "concat_and_cache_mla_cpu", None)
+    if op is None:
+        pytest.skip("this vLLM build has no CPU MLA cache writer")
+    layout, d, bs = VllmMlaLayout(), 576, 16
+    slots = torch.randperm(NB * bs, generator=torch.Generator().manual_seed(2))[: NB * bs - 3].long()
+    caches, latents = [], []
+    for layer in range(L):
+        cache = torch.zeros(NB, 1, bs, d, dtype=torch.bfloat16)
+        lat = torch.randn(len(slots), d, generator=torch.Generator().manual_seed(layer)).to(torch.bfloat16)
+        op(lat[:, :512].contiguous(), lat[:, 512:].contiguous(), cache.view(NB, bs, d), slots)
+        caches.append(cache)
+        latents.append(lat)
+    assert layout.geometry(caches).chunk_shape(32) == (1, L, 32, 1, d)
+    blocks = [4, 1, 5]
+    chunk = layout.gather(caches, blocks)
+    where = {int(s): i for i, s in enumerate(slots)}
+    for j, b in enumerate(blocks):
+        for o in range(bs):
+            i = where.get(b * bs + o)
+            want = [
+                latents[layer][i] if i is not None else torch.zeros(d, dtype=torch.bfloat16)
+                for layer in range(L)
+            ]
+            for layer in range(L):
+                assert torch.equal(chunk[0, layer, j * bs + o, 0], want[layer])
+    fresh = [torch.zeros_like(c) for c in caches]
+    layout.scatter(fresh, chunk, blocks)
+    for a, b in zip(fresh, caches, strict=True):
+        assert torch.equal(a[blocks], b[blocks]) and not a[[0, 2, 3]].any()
+
+
+def test_an_mla_layout_is_one_latent_per_token_on_every_rank() -> None:
+    from kvstore.keys import KVLayout, model_layout  # noqa: PLC0415
+
+    config = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "hidden_size": 128,
+              "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 32, "v_head_dim": 32}  # fmt: skip
+    mla = model_layout(config, model="m", kv_dtype="bfloat16", mla=True)
+    assert (mla["num_kv_heads"], mla["head_dim"], mla["kv_format"]) == (1, 576, "mla")
+    # the same whatever the TP size (the latent is whole on every rank)
+    assert model_layout(config, model="m", kv_dtype="bfloat16", mla=True, tp_rank=1, tp_world_size=2) == mla
+    mha = model_layout(
+        config, model="m", kv_dtype="bfloat16"
+    )  # VLLM_MLA_DISABLE=1: another cache, other keys
+    assert "kv_format" not in mha and KVLayout(**mha).fingerprint() != KVLayout(**mla).fingerprint()
+
+
+def test_grouped_layout_moves_each_groups_layers_with_its_own_blocks_and_skips_null_window_blocks() -> None:
+    """vLLM's hybrid manager: layers 0, 2 in a sliding-window group (1), layers 1, 3 in a full one (0);
+    block ids are (group 0's, group 1's) pairs; a window group's early blocks are the null block 0."""
+    from kvstore.connectors.layouts import GroupedLayout  # noqa: PLC0415
+
+    inner = VllmCpuLayout()
+    layout = GroupedLayout(inner, [1, 0, 1, 0], windowed={1})
+    caches = [torch.randn(NB, H, BS, 2 * D, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
+              for i in range(4)]  # fmt: skip
+    blocks = [(1, 4), (2, 5), (3, 0)]  # position 2 of the window group is null (out of its window)
+    chunk = layout.gather(caches, blocks)
+    assert chunk.shape == (2, 4, 3 * BS, H, D)
+    for layer, g in enumerate([1, 0, 1, 0]):
+        ids = [b[g] for b in blocks]
+        assert torch.equal(chunk[:, layer], inner.gather([caches[layer]], ids)[:, 0]), layer
+    fresh = [torch.zeros_like(c) for c in caches]
+    layout.scatter(fresh, chunk, blocks)
+    for layer, g in enumerate([1, 0, 1, 0]):
+        ids = [b[g] for b in blocks if b[g] != 0]
+        assert torch.equal(fresh[layer][ids], caches[layer][ids])
+    assert not fresh[0][0].any() and not fresh[2][0].any(), "the null block was written"
+    # a load of the chunk's second and third blocks only (first_block 1)
+    part = [torch.zeros_like(c) for c in caches]
+    layout.scatter(part, chunk, blocks[1:], first_block=1)
+    assert torch.equal(part[1][2], caches[1][2]) and torch.equal(part[0][5], caches[0][5])  # position 1

@@ -46,7 +46,7 @@ def test_vllm_and_kvstore_engine_compute_one_fingerprint(model_dir) -> None:
     assert config.layout == engine_layout and root_key(config.layout) == root_key(engine_layout)
     assert (config.codec, config.auth_token, config.timeout_s, config.kv_role, config.block_size) == (
         "int4", "t0ken", 3, "kv_producer", 128)  # fmt: skip
-    assert config.load_async is False  # vLLM loads synchronously before the forward that needs them
+    assert config.load_async is True  # loads run between steps: the request waits, others run
     connector = KVStoreConnectorV1(cfg, KVConnectorRole.SCHEDULER, None)
     try:
         assert connector.requires_kv_delivery is False  # a store is best-effort

@@ -140,3 +140,28 @@ def test_a_preempted_requests_partial_chunk_is_saved_from_its_last_step(sched) -
     out = step()
     out.preempted_req_ids = {"a"}
     assert adapter.build_connector_meta(out)[0].preempt_saves == []
+
+
+def test_an_async_load_is_asked_once_and_vllms_second_allocation_counts_nothing(sched) -> None:
+    """With load_async, vLLM parks the request while the worker loads, then allocates its other blocks
+    and calls update_state_after_alloc again with 0 tokens: nothing is loaded or counted twice; with
+    vLLM's hybrid manager the block ids are one tuple per position (a block id per group)."""
+    _, _, handle, config = sched
+    config = config.model_copy(update={"load_async": True})
+    tables: dict[str, list] = {}
+    adapter = VllmScheduler(KVStoreScheduler(config, handle), tables.__getitem__)
+    chunk = torch.zeros(2, 2, CS, 1, 8, dtype=torch.bfloat16)
+    handle.batch_put_blobs([(k, encode_blob(chunk)) for k in chunk_keys(TOKENS, config.layout)])
+    a = request("async")
+    assert adapter.get_num_new_matched_tokens(a, 0) == (512, True)
+    queries = handle.metrics.snapshot()["vllm:external_prefix_cache_queries_total"]
+    groups = KVCacheBlocks(
+        ([KVCacheBlock(i) for i in (1, 2, 3, 4, 5)], [KVCacheBlock(i) for i in (0, 0, 8, 9, 10)])
+    )
+    tables["async"] = list(zip((1, 2, 3, 4, 5), (0, 0, 8, 9, 10), strict=True))
+    adapter.update_state_after_alloc(a, groups, 512)
+    (load,) = adapter.build_connector_meta(step())[0].loads
+    assert load.block_ids[:4] == ((1, 0), (2, 0), (3, 8), (4, 9)) and load.end_token == 512
+    adapter.update_state_after_alloc(a, groups, 0)  # after the load: vLLM allocates again
+    assert not adapter.build_connector_meta(step())[0].loads
+    assert handle.metrics.snapshot()["vllm:external_prefix_cache_queries_total"] == queries + len(TOKENS)

@@ -35,23 +35,45 @@ def hf_config(kind: str):  # noqa: ANN201 (a transformers config)
                                         num_key_value_heads=4, head_dim=64)  # fmt: skip
     if kind == "mla":
         return transformers.DeepseekV2Config(
-            **_COMMON, moe_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=4, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=32,
-            v_head_dim=32, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
-        )  # fmt: skip
+            **_COMMON,
+            moe_intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            kv_lora_rank=512,
+            q_lora_rank=None,
+            qk_rope_head_dim=64,
+            qk_nope_head_dim=32,
+            v_head_dim=32,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            first_k_dense_replace=2,
+        )  # fmt: skip (every layer dense: no experts to write)
     if kind == "gemma3":
         return transformers.Gemma3TextConfig(**_COMMON, num_hidden_layers=6, num_attention_heads=4,
                                              num_key_value_heads=2, head_dim=64, sliding_window=256)  # fmt: skip
     if kind == "lfm2":
-        return transformers.Lfm2Config(**_COMMON, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                                       layer_types=["conv", "full_attention", "conv", "full_attention"])  # fmt: skip
+        # vLLM's lfm2 reads the older field names (conv_dim, block_*) too
+        return transformers.Lfm2Config(
+            **_COMMON, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            layer_types=["conv", "full_attention", "conv", "full_attention"], conv_dim=128, block_dim=128,
+            block_ff_dim=256, block_auto_adjust_ff_dim=False, block_multiple_of=64, block_ffn_dim_multiplier=1.0,
+            norm_eps=1e-5, conv_L_cache=3,
+        )  # fmt: skip
     raise ValueError(kind)
+
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "llama8": "LlamaForCausalLM", "mla": "DeepseekV2ForCausalLM",
+                 "gemma3": "Gemma3ForCausalLM", "lfm2": "Lfm2ForCausalLM"}  # fmt: skip
 
 
 def config_dir(kind: str, root: Path) -> Path:
     out = root / kind
     out.mkdir(parents=True, exist_ok=True)
-    hf_config(kind).save_pretrained(out)
+    config = hf_config(kind)
+    config.architectures = [ARCHITECTURES[kind]]  # else vLLM guesses (and may pick a pooling runner)
+    config.save_pretrained(out)
     return out
 
 

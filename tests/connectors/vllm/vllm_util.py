@@ -76,7 +76,13 @@ class VllmServer:
     """vLLM's OpenAI server on 127.0.0.1:`port` with the kvstore connector; output kept in a log file."""
 
     def __init__(
-        self, model_dir: Path, port: int, kv_transfer_config: dict, log: Path, core: int = 0
+        self,
+        model_dir: Path,
+        port: int,
+        kv_transfer_config: dict,
+        log: Path,
+        core: int | str = 0,
+        extra_args: tuple[str, ...] = (),
     ) -> None:
         self.url = f"http://127.0.0.1:{port}"
         self.log = log
@@ -86,12 +92,13 @@ class VllmServer:
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--port", str(port),
                "--host", "127.0.0.1", "--served-model-name", "smollm2", "--dtype", "bfloat16",
                "--max-model-len", "8192", "--enable-prefix-caching", "--enable-prompt-tokens-details",
-               "--kv-transfer-config", json.dumps(kv_transfer_config)]  # fmt: skip
+               "--kv-transfer-config", json.dumps(kv_transfer_config), *extra_args]  # fmt: skip
         env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "VLLM_NO_USAGE_STATS": "1"}
         if device == "cpu":
             cmd += ["--enforce-eager"]
             cpus = os.cpu_count() or 1
-            env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=str(core % cpus),
+            bind = core if isinstance(core, str) else str(core % cpus)  # "0|1": one core per TP rank
+            env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=bind,
                        VLLM_CPU_NUM_OF_RESERVED_CPU="0")  # fmt: skip
         else:
             cmd += ["--gpu-memory-utilization", "0.3"]
@@ -187,3 +194,120 @@ class Proxy:
         if self.proc.poll() is None:
             self.proc.terminate()
             self.proc.wait(30)
+
+
+class Engine:
+    """A `vllm.LLM` in a process of its own (tests/connectors/vllm/llm_driver.py), with the kvstore
+    connector: `generate(prompt)` -> {tokens, logprobs, prompt_logprobs, cached}. Its log (vLLM's and the
+    connector's lines) goes to `log`. On CPU, `cores` is the OMP binding: "0|1" gives TP/PP ranks one
+    core each, "0-1" one rank both."""
+
+    def __init__(self, log: Path, cores: str = "0-1", **llm: Any) -> None:
+        from tests.connectors.vllm.llm_driver import READY  # noqa: PLC0415
+
+        kwargs = {"dtype": "bfloat16", "enforce_eager": True, "skip_tokenizer_init": True,
+                  "max_model_len": 4096, "enable_prefix_caching": True, **llm}  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "VLLM_NO_USAGE_STATS": "1",
+               "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": cores,
+               "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}  # fmt: skip
+        self.log = log
+        self._out = open(log, "w")  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.connectors.vllm.llm_driver", json.dumps(kwargs)], cwd=ROOT, env=env,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        self._answers: deque[str] = deque()
+        self._ready = threading.Event()
+        self._got = threading.Condition()
+        threading.Thread(target=self._read, args=(READY,), daemon=True).start()
+
+    def _read(self, ready: str) -> None:
+        from tests.connectors.vllm.llm_driver import RESULT  # noqa: PLC0415
+
+        for line in self.proc.stdout:
+            if line.startswith(RESULT):
+                with self._got:
+                    self._answers.append(line[len(RESULT) :])
+                    self._got.notify_all()
+                continue
+            self._out.write(line)
+            self._out.flush()
+            if line.strip() == ready:
+                self._ready.set()
+        with self._got:
+            self._got.notify_all()
+
+    def wait_ready(self, timeout: float = 600) -> Engine:
+        deadline = time.monotonic() + timeout
+        while not self._ready.wait(1):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                tail = self.tail()
+                self.stop()
+                raise RuntimeError(f"vLLM did not start:\n{tail}")
+        return self
+
+    def tail(self, lines: int = 60) -> str:
+        self._out.flush()
+        return "".join(deque(self.log.read_text(errors="replace").splitlines(keepends=True), maxlen=lines))
+
+    def request(self, body: dict, timeout: float = 600) -> dict:
+        self.proc.stdin.write(json.dumps(body) + "\n")
+        self.proc.stdin.flush()
+        deadline = time.monotonic() + timeout
+        with self._got:
+            while not self._answers:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"vLLM gave no answer:\n{self.tail()}")
+                self._got.wait(1)
+            out = json.loads(self._answers.popleft())
+        if "error" in out:
+            raise RuntimeError(out["traceback"])
+        return out
+
+    def generate(self, prompt: list[int], max_tokens: int = 8, salt: str | None = None,
+                 prompt_logprobs: bool = True) -> dict:  # fmt: skip
+        body = {"prompt": prompt, "max_tokens": max_tokens, "salt": salt, "prompt_logprobs": prompt_logprobs}
+        return self.request(body)
+
+    def cold(self, prompt: list[int], **kw: Any) -> dict:
+        """`prompt` computed without the store: under a cache salt of this engine's own (part of the chunk
+        keys: nothing stored matches, not even another engine's cold run)."""
+        return self.generate(prompt, salt=f"cold-{self.log.stem}-{id(self)}", **kw)
+
+    def reset_prefix_cache(self) -> None:
+        self.request({"op": "reset"})
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.terminate()
+                try:
+                    self.proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait(30)
+        self._out.close()
+
+
+def start_engines(engines: list[Engine]) -> list[Engine]:
+    """Wait for engines started side by side; on a failure stop every one of them."""
+    try:
+        for e in engines:
+            e.wait_ready()
+    except BaseException:
+        for e in engines:
+            e.stop()
+        raise
+    return engines
+
+
+def max_logprob_diff(a: dict, b: dict) -> float:
+    """The largest |difference| between two answers' logprobs: of each generated token, and of each
+    prompt token both computed (null where one of them had the token's KV from a cache)."""
+    pairs = list(zip(a["logprobs"], b["logprobs"], strict=True))
+    pairs += [(x, y) for x, y in zip(a["prompt_logprobs"] or [], b["prompt_logprobs"] or [], strict=False)
+              if x is not None and y is not None]  # fmt: skip
+    return max(abs(x - y) for x, y in pairs)
