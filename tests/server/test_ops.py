@@ -122,3 +122,34 @@ def test_both_doors_call_the_same_handler(server, monkeypatch, transport: str) -
         "put": ops.PutRequest, "get": ops.KeysRequest, "exists": ops.KeysRequest,
         "lookup": ops.LookupRequest, "delete": ops.KeysRequest,
     }  # fmt: skip
+
+
+@pytest.mark.parametrize("transport", ["http", "tcp", "shm"])
+def test_each_call_is_still_one_request(server, monkeypatch, transport: str) -> None:
+    """A whole hit, a put, a batch and a lookup with its candidates: one request each on every wire
+    (none at all for a hit the shm client reads through the arena index)."""
+    from kvstore.sdk.dataplane import DataPlaneClient  # noqa: PLC0415
+    from kvstore.sdk.http import HttpClient  # noqa: PLC0415
+
+    sent: list[str] = []
+    for cls, name in ((DataPlaneClient, "call"), (HttpClient, "request")):
+        real = getattr(cls, name)
+        monkeypatch.setattr(
+            cls, name, lambda self, *a, _real=real, **kw: sent.append(str(a[0])) or _real(self, *a, **kw)
+        )
+    with RemoteBackend(server.url, transport=transport) as be:
+        assert be.transport == transport
+        blob = make_blob(1, tokens=512, key=key(1))
+        for call, expected in [
+            (lambda: be.put_blob(key(1), blob), 1),
+            (lambda: be.get_blob(key(1)), 0 if transport == "shm" else 1),
+            (lambda: be.batch_get([key(1), key(2)]), 1),
+            (lambda: be.lookup_and_exists([key(1), key(2)], [key(3)]), 1),
+            (
+                lambda: be.batch_put([(key(4), make_blob(4, key=key(4)))], replaces=[key(1)]),
+                2 if transport == "http" else 1,
+            ),
+        ]:
+            sent.clear()
+            call()
+            assert len([s for s in sent if s not in (str(dp.SHM_ATTACH), str(dp.SHM_OPEN))]) == expected, sent
