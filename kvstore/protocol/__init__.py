@@ -1,5 +1,7 @@
 """The protocol between kvstore-server and the SDK (docs/design.md §6-8), readable alone.
 
+- `ops`: every store operation once, for both wires: its data-plane op beside its HTTP routes, its
+  request and answer dataclasses, each field's name on each wire (§6).
 - `wire`: the HTTP API's routes, headers, batch frame and error bodies (§6).
 - `dataplane`: the binary data plane's framing and opcodes on the same port (§7).
 - `shm`: same-host shared-memory segments, their header and the regions a client names (§8).
