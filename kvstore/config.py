@@ -1,27 +1,76 @@
 """Store configuration: `StoreConfig`, layered by `kvstore.settings` (defaults < YAML < KVSTORE_* env <
-arguments). Sizes accept pydantic `ByteSize` strings ('8GiB', '500MB')."""
+arguments). Sizes accept pydantic `ByteSize` strings ('8GiB', '500MB').
+
+Each registered tier (kvstore.tier_registry) has its own settings block: in YAML `redis: {url: ...,
+prefix: ...}`; flat, `redis_url: ...` (also the flag `--redis-url` and `KVSTORE_REDIS_URL`). Both forms
+are accepted everywhere; given both in one layer, the flat one wins. `config.tier("redis")` is the
+block; `config.redis_url` reads the same field.
+"""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from kvstore.errors import ConfigError
-from kvstore.settings import Size, human_error, load_settings, parse_size, read_yaml_mapping
+from kvstore.settings import (
+    Size,
+    default_data_dir,
+    human_errors,
+    human_parts,
+    load_settings,
+    parse_size,
+    read_yaml_mapping,
+)
+from kvstore.tier_registry import reserve_settings, tier_spec, tier_specs
+from kvstore.tier_settings import CpuMemory
 
 __all__ = ["CpuMemory", "StoreConfig", "TierName", "default_data_dir", "parse_size", "read_yaml_mapping"]
 
-TierName = Literal["gpu", "cpu", "disk", "redis"]
-# where the cpu tier keeps its blobs (kvstore.tiers.cpu): auto, plain, pinned (needs CUDA), arena
-CpuMemory = Literal["auto", "plain", "pinned", "arena"]
+
+def _known_tier(name: str) -> str:
+    tier_spec(name)  # ConfigError (a ValueError) naming the known tiers
+    return name
 
 
-def default_data_dir() -> Path:
-    return Path(os.environ.get("KVSTORE_DATA_DIR", Path.home() / ".cache" / "kvstore" / "data"))
+TierName = Annotated[str, AfterValidator(_known_tier)]  # a registered tier's name
+
+
+def flat_settings() -> dict[str, tuple[str, str]]:
+    """Every tier's flat setting name -> (tier, field): `redis_url` -> ("redis", "url")."""
+    return {flat: (name, f) for name, spec in tier_specs().items() for flat, f in spec.flat_names().items()}
+
+
+def fold_blocks(data: Mapping[str, Any]) -> dict[str, Any]:
+    """`data` with every flat tier setting moved into its tier's block (the flat value wins)."""
+    flat = flat_settings()
+    specs = tier_specs()
+    out: dict[str, Any] = {}
+    for k, v in data.items():
+        if k in specs and isinstance(v, BaseModel):
+            v = v.model_dump()
+        if k in specs and isinstance(v, Mapping):
+            out[k] = {**out.get(k, {}), **v}
+        elif k not in flat:
+            out[k] = v
+    for k, v in data.items():
+        if k in flat:
+            tier, f = flat[k]
+            block = out.get(tier)
+            out[tier] = {**(block if isinstance(block, Mapping) else {}), f: v}
+    return out
 
 
 class StoreConfig(BaseModel):
@@ -30,21 +79,7 @@ class StoreConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     tiers: list[TierName] = Field(default_factory=lambda: ["cpu", "disk"])
-    gpu_capacity: Size = 4 * 2**30
-    cpu_capacity: Size = 4 * 2**30
-    # where the cpu tier's blobs live (kvstore.tiers.cpu): "arena" (shared memory same-host clients map
-    # read-only; what "auto" is in a kvstore-server with shared memory), "pinned" (page-locked, for a
-    # GPU in this process; needs CUDA), "plain"; "auto" elsewhere: pinned with CUDA, else plain
-    cpu_memory: CpuMemory = "auto"
-    disk_capacity: Size = 64 * 2**30
-    disk_path: Path = Field(default_factory=lambda: default_data_dir() / "disk")
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    redis_prefix: str = "kvstore:"
-    redis_cluster: bool = False
-    redis_max_invalidated: int = Field(100_000, ge=1)  # deletes/replaces an outage may leave to replay
-    # a put is stored in redis once this many replicas have it (WAIT); 0: once the primary has it
-    redis_wait_replicas: int = Field(0, ge=0)
-    # what must survive a restart besides the blobs: the redis tier's pending invalidations
+    # what must survive a restart besides the blobs: the shared tiers' pending invalidations (§10)
     state_dir: Path = Field(default_factory=lambda: default_data_dir() / "state")
     write_policy: Literal["through", "back"] = "through"
     write_back_queue: int = 256  # blobs waiting for lower tiers before puts start to drop
@@ -57,12 +92,74 @@ class StoreConfig(BaseModel):
     lz4: bool = False
     max_blob_size: Size = 256 * 2**20
     miss_log_keys: int = Field(1 << 16, ge=0)  # recently written keys remembered to explain misses
+    _blocks: dict[str, BaseModel] = PrivateAttr(default_factory=dict)
 
     def __init__(self, **data: Any) -> None:
         try:
             super().__init__(**data)
         except ValidationError as e:
-            raise human_error(e, "store settings") from None
+            raise human_errors(e.errors(), "store settings") from None
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _with_blocks(cls, data: Any, handler: Any) -> Any:
+        """The tiers' blocks (flat settings folded in) validated by their tiers' models, the rest by
+        this model; every bad setting named in one ConfigError, a flat setting as `tier_field`."""
+        if not isinstance(data, Mapping):
+            return handler(data)
+        folded = fold_blocks(data)
+        specs = tier_specs()
+        errors: list[dict[str, Any]] = []
+        blocks: dict[str, BaseModel] = {}
+        for name, spec in specs.items():
+            given = folded.pop(name, None) or {}
+            try:
+                blocks[name] = spec.settings(**given)
+            except ValidationError as e:
+                for err in e.errors():
+                    loc = err.get("loc", ())
+                    flat = f"{name}_{loc[0]}" if loc else name
+                    errors.append({**err, "loc": (flat, *loc[1:])})
+        try:
+            model = handler(folded)
+        except ValidationError as e:
+            errors = [*e.errors(), *errors]
+        if errors:  # one error for them all (StoreConfig.__init__ turns it into one ConfigError)
+            raise ValueError("; ".join(human_parts(errors)))
+        model._blocks = blocks
+        return model
+
+    def tier(self, name: str) -> Any:
+        """The settings block of tier `name` (its spec's model; defaults where nothing was given)."""
+        block = self._blocks.get(name)
+        if block is None:  # a tier registered after this config was made
+            block = self._blocks[name] = tier_spec(name).settings()
+        return block
+
+    def __getattr__(self, name: str) -> Any:
+        if not name.startswith("_"):
+            where = flat_settings().get(name)
+            if where is not None:
+                return getattr(self.tier(where[0]), where[1])
+        return super().__getattr__(name)  # type: ignore[misc]
+
+    def model_dump(self, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        """The fields and every tier's block (`{"redis": {"url": ...}, ...}`): `StoreConfig(**dump)`
+        is the same config."""
+        out = super().model_dump(**kwargs)
+        out.update({name: block.model_dump(**kwargs) for name, block in sorted(self._blocks.items())})
+        return out
+
+    def model_dump_json(self, **kwargs: Any) -> str:  # type: ignore[override]
+        import json  # noqa: PLC0415
+
+        return json.dumps(self.model_dump(mode="json", **kwargs), sort_keys=True)
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> StoreConfig:
+        """A copy; `update` may name fields, flat tier settings (`cpu_memory`) or blocks."""
+        if not update:
+            return super().model_copy(deep=deep)
+        return type(self)(**{**self.model_dump(), **update})
 
     @field_validator("tiers", mode="before")
     @classmethod
@@ -84,6 +181,26 @@ class StoreConfig(BaseModel):
         return v
 
     @classmethod
+    def setting_names(cls) -> list[str]:
+        """Every name a layer may use (kvstore.settings): the fields, each tier's block and its flat
+        settings."""
+        return [*cls.model_fields, *tier_specs(), *flat_settings()]
+
+    @classmethod
+    def env_names(cls) -> list[str]:
+        """The names read from `KVSTORE_<NAME>` variables: the fields and the flat tier settings."""
+        return [*cls.model_fields, *flat_settings()]
+
+    @classmethod
+    def merge_layer(cls, lower: dict[str, Any], upper: Mapping[str, Any]) -> dict[str, Any]:
+        """`upper` over `lower`, the tiers' blocks merged field by field (a flat setting of a higher
+        layer beats the same field of a lower layer's block, and the other way round)."""
+        out = fold_blocks(lower)
+        for k, v in fold_blocks(upper).items():
+            out[k] = {**out[k], **v} if k in tier_specs() and isinstance(out.get(k), Mapping) else v
+        return out
+
+    @classmethod
     def load(
         cls,
         path: str | Path | None = None,
@@ -96,3 +213,6 @@ class StoreConfig(BaseModel):
             [cls], path, overrides, env_prefix=env_prefix, use_config_env=False, defaults=defaults
         )
         return config
+
+
+reserve_settings(StoreConfig.model_fields)

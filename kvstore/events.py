@@ -76,6 +76,7 @@ from itertools import count
 from typing import Any
 
 from kvstore.errors import ConfigError
+from kvstore.tier_registry import is_shared, medium_of
 
 logger = logging.getLogger(__name__)
 
@@ -618,7 +619,7 @@ class StoreEvents:
         self._announced: dict[str, dict[str, int]] = {t.name: {} for t in store.tiers}  # key -> generation
         self.publisher.publish([all_blocks_cleared()])
         for tier in store.tiers:
-            if tier.name == "redis":  # shared by many servers and possibly huge: not listed
+            if is_shared(tier):  # declared shared by many servers (redis, fs), possibly huge: not listed
                 continue
             keys = list(tier.keys())
             for i in range(0, len(keys), self.SNAPSHOT_BATCH):
@@ -645,14 +646,14 @@ class StoreEvents:
 
     @staticmethod
     def _stored(tier: str, keys: list[str]) -> Any:
-        medium = TIER_MEDIUM.get(tier, tier.upper())
+        medium = medium_of(tier)  # the tier's declaration (kvstore.tier_registry)
         return block_stored([bytes.fromhex(k) for k in keys], None, [], 0, medium)
 
     def __call__(self, tier: str, stored: list[str], removed: list[str]) -> None:
         events = []
         if removed:
             events.append(
-                block_removed([bytes.fromhex(k) for k in removed], TIER_MEDIUM.get(tier, tier.upper()))
+                block_removed([bytes.fromhex(k) for k in removed], medium_of(tier))
             )
         if stored:
             events.append(self._stored(tier, stored))
@@ -691,7 +692,7 @@ class StoreEvents:
                     for k in gone:
                         del announced[k]
                     if gone:
-                        medium = TIER_MEDIUM.get(tier.name, tier.name.upper())
+                        medium = medium_of(tier.name, tier)
                         self.publisher.publish([block_removed([bytes.fromhex(k) for k in gone], medium)])
                 gone_total += len(gone)
         self.reconciled += gone_total

@@ -49,6 +49,11 @@ def parse_size(value: Any) -> int:
 Size = Annotated[int, BeforeValidator(parse_size)]  # a byte count; accepts '8GiB'-style strings
 
 
+def default_data_dir() -> Path:
+    """Where kvstore keeps data by default: `$KVSTORE_DATA_DIR`, else ~/.cache/kvstore/data."""
+    return Path(os.environ.get("KVSTORE_DATA_DIR", Path.home() / ".cache" / "kvstore" / "data"))
+
+
 def read_token(token: str | None, token_file: str | Path | None) -> str | None:
     """A bearer token given inline or in a file (surrounding whitespace dropped); None for no auth.
     Either is checked by `check_token`: a token no HTTP client could send is refused here."""
@@ -84,8 +89,18 @@ def check_token(token: str, source: str) -> str:
 
 def human_error(e: ValidationError, what: str) -> ConfigError:
     """One readable sentence per bad setting, instead of pydantic's multi-line report."""
+    return human_errors(e.errors(), what)
+
+
+def human_errors(errors: Sequence[Any], what: str) -> ConfigError:
+    """`human_error` of pydantic's error dicts (those of several models together)."""
+    return ConfigError(f"invalid {what}: " + "; ".join(human_parts(errors)))
+
+
+def human_parts(errors: Sequence[Any]) -> list[str]:
+    """One sentence per pydantic error dict."""
     parts = []
-    for err in e.errors():
+    for err in errors:
         loc = ".".join(str(x) for x in err.get("loc", ()) if x != "__root__")
         msg = str(err.get("msg", "invalid")).removeprefix("Value error, ").removeprefix("Assertion failed, ")
         if err.get("type") == "extra_forbidden":
@@ -96,7 +111,7 @@ def human_error(e: ValidationError, what: str) -> ConfigError:
         if msg.startswith(("not a size", "a size")) or shown in msg:
             shown = ""
         parts.append(f"{loc}: {msg}{shown}" if loc else f"{msg}{shown}")
-    return ConfigError(f"invalid {what}: " + "; ".join(parts))
+    return parts
 
 
 def build(model: type[BaseModel], data: Mapping[str, Any], what: str | None = None) -> Any:
@@ -144,8 +159,13 @@ def unknown_keys(keys: set[str], known: set[str], where: str) -> ConfigError:
     return ConfigError(f"unknown setting{'s' if len(keys) > 1 else ''} in {where}: {', '.join(hints)}")
 
 
-def setting_names(model: type) -> list[str]:
-    """The settings of a pydantic model or a dataclass (its init fields)."""
+def setting_names(model: type, env: bool = False) -> list[str]:
+    """The settings of a pydantic model or a dataclass (its init fields); a model may widen them with
+    `setting_names()` and, for the environment (`env`), `env_names()` (StoreConfig: its tiers' blocks
+    and flat settings)."""
+    hook = getattr(model, "env_names" if env else "setting_names", None)
+    if hook is not None:
+        return list(hook())
     if dataclasses.is_dataclass(model):
         return [f.name for f in dataclasses.fields(model) if f.init]
     return list(model.model_fields)
@@ -178,11 +198,12 @@ def load_settings(
     out = []
     for model in models:
         mine = setting_names(model)
-        data = {k: v for k, v in (defaults or {}).items() if k in mine}
-        data.update({k: v for k, v in file_data.items() if k in mine})
+        merge = getattr(model, "merge_layer", None) or (lambda lower, upper: {**lower, **upper})
+        data = merge({}, {k: v for k, v in (defaults or {}).items() if k in mine})
+        data = merge(data, {k: v for k, v in file_data.items() if k in mine})
         if env_prefix is not None:
-            data.update(env_values(mine, env_prefix))
-        data.update({k: v for k, v in given.items() if k in mine})
+            data = merge(data, env_values(setting_names(model, env=True), env_prefix))
+        data = merge(data, {k: v for k, v in given.items() if k in mine})
         out.append(model(**data) if dataclasses.is_dataclass(model) else build(model, data))
     return out
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -39,6 +38,7 @@ from typing import Any
 from kvstore import tier_calls
 from kvstore.acks import put_error, stale_error
 from kvstore.blob import BlobHeader, bind_blob, verify_blob
+from kvstore.clock import SYSTEM, Clock
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError, CorruptBlob, InvalidArgument, TooLarge, Unavailable
 from kvstore.keys import validate_key
@@ -61,8 +61,13 @@ MAX_PROBATION = 1 << 20  # keys waiting for admission that the store remembers
 class TieredStore:
     """A key -> blob store over ordered tiers (fastest first). Thread-safe."""
 
-    def __init__(self, config: StoreConfig | None = None, tiers: list[Tier] | None = None) -> None:
+    def __init__(
+        self, config: StoreConfig | None = None, tiers: list[Tier] | None = None, clock: Clock = SYSTEM
+    ) -> None:
+        """`tiers`: built already (else each of `config.tiers` by kvstore.tiers.make_tier); `clock`: the
+        one clock of everything that expires here, the tiers it builds included (kvstore/clock.py)."""
         self.config = config or StoreConfig()
+        self.clock = clock
         c = self.config
         try:
             check_ttl(c.ttl)
@@ -74,7 +79,9 @@ class TieredStore:
                 f"{c.write_back_queue}, {c.admission_hits}"
             )
         self.tiers: list[Tier] = (
-            list(tiers) if tiers is not None else [make_tier(n, self.config) for n in self.config.tiers]
+            list(tiers)
+            if tiers is not None
+            else [make_tier(n, self.config, clock) for n in self.config.tiers]
         )
         if not self.tiers:
             raise ConfigError("a store needs at least one tier")
@@ -105,7 +112,7 @@ class TieredStore:
         return s.errors + s.extra.get("fast_fails", 0) + self.metrics.store_errors[tier.name]
 
     def _miss(self, key: str, reason: str | None = None) -> str:
-        reason = reason or self.miss_log.reason(key, time.monotonic(), self._ttl)
+        reason = reason or self.miss_log.reason(key, self.clock.monotonic(), self._ttl)
         self.metrics.miss_reason[reason].inc()
         return reason
 
@@ -257,7 +264,7 @@ class TieredStore:
                 return
             for upper in self.tiers[:level]:
                 self._put_tier(upper, items)
-        self.miss_log.written([k for k, _ in items], time.monotonic())  # a fresh TTL above
+        self.miss_log.written([k for k, _ in items], self.clock.monotonic())  # a fresh TTL above
 
     def _count_reads(self, found: list[tuple[str, Blob]], since: int) -> None:
         """Admission: count top-tier reads of probationary blobs; admit those that reached the bar."""
@@ -425,7 +432,7 @@ class TieredStore:
         if stale:
             self._take_back(items, stored_in, stale)
         self.miss_log.written(
-            [k for (k, _), tiers in zip(items, stored_in, strict=True) if tiers], time.monotonic()
+            [k for (k, _), tiers in zip(items, stored_in, strict=True) if tiers], self.clock.monotonic()
         )
         error = put_error([k for k, _ in items], stored_in, errors)
         if error is not None:

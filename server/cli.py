@@ -16,17 +16,18 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.server.config import ServerConfig, load_configs
-from pydantic import BaseModel
+from pydantic.fields import FieldInfo
 
 from kvstore import __version__
 from kvstore.config import StoreConfig
 from kvstore.errors import KVStoreError
 from kvstore.settings import check_port_free, parse_size
+from kvstore.tier_registry import tier_specs
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 # the flags users reach for, with their help; every other setting gets a flag from its field name below
 STORE_FLAGS = {
-    "tiers": "ordered tiers, any of gpu,cpu,disk,redis (default cpu,disk)",
+    "tiers": "ordered tiers, any of {tiers} (default cpu,disk)",
     "cpu_capacity": "bytes the cpu tier may hold, e.g. 16GiB (default {default})",
     "disk_capacity": "bytes the disk tier may hold, e.g. 1TiB (default {default})",
     "gpu_capacity": "bytes the gpu tier may hold, e.g. 8GiB (default {default})",
@@ -118,16 +119,28 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _add_model_flags(group: argparse._ArgumentGroup, model: type[BaseModel], helps: dict[str, str]) -> None:
-    """One flag per field of `model`, in the order of `helps`, then the rest; all default to None so the
-    YAML and environment layers show through."""
-    for name in [*helps, *(n for n in model.model_fields if n not in helps)]:
-        field = model.model_fields[name]
+def store_fields() -> dict[str, FieldInfo]:
+    """StoreConfig's fields and every registered tier's settings as flat names (`--redis-url` is the
+    redis block's `url`: kvstore.config)."""
+    fields = dict(StoreConfig.model_fields)
+    for name, spec in tier_specs().items():
+        fields.update({f"{name}_{f}": info for f, info in spec.settings.model_fields.items()})
+    return fields
+
+
+def _add_model_flags(
+    group: argparse._ArgumentGroup, fields: dict[str, FieldInfo], helps: dict[str, str]
+) -> None:
+    """One flag per field, in the order of `helps`, then the rest; all default to None so the YAML and
+    environment layers show through."""
+    for name in [*(n for n in helps if n in fields), *(n for n in fields if n not in helps)]:
+        field = fields[name]
         default = field.default if field.default_factory is None else field.default_factory()
         shown = show_default(
             default, size=any(getattr(m, "func", None) is parse_size for m in field.metadata)
         )
-        help_text = helps.get(name, name.replace("_", " "))  # tests/server/test_cli.py: none is missing
+        help_text = helps.get(name) or field.description or name.replace("_", " ")  # test_cli: none missing
+        help_text = help_text.replace("{tiers}", ",".join(tier_specs()))
         if "{default}" in help_text:
             help_text = help_text.replace("{default}", shown)
         elif "default" not in help_text and shown:
@@ -149,8 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--config", metavar="FILE", help="YAML file of store and server settings (default $KVSTORE_CONFIG)"
     )
     p.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="default INFO")
-    _add_model_flags(p.add_argument_group("store"), StoreConfig, STORE_FLAGS)
-    _add_model_flags(p.add_argument_group("server"), ServerConfig, SERVER_FLAGS)
+    _add_model_flags(p.add_argument_group("store"), store_fields(), STORE_FLAGS)
+    _add_model_flags(p.add_argument_group("server"), dict(ServerConfig.model_fields), SERVER_FLAGS)
     return p
 
 

@@ -16,12 +16,12 @@ from kvstore.server.history import StatsHistory
 from kvstore.server.metrics import ServerMetrics
 
 from kvstore.config import StoreConfig
+from kvstore.tier_registry import tier_spec
 
 if TYPE_CHECKING:  # imported for its type only: it imports torch, and `kvstore-server --help` stays fast
     from kvstore.store import TieredStore
 
 T = TypeVar("T")
-MEMORY_TIERS = frozenset({"cpu", "gpu"})
 
 
 @dataclass
@@ -39,8 +39,9 @@ class ServerState:
         if self.history is None:
             self.history = StatsHistory(self.config.history_size, self.config.engine_metrics)
         # Memory-only stores answer in microseconds: calling them inline beats a thread hop. A store with
-        # disk or Redis tiers may block, so its calls run on threads and the event loop keeps serving.
-        self.inline = set(self.store_config.tiers) <= MEMORY_TIERS
+        # a tier that is durable or shared (disk, Redis, fs: kvstore.tier_registry) may block, so its
+        # calls run on threads and the event loop keeps serving.
+        self.inline = all(tier_spec(name).in_memory for name in self.store_config.tiers)
         if not self.inline and self.executor is None:
             self.executor = ThreadPoolExecutor(self.config.store_threads, thread_name_prefix="kvstore-store")
 

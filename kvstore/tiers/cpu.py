@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 import weakref
 
 import numpy as np
 import torch
 
-from kvstore.config import CpuMemory, StoreConfig
+from kvstore.clock import SYSTEM, Clock
 from kvstore.errors import ConfigError, InvalidArgument
 from kvstore.lru import Entry, LRUIndex, check_ttl
 from kvstore.protocol import Blob
@@ -49,7 +48,7 @@ def _pinned_copy(blob: Blob) -> memoryview:
     return memoryview(arr).toreadonly()  # the view keeps the pinned tensor alive
 
 
-def resolve_memory(memory: CpuMemory, cuda: bool) -> CpuMemory:
+def resolve_memory(memory: str, cuda: bool) -> str:
     """What `memory` means on a host with or without `cuda`: "auto" is "pinned" with CUDA, else "plain"
     (a kvstore-server with shared memory asks for "arena" instead: kvstore.server.runner.server_cpu_memory); "pinned"
     without CUDA is a ConfigError (asked for, it is not quietly something else); "arena" is an arena
@@ -68,7 +67,9 @@ class CpuTier(IndexedTier):
 
     trusted = True  # it keeps verified blobs, immutable, in this process's memory (Tier: `trusted`)
 
-    def __init__(self, capacity: int, name: str = "cpu", memory: CpuMemory = "auto") -> None:
+    def __init__(self, capacity: int, name: str = "cpu", memory: str = "auto", clock: Clock = SYSTEM) -> None:
+        """`memory`: kvstore.tier_settings.CpuMemory (auto, plain, pinned, arena); `clock`: the store's
+        (TTLs are on its `monotonic`)."""
         if capacity <= 0:
             raise InvalidArgument(f"cpu tier capacity must be positive, got {capacity}")
         self.name = name
@@ -81,17 +82,13 @@ class CpuTier(IndexedTier):
         self.stats = TierStats()
         self._index: LRUIndex[Blob] = self._new_index()
         self._lock = threading.Lock()
-        self._clock = time.monotonic
+        self._clock = clock.monotonic
         self._ttl_seen = False  # sweep expired blobs on put only once some blob has a TTL
 
     def _new_index(self) -> LRUIndex[Blob]:
         if self.arena is None or self.arena_index is None:
             return LRUIndex(self.capacity)
         return PublishedLRU(self.capacity, self.arena, self.arena_index)
-
-    @classmethod
-    def from_config(cls, config: StoreConfig) -> CpuTier:
-        return cls(config.cpu_capacity, memory=config.cpu_memory)
 
     def _own(self, blob: Blob) -> Blob:
         """An immutable buffer holding `blob` that the tier may keep."""

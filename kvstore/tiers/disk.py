@@ -29,10 +29,9 @@ import logging
 import os
 import stat
 import threading
-import time
 from pathlib import Path
 
-from kvstore.config import StoreConfig
+from kvstore.clock import SYSTEM, Clock
 from kvstore.errors import InvalidArgument
 from kvstore.keys import validate_key
 from kvstore.lru import Entry, LRUIndex, check_ttl
@@ -58,9 +57,10 @@ __all__ = ["DiskTier", "TMP_PREFIX", "parse_name"]
 class DiskTier(IndexedTier):
     """File-per-blob tier. Thread-safe: the index is under one lock; file data moves outside it."""
 
-    _clock = staticmethod(time.time)  # expiry times are wall-clock: they live in file names
-
-    def __init__(self, path: str | Path, capacity: int, name: str = "disk", fsync: bool = True) -> None:
+    def __init__(
+        self, path: str | Path, capacity: int, name: str = "disk", fsync: bool = True, clock: Clock = SYSTEM
+    ) -> None:
+        """`clock`: the store's; expiry times are on its `time` (wall clock: they live in file names)."""
         if capacity <= 0:
             raise InvalidArgument(f"disk tier capacity must be positive, got {capacity}")
         self.name = name
@@ -68,6 +68,7 @@ class DiskTier(IndexedTier):
         self.root = Path(path)
         self.fsync = fsync
         self.stats = TierStats()
+        self._clock = clock.time
         self._lock = threading.Lock()
         self._index: LRUIndex[str] = LRUIndex(capacity)  # value: file name inside the shard dir
         self._tmp_ids = itertools.count()
@@ -75,10 +76,6 @@ class DiskTier(IndexedTier):
         self._ttl_seen = False  # sweep expired blobs on put only once some blob has a TTL
         self._lock_fd = lock_directory(self.root)
         self._load()
-
-    @classmethod
-    def from_config(cls, config: StoreConfig) -> DiskTier:
-        return cls(config.disk_path, config.disk_capacity)
 
     # -- layout ------------------------------------------------------------------------------------
 
@@ -91,7 +88,7 @@ class DiskTier(IndexedTier):
     def _load(self) -> None:
         """Rebuild the index from the directory: drop temp leftovers and expired blobs, order by mtime."""
         found: dict[str, tuple[int, int, str]] = {}  # key -> (mtime_ns, size, file name)
-        now_ms = time.time() * 1000
+        now_ms = self._clock() * 1000
         for path in self.root.glob("[0-9a-f][0-9a-f]/[0-9a-f][0-9a-f]/*"):
             name = path.name
             if name.startswith(TMP_PREFIX):
@@ -165,7 +162,7 @@ class DiskTier(IndexedTier):
         entry = self._index.peek(key)
         if entry is None:
             return None
-        if entry.expired(time.time()):
+        if entry.expired(self._clock()):
             self._index.pop(key)
             self._unlink([(key, entry)])
             self.stats.expired += 1
@@ -225,7 +222,7 @@ class DiskTier(IndexedTier):
             )
         shard = self._shard(key)
         tmp = shard / f"{TMP_PREFIX}{key}-{os.getpid()}-{next(self._tmp_ids)}"
-        expires_at = None if ttl_s is None else time.time() + ttl_s
+        expires_at = None if ttl_s is None else self._clock() + ttl_s
         fname = key if expires_at is None else f"{key}.x{int(expires_at * 1000)}"
         try:
             self._make_shard(shard)
@@ -233,7 +230,7 @@ class DiskTier(IndexedTier):
             with self._lock:
                 self._ttl_seen = self._ttl_seen or expires_at is not None
                 if self._ttl_seen:  # a cheap sweep of the oldest entries
-                    expired = self._index.pop_expired(time.time())
+                    expired = self._index.pop_expired(self._clock())
                     self._unlink(expired)
                     self.stats.expired += len(expired)
                 os.rename(tmp, shard / fname)

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
-from kvstore.config import StoreConfig
+from kvstore.clock import SYSTEM, Clock
 from kvstore.errors import ConfigError, InvalidArgument
 from kvstore.lru import Entry, LRUIndex, check_ttl
 from kvstore.protocol import Blob
@@ -55,6 +54,7 @@ class GpuTier(IndexedTier):
         capacity: int,
         device: int | str | torch.device | None = None,
         staging_bytes: int = STAGING_BYTES,
+        clock: Clock = SYSTEM,
     ) -> None:
         require_cuda()
         if capacity <= 0:
@@ -81,11 +81,7 @@ class GpuTier(IndexedTier):
         self._staging = [torch.empty(staging_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
         self._staging_np = [t.numpy() for t in self._staging]
         self._events = [torch.cuda.Event() for _ in range(2)]
-        self._clock = time.monotonic
-
-    @classmethod
-    def from_config(cls, config: StoreConfig) -> GpuTier:
-        return cls(config.gpu_capacity)
+        self._clock = clock.monotonic
 
     # ---- copies ---------------------------------------------------------------------------------
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from kvstore.errors import ConfigError
-from kvstore.tiers import handoff_journal
-from kvstore.tiers.handoff_journal import Journal
-from kvstore.tiers.invalidations import Invalidations
+from kvstore.tiers.handoff import journal as handoff_journal
+from kvstore.tiers.handoff.invalidations import Invalidations
+from kvstore.tiers.handoff.journal import Journal
 
 
 def test_keys_survive_a_reopen_and_a_torn_record_is_ignored(tmp_path: Path) -> None:

@@ -22,7 +22,8 @@ OUTSIDE = ("benchmarks", "tests", "examples")
 # layer and of the layers below it; a new core module must be placed in one.
 CORE_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("base", ("kvstore", "kvstore.errors", "kvstore.keys", "kvstore.settings", "kvstore.config",
-              "kvstore.c_build", "kvstore.lru", "kvstore.breaker", "kvstore.miss_log", "kvstore.event_types")),
+              "kvstore.c_build", "kvstore.lru", "kvstore.breaker", "kvstore.miss_log", "kvstore.event_types",
+              "kvstore.clock", "kvstore.tier_registry", "kvstore.tier_settings")),
     ("protocol", ("kvstore.protocol",)),
     ("codecs", ("kvstore.codecs",)),
     ("blob", ("kvstore.blob",)),

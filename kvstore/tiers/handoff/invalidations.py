@@ -10,7 +10,7 @@ Each entry has a generation: a put that started before a newer invalidation of t
 clear it (`discard(key, gen)` only removes the generation it saw). `replay_lock` keeps a replayed
 DEL and a put of the same key from crossing on the wire.
 
-With a `journal` (kvstore/tiers/handoff_journal.py) the set survives a restart: `add` returns only
+With a `journal` (kvstore/tiers/handoff/journal.py) the set survives a restart: `add` returns only
 once its keys are on disk (fsync'd), and a key it could not write there did not fit; the keys the
 journal kept from before the restart are invalidated from the start.
 """
@@ -22,9 +22,9 @@ import logging
 import threading
 from collections.abc import Iterable
 
-from kvstore.tiers.handoff_journal import Journal
+from kvstore.tiers.handoff.journal import Journal
 
-log = logging.getLogger("kvstore.tiers.redis")
+log = logging.getLogger("kvstore.tiers.handoff")
 
 
 class Invalidations:

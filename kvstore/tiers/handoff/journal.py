@@ -1,8 +1,8 @@
-"""The redis tier's invalidations on disk (hinted handoff, kvstore/tiers/redis/handoff.py), so that
-a restart keeps them: a delete or replace made while Redis was down is never undone by restarting
-this process.
+"""A shared tier's invalidations on disk (hinted handoff, kvstore/tiers/handoff/), so that a restart
+keeps them: a delete or replace made while the backend (Redis, a shared directory) was out of reach is
+never undone by restarting this process.
 
-A directory per Redis URL and prefix holds slots `<n>.log` (records) and `<n>.lock` (flock'ed while a
+A directory per backend (`TierContext.handoff_dir`: per Redis URL and prefix, per shared directory) holds slots `<n>.log` (records) and `<n>.lock` (flock'ed while a
 process owns the slot: several processes with the same Redis and prefix each take their own).
 A log starts with a header line (its format's version) and holds one record a line: `+<key> <crc>`
 (invalidated) or `-<key> <crc>` (deleted on the server, or overwritten there: forgotten), `<crc>` the
@@ -34,8 +34,8 @@ from pathlib import Path
 from kvstore.errors import ConfigError
 from kvstore.tiers.disk_files import fsync_dir
 
-log = logging.getLogger("kvstore.tiers.redis")
-MAX_SLOTS = 64  # processes sharing one Redis and prefix on one host, with the same state directory
+log = logging.getLogger("kvstore.tiers.handoff")
+MAX_SLOTS = 64  # processes sharing one backend on one host, with the same state directory
 COMPACT_SLACK = 4096  # records beyond twice the waiting keys before the log is rewritten
 HEADER = b"kvstore handoff journal v2\n"
 
@@ -70,7 +70,7 @@ def _parse(data: bytes) -> list[bytes]:
         else:
             bad += 1
     if bad:
-        log.warning("redis tier: %d torn or garbled records in the invalidation journal were dropped", bad)
+        log.warning("%d torn or garbled records in an invalidation journal were dropped", bad)
     return records
 
 
@@ -101,7 +101,7 @@ class Journal:
             self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
         except OSError as e:
             raise ConfigError(
-                f"cannot keep the redis tier's invalidations in {self.dir}: {e} (set state_dir, "
+                f"cannot keep a tier's invalidations in {self.dir}: {e} (set state_dir, "
                 "--state-dir or KVSTORE_STATE_DIR to a writable directory)"
             ) from None
         self._records = 0  # records in the log now
@@ -137,12 +137,12 @@ class Journal:
             if orphans:
                 fsync_dir(self.dir)
         except OSError as e:
-            raise ConfigError(f"cannot rewrite the redis tier's invalidations in {self.dir}: {e}") from None
+            raise ConfigError(f"cannot rewrite the invalidations in {self.dir}: {e}") from None
         finally:
             for _, fd in orphans:
                 os.close(fd)
         if keys:
-            log.warning("redis tier: %d invalidations from before the restart wait for the servers (%s)",
+            log.warning("%d invalidations from before the restart wait for the backend (%s)",
                         len(keys), self.dir)  # fmt: skip
         return list(keys)
 

@@ -1,11 +1,12 @@
-"""The redis tier's hinted handoff: invalidated keys (kvstore/tiers/invalidations.py) and the thread
-that deletes them on the servers once they answer.
+"""Hinted handoff for any tier that declares it (kvstore.tier_registry, `handoff`): invalidated keys
+(invalidations.py) and the thread that deletes them on the backend once it answers.
 
-The replayer wakes every REPLAY_INTERVAL_S while keys wait (at once when one is added), sends one
-pipelined DEL per server for up to REPLAY_BATCH of them, and forgets those the server confirmed. A
-server that is down costs nothing there: its circuit breaker fails the call without touching the
-network until its next probe. With a journal the keys survive a restart (handoff_journal.py): those
-kept from before it are replayed like any other.
+The replayer wakes every REPLAY_INTERVAL_S while keys wait (at once when one is added), hands the
+tier's `delete` up to REPLAY_BATCH of them (the redis tier: one pipelined DEL per server; the fs tier:
+a tombstone each), and forgets those it confirmed. A backend that is down should cost nothing there
+(the redis tier's circuit breaker fails the call without touching the network until its next probe).
+With a journal the keys survive a restart (journal.py): those kept from before it are replayed like
+any other.
 """
 
 from __future__ import annotations
@@ -15,16 +16,16 @@ import threading
 from collections.abc import Callable, Collection, Iterable
 
 from kvstore.tiers.base import TierStats
-from kvstore.tiers.handoff_journal import Journal
-from kvstore.tiers.invalidations import Invalidations
+from kvstore.tiers.handoff.invalidations import Invalidations
+from kvstore.tiers.handoff.journal import Journal
 
-log = logging.getLogger("kvstore.tiers.redis")
+log = logging.getLogger("kvstore.tiers.handoff")
 REPLAY_INTERVAL_S = 0.2
 REPLAY_BATCH = 1000
 
 
 class Handoff(Invalidations):
-    """Invalidations plus their replayer. `delete(keys)` deletes on the servers and returns the keys
+    """Invalidations plus their replayer. `delete(keys)` deletes on the backend and returns the keys
     it confirmed deleted; `stats.extra["invalidated"]` follows the number of keys waiting."""
 
     def __init__(
@@ -48,7 +49,7 @@ class Handoff(Invalidations):
             self._ensure_thread()
 
     def add(self, keys: list[str]) -> list[str]:
-        """Invalidate `keys` until the servers delete them; returns those that did not fit."""
+        """Invalidate `keys` until the backend deletes them; returns those that did not fit."""
         overflow = super().add(keys)
         self._stats.extra["invalidated"] = len(self)
         if len(overflow) < len(keys):
@@ -56,7 +57,7 @@ class Handoff(Invalidations):
             self._wake.set()
         if overflow:
             log.error(
-                "%s: %d invalidated keys wait for the servers (the limit); %d more could not be remembered",
+                "%s: %d invalidated keys wait for the backend (the limit); %d more could not be remembered",
                 self._name, len(self), len(overflow),
             )  # fmt: skip
         return overflow
@@ -72,7 +73,7 @@ class Handoff(Invalidations):
                 self._thread.start()
 
     def replay(self) -> int:
-        """One round: delete a batch of invalidated keys on the servers. Returns how many were cleared."""
+        """One round: delete a batch of invalidated keys on the backend. Returns how many were cleared."""
         batch = self.snapshot(REPLAY_BATCH)
         if not batch:
             return 0

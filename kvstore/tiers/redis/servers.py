@@ -34,6 +34,7 @@ from redis.exceptions import AskError, AuthenticationError, MovedError, RedisClu
 from redis.retry import Retry
 
 from kvstore.breaker import Breaker
+from kvstore.clock import SYSTEM, Clock
 from kvstore.errors import ConfigError
 from kvstore.tiers.base import TierStats
 from kvstore.tiers.redis.commands import asking, pipelined, replicated
@@ -60,8 +61,8 @@ CLUSTER_COUNTERS = ("ask", "moved", "map_refreshes", "fast_fails")
 class Endpoint:
     """One server: its client and its breaker."""
 
-    def __init__(self, name: str, client: redis.Redis) -> None:
-        self.name, self.client, self.breaker = name, client, Breaker(BACKOFF_MIN_S, BACKOFF_MAX_S)
+    def __init__(self, name: str, client: redis.Redis, clock: Clock = SYSTEM) -> None:
+        self.name, self.client, self.breaker = name, client, Breaker(BACKOFF_MIN_S, BACKOFF_MAX_S, clock)
 
 
 class RedisServers:
@@ -76,8 +77,11 @@ class RedisServers:
         on_recovered: Callable[[], None],
         connect_timeout_s: float = CONNECT_TIMEOUT_S,
         socket_timeout_s: float = SOCKET_TIMEOUT_S,
+        clock: Clock = SYSTEM,
     ) -> None:
+        """`clock`: the breakers' (the store's); the slot map's refresh interval is real time."""
         self.url, self.cluster, self.stats = url, cluster, stats
+        self.clock = clock
         self.socket_timeout_s = socket_timeout_s
         self.closed = False
         self.auth_error: Exception | None = None
@@ -104,7 +108,7 @@ class RedisServers:
                 **timeouts,
                 **({} if tls else {"connection_class": ZeroCopyConnection}),
             )
-            self._cluster_breaker = Breaker(BACKOFF_MIN_S, BACKOFF_MAX_S)
+            self._cluster_breaker = Breaker(BACKOFF_MIN_S, BACKOFF_MAX_S, clock)
             for counter in CLUSTER_COUNTERS:  # exported from the start (kvstore/metrics.py)
                 stats.extra.setdefault(counter, 0)
         else:
@@ -114,7 +118,7 @@ class RedisServers:
             cls = ZeroCopySSLConnection if tls else ZeroCopyConnection
             pool = redis.ConnectionPool(connection_class=cls, retry=no_retry, **timeouts, **options)
             name = "{}:{}".format(*hosts[0])
-            self._endpoints[name] = Endpoint(name, redis.Redis(connection_pool=pool))
+            self._endpoints[name] = Endpoint(name, redis.Redis(connection_pool=pool), clock)
 
     # ---- routing --------------------------------------------------------------------------------
 
@@ -139,7 +143,7 @@ class RedisServers:
         name = f"{host}:{port}"
         ep = self._endpoints.get(name)
         if ep is None or ep.client is not client:
-            ep = self._endpoints[name] = Endpoint(name, client)
+            ep = self._endpoints[name] = Endpoint(name, client, self.clock)
         return ep
 
     def endpoint(self, rkey: bytes) -> Endpoint | None:

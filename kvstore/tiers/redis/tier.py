@@ -26,9 +26,9 @@
   invalidates the key: reads treat it as a miss until a replayer has deleted it on the server, so the
   older blob is never served. At most `max_invalidated` keys wait; beyond that the put or delete
   raises with the key in `stale`, and the store fails the request (503) instead of acknowledging it.
-  `handoff_dir` keeps them through a restart (handoff_journal.py: fsync'd before the request is
-  acknowledged, replayed on start); a store built from its config always has one (under
-  `state_dir`); without it they live in this process only. Each server (each Cluster primary) has a
+  `handoff_dir` keeps them through a restart (kvstore/tiers/handoff/journal.py: fsync'd before the
+  request is acknowledged, replayed on start); a store built from its config always has one (under
+  `state_dir`, kvstore.tier_registry.TierContext.handoff_dir); without it they live in this process only. Each server (each Cluster primary) has a
   circuit breaker: after a failure it is skipped without touching the network for a backoff that
   doubles from 0.1 s to 5 s (those calls count in `stats.extra["fast_fails"]`), then one caller
   probes it; the tier reconnects on its own. Timeouts: connect 0.5 s, each socket operation 2 s.
@@ -39,13 +39,13 @@
 - Files (the package kvstore/tiers/redis/): this one is the Tier protocol; `connection.py` the URLs
   and zero-copy connections; `servers.py` reaches the servers (routing, redirects, a circuit breaker
   per server from kvstore/breaker.py); `commands.py` the commands and values sent; `index.py` keeps
-  the byte accounting; `handoff.py` the invalidations.
+  the byte accounting; the invalidations are kvstore/tiers/handoff/ (shared with every tier that
+  declares hinted handoff).
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import sys
 import threading
@@ -57,14 +57,13 @@ from typing import Any
 import redis
 from redis.exceptions import AskError
 
-from kvstore.config import StoreConfig
+from kvstore.clock import SYSTEM, Clock
 from kvstore.errors import ConfigError
 from kvstore.protocol import Blob
 from kvstore.tiers.base import BACKEND_ERROR, TOO_LARGE, UNAVAILABLE, TierStats, TierWriteError
-from kvstore.tiers.handoff_journal import Journal
+from kvstore.tiers.handoff import Handoff, Journal
 from kvstore.tiers.redis.commands import as_value, px_of, server_info
 from kvstore.tiers.redis.connection import CONNECT_TIMEOUT_S, SOCKET_TIMEOUT_S
-from kvstore.tiers.redis.handoff import Handoff
 from kvstore.tiers.redis.index import SCAN_BATCH, KeyIndex, Sizes, glob_escape, scan_sizes
 from kvstore.tiers.redis.servers import BACKEND_ERRORS, FAIL, Endpoint, RedisServers
 
@@ -73,13 +72,6 @@ log = logging.getLogger("kvstore.tiers.redis")  # the tier's warnings under one 
 UNBOUNDED = sys.maxsize
 MAX_INVALIDATED = 100_000  # ~10 MiB of keys; the store fails deletes/replaces beyond it until replayed
 WAIT_MS = 1000  # how long a put waits for its replicas (wait_replicas), below the socket timeout
-
-
-def handoff_dir(config: StoreConfig) -> Path:
-    """The directory of the invalidations of `config`'s Redis and prefix: one per (URL, prefix), named
-    by their digest (the URL may hold a password)."""
-    digest = hashlib.sha256(f"{config.redis_url}\0{config.redis_prefix}".encode()).hexdigest()[:16]
-    return Path(config.state_dir) / f"redis-handoff-{digest}"
 
 
 class RedisTier:
@@ -98,6 +90,7 @@ class RedisTier:
         max_invalidated: int = MAX_INVALIDATED,
         handoff_dir: str | Path | None = None,
         wait_replicas: int = 0,
+        clock: Clock = SYSTEM,
     ) -> None:
         """`server_maxmemory`: CONFIG SET maxmemory (+ allkeys-lru) on every primary at each connect,
         for deployments that own their Redis (tests, benchmarks); None leaves the server as it is.
@@ -105,7 +98,8 @@ class RedisTier:
         `handoff_dir`: where those keys survive a restart (None: in this process's memory only).
         `wait_replicas`: a put counts as stored only once this many replicas of its primary have it
         (WAIT, up to WAIT_MS); 0: once the primary has it (replication is asynchronous: a failover may
-        lose it)."""
+        lose it). `clock`: the store's; the circuit breakers' backoffs are on it (Redis expires keys
+        by its own clock)."""
         self.url, self.prefix, self.cluster = url, prefix, cluster
         self._raw_prefix = prefix.encode()
         self.server_maxmemory = server_maxmemory
@@ -120,7 +114,13 @@ class RedisTier:
             Journal(handoff_dir) if handoff_dir is not None else None
         )  # (ConfigError: nothing opened yet)
         self._servers = RedisServers(
-            url, cluster, self.stats, self._reconcile_in_background, connect_timeout_s, socket_timeout_s
+            url,
+            cluster,
+            self.stats,
+            self._reconcile_in_background,
+            connect_timeout_s,
+            socket_timeout_s,
+            clock,
         )
         self._invalid = Handoff(
             max_invalidated, self._delete_on_servers, f"redis tier {prefix!r}", self.stats, journal
@@ -129,17 +129,6 @@ class RedisTier:
         if self._servers.auth_error is not None:
             self.close()
             raise ConfigError(f"redis at {url!r} refused our credentials: {self._servers.auth_error}")
-
-    @classmethod
-    def from_config(cls, config: StoreConfig) -> RedisTier:
-        return cls(
-            config.redis_url,
-            prefix=config.redis_prefix,
-            cluster=config.redis_cluster,
-            max_invalidated=config.redis_max_invalidated,
-            handoff_dir=handoff_dir(config),
-            wait_replicas=config.redis_wait_replicas,
-        )
 
     # ---- keys ----------------------------------------------------------------------------------
 
