@@ -246,6 +246,16 @@ class KVStoreConnectorV1(KVConnectorBase_V1, SupportsHMA):
         except BaseException:
             release_store(self.handle)
             raise
+        # vLLM CPU's reference CPU_MLA backend cannot attend over a prefix it did not compute in the same
+        # pass (vLLM turns its own prefix caching off for it): a loaded latent would change the answer
+        self._saves_only = _prefix_unusable(vllm_config)
+        if self._saves_only and role is KVConnectorRole.SCHEDULER:
+            logger.warning(
+                "KVStoreConnectorV1: vLLM's CPU MLA backend cannot use a prefix it did not compute (vLLM "
+                "turned its own prefix caching off for it): no store hits for %s, saves only (the AMX MLA "
+                "backend, bf16 on AMX CPUs, loads)",
+                vllm_config.model_config.model,
+            )
         if self._groups.stateful and role is KVConnectorRole.SCHEDULER:
             logger.warning(
                 "KVStoreConnectorV1: %s has Mamba / linear-attention layers whose state kvstore does not "
@@ -296,7 +306,7 @@ class KVStoreConnectorV1(KVConnectorBase_V1, SupportsHMA):
         return block_table(self._kv_cache_manager.get_block_ids(request_id))
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        if self._groups.stateful:
+        if self._groups.stateful or self._saves_only:
             return 0, False
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
@@ -421,6 +431,20 @@ class KVStoreConnectorV1(KVConnectorBase_V1, SupportsHMA):
         release_store(self.handle)
 
 
+def _prefix_unusable(vllm_config: VllmConfig) -> bool:
+    """Whether vLLM's attention here cannot consume a loaded prefix: an MLA model on vLLM CPU with its
+    prefix caching off (the platform turns it off for the reference CPU_MLA backend, whose prefill
+    attends over the new tokens only)."""
+    from vllm.platforms import current_platform  # noqa: PLC0415
+
+    mc = vllm_config.model_config
+    return bool(
+        current_platform.is_cpu()
+        and getattr(mc, "use_mla", False)
+        and not vllm_config.cache_config.enable_prefix_caching
+    )
+
+
 @dataclass(frozen=True)
 class _Groups:
     """vLLM's KV cache groups as the connector uses them."""
@@ -457,8 +481,9 @@ def block_table(groups: Sequence[Sequence[int]]) -> list[int] | list[tuple[int, 
 def _store_tiers(handle: StoreHandle) -> tuple[str, ...]:
     """The tiers of the kvstore-server (its /v1/stats), for the metrics' `tier` label and CacheHitSource;
     () when it does not answer (then "store" and unspecified)."""
-    try:
-        return tuple(str(t.get("name")) for t in handle.store.stats().get("tiers", ()))
+    try:  # the lookup client (short timeout) where there is one: a hung store does not hold the start
+        client = handle.lookups if handle.lookups is not None else handle.store
+        return tuple(str(t.get("name")) for t in client.stats().get("tiers", ()))
     except Exception:  # the store may be down at startup: the connector starts all the same
         return ()
 

@@ -107,7 +107,7 @@ MATRIX: tuple[Row, ...] = (
     Row("MLA (DeepSeek / Kimi / GLM latent KV)", "supported",
         "the latent (kv_lora_rank + qk_rope_head_dim per token and layer) is stored once, raw, whatever the TP "
         "size, and every rank loads all of it; also when vLLM CPU turns its own prefix caching off (CPU_MLA)",
-        ("test_vllm_mla.py::test_mla_tp2_stores_and_a_fresh_tp1_reuses_it",
+        ("test_vllm_mla.py::test_mla_a_fresh_vllm_reuses_what_another_stored",
          "test_vllm_mla.py::test_mla_tp1_stores_the_same_bytes_as_tp2")),
     Row("MLA with a `codec` other than raw", "refused", _msg(MLA_CODEC, codec="int4"),
         ("test_vllm_support.py::test_each_refusal_comes_before_vllm_starts_anything",)),
@@ -122,6 +122,18 @@ MATRIX: tuple[Row, ...] = (
         "vLLM starts with its hybrid manager; the connector reports no hits and saves nothing for the model "
         "(kvstore does not store Mamba / linear-attention state), and says so in one log line",
         ("test_vllm_hybrid.py::test_a_mamba_style_hybrid_starts_and_answers_with_no_store_hits",)),
+    Row("asynchronous loads (`load_async`, default true)", "supported",
+        "a request loads between steps while others keep running; a failed chunk's blocks are recomputed "
+        '(`"load_async": false` loads inside the step, before the forward)',
+        ("test_vllm_scheduler.py::test_an_async_load_is_asked_once_and_vllms_second_allocation_counts_nothing",
+         "test_vllm_store.py::test_a_corrupt_chunk_is_recomputed_with_identical_output")),
+    Row("vLLM's connector observability", "supported",
+        "`get_kv_connector_stats` / `build_prom_metrics` (`vllm:kvstore_*` in vLLM's /metrics, with a `tier` "
+        "label), `CacheHitSource` (host / disk / unspecified from the store's tiers), `take_events` (BlockStored / "
+        "BlockRemoved, medium `kvstore`), `reset_cache`",
+        ("test_vllm_store.py::test_kvstores_loads_and_saves_are_in_vllms_own_metrics",
+         "test_vllm_stats.py::test_stats_are_deltas_summed_over_workers_and_reach_prometheus",
+         "test_vllm_stats.py::test_kv_events_are_vllms")),
     Row("CPU attention layout, AVX-512/generic or AMX", "supported",
         "converted; checked at startup against vLLM's own cache writer",
         ("test_layouts.py::test_vllm_cpu_layout_matches_vllms_own_cache_writer",)),

@@ -136,3 +136,30 @@ def test_the_connectors_info_lines_are_in_vllms_log(vllm_pair) -> None:
     for role in ("SCHEDULER", "WORKER"):
         line = rf"INFO \d\d-\d\d \d\d:\d\d:\d\d \[vllm\.py:\d+\] KVStoreConnectorV1 \({role}, kv_producer\)"
         assert re.search(line, log), f"no {role} line in {producer.log}"
+
+
+def test_kvstores_loads_and_saves_are_in_vllms_own_metrics(vllm_pair) -> None:
+    """vLLM's /metrics carries the connector's stats (get_kv_connector_stats -> build_prom_metrics,
+    labelled with the store's tiers) and the source of its hits (get_external_cache_hit_sources: this
+    store has a cpu and a disk tier, and a lookup does not say which held a chunk: unspecified)."""
+    producer, consumer = vllm_pair
+    prompt = doc(PROMPT_TOKENS, 106)
+    saved = producer.metric("vllm:kvstore_saved_chunks_total")
+    loaded = consumer.metric("vllm:kvstore_loaded_tokens_total")
+    by_source = consumer.metric("vllm:prompt_tokens_cached_by_source_total")
+    producer.complete(prompt)
+    consumer.complete(prompt)
+    deadline = time.monotonic() + 30  # stats reach the API server with vLLM's next stats interval
+    while consumer.metric("vllm:kvstore_loaded_tokens_total") - loaded < HIT and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert consumer.metric("vllm:kvstore_loaded_tokens_total") - loaded == HIT
+    assert consumer.metric("vllm:kvstore_load_bytes_total") > 0
+    assert producer.metric("vllm:kvstore_saved_chunks_total") - saved >= 6
+    assert consumer.metric("vllm:prompt_tokens_cached_by_source_total") - by_source >= HIT
+    import urllib.request  # noqa: PLC0415
+
+    from tests.connectors.vllm.vllm_util import http_json  # noqa: PLC0415,F401
+
+    with urllib.request.urlopen(consumer.url + "/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    assert 'tier="cpu+disk"' in text and 'source="external_unspecified"' in text
