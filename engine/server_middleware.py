@@ -114,13 +114,18 @@ class BodyTimeout(InvalidRequest):
     status = 408
 
 
+def check_length(request: web.Request) -> None:
+    """413 when the declared Content-Length is over the app's limit (MAX_BODY_KEY)."""
+    limit = request.app[MAX_BODY_KEY]
+    if request.content_length is not None and request.content_length > limit:
+        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
+
+
 async def read_body(request: web.Request, timeout: float) -> bytes:
     """The whole body, within the app's size limit (MAX_BODY_KEY) and `timeout` seconds. A declared
     Content-Length over the limit is refused (413) before a byte of it is read; a chunked body at the
     limit (aiohttp's client_max_size); one that has not all arrived in `timeout` is a 408."""
-    limit = request.app[MAX_BODY_KEY]
-    if request.content_length is not None and request.content_length > limit:
-        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
+    check_length(request)
     try:
         return await asyncio.wait_for(request.read(), timeout)
     except asyncio.TimeoutError:

@@ -79,6 +79,7 @@ from kvstore.engine.server_middleware import (
     MAX_BODY_BYTES,
     MAX_BODY_KEY,
     browser_guard,
+    check_length,
     errors_middleware,
     host_check,
     parse_json,
@@ -465,6 +466,7 @@ async def _route(request: web.Request, path: str, chat: bool) -> web.StreamRespo
         policy = request.headers.get(POLICY_HEADER)
         if policy is not None and policy not in POLICIES:
             raise InvalidRequest(f"{POLICY_HEADER} must be one of {', '.join(POLICIES)}, got {policy!r}")
+        check_length(request)  # 413 before anything is held for it
         try:  # what reading, parsing and routing the body holds at most: 2x its bytes
             router.budget.reserve(request, 2 * (request.content_length or request.app[MAX_BODY_KEY]))
         except BudgetFull as e:
