@@ -92,7 +92,8 @@ class RouterMetrics:
         )
         self.up = Gauge(
             "kvstore_router_engine_up",
-            "0 while the engine is passed over after refusing a connection, else 1",
+            "0 while the engine is passed over (it refused a connection, began no answer within "
+            "--first-byte-timeout, or its health probe went unanswered), else 1",
             ["engine"],
             registry=r,
         )
