@@ -65,6 +65,7 @@ INFLIGHT_KEY = web.AppKey("in_flight", set)
 DOOR_KEY = web.AppKey("front_door", object)
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding", "keep-alive"}
 CONNECT_TIMEOUT_S = 10.0  # to open a connection to an engine (at most --timeout)
+_PARSE_ON_LOOP_BYTES = 256 * 2**10  # a larger body is parsed in a thread
 
 
 class BadGateway(EngineError):
@@ -364,7 +365,10 @@ async def _handle(request: web.Request, path: str) -> web.StreamResponse:
     task = asyncio.current_task()
     inflight.add(task)
     try:
-        body = parse_json(await read_body(request, request.app[DOOR_KEY].body_timeout_s))
+        raw = await read_body(request, request.app[DOOR_KEY].body_timeout_s)
+        body = (
+            parse_json(raw) if len(raw) <= _PARSE_ON_LOOP_BYTES else await asyncio.to_thread(parse_json, raw)
+        )
         decode_url = await _healthy_decode(request)
 
         async def both() -> web.StreamResponse:
