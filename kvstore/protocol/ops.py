@@ -226,31 +226,48 @@ BY_CODE = {op.code: op for op in OPS}
 PLANE_REGION = ("s", "u", "a", "o", "p")
 
 
+# (id of a fields tuple, wire) -> (the tuple, its plan): each field's attribute, its name on the wire, its
+# check, whether absent is allowed and whether None is left out; the entry keeps the tuple (so its id)
+_PLANS: dict[tuple[int, str], tuple[tuple[Field, ...], tuple]] = {}
+
+
+def _plan(fields: tuple[Field, ...], wire_: str) -> tuple:
+    hit = _PLANS.get((id(fields), wire_))
+    if hit is not None and hit[0] is fields:
+        return hit[1]
+    plan = tuple((f.name, name, f.check, f.optional, f.optional and not f.null)
+                 for f in fields if (name := f.on(wire_)) is not None)  # fmt: skip
+    _PLANS[(id(fields), wire_)] = (fields, plan)
+    return plan
+
+
 def to_wire(fields: tuple[Field, ...], message: Any, wire_: str) -> dict[str, Any]:
     """`message`'s fields as one wire names them (HTTP's JSON body, or the data plane's meta)."""
     out: dict[str, Any] = {}
-    for f in fields:
-        name = f.on(wire_)
-        if name is not None:
-            value = getattr(message, f.name)
-            if value is not None or not f.optional or f.null:
-                out[name] = value
+    for attr, name, _, _, omit in _plan(fields, wire_):
+        value = getattr(message, attr)
+        if value is not None or not omit:
+            out[name] = value
     return out
 
 
 def from_wire(cls: type, fields: tuple[Field, ...], data: Any, wire_: str, **more: Any) -> Any:
     """The `cls` a wire's message describes, each field checked; `more`: what travelled elsewhere."""
-    if not isinstance(data, dict):
+    return _read(cls, _plan(fields, wire_), data, wire_, more)
+
+
+def _read(cls: type, plan: tuple, data: Any, wire_: str, values: dict[str, Any]) -> Any:
+    if type(data) is not dict:
         raise InvalidArgument(f"expected a {'JSON object' if wire_ == HTTP else 'map'} of {cls.__name__}")
-    values = dict(more)
-    for f in fields:
-        name = f.on(wire_)
-        if name is None or f.name in values:
+    for attr, name, check, optional, _ in plan:
+        if attr in values:
             continue
-        if name in data and (data[name] is not None or not f.optional):
-            values[f.name] = f.check(data[name])
-        elif not f.optional:
-            raise InvalidArgument(f"{cls.__name__} needs {name!r}")
+        value = data.get(name)
+        if value is None:  # absent, or null
+            if not optional:
+                raise InvalidArgument(f"{cls.__name__} needs {name!r}")
+            continue
+        values[attr] = value if check is _as_is else check(value)
     return cls(**values)
 
 
@@ -264,9 +281,9 @@ def status(answer: Any, n_keys: int, ok: int = 200) -> int:
 def request_from(op: Op, data: Any, wire_: str, **more: Any) -> Any:
     """`op`'s request as `wire_` carries it (`more`: fields that came another way, checked already)."""
     assert op.types is not None, op.name
-    return from_wire(op.types[0], op.request, data, wire_, **more)
+    return _read(op.types[0], _plan(op.request, wire_), data, wire_, more)
 
 
 def answer_from(op: Op, data: Any, wire_: str, **more: Any) -> Any:
     assert op.types is not None, op.name
-    return from_wire(op.types[1], op.answer, data, wire_, **more)
+    return _read(op.types[1], _plan(op.answer, wire_), data, wire_, more)
