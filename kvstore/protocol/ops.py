@@ -117,10 +117,10 @@ class KeysRequest:  # GET, EXISTS, DELETE
 class GetAnswer:
     blobs: list[Blob | None]
     reasons: list[str | None] | None = None  # why each miss missed (kvstore/miss_log.py); None: no miss
+    lens: list[int] = field(init=False)  # each blob's length, -1 for a miss
 
-    @property
-    def lens(self) -> list[int]:
-        return [dp.MISSING if b is None else memoryview(b).nbytes for b in self.blobs]
+    def __post_init__(self) -> None:
+        self.lens = [dp.MISSING if b is None else memoryview(b).nbytes for b in self.blobs]
 
     def found(self) -> bool:
         return self.blobs[0] is not None
