@@ -6,7 +6,9 @@ publisher, it announces the full 16-token blocks of each token-id prompt it serv
 (BlockStored, vLLM's format), as an engine's prefix cache would.
 
 `hung_engine()` is an engine that stopped (SIGSTOP): its socket accepts connections (the kernel's
-backlog) and nothing ever answers."""
+backlog) and nothing ever answers; `FakeEngine.hang()` / `resume()` stop and continue one (every
+route, /health too, waits till it resumes). A request's "kvstore_fake_pad": N pads each streamed token
+with N bytes (a stream that fills a client's buffers fast)."""
 
 from __future__ import annotations
 
@@ -45,6 +47,20 @@ class FakeEngine:
         self.auth_seen: list[str | None] = []
         self.runner: web.AppRunner | None = None
         self.url = ""
+        self._resumed: asyncio.Future | None = None  # not None while hung
+
+    def hang(self) -> None:
+        if self._resumed is None:
+            self._resumed = asyncio.get_running_loop().create_future()
+
+    def resume(self) -> None:
+        if self._resumed is not None:
+            self._resumed.set_result(None)
+            self._resumed = None
+
+    async def _stopped(self) -> None:
+        while self._resumed is not None:
+            await asyncio.shield(self._resumed)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=16 * 2**20)
@@ -67,7 +83,8 @@ class FakeEngine:
         if self.runner is not None:
             await self.runner.cleanup()
 
-    def _check(self, request: web.Request) -> web.Response | None:
+    async def _check(self, request: web.Request) -> web.Response | None:
+        await self._stopped()
         given = request.headers.get("Authorization")
         self.auth_seen.append(given)
         if self.expected_auth is not None and given != self.expected_auth:
@@ -75,18 +92,19 @@ class FakeEngine:
         return None
 
     async def health(self, request: web.Request) -> web.Response:
-        return self._check(request) or web.json_response({"status": "ok"})
+        return await self._check(request) or web.json_response({"status": "ok"})
 
     async def metrics(self, request: web.Request) -> web.Response:
+        await self._stopped()
         return web.Response(text="")
 
     async def models(self, request: web.Request) -> web.Response:
-        return self._check(request) or web.json_response(
+        return await self._check(request) or web.json_response(
             {"object": "list", "data": [{"id": SERVED, "object": "model", "owned_by": "kvstore"}]}
         )
 
     async def complete(self, request: web.Request) -> web.StreamResponse:
-        refused = self._check(request)
+        refused = await self._check(request)
         if refused is not None:
             return refused
         body = await request.json()
@@ -95,6 +113,7 @@ class FakeEngine:
             self.announce(prompt)
         n = int(body.get("max_tokens") or self.tokens)
         await asyncio.sleep(self.ttft_s)
+        await self._stopped()
         self.served += 1
         if not body.get("stream"):
             await asyncio.sleep(self.itl_s * (n - 1))
@@ -106,14 +125,12 @@ class FakeEngine:
             )  # fmt: skip
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await out.prepare(request)
+        token = " tok" + "." * int(body.get("kvstore_fake_pad") or 0)
         for i in range(n):
             if i:
                 await asyncio.sleep(self.itl_s)
-            event = {
-                "id": "cmpl-fake",
-                "object": "text_completion",
-                "choices": [{"index": 0, "text": " tok"}],
-            }
+                await self._stopped()
+            event = {"id": "cmpl-fake", "object": "text_completion", "choices": [{"index": 0, "text": token}]}
             await out.write(f"data: {json.dumps(event)}\n\n".encode())
         await out.write(b"data: [DONE]\n\n")
         await out.write_eof()

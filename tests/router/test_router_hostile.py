@@ -333,3 +333,63 @@ async def test_token_ids_outside_int32_are_a_400_before_any_work(tmp_path, model
             err = (await r.json())["error"]
             assert r.status == 400 and err["param"] == "prompt" and "2147483648" in err["message"], err
         assert fake.served == 0
+
+
+async def test_a_client_reading_nothing_of_its_stream_is_closed(tmp_path, model_dir) -> None:
+    """A stream of 64 KiB tokens nobody reads: once the buffers are full, the router waits --timeout
+    (1 s here) for its client, then closes the connection and the engine's request with it."""
+    fake = FakeEngine(ttft_s=0.0, itl_s=0.001)
+    async with _engines(fake) as urls, _router(urls, tmp_path, model_dir, timeout_s=1.0) as client:
+        body = json.dumps(
+            {"prompt": [1, 2, 3], "max_tokens": 10**6, "stream": True, "kvstore_fake_pad": 65536}
+        )
+        head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n")  # fmt: skip
+
+        sock = socket.create_connection(("127.0.0.1", client.port))
+        try:
+            sock.sendall((head + body).encode())  # and never a recv
+
+            async def in_flight() -> int:
+                state = await (await client.get("/v1/router/state")).json()
+                return sum(e["in_flight"] for e in state["engines"].values())
+
+            seen = []
+            for _ in range(300):  # 30 s: the buffers' fill + --timeout, with room
+                seen.append(await in_flight())
+                if seen[-1] == 0 and 1 in seen:
+                    break
+                await asyncio.sleep(0.1)
+            assert 1 in seen and seen[-1] == 0, "the router kept writing to a client that read nothing"
+        finally:
+            sock.close()
+
+
+async def test_bodies_past_the_prep_queue_are_a_503(tmp_path, model_dir) -> None:
+    """One prep thread, no queue: while it tokenizes one body, the next is a 503 with Retry-After."""
+    fake = FakeEngine()
+    async with (
+        _engines(fake) as urls,
+        _router(urls, tmp_path, model_dir, prep_workers=1, prep_queue=0) as client,
+    ):
+        tokens = client.server.app[app_mod.ROUTER_KEY].tokens
+        entered, release = threading.Event(), threading.Event()
+        real_encode = tokens.tokenizer.encode
+
+        def encode(text: str, *a, **kw):
+            entered.set()
+            release.wait(30)
+            return real_encode(text, *a, **kw)
+
+        tokens.tokenizer.encode = encode
+        first = asyncio.ensure_future(
+            client.post("/v1/completions", json={"prompt": "held", "max_tokens": 2})
+        )
+        try:
+            assert await asyncio.to_thread(entered.wait, 30)
+            r = await client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2})
+            assert r.status == 503 and r.headers["Retry-After"] == "1", await r.text()
+            assert (await r.json())["error"]["code"] == 503
+        finally:
+            release.set()
+        assert (await first).status == 200
