@@ -98,7 +98,7 @@ MATRIX: tuple[Row, ...] = (
         "digest of the layers' per-tensor k/v scales are in the layout, so an engine with other scales or the "
         "other format misses; each worker checks at startup that its layers use the scales the keys were made for",
         ("test_vllm_fp8.py::test_fp8_stored_by_one_vllm_is_reused_by_a_fresh_one_at_tp2",
-         "test_vllm_fp8.py::test_another_format_or_other_scales_is_a_miss_never_a_load")),
+         "test_vllm_fp8.py::test_another_format_other_scales_or_another_model_is_a_miss_never_a_load")),
     Row("any other `--kv-cache-dtype` (fp8_inc, *_per_token_head, nvfp4, turboquant_*, ...)", "refused",
         _msg(CACHE_DTYPE, dtype="int8_per_token_head", choices=", ".join(PLAIN_CACHE_DTYPES + FP8_CACHE_DTYPES)),
         ("test_vllm_support.py::test_each_refusal_comes_before_vllm_starts_anything",)),
@@ -106,9 +106,15 @@ MATRIX: tuple[Row, ...] = (
         ("test_vllm_config.py::test_what_the_connector_cannot_serve_is_refused_at_startup",)),
     Row("MLA (DeepSeek / Kimi / GLM latent KV)", "supported",
         "the latent (kv_lora_rank + qk_rope_head_dim per token and layer) is stored once, raw, whatever the TP "
-        "size, and every rank loads all of it; also when vLLM CPU turns its own prefix caching off (CPU_MLA)",
-        ("test_vllm_mla.py::test_mla_a_fresh_vllm_reuses_what_another_stored",
+        "size, and every rank loads all of it (vLLM CPU's AMX MLA backend: a store hit answers exactly as "
+        "vLLM's own prefix-cache hit)",
+        ("test_vllm_mla.py::test_mla_at_tp2_a_fresh_vllm_reuses_what_another_stored",
+         "test_vllm_mla.py::test_mla_at_tp1_a_fresh_vllm_reuses_what_another_stored_and_what_cpu_mla_saved",
          "test_vllm_mla.py::test_mla_tp1_stores_the_same_bytes_as_tp2")),
+    Row("MLA on vLLM CPU's reference CPU_MLA backend (vLLM turns its prefix caching off)", "runs, no reuse",
+        "saves only, no hits, one log line: that backend's prefill does not attend over a prefix it did not "
+        "compute (what it saves is a hit for an AMX MLA engine)",
+        ("test_vllm_mla.py::test_mla_on_vllms_cpu_mla_backend_saves_and_reports_no_hits",)),
     Row("MLA with a `codec` other than raw", "refused", _msg(MLA_CODEC, codec="int4"),
         ("test_vllm_support.py::test_each_refusal_comes_before_vllm_starts_anything",)),
     Row("sliding-window layers (Gemma-3, Mistral), vLLM's hybrid KV cache manager on", "supported",

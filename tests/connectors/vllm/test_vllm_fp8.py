@@ -75,7 +75,7 @@ class _Req:
         self.request_id, self.all_token_ids, self.num_preemptions = rid, tokens, 0
 
 
-def test_another_format_or_other_scales_is_a_miss_never_a_load(engines, model, store) -> None:
+def test_another_format_other_scales_or_another_model_is_a_miss_never_a_load(engines, model, store) -> None:
     from kvstore.connectors.kv_scheduler import KVStoreScheduler  # noqa: PLC0415
     from kvstore.connectors.vllm import scales_digest  # noqa: PLC0415
 
@@ -102,9 +102,16 @@ def test_another_format_or_other_scales_is_a_miss_never_a_load(engines, model, s
         )
     finally:
         same.shutdown()
-    for dtype in ("fp8_e5m2", "auto"):  # the other fp8 format, and bf16
-        other = _scheduler(model, store, kv_cache_dtype=dtype)
+    from tests.connectors.vllm.tiny_models import config_dir  # noqa: PLC0415
+
+    another = config_dir("llama8", model.parent / "another")  # another model (config), fp8 e4m3 too
+    for name, path, dtype in (
+        ("e5m2", model, "fp8_e5m2"),
+        ("bf16", model, "auto"),
+        ("model", another, "fp8_e4m3"),
+    ):
+        other = _scheduler(path, store, kv_cache_dtype=dtype)
         try:
-            assert other.get_num_new_matched_tokens(_Req(dtype, tokens), 0) == (0, False), dtype
+            assert other.get_num_new_matched_tokens(_Req(name, tokens), 0) == (0, False), name
         finally:
             other.shutdown()
