@@ -201,6 +201,8 @@ BUILTIN = (
              settings=ts.DiskSettings, builtin=True, help="a local directory this process owns"),
     TierSpec("redis", "kvstore.tiers.builtin:redis", shared=True, durable=True, medium="REDIS", handoff=True,
              settings=ts.RedisSettings, builtin=True, help="Redis or Valkey, standalone or Cluster"),
+    TierSpec("fs", "kvstore.tiers.builtin:fs", shared=True, durable=True, medium="FS", handoff=True,
+             settings=ts.FsSettings, builtin=True, help="a directory several servers share (NFS, Lustre)"),
 )  # fmt: skip
 for _spec in BUILTIN:
     register_tier(_spec, replace=True)

@@ -42,3 +42,12 @@ class RedisSettings(_Block):
     max_invalidated: int = Field(100_000, ge=1)  # deletes/replaces an outage may leave to replay
     # a put is stored in redis once this many replicas have it (WAIT); 0: once the primary has it
     wait_replicas: int = Field(0, ge=0)
+
+
+class FsSettings(_Block):
+    path: Path | None = None  # the directory the servers share (required)
+    capacity: Size = 64 * 2**30
+    max_age: float | None = Field(None, gt=0)  # seconds a blob may go unused before a sweep removes it
+    sweep_interval: float = Field(30.0, gt=0)  # seconds between this server's sweeps of the directory
+    fsync: bool = True  # a put is acknowledged once its file and rename are on disk
+    max_invalidated: int = Field(100_000, ge=1)  # deletes/replaces an outage may leave to replay

@@ -42,7 +42,7 @@ STORE_FLAGS = {
     "max_blob_size": "largest single blob accepted, e.g. 512MiB (default {default})",
     "redis_prefix": "prefix of every Redis key (default kvstore:)",
     "redis_cluster": "the Redis URL names Cluster nodes",
-    "state_dir": "directory for what must survive a restart: deletes/replaces a Redis outage left to replay "
+    "state_dir": "directory for what must survive a restart: deletes/replaces a redis or fs outage left to replay "
     "(default ~/.cache/kvstore/data/state)",
     "write_back_queue": "blobs waiting for lower tiers (write_policy back) before writes to them drop (default 256)",
     "admission_hits": "a blob reaches lower tiers only after this many hits (default 0: always)",
@@ -55,6 +55,14 @@ STORE_FLAGS = {
     "past that they are a 503 (default {default})",
     "redis_wait_replicas": "a put is stored in redis only once this many replicas of its primary have it "
     "(WAIT, up to 1 s; else the 201 leaves redis out); 0: the primary's ack (default {default})",
+    "fs_path": "directory of the fs tier, which several servers share (NFS, Lustre); needed with fs in --tiers",
+    "fs_capacity": "bytes of blobs the fs directory may hold, all servers together (default {default})",
+    "fs_max_age": "seconds a blob in the fs directory may go unused before a sweep removes it (default: no limit)",
+    "fs_sweep_interval": "seconds between this server's sweeps of the fs directory: age, capacity, leftovers "
+    "(default {default})",
+    "fs_fsync": "a put to fs is acknowledged once its file and its rename are on disk (default {default})",
+    "fs_max_invalidated": "deletes and replaces an fs outage may leave to replay when the directory answers "
+    "again; past that they are a 503 (default {default})",
 }
 SERVER_FLAGS = {
     "host": "address to bind (default 127.0.0.1)",

@@ -4,6 +4,9 @@ tiers pull in their client libraries only when used."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from kvstore.errors import ConfigError
 from kvstore.tier_registry import TierContext
 from kvstore.tiers.base import Tier
 
@@ -37,5 +40,25 @@ def redis(ctx: TierContext) -> Tier:
         max_invalidated=s.max_invalidated,
         handoff_dir=ctx.handoff_dir(f"{s.url}\0{s.prefix}"),
         wait_replicas=s.wait_replicas,
+        clock=ctx.clock,
+    )
+
+
+def fs(ctx: TierContext) -> Tier:
+    from kvstore.tiers.fs import FsTier  # noqa: PLC0415
+
+    s = ctx.settings
+    if s.path is None:
+        raise ConfigError(
+            "the fs tier needs the directory the servers share: fs_path (--fs-path, KVSTORE_FS_PATH)"
+        )
+    return FsTier(
+        s.path,
+        s.capacity,
+        max_age=s.max_age,
+        sweep_interval=s.sweep_interval,
+        fsync=s.fsync,
+        max_invalidated=s.max_invalidated,
+        handoff_dir=ctx.handoff_dir(str(Path(s.path).resolve())),
         clock=ctx.clock,
     )

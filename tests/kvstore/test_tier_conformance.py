@@ -1,6 +1,6 @@
 """Every registered kind of tier passes the conformance suite (tests/kvstore/tier_conformance.py): cpu
-(plain and arena memory), disk, redis standalone and Cluster against real Valkey, gpu where CUDA is
-present, and `sqlite`, a tier this module defines and registers itself (a real one: blobs in one
+(plain and arena memory), disk, redis standalone and Cluster against real Valkey, fs, gpu where CUDA
+is present, and `sqlite`, a tier this module defines and registers itself (a real one: blobs in one
 SQLite file that every process on the host shares, LRU by blob bytes, TTLs on the store's clock),
 which passes the same suite without any other file knowing of it."""
 
@@ -164,13 +164,27 @@ def sqlite_tier() -> Iterator[None]:
 
 # -- the harnesses ---------------------------------------------------------------------------------
 
-KINDS = ["cpu", "cpu-arena", "disk", "redis", "redis-cluster", "gpu", "sqlite"]
+KINDS = ["cpu", "cpu-arena", "disk", "redis", "redis-cluster", "fs", "gpu", "sqlite"]
 
 
 def _fresh(tmp_path: Path) -> Path:
     d = tmp_path / uuid.uuid4().hex[:8]
     d.mkdir()
     return d
+
+
+@contextlib.contextmanager
+def fs_outage(block: dict[str, Any]) -> Iterator[None]:
+    """The shared directory out of reach: every path under it fails (ENOTDIR), as a lost mount does."""
+    root = Path(block["path"])
+    away = root.with_name(root.name + ".away")
+    root.rename(away)
+    root.write_bytes(b"not a directory")
+    try:
+        yield
+    finally:
+        root.unlink()
+        away.rename(root)
 
 
 @pytest.fixture
@@ -193,7 +207,7 @@ def harness(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Harness]
                          "--maxmemory-policy", "allkeys-lru")  # fmt: skip
 
         @contextlib.contextmanager
-        def outage() -> Iterator[None]:
+        def outage(block: dict[str, Any]) -> Iterator[None]:
             server.kill()
             try:
                 yield
@@ -209,6 +223,9 @@ def harness(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Harness]
         block = {"url": cluster.urls, "prefix": prefix, "cluster": True}
         h = Harness("redis", lambda c: block, state, exact_capacity=False, clock_expiry=False,
                     no_outage="one Cluster primary down: test_redis_cluster.py, test_fleet_faults.py")  # fmt: skip
+    elif kind == "fs":  # sweeps only when a check asks (test_fs_tier.py runs them)
+        h = Harness("fs", lambda c: {"path": _fresh(tmp_path), "capacity": c, "sweep_interval": 3600}, state,
+                    outage=fs_outage)  # fmt: skip
     else:
         request.getfixturevalue("sqlite_tier")
         h = Harness("sqlite", lambda c: {"path": _fresh(tmp_path) / "blobs.db", "capacity": c}, state,

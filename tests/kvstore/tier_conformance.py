@@ -74,7 +74,7 @@ class Harness:
     exact_capacity: bool = True  # False: the backend's own (Redis maxmemory)
     backend_capacity: int = 0  # with exact_capacity False: what the backend was given (0: unbounded)
     clock_expiry: bool = True  # False: the backend expires by its own clock
-    outage: Callable[[], contextlib.AbstractContextManager[None]] | None = None
+    outage: Callable[[dict[str, Any]], contextlib.AbstractContextManager[None]] | None = None  # (its block)
     no_outage: str = "a local tier: no backend to lose"  # why there is no `outage`
     recover_s: float = 30.0  # how far the clock steps once the backend is back (breaker backoffs)
     clock: ManualClock = field(default_factory=ManualClock)
@@ -308,7 +308,7 @@ def check_outage(h: Harness) -> None:
     t = h.tier(block)
     t.put(key(1), blob(1, seed=1))
     t.put(key(2), blob(2, seed=1))
-    with h.outage():
+    with h.outage(block):
         assert t.get(key(1)) is None and not t.contains(key(1))  # a miss, never an exception
         assert t.get_many([key(1), key(2)]) == [None, None]
         with pytest.raises(TierWriteError) as e:
