@@ -43,12 +43,13 @@ class SimulationError(RuntimeError):
     """The simulator broke one of its own invariants (a request lost or served twice)."""
 
 
-def _router_defaults() -> tuple[float, int, float]:
-    """max_share, share_window and calibrate_s as `kvstore-engine router` has them."""
+def _router_defaults() -> tuple[float | None, int, float]:
+    """max_share (None: no cap), share_window and calibrate_s as `kvstore-engine router` has them."""
     from kvstore.engine.router.app import RouterConfig
 
     d = {f.name: f.default for f in dataclasses.fields(RouterConfig)}
-    return float(d["max_share"]), int(d["share_window"]), float(d["calibrate_s"])
+    cap = d["max_share"]
+    return None if cap is None else float(cap), int(d["share_window"]), float(d["calibrate_s"])
 
 
 ENGINE_BLOCK = 16  # tokens per KV block in kvstore-engine and vLLM (their default block_size)
@@ -140,7 +141,9 @@ class Fleet:
         self.names = [str(i) for i in range(config.engines)]
         self.in_flight = [0] * config.engines
         self.waiting_tokens = [0] * config.engines
-        self.recent_max = window * config.engines  # per policy, as the router keeps them
+        # per policy, as the router keeps them: each engine's requests in flight plus those it completed
+        # among the fleet's last `window` x engines completions (its share of the recent work)
+        self.recent_max = window * config.engines
         self.recent: dict[str, tuple[deque[int], list[int]]] = {}
         self.turn = 0
         self.where: dict[bytes, set[int]] = {}  # chunk -> engines whose cache holds it
@@ -208,7 +211,7 @@ class Fleet:
         req, n = job.req, job.req.input_tokens
         job.sent_s = self.loop.now
         policy = job.policy or self.config.policy
-        recent, counts = self.recent.setdefault(policy, (deque(), [0] * len(self.engines)))
+        _, counts = self._recent(policy)
         local = self._local_chunks(job.keys)
         store = min(self.store.leading(job.keys) * req.chunk_size, n) if self.store.enabled else 0
         states = [
@@ -225,17 +228,19 @@ class Fleet:
         choice = choose(policy, states, Request(n, store), costs, self.max_share, self.turn)
         self.turn += 1
         e = int(choice.engine)
-        recent.append(e)
-        counts[e] += 1
-        if len(recent) > self.recent_max:
-            counts[recent.popleft()] -= 1
+        counts[e] += 1  # in flight: counted until it finishes, then as one of the recent completions
         job.engine = e
+        job.policy = policy
         job.router_pending = choice.compute_tokens  # the router's bookkeeping: loads queue no one
         self.in_flight[e] += 1
         self.waiting_tokens[e] += job.router_pending
         for key in job.keys:
             self.first_seen.setdefault(key, req.index)
         self._later(self._reach, job)
+
+    def _recent(self, policy: str) -> tuple[deque[int], list[int]]:
+        """(the engines of the policy's recent completions, each engine's count: those + in flight)."""
+        return self.recent.setdefault(policy, (deque(), [0] * len(self.engines)))
 
     def _reach(self, job: Job) -> None:
         job.reached_s = self.loop.now
@@ -342,6 +347,10 @@ class Fleet:
         job.finish_s = self.loop.now
         job.served += 1
         self.in_flight[job.engine] -= 1
+        completed, counts = self._recent(job.policy or self.config.policy)
+        completed.append(job.engine)  # its count stays: no longer in flight, one of the recent completions
+        if len(completed) > self.recent_max:
+            counts[completed.popleft()] -= 1
         for later in self.deferred.pop(id(job), ()):
             self._later(self.route, later)
 

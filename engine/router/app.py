@@ -118,7 +118,7 @@ class RouterConfig:
     store_events: list[str] = field(default_factory=list)
     store_replay: list[str | None] = field(default_factory=list)
     policy: str = "ttft"
-    max_share: float = 1.2
+    max_share: float | None = None  # ttft: a share cap on top of the hot-spot cost (None: none)
     share_window: int = 64  # completed requests per engine the share cap looks back over
     calibrate_s: float = 2.0  # between scrapes of the engines' /metrics (0: never)
     timeout_s: float = 600.0  # the longest silence of an engine answering (between bytes)

@@ -22,8 +22,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--store-replay", action="append", default=[], metavar="ENDPOINT",
                    help="that kvstore-server's replay endpoint (one per --store-events)")  # fmt: skip
     g.add_argument("--policy", choices=POLICIES, default="ttft", help="default ttft")
-    g.add_argument("--max-share", type=float, default=1.2,
-                   help="ttft: an engine takes at most this times its fair share of recent requests (1.2)")  # fmt: skip
+    g.add_argument("--max-share", type=float, default=None,
+                   help="ttft: also cap an engine at this times its fair share of recent requests (default: no "
+                        "cap; a hot engine costs the queueing it adds)")  # fmt: skip
     g.add_argument("--model", default="smollm2",
                    help="the engines' model directory (tokenizer, chunk keys); requests may also name it as "
                         "their model: the router sends the engine's served name instead")  # fmt: skip

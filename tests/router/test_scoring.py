@@ -6,7 +6,7 @@ import pytest
 from kvstore.engine.router.app import Router, RouterConfig
 from kvstore.engine.router.calibrate import Calibrator
 from kvstore.engine.router.index import PrefixIndex
-from kvstore.engine.router.scoring import Costs, EngineState, Request, choose, estimate
+from kvstore.engine.router.scoring import HOT_WEIGHT, Costs, EngineState, Request, choose, estimate, hot_cost
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 COSTS = Costs(prefill_s_per_token=1e-3, load_s_per_token=1e-4, step_s_per_request=0.01)
@@ -41,6 +41,25 @@ def test_policies() -> None:
         choose("random", engines, req, COSTS)
 
 
+def test_a_hot_engine_costs_the_queueing_it_adds() -> None:
+    """No cap (issue 46 item 3): an engine over its fair share of the recent decisions costs HOT_WEIGHT x
+    (share - 1) x the request's compute there. A conversation's next turn, little to compute where its
+    history is, stays on the hot engine that holds it; a cold prompt, whose 512-token match (a shared
+    system prompt) saves less than the queueing it would add, goes to an engine at its fair share."""
+    hot = EngineState("hot", local_tokens=512, recent=30)
+    fair = [EngineState("x", recent=10), EngineState("y", recent=10)]
+    mean = 50 / 3
+    assert hot_cost(fair[0], 1000, mean, COSTS) == 0.0, "at or below a fair share, nothing"
+    assert hot_cost(hot, 1000, mean, COSTS) == pytest.approx(HOT_WEIGHT * (31 / (mean + 1) - 1) * 1.0)
+    cold = choose("ttft", [hot, *fair], Request(4000), COSTS)
+    assert cold.engine in ("x", "y") and cold.capped == ("hot",), "the best estimate, passed over as hot"
+    assert cold.estimates["hot"] < cold.predicted_ttft_s
+    turn = choose("ttft", [EngineState("hot", local_tokens=3900, recent=30), *fair], Request(4000), COSTS)
+    assert turn.engine == "hot" and turn.capped == () and turn.compute_tokens == 100
+    # at a fair share the local match wins, however small
+    assert choose("ttft", [EngineState("a", 512, recent=10), *fair], Request(4000), COSTS).engine == "a"
+
+
 def test_share_cap_passes_over_an_engine_with_too_many_recent_requests() -> None:
     engines = [
         EngineState("a", local_tokens=900, recent=10),
@@ -52,7 +71,7 @@ def test_share_cap_passes_over_an_engine_with_too_many_recent_requests() -> None
     assert capped.estimates["a"] < capped.estimates[capped.engine], "a was the best estimate, passed over"
     assert choose("ttft", engines, Request(1000), COSTS, max_share=3.0).engine == "a"
     few = [EngineState("a", local_tokens=900, recent=4), EngineState("b"), EngineState("c")]
-    assert choose("ttft", few, Request(1000), COSTS).engine == "a", "a conversation's first turns stay"
+    assert choose("ttft", few, Request(1000), COSTS, max_share=1.2).engine == "a", "first turns stay"
 
 
 def _stored(hashes, parent, tokens, bs=4, medium="GPU"):
