@@ -79,3 +79,19 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# Dynamo's standalone KV indexer, for tests/router/test_dynamo_indexer.py (Dynamo reads kvstore's KV
+# events): ai-dynamo-runtime runs on CPU and offline (no etcd, no NATS), but pins pydantic<=2.13.5, older
+# than .venv's, so it lives in a venv of its own with its own dependencies; nothing of kvstore goes in.
+# The tests start `.venv/dynamo/bin/python -m dynamo.indexer` and drive it over HTTP (~75 MB, once).
+DYN_VENV := $(VENV)/dynamo
+DYN_PIN := ai-dynamo-runtime==1.6.1
+.PHONY: dynamo-env
+test: dynamo-env
+dynamo-env: $(DYN_VENV)/.installed
+
+$(DYN_VENV)/.installed:
+	@echo "==> Dynamo's KV indexer for the Dynamo tests in $(DYN_VENV) ($(DYN_PIN))"
+	test -x $(DYN_VENV)/bin/python || $(PY) -m venv $(DYN_VENV)
+	$(DYN_VENV)/bin/pip install -q --progress-bar off '$(DYN_PIN)'
+	touch $@

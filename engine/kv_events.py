@@ -2,7 +2,9 @@
 in vLLM's wire format (kvstore.events) with medium "GPU" (the engine's own cache, as vLLM names it).
 
 The first batch is AllBlocksCleared: a restarted engine tells subscribers (and, through replay, a
-router that starts later) to forget what its previous process held.
+router that starts later) to forget what its previous process held. Block hashes go out in vLLM's form
+(64-bit integers by default, `"int_block_hashes": false` for bytes: the publisher converts them), with
+the token ids Dynamo's and llm-d's indexers hash themselves.
 
 The events carry the prompts' token ids (BlockStored.token_ids): whoever reads them can rebuild what
 users asked. The default endpoint is an ipc:// socket file only this user can connect to; off this host,

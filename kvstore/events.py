@@ -583,6 +583,9 @@ class ZmqEventPublisher:
         self._thread.join(timeout_s)
         if not self._thread.is_alive():
             self._close_sockets()
+            if self._held:
+                logger.warning("KV events: %d batch(es) never sent: nothing subscribed at %s",
+                               len(self._held), self.config.endpoint)  # fmt: skip
 
 
 def make_publisher(value: str | Mapping[str, Any] | KVEventsConfig | None) -> ZmqEventPublisher | None:
@@ -652,9 +655,7 @@ class StoreEvents:
     def __call__(self, tier: str, stored: list[str], removed: list[str]) -> None:
         events = []
         if removed:
-            events.append(
-                block_removed([bytes.fromhex(k) for k in removed], medium_of(tier))
-            )
+            events.append(block_removed([bytes.fromhex(k) for k in removed], medium_of(tier)))
         if stored:
             events.append(self._stored(tier, stored))
         with self._lock:
