@@ -20,7 +20,9 @@ from kvstore.clock import ManualClock
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError
 from kvstore.tiers import make_tier
+from kvstore.tiers.base import TierWriteError
 from kvstore.tiers.fs import FsTier, files, sweep
+from tests.valkey import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -107,6 +109,22 @@ def test_a_sweep_never_takes_what_was_used_within_the_grace_period(tmp_path: Pat
     b.close()
 
 
+def test_a_put_never_evicts_another_servers_blob_used_within_the_grace_period(tmp_path: Path) -> None:
+    clock = ManualClock()
+    a = tier(tmp_path, clock, capacity=4 * SIZE)
+    b = tier(tmp_path, clock, capacity=4 * SIZE)
+    for i in range(10, 14):
+        b.put(key(i), blob(i))
+        clock.advance(0.001)
+    a.sweep()  # a's view: b's four blobs, full
+    assert len(a) == 4 and a.put(key(0), blob(0)) == []  # b's least recent left a's view, not the directory
+    assert b.contains(key(10)) and len(a) == 4
+    clock.advance(sweep.GRACE_S + 1)
+    assert a.put(key(1), blob(1)) == [key(11)] and not b.contains(key(11))  # no longer just written
+    a.close()
+    b.close()
+
+
 def test_a_removal_by_identity_puts_back_a_file_replaced_since(tmp_path: Path) -> None:
     clock = ManualClock()
     a = tier(tmp_path, clock)
@@ -121,6 +139,32 @@ def test_a_removal_by_identity_puts_back_a_file_replaced_since(tmp_path: Path) -
     assert not list(tmp_path.rglob(f"{files.GONE}*"))
     a.close()
     b.close()
+
+
+def test_a_lost_mount_is_an_outage_not_an_empty_directory(tmp_path: Path) -> None:
+    """An unmounted NFS leaves its empty mount point: nothing is written there, a delete is remembered
+    and replayed once the directory is back, never the older blob served."""
+    root, away = tmp_path / "mnt", tmp_path / "away"
+    t = FsTier(root, 1 << 24, sweep_interval=None, handoff_dir=tmp_path / "state")
+    t.put(key(1), blob(1))
+    t.put(key(2), blob(2))
+    root.rename(away)
+    root.mkdir()  # the mount point, empty
+    with pytest.raises(TierWriteError):
+        t.put(key(3), blob(3))
+    assert t.delete(key(1)) and t.get(key(1)) is None  # remembered
+    with pytest.raises(TierWriteError):
+        t.put(key(2), blob(2, seed=1))
+    assert not any(root.iterdir())  # nothing under the mount point
+    root.rmdir()
+    away.rename(root)  # mounted again
+    assert t.get(key(1)) is None and t.get(key(2)) is None  # invalidated: never the older blobs
+    wait_until(lambda: t.stats.extra["invalidated"] == 0)  # replayed: tombstones
+    assert t.get(key(1)) is None and t.get(key(2)) is None
+    t.close()
+    again = FsTier(root, 1 << 24, sweep_interval=None)
+    assert again.get(key(1)) is None and again.get(key(2)) is None
+    again.close()
 
 
 def test_settings_blocks_flags_and_a_missing_path(tmp_path: Path) -> None:

@@ -6,6 +6,8 @@ Layout of the shared directory:
     <root>/ab/<key>                      a blob, or a tombstone (ab: the key's first 2 hex characters)
     <root>/ab/.tmp-<key>-<host>-<pid>-<n>  a write in progress (one a crash left: swept after TMP_MAX_AGE_S)
     <root>/ab/.gone-<key>-<host>-<pid>-<n> a file being removed (moved aside; see `remove_if`)
+    <root>/.kvstore-fs                   the marker: a shard directory is made only where it is
+                                         (never under the empty mount point of a lost mount)
 
 A file is a header, then the blob: magic `KVFS`, version, flags (1: a tombstone, no blob), the key's
 length, the expiry time (seconds since the epoch, 0: none), the key; the blob follows. The key in the
@@ -34,14 +36,14 @@ import socket
 import stat
 import struct
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kvstore.keys import is_key
 
 MAGIC, VERSION, TOMBSTONE = b"KVFS", 1, 1
 _HEAD = struct.Struct("<4sBBHd")  # magic, version, flags, key length, expiry (s since the epoch; 0: none)
-TMP, GONE = ".tmp-", ".gone-"
+TMP, GONE, MARKER = ".tmp-", ".gone-", ".kvstore-fs"
 TMP_MAX_AGE_S = 3600.0  # a temp file this old is a crashed writer's
 RESTORE_S = 10.0  # a file moved aside longer than this is not put back (a tombstone may be gone by then)
 TOMBSTONE_S = 120.0  # a tombstone older than this is removed by a sweep
@@ -57,11 +59,13 @@ class Foreign(Exception):
 
 @dataclass(frozen=True)
 class FileId:
-    """What tells one file from another that replaced it under the same name."""
+    """What tells one file from another that replaced it under the same name; `own`: this process
+    wrote it (no part of the identity)."""
 
     ino: int
     mtime_ns: int
     size: int
+    own: bool = field(default=False, compare=False)
 
     @classmethod
     def of(cls, st: os.stat_result) -> FileId:
@@ -101,6 +105,20 @@ def parse_header(data: bytes | memoryview, key: str) -> Header:
     return Header(key, expires or None, tombstone, _HEAD.size + n)
 
 
+def claim(root: Path) -> None:
+    """Make `root` (and its marker, once: the first server) the fs tier's directory. Only at start: a
+    put later makes a shard directory only under the marker."""
+    root.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(root / MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    except FileExistsError:
+        return
+    try:
+        os.write(fd, b"kvstore fs tier, format 1\n")
+    finally:
+        os.close(fd)
+
+
 def shard(root: Path, key: str) -> Path:
     return root / key[:2]
 
@@ -122,7 +140,8 @@ def publish(root: Path, key: str, parts: list[bytes | memoryview], mtime_ns: int
     try:
         fd = os.open(tmp, _CREATE, 0o644)
     except FileNotFoundError:  # the shard directory is not there yet (or was removed)
-        d.mkdir(parents=True, exist_ok=True)
+        os.stat(root / MARKER)  # FileNotFoundError where the directory is not ours (a lost mount)
+        d.mkdir(exist_ok=True)
         fd = os.open(tmp, _CREATE, 0o644)
     try:
         try:
@@ -137,7 +156,7 @@ def publish(root: Path, key: str, parts: list[bytes | memoryview], mtime_ns: int
             if fsync:
                 os.fsync(fd)
             os.utime(fd, ns=(mtime_ns, mtime_ns))
-            ident = FileId.of(os.fstat(fd))
+            ident = replace(FileId.of(os.fstat(fd)), own=True)
         finally:
             os.close(fd)
         os.rename(tmp, d / key)

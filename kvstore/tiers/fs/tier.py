@@ -27,6 +27,7 @@ import contextlib
 import logging
 import threading
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from kvstore.clock import SYSTEM, Clock
@@ -77,7 +78,7 @@ class FsTier:
         self._stop = threading.Event()
         self._sweeper: threading.Thread | None = None
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            files.claim(self.root)
             self._reindex(sweep.list_directory(self.root), since_ns=None)
         except OSError as e:  # out of reach now: it may come back; reads miss meanwhile
             self._unreachable("list", str(self.root), e)
@@ -101,7 +102,8 @@ class FsTier:
         with self._lock:
             entry = self._index.peek(key)
             if entry is not None and entry.size == size:
-                entry.value, entry.expires_at = ident, expires
+                own = entry.value.own and entry.value.ino == ident.ino
+                entry.value, entry.expires_at = replace(ident, own=own), expires
                 self._index.touch(key)
                 return
         if entry is not None:  # replaced by another server with a blob of another size
@@ -110,10 +112,13 @@ class FsTier:
     def _remember(self, key: str, size: int, ident: FileId, expires: float | None) -> list[str]:
         with self._lock:
             _, evicted = self._index.insert(key, Entry(size, ident, expires))
-            self.stats.evictions += len(evicted)
-        for k, e in evicted:  # least recently used in this server's view: removed unless replaced since
-            self._remove(k, e.value)
-        return [k for k, _ in evicted]
+        grace = self.clock.time_ns() - int(sweep.GRACE_S * 1e9)
+        removed = []
+        for k, e in evicted:  # least recently used in this server's view: removed unless replaced since,
+            if (e.value.own or e.value.mtime_ns < grace) and self._remove(k, e.value):  # or another's fresh
+                removed.append(k)
+        self.stats.evictions += len(removed)
+        return removed
 
     def _forget(self, key: str) -> None:
         with self._lock:
@@ -298,7 +303,9 @@ class FsTier:
             head, _ = files.read_head(self._path(key), key)
             present = not head.tombstone
         except FileNotFoundError:
-            return False
+            if (self.root / files.MARKER).exists():
+                return False
+            present = True  # not our directory now (a lost mount's empty mount point): remember it
         except Foreign:
             present = True
         except OSError:  # out of reach: remember it (or say it is stale)
