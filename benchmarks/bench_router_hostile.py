@@ -206,7 +206,7 @@ def slowloris(port: int, active: mp.Event, stop: mp.Event, counts: dict, send: b
 
 
 def non_reader(port: int, active: mp.Event, stop: mp.Event, counts: dict) -> None:
-    """An endless stream of 64 KiB tokens, never read; reconnect when the router closes it."""
+    """An endless stream of 64 KiB tokens, never read during the phase."""
     body = json.dumps(
         {"prompt": [1, 2, 3], "max_tokens": 10**6, "stream": True, "kvstore_fake_pad": 65536}
     ).encode()
@@ -224,13 +224,15 @@ def non_reader(port: int, active: mp.Event, stop: mp.Event, counts: dict) -> Non
         try:
             while active.is_set() and not stop.is_set():
                 time.sleep(0.5)
-                try:  # peek only: a reset is the router closing it
-                    s.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-                except BlockingIOError:
-                    pass
-                except OSError:
-                    counts["non_readers_closed"] += 1
-                    break
+            # The phase is over: read what is buffered. A router that closed the stream gave an end of
+            # it (after its bytes in flight); one still writing keeps sending.
+            s.settimeout(1.0)
+            deadline = time.monotonic() + 5.0
+            with contextlib.suppress(OSError):
+                while time.monotonic() < deadline:
+                    if not s.recv(2**20):
+                        counts["non_readers_closed"] += 1
+                        break
         finally:
             s.close()
 
