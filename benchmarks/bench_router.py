@@ -17,6 +17,18 @@ Baseline. `round_robin/no-store` is a second fleet of 3 engines with no KV conne
 prefix cache only, as a fleet without kvstore) behind a second router, round robin, run in the same
 rounds (`--no-store-baseline 0` leaves it out).
 
+Peer. `sglang-router/cache_aware` is sglang-router (`--sglang-router PYTHON`: an interpreter with the
+`sglang-router` package, by default `~/.cache/kvstore/sglang-router-venv/bin/python` when it exists; `none`
+leaves it out) with its cache_aware policy in front of the same 3 engines and kvstore-server, one more
+policy in the rounds. Its `/v1/completions` takes text prompts only (a list of token ids is a 422), so
+while it runs every policy's prompt is the text of its token ids: sglang-router gets the text, the others
+its ids as the engines' tokenizer reads it back (equal texts give equal ids, and the text of a prompt's
+first blocks tokenizes to a prefix of the whole prompt's ids). It does not say which engine served a
+request: its imbalance comes from the engines' own request counters.
+
+Runs. `--runs N` starts the fleets anew N times and pools the rounds: ttft's TTFT p50 and p90 over each
+other policy's are medians (and ranges) of per-round ratios over every round of every run.
+
 Scaling. A 512-token block becomes `--block-tokens` tokens (32: SmolLM2 on 2 cores serves a 16-block
 prompt, 512 tokens, in about a second instead of 8,192 tokens in minutes), drawn from a PRNG seeded
 by (policy, block id), so equal id prefixes give equal token prefixes within a policy and no policy
@@ -51,6 +63,7 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -65,10 +78,13 @@ sys.path.insert(0, str(ROOT))
 
 from kvstore.engine.router.scoring import POLICIES  # noqa: E402
 
+from tests.connectors.engine_util import free_port  # noqa: E402
 from tests.router.fleet import router_state, start_engine, start_router, start_store, wait_healthy  # noqa: E402
 
 TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 NO_STORE = "round_robin/no-store"  # the baseline: a fleet without kvstore
+SGLANG = "sglang-router/cache_aware"  # the peer: sglang-router in front of the same engines
+SGLANG_PYTHON = Path.home() / ".cache" / "kvstore" / "sglang-router-venv" / "bin" / "python"
 COUNTED = ("prompt", "local", "store", "ttft_s", "firsts", "prefill_s")  # engine counters summed per policy
 VOCAB = (1000, 40000)  # SmolLM2 ids drawn from the ordinary part of its 49,152-token vocabulary
 
@@ -147,13 +163,18 @@ def router_expected(url: str) -> dict[str, dict[str, float]]:
     return out
 
 
-async def one(session, router, policy, tokens, max_tokens, record, log=None, log_t0=0.0) -> None:
+async def one(session, router, policy, tokens, max_tokens, record, log=None, log_t0=0.0, model=None) -> None:
+    """One streamed request; `tokens` a list of ids, or a text for sglang-router (with the `model` it
+    needs); records (engine, TTFT), the engine None where the router does not say."""
     body = {"prompt": tokens, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    headers = {"X-KVStore-Policy": policy}
+    if isinstance(tokens, str):
+        body["model"], headers = model, {}
     sent = time.monotonic()
     ttft = None
-    async with session.post(router + "/v1/completions", json=body, headers={"X-KVStore-Policy": policy}) as r:
+    async with session.post(router + "/v1/completions", json=body, headers=headers) as r:
         r.raise_for_status()
-        engine = r.headers["X-KVStore-Engine"]
+        engine = r.headers.get("X-KVStore-Engine")
         decision = r.headers.get("X-KVStore-Decision")
         async for chunk in r.content.iter_any():
             if ttft is None and b"data:" in chunk:
@@ -178,8 +199,13 @@ async def run_round(router: str, policy: str, salt: str, convs: list[list[dict]]
             due = start + (r["timestamp"] - t0) / 1000 * scale
             await asyncio.sleep(max(0.0, due - time.monotonic()))
             tokens = prompt(r, salt, args.block_tokens, args.max_blocks, args.vocab)
+            if args.tokenizer is not None:  # sglang-router runs: its text, the others the text's ids
+                text = args.tokenizer.decode(tokens)
+                tokens = text if salt == SGLANG else args.tokenizer.encode(text, add_special_tokens=False)
             max_tokens = max(1, min(8, round(r["output_length"] / 64)))
-            await one(session, router, policy, tokens, max_tokens, record, args.decisions_file, start)
+            await one(
+                session, router, policy, tokens, max_tokens, record, args.decisions_file, start, args.served
+            )
 
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout) as session:
@@ -210,6 +236,10 @@ def main() -> int:
                    "policy, send time in its round, engine, TTFT, the router's X-KVStore-Decision)")  # fmt: skip
     p.add_argument("--model", default="smollm2", help="the engines' model (a tiny one checks the plumbing)")
     p.add_argument("--max-model-len", default="1024")
+    p.add_argument("--sglang-router", default=None, metavar="PYTHON",
+                   help=f"an interpreter with sglang-router: its cache_aware policy is one more policy (default "
+                        f"{SGLANG_PYTHON} when it exists; none: leave it out)")  # fmt: skip
+    p.add_argument("--runs", type=int, default=1, help="start the fleets anew this many times, rounds pooled")
     args = p.parse_args()
     args.vocab = VOCAB
     args.decisions_file = args.decisions.open("w") if args.decisions else None
@@ -217,13 +247,73 @@ def main() -> int:
         vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
         args.vocab = (min(VOCAB[0], vocab // 4), min(VOCAB[1], vocab))
     policies = args.policies.split(",") + ([NO_STORE] if args.no_store_baseline else [])
+    args.sglang_python = sglang_python(args.sglang_router)
+    args.tokenizer = args.served = None
+    if args.sglang_python:
+        policies.append(SGLANG)
+        from kvstore.engine.convert import ensure_smollm2
+        from kvstore.engine.tokenizer import Tokenizer
+
+        model_dir = ensure_smollm2() if args.model == "smollm2" else Path(args.model)
+        args.tokenizer = Tokenizer.from_pretrained(model_dir)
     plan = rounds(conversations(TRACE, args.window), args.conversations, args.rounds, args.slice)
+    runs = []
+    try:
+        for run in range(args.runs):
+            if args.runs > 1:
+                print(f"\n=== run {run + 1} of {args.runs}", flush=True)
+            runs.append(run_fleets(args, plan, policies))
+    finally:
+        if args.decisions_file is not None:
+            args.decisions_file.close()
+    if args.runs > 1 or SGLANG in policies:
+        pooled(args, policies, runs)
+    return {"runs": [{pol: {"rounds": r[pol]["rounds"]} for pol in policies} for r in runs]}
+
+
+def sglang_python(given: str | None) -> str | None:
+    """The interpreter that runs sglang-router, or None (asked for none, or none installed)."""
+    if given == "none":
+        return None
+    python = given or (str(SGLANG_PYTHON) if SGLANG_PYTHON.exists() else None)
+    if python is None:
+        print(f"sglang-router left out: no {SGLANG_PYTHON} (python -m venv {SGLANG_PYTHON.parents[1]} && "
+              f"{SGLANG_PYTHON.parent}/pip install sglang-router==0.3.2), or name one with --sglang-router",
+              file=sys.stderr)  # fmt: skip
+    return python
+
+
+def start_sglang(python: str, urls: list[str], tmp: Path) -> tuple[subprocess.Popen, str]:
+    """sglang-router with its cache_aware policy in front of `urls`; (process, URL) once /health answers."""
+    port = free_port()
+    log = (tmp / "sglang-router.log").open("w")
+    proc = subprocess.Popen([python, "-m", "sglang_router.launch_router", "--worker-urls", *urls, "--policy",
+                             "cache_aware", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warn"],
+                            stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"sglang-router exited: {(tmp / 'sglang-router.log').read_text()[-3000:]}")
+        try:
+            urllib.request.urlopen(url + "/health", timeout=2).close()
+            return proc, url
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("sglang-router did not answer /health in 120 s")
+
+
+def run_fleets(args, plan, policies) -> dict:
+    """One run: the fleets started, every round of `plan` under every policy, the report printed, the
+    fleets stopped; returns the per-policy results."""
     tmp = Path(tempfile.mkdtemp(prefix="bench-router-"))
     ktc = json.dumps(
         {"kv_connector": "KVStoreConnector", "kv_connector_extra_config": {"chunk_size": args.block_tokens}}
     )
     store, store_cfg = start_store(tmp, "--cpu-capacity", "3GiB")
     procs = []
+    sglang = None
     try:
         common = ("--model", args.model, "--max-model-len", args.max_model_len, "--kv-cache-memory",
                   args.kv_cache_memory)  # fmt: skip
@@ -238,12 +328,21 @@ def main() -> int:
         router_args = ("--chunk-size", str(args.block_tokens), "--model", args.model)
         router_proc, router = start_router([(u, c) for _, u, c in engines[:3]], store_cfg, *router_args)
         procs.append(router_proc)
-        fleets = {pol: (router, [u for _, u, _ in engines[:3]]) for pol in policies if pol != NO_STORE}
+        fleets = {
+            pol: (router, [u for _, u, _ in engines[:3]]) for pol in policies if pol not in (NO_STORE, SGLANG)
+        }
+        sglang = None
+        if SGLANG in policies:
+            sglang, sglang_url = start_sglang(args.sglang_python, [u for _, u, _ in engines[:3]], tmp)
+            fleets[SGLANG] = (sglang_url, [u for _, u, _ in engines[:3]])
+            args.served = json.loads(urllib.request.urlopen(engines[0][1] + "/v1/models", timeout=30).read())[
+                "data"][0]["id"]  # fmt: skip
         if args.no_store_baseline:
             proc, bare = start_router([(u, c) for _, u, c in engines[3:]], None, *router_args)
             procs.append(proc)
             fleets[NO_STORE] = (bare, [u for _, u, _ in engines[3:]])
         beside = [store.proc.pid] + [proc.proc.pid for proc in procs[len(engines) :]]  # server, routers
+        beside += [sglang.pid] if sglang is not None else []
         engine_pids = [proc.proc.pid for proc, _, _ in engines]
         overhead = {"cpu": 0.0, "box": 0.0, "wall": 0.0}  # ours beside the engines; all but the engines
         results = {
@@ -252,6 +351,7 @@ def main() -> int:
                 "rounds": [],
                 "wall": 0.0,
                 "engine_cpu_s": 0.0,
+                "per_engine": collections.Counter(),  # requests each engine counted (first tokens)
                 **dict.fromkeys(COUNTED, 0.0),
             }
             for pol in policies
@@ -278,7 +378,9 @@ def main() -> int:
                 res["engine_cpu_s"] += engines_cpu
                 for k in COUNTED:
                     res[k] += sum(a[k] - b[k] for a, b in zip(after, before, strict=True))
-                print(f"round {rnd + 1} {pol:>20}: {len(record)} requests in {wall:.1f} s", file=sys.stderr)
+                for u, a, b in zip(urls, after, before, strict=True):
+                    res["per_engine"][u] += a["firsts"] - b["firsts"]
+                print(f"round {rnd + 1} {pol:>26}: {len(record)} requests in {wall:.1f} s", file=sys.stderr)
         report(args, plan, policies, results, fleets)
         w = overhead["wall"]
         print(f"CPU beside the engines in {w:.1f} s of rounds: the routers, kvstore-server and this client "
@@ -286,7 +388,7 @@ def main() -> int:
               f"in all {overhead['box'] / w:.2f} cores")  # fmt: skip
         expected = router_expected(router)  # the router's index against what the engines reported
         for pol in policies:
-            e = expected.get(pol.split("/")[0]) if pol != NO_STORE else None
+            e = expected.get(pol.split("/")[0]) if pol not in (NO_STORE, SGLANG) else None
             if e and sum(e.values()):
                 n = sum(e.values())
                 print(f"{pol}: the router expected local {e['local'] / n:.1%}, store {e['remote'] / n:.1%}, "
@@ -295,13 +397,14 @@ def main() -> int:
         print(
             "the router's calibrated costs at the end: " + ", ".join(f"{k} {v:.3g}" for k, v in costs.items())
         )
-        return 0
+        return results
     finally:
+        if sglang is not None:
+            sglang.terminate()
+            sglang.wait(timeout=30)
         for proc in procs:
             proc.stop()
         store.stop()
-        if args.decisions_file is not None:
-            args.decisions_file.close()
 
 
 def report(args, plan, policies, results, fleets) -> None:
@@ -309,17 +412,19 @@ def report(args, plan, policies, results, fleets) -> None:
     print(f"\nMooncake conversation trace, {args.rounds} rounds x {args.conversations} conversations ({args.slice}; "
           f"{n} requests per policy), {args.block_tokens} tokens per 512-token block, {args.rps} req/s, "
           f"3 engines (KV cache {args.kv_cache_memory} each) + 1 kvstore-server\n")  # fmt: skip
-    print(f"{'policy':>20} {'local hit':>9} {'store hit':>9} {'recompute':>9} {'TTFT p50':>9} {'TTFT p90':>9} "
+    print(f"{'policy':>26} {'local hit':>9} {'store hit':>9} {'recompute':>9} {'TTFT p50':>9} {'TTFT p90':>9} "
           f"{'req/s':>6} {'imbalance':>9}")  # fmt: skip
     p90 = {}
     for pol in policies:
         res = results[pol]
         ttfts = [t for _, t in res["records"]]
         per_engine = collections.Counter(e for e, _ in res["records"])
+        if None in per_engine:  # the router did not name its engines: their own counts
+            per_engine = res["per_engine"]
         counts = [per_engine.get(u, 0) for u in fleets[pol][1]]
         local, stored = res["local"] / res["prompt"], res["store"] / res["prompt"]
         p90[pol] = pct(ttfts, 0.9)
-        print(f"{pol:>20} {local:>9.1%} {stored:>9.1%} {1 - local - stored:>9.1%} {statistics.median(ttfts):>8.3f}s "
+        print(f"{pol:>26} {local:>9.1%} {stored:>9.1%} {1 - local - stored:>9.1%} {statistics.median(ttfts):>8.3f}s "
               f"{p90[pol]:>8.3f}s {len(ttfts) / res['wall']:>6.2f} {max(counts) / statistics.mean(counts):>9.2f}")  # fmt: skip
     print(
         "\nwhere a request's TTFT goes, mean seconds (the engines' histograms): before its first prefill step "
@@ -331,19 +436,38 @@ def report(args, plan, policies, results, fleets) -> None:
         if res["firsts"]:
             inside, prefill = res["ttft_s"] / res["firsts"], res["prefill_s"] / res["firsts"]
             client = statistics.mean(t for _, t in res["records"])
-            print(f"{pol:>20} before prefill {inside - prefill:.3f}s  prefill {prefill:.3f}s  outside {client - inside:.3f}s"
+            print(f"{pol:>26} before prefill {inside - prefill:.3f}s  prefill {prefill:.3f}s  outside {client - inside:.3f}s"
                   f"  engines' CPU {res['engine_cpu_s']:.1f}s")  # fmt: skip
     if "ttft" in p90:
         ratios = ", ".join(f"{p90['ttft'] / v:.2f}x {pol}'s" for pol, v in p90.items() if pol != "ttft")
         print(f"\nttft's TTFT p90 (all rounds' requests): {ratios}")
-        print("ttft's TTFT p90 round by round, median (min-max) of the rounds' ratios:")
+        print("ttft's TTFT p50 and p90 round by round, median (min-max) of the rounds' ratios:")
         for pol in policies:
             if pol != "ttft":
-                r = [
-                    pct(t, 0.9) / pct(b, 0.9)
-                    for t, b in zip(results["ttft"]["rounds"], results[pol]["rounds"], strict=True)
-                ]
-                print(f"  / {pol:<20} {statistics.median(r):.2f}x ({min(r):.2f}-{max(r):.2f})")  # fmt: skip
+                print(f"  / {pol:<26} {_ratios(results['ttft']['rounds'], results[pol]['rounds'])}")
+
+
+def _ratios(ours: list[list[float]], theirs: list[list[float]]) -> str:
+    """'p50 M× (lo-hi), p90 M× (lo-hi)': medians and ranges of per-round ratios of TTFT quantiles."""
+    out = []
+    for q in (0.5, 0.9):
+        r = [pct(t, q) / pct(b, q) for t, b in zip(ours, theirs, strict=True)]
+        out.append(f"p{round(q * 100)} {statistics.median(r):.2f}x ({min(r):.2f}-{max(r):.2f})")
+    return ", ".join(out)
+
+
+def pooled(args, policies, runs) -> None:
+    """ttft against every other policy over every round of every run."""
+    if "ttft" not in policies:
+        return
+    n = sum(len(r["ttft"]["rounds"]) for r in runs)
+    print(f"\nttft's TTFT over each policy's, {len(runs)} run(s) x {args.rounds} rounds = {n} rounds pooled: "
+          f"median (min-max) of the per-round ratios")  # fmt: skip
+    for pol in policies:
+        if pol != "ttft":
+            ours = [t for r in runs for t in r["ttft"]["rounds"]]
+            theirs = [t for r in runs for t in r[pol]["rounds"]]
+            print(f"  / {pol:<26} {_ratios(ours, theirs)}")
 
 
 if __name__ == "__main__":

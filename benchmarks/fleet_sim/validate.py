@@ -82,9 +82,11 @@ def parse_real(text: str) -> dict[str, dict[str, float]]:
 
 
 def _bench_args(args: argparse.Namespace) -> list[str]:
+    # without sglang-router: its runs give every policy the text's ids, not the trace's
     return ["--window", str(args.window), "--conversations", str(args.conversations), "--rounds", str(args.rounds),
             "--slice", args.slice, "--no-store-baseline", str(int(args.no_store_baseline)), "--rps", str(args.rps), "--block-tokens", str(args.block_tokens), "--max-blocks", str(args.max_blocks),
-            "--kv-cache-memory", args.kv_cache_memory, "--policies", ",".join(args.policies)]  # fmt: skip
+            "--kv-cache-memory", args.kv_cache_memory, "--policies", ",".join(args.policies),
+            "--sglang-router", "none"]  # fmt: skip
 
 
 def engine_cores(text: str, cpus: float) -> float:
