@@ -44,6 +44,7 @@ print("sdk ok")
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # a fresh venv, torch included, and a wheel built: minutes on a busy 2-core box
 def test_server_extra_alone_runs_the_server_and_the_sdk(tmp_path: Path) -> None:
     env_dir = tmp_path / "venv"
     venv.EnvBuilder(with_pip=True).create(env_dir)
