@@ -68,7 +68,7 @@ class DiskTier(IndexedTier):
         self.root = Path(path)
         self.fsync = fsync
         self.stats = TierStats()
-        self._clock = clock.time
+        self._clock, self._clock_ns = clock.time, clock.time_ns  # mtimes (LRU order) too
         self._lock = threading.Lock()
         self._index: LRUIndex[str] = LRUIndex(capacity)  # value: file name inside the shard dir
         self._tmp_ids = itertools.count()
@@ -178,7 +178,7 @@ class DiskTier(IndexedTier):
                 return None
             path = self._path(key, entry.value)
         try:
-            return read_regular(path, touch=True)  # mtime = last use: the LRU order a restart rebuilds
+            return read_regular(path, self._clock_ns())  # mtime = last use: the order a restart rebuilds
         except FileNotFoundError:
             self._drop(key, entry, "was deleted behind our back")
         except NotRegular as e:
@@ -226,7 +226,7 @@ class DiskTier(IndexedTier):
         fname = key if expires_at is None else f"{key}.x{int(expires_at * 1000)}"
         try:
             self._make_shard(shard)
-            write_new(shard, tmp, view, self.fsync)
+            write_new(shard, tmp, view, self.fsync, self._clock_ns())
             with self._lock:
                 self._ttl_seen = self._ttl_seen or expires_at is not None
                 if self._ttl_seen:  # a cheap sweep of the oldest entries

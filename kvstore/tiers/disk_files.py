@@ -63,9 +63,10 @@ def is_regular(path: Path) -> bool:
     return stat.S_ISREG(os.lstat(path).st_mode)
 
 
-def read_regular(path: Path, touch: bool) -> bytes:
-    """The whole file, never blocking on what is not a regular file (NotRegular); `touch` sets its
-    mtime to now (the disk tier's LRU order). OSError for everything else, FileNotFoundError included."""
+def read_regular(path: Path, touch_ns: int | None) -> bytes:
+    """The whole file, never blocking on what is not a regular file (NotRegular); `touch_ns` sets its
+    mtime (the disk tier's LRU order: its clock's now). OSError for everything else, FileNotFoundError
+    included."""
     fd = os.open(path, _READ_FLAGS)  # ELOOP for a symlink
     try:
         st = os.fstat(fd)
@@ -73,15 +74,16 @@ def read_regular(path: Path, touch: bool) -> bytes:
             raise NotRegular(f"{path} is not a regular file (mode {stat.filemode(st.st_mode)})")
         with open(fd, "rb", buffering=0, closefd=False) as f:
             data = f.readall()
-        if touch:
-            os.utime(fd)
+        if touch_ns is not None:
+            os.utime(fd, ns=(touch_ns, touch_ns))
         return data
     finally:
         os.close(fd)
 
 
-def write_new(shard: Path, tmp: Path, data: memoryview, fsync: bool) -> None:
-    """Create `tmp` in `shard` (made again if it vanished), write `data` whole, fsync if asked."""
+def write_new(shard: Path, tmp: Path, data: memoryview, fsync: bool, mtime_ns: int | None = None) -> None:
+    """Create `tmp` in `shard` (made again if it vanished), write `data` whole, fsync if asked, and set
+    its mtime to `mtime_ns` (the disk tier's clock) when given."""
     try:
         fd = os.open(tmp, _CREATE_FLAGS, 0o644)
     except FileNotFoundError:  # the shard directory was removed behind our back
@@ -93,6 +95,8 @@ def write_new(shard: Path, tmp: Path, data: memoryview, fsync: bool) -> None:
             written += os.write(fd, data[written:])
         if fsync:
             os.fsync(fd)
+        if mtime_ns is not None:
+            os.utime(fd, ns=(mtime_ns, mtime_ns))
     finally:
         os.close(fd)
 

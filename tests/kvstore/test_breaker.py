@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvstore.breaker import Breaker
+from kvstore.clock import ManualClock
 from kvstore.errors import ConfigError
 
 
@@ -37,3 +38,17 @@ def test_bad_backoffs_are_refused() -> None:
     for lo, hi in ((2.0, 1.0), (-1.0, 1.0)):
         with pytest.raises(ConfigError):
             Breaker(lo, hi)
+
+
+def test_its_time_is_its_clocks() -> None:
+    """The store's clock (kvstore/clock.py): a test steps a backoff instead of sleeping through it."""
+    clock = ManualClock()
+    b = Breaker(0.1, 5.0, clock)
+    assert b.failure() and not b.allow() and b.refusing()
+    clock.advance(0.1)
+    assert b.allow() and not b.allow()  # the one probe
+    assert not b.failure() and b.delay == pytest.approx(0.2)
+    clock.advance(0.19)
+    assert b.refusing()
+    clock.advance(0.02)
+    assert not b.refusing() and b.allow() and b.success()

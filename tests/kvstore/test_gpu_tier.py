@@ -6,11 +6,11 @@ import os
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 import torch
 
+from kvstore.clock import ManualClock
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError, InvalidArgument
 from kvstore.tiers import Tier, make_tier
@@ -52,10 +52,15 @@ def test_importing_the_gpu_tier_never_imports_cupy() -> None:
 
 
 @pytest.fixture
-def gpu():
+def clock() -> ManualClock:
+    return ManualClock()
+
+
+@pytest.fixture
+def gpu(clock: ManualClock):
     from kvstore.tiers.gpu import GpuTier
 
-    t = GpuTier(64 * KiB, staging_bytes=4 * KiB)  # small staging buffers: every copy is chunked
+    t = GpuTier(64 * KiB, staging_bytes=4 * KiB, clock=clock)  # small staging buffers: every copy is chunked
     yield t
     t.close()
 
@@ -100,15 +105,15 @@ def test_lru_eviction_and_exact_bytes(gpu) -> None:
 
 
 @cuda
-def test_ttl_and_batches(gpu) -> None:
-    gpu.put_many([(key(1), b"a" * 100), (key(2), b"b" * 200)], ttl_s=0.1)
+def test_ttl_and_batches(gpu, clock: ManualClock) -> None:
+    gpu.put_many([(key(1), b"a" * 100), (key(2), b"b" * 200)], ttl_s=10)
     gpu.put(key(3), b"c")
     assert [bytes(b) if b is not None else None for b in gpu.get_many([key(2), key(7), key(3)])] == [
         b"b" * 200,
         None,
         b"c",
     ]
-    time.sleep(0.15)
+    clock.advance(10)
     assert gpu.get(key(1)) is None and not gpu.contains(key(2))
     assert gpu.stats.expired == 2 and gpu.usage() == 1
     with pytest.raises(InvalidArgument):

@@ -3,12 +3,12 @@ from unreachable from never stored, per read and per prefix lookup, and counts t
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import torch
 
 from kvstore.blob import encode_blob
+from kvstore.clock import ManualClock
 from kvstore.config import StoreConfig
 from kvstore.miss_log import MissLog
 from kvstore.store import TieredStore
@@ -36,7 +36,8 @@ def counted(store: TieredStore) -> dict[str, int]:
 
 def test_evicted_expired_deleted_and_never_stored(tmp_path: Path) -> None:
     size = len(blob(0))
-    with TieredStore(StoreConfig(tiers=["cpu"], cpu_capacity=3 * size, ttl=0.3)) as store:
+    clock = ManualClock()
+    with TieredStore(StoreConfig(tiers=["cpu"], cpu_capacity=3 * size, ttl=30), clock=clock) as store:
         for i in range(5):  # room for 3: keys 0 and 1 are evicted
             store.put_blob(key(i), blob(i))
         assert reasons_of(store, [key(i) for i in range(6)]) == [
@@ -44,7 +45,7 @@ def test_evicted_expired_deleted_and_never_stored(tmp_path: Path) -> None:
         ]  # fmt: skip
         assert store.delete(key(4))
         assert store.get_blob(key(4)) is None  # deleted on purpose: as if never stored
-        time.sleep(0.4)
+        clock.advance(30)
         assert reasons_of(store, [key(2), key(3), key(4)]) == ["expired", "expired", "not_stored"]
         assert store.lookup([key(9), key(2)]) == (0, "not_stored")
         assert counted(store) == {"evicted": 2, "not_stored": 4, "expired": 2}
@@ -52,17 +53,18 @@ def test_evicted_expired_deleted_and_never_stored(tmp_path: Path) -> None:
 
 
 def test_a_promotion_renews_the_ttl_it_reports(tmp_path: Path) -> None:
-    cfg = StoreConfig(tiers=["cpu", "disk"], disk_path=tmp_path / "d", ttl=0.5)
-    with TieredStore(cfg) as store:
+    cfg = StoreConfig(tiers=["cpu", "disk"], disk_path=tmp_path / "d", ttl=50)
+    clock = ManualClock()
+    with TieredStore(cfg, clock=clock) as store:
         cpu, _ = store.tiers
         store.put_blob(key(1), blob(1))
-        time.sleep(0.3)
+        clock.advance(30)
         cpu.delete(key(1))
         assert store.get_blob(key(1)) is not None  # from disk, promoted into cpu with a fresh TTL
-        time.sleep(0.3)  # the disk copy has expired, the promoted one has not
+        clock.advance(30)  # the disk copy has expired, the promoted one has not
         cpu.delete(key(1))  # ... and is evicted
         assert store.lookup([key(1)]) == (0, "evicted")
-        time.sleep(0.3)
+        clock.advance(30)
         assert store.lookup([key(1)]) == (0, "expired")
 
 

@@ -12,6 +12,7 @@ import torch
 from prometheus_client import generate_latest
 
 from kvstore.blob import encode_blob
+from kvstore.clock import ManualClock
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError, CorruptBlob, InvalidArgument, InvalidKey, TooLarge
 from kvstore.protocol import Blob
@@ -206,12 +207,13 @@ def test_admission_after_n_hits(tmp_path: Path) -> None:
 
 
 def test_ttl_expires_in_every_tier(tmp_path: Path) -> None:
-    import time
-
-    with make_store(tmp_path, ttl=0.3) as s:
+    clock = ManualClock()
+    config = StoreConfig(tiers=["cpu", "disk"], cpu_capacity="1MiB", disk_path=tmp_path / "d", ttl=30)
+    with TieredStore(config, clock=clock) as s:  # the store's clock is its tiers' too
         s.put_blob(key(0), blob(0))
+        clock.advance(29.9)
         assert s.get_blob(key(0)) == kept(blob(0), key(0))
-        time.sleep(0.4)
+        clock.advance(0.2)
         assert s.get_blob(key(0)) is None
         assert not s.exists(key(0)) and all(len(t) == 0 for t in s.tiers)
         assert s.stats()["tiers"][1]["expired"] == 1

@@ -41,11 +41,15 @@ class GatedDisk(DiskTier):
         self.gate = threading.Event()
         self.gate.set()
         self.entered = threading.Event()
+        self.left = threading.Event()
 
     def put_many(self, items: Sequence[tuple[str, Blob]], ttl_s: float | None = None) -> list[str]:
         self.entered.set()
         assert self.gate.wait(30)
-        return super().put_many(items, ttl_s)
+        try:
+            return super().put_many(items, ttl_s)
+        finally:
+            self.left.set()
 
 
 def write_back_store(disk: DiskTier, queue: int = 1) -> TieredStore:
@@ -116,6 +120,7 @@ def test_close_drains_within_its_timeout_and_leaves_no_older_blob(tmp_path: Path
     s.flush()
     disk.gate.clear()
     disk.entered.clear()
+    disk.left.clear()
     s.put_blob(key(9), blob(9))
     assert disk.entered.wait(10)
     for i in range(4):
@@ -124,7 +129,7 @@ def test_close_drains_within_its_timeout_and_leaves_no_older_blob(tmp_path: Path
     s.close(timeout=0.5)
     assert time.monotonic() - t0 < 5
     disk.gate.set()  # (the stuck write lands after close: key 9, the newest)
-    time.sleep(0.2)
+    assert disk.left.wait(10)
     again = DiskTier(tmp_path / "disk", 1 << 24)
     try:
         assert [again.get(key(i)) for i in range(4)] == [None] * 4  # not written: a miss, not blob(i)

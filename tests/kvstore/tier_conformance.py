@@ -222,13 +222,17 @@ def check_ttl(h: Harness) -> None:
 
 
 def check_bad_ttls(h: Harness) -> None:
-    t = h.tier()
+    t = h.tier(h.block(64 * SIZE))
     t.put(key(0), blob(0))
     for bad in (0, -1, float("nan"), float("inf"), True, "1"):
         with pytest.raises(InvalidArgument, match="ttl_s"):
             t.put(key(0), blob(0, seed=1), ttl_s=bad)  # type: ignore[arg-type]
         with pytest.raises(InvalidArgument, match="ttl_s"):
             t.put_many([(key(1), blob(1))], ttl_s=bad)  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgument, match="ttl_s"):
+            t.put_many([], ttl_s=bad)  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgument, match="ttl_s"):  # too big to store: still refused first
+            t.put(key(0), blob(0, tokens=80 * SIZE // 256), ttl_s=bad)  # type: ignore[arg-type]
     assert read(t, key(0)) == blob(0) and not t.contains(key(1)) and t.usage() == SIZE
 
 

@@ -11,22 +11,23 @@ keeping whatever changed while the scan ran and whatever lives on servers that c
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 
 import redis
 
+from kvstore.clock import SYSTEM, Clock
 from kvstore.tiers.base import TierStats
 
 SCAN_BATCH = 1000
-Sizes = dict[str, tuple[int, float | None]]  # key -> (blob bytes, time.monotonic() expiry or None)
+Sizes = dict[str, tuple[int, float | None]]  # key -> (blob bytes, expiry on the clock's monotonic, or None)
 
 
 class KeyIndex:
     """key -> (size, expiry) with the byte total. Thread-safe."""
 
-    def __init__(self, stats: TierStats) -> None:
-        self.stats = stats
+    def __init__(self, stats: TierStats, clock: Clock = SYSTEM) -> None:
+        """`clock`: the store's; the expiries it expects (Redis expires keys by its own clock)."""
+        self.stats, self.clock = stats, clock
         self._lock = threading.Lock()
         self._entries: Sizes = {}
         self._bytes = 0
@@ -60,7 +61,7 @@ class KeyIndex:
             self._bytes -= old[0]
             self._n_ttl -= old[1] is not None
         if missed:
-            if old[1] is not None and old[1] <= time.monotonic():
+            if old[1] is not None and old[1] <= self.clock.monotonic():
                 self.stats.expired += 1
             else:
                 self.stats.evictions += 1
@@ -68,7 +69,7 @@ class KeyIndex:
     def purge_expired(self) -> None:
         if not self._n_ttl:
             return
-        now = time.monotonic()
+        now = self.clock.monotonic()
         with self._lock:
             gone = [k for k, (_, exp) in self._entries.items() if exp is not None and exp <= now]
         for key in gone:
@@ -103,27 +104,27 @@ class KeyIndex:
             self._n_ttl = sum(exp is not None for _, exp in self._entries.values())
 
 
-def scan_sizes(client: redis.Redis, raw_prefix: bytes) -> Sizes:
+def scan_sizes(client: redis.Redis, raw_prefix: bytes, clock: Clock = SYSTEM) -> Sizes:
     """Every key under `raw_prefix` on this server, with its size and expiry (SCAN, STRLEN + PTTL)."""
     out: Sizes = {}
     batch: list[bytes] = []
     for rkey in client.scan_iter(match=glob_escape(raw_prefix) + b"*", count=SCAN_BATCH):
         batch.append(rkey)
         if len(batch) == SCAN_BATCH:
-            _sizes(client, raw_prefix, batch, out)
+            _sizes(client, raw_prefix, batch, out, clock)
             batch = []
     if batch:
-        _sizes(client, raw_prefix, batch, out)
+        _sizes(client, raw_prefix, batch, out, clock)
     return out
 
 
-def _sizes(client: redis.Redis, raw_prefix: bytes, rkeys: list[bytes], out: Sizes) -> None:
+def _sizes(client: redis.Redis, raw_prefix: bytes, rkeys: list[bytes], out: Sizes, clock: Clock) -> None:
     pipe = client.pipeline(transaction=False)
     for rkey in rkeys:
         pipe.strlen(rkey)
         pipe.pttl(rkey)
     replies = pipe.execute()
-    now = time.monotonic()
+    now = clock.monotonic()
     for rkey, size, pttl in zip(rkeys, replies[::2], replies[1::2], strict=True):
         if pttl == -2:  # gone since the SCAN
             continue

@@ -49,7 +49,6 @@ import contextlib
 import logging
 import sys
 import threading
-import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -98,8 +97,8 @@ class RedisTier:
         `handoff_dir`: where those keys survive a restart (None: in this process's memory only).
         `wait_replicas`: a put counts as stored only once this many replicas of its primary have it
         (WAIT, up to WAIT_MS); 0: once the primary has it (replication is asynchronous: a failover may
-        lose it). `clock`: the store's; the circuit breakers' backoffs are on it (Redis expires keys
-        by its own clock)."""
+        lose it). `clock`: the store's; the circuit breakers' backoffs and the expiries the byte
+        accounting expects are on it (Redis itself expires keys by its own clock)."""
         self.url, self.prefix, self.cluster = url, prefix, cluster
         self._raw_prefix = prefix.encode()
         self.server_maxmemory = server_maxmemory
@@ -107,7 +106,8 @@ class RedisTier:
         self.capacity = UNBOUNDED
         self.stats = TierStats()
         self._lock = threading.Lock()
-        self._index = KeyIndex(self.stats)
+        self._clock = clock
+        self._index = KeyIndex(self.stats, clock)
         self._reconciling = False
         self._reconciler: threading.Thread | None = None
         journal = (
@@ -164,7 +164,7 @@ class RedisTier:
         primaries = self._servers.primaries()
         try:
             for ep in primaries:
-                part = self._servers.call(ep, lambda c: scan_sizes(c, self._raw_prefix))
+                part = self._servers.call(ep, lambda c: scan_sizes(c, self._raw_prefix, self._clock))
                 info = self._servers.call(ep, self._server_info) if part is not FAIL else FAIL
                 if part is FAIL or info is FAIL:
                     continue
@@ -337,7 +337,7 @@ class RedisTier:
                 return BACKEND_ERROR, f"{type(reply).__name__}: {str(reply)[:200]}"
             where = ep.name if ep is not None else self.url
             return UNAVAILABLE, f"{where} is unreachable (down, hung or in backoff)"
-        self._index.remember(key, size, time.monotonic() + ttl_s if ttl_s else None)
+        self._index.remember(key, size, self._clock.monotonic() + ttl_s if ttl_s else None)
         return None
 
     def contains(self, key: str) -> bool:
