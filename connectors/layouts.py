@@ -102,6 +102,7 @@ class _BlockMajorLayout:
 
     name = "block-major"
     c_path = False  # connectors/layout_c.py moves this layout's blocks (where it can; else torch)
+    k_pairs = False  # K's last dim is pairs of 2-byte values contiguous on both sides: copied as int32
 
     def __init__(self) -> None:
         self._scratch = threading.local()  # loads run on several threads, saves on the engine's
@@ -174,14 +175,14 @@ class _BlockMajorLayout:
                 k, v = self._kv_of(cache)
                 for b, i, r in runs:
                     kb, vb, dst = k[b : b + r], v[b : b + r], view[:, layer, i : i + r]
-                    dst[0].view(kb.shape).copy_(kb)
+                    _copy_k(dst[0].view(kb.shape), kb, self.k_pairs)
                     dst[1].view(vb.shape).copy_(vb)
             return out
         idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=first.device)
         for layer, cache in enumerate(kv_caches):
             blocks = torch.index_select(cache, 0, idx, out=self._blocks(cache, n))
             k, v = self._split(blocks)
-            view[0, layer].view(k.shape).copy_(k)
+            _copy_k(view[0, layer].view(k.shape), k, self.k_pairs)
             view[1, layer].view(v.shape).copy_(v)
         return out
 
@@ -216,16 +217,30 @@ class _BlockMajorLayout:
                         v[b : b + r],
                         chunk[:, layer, lo + i * bs : lo + (i + r) * bs],
                     )
-                    kb.copy_(src[0].view(kb.shape))  # casts and moves to the cache's device
+                    _copy_k(kb, src[0].view(kb.shape), self.k_pairs)  # casts and moves to the cache's device
                     vb.copy_(src[1].view(vb.shape))
             return
         idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=first.device)
         for layer, cache in enumerate(kv_caches):
             blocks = self._blocks(cache, n)
             k, v = self._split(blocks)
-            k.copy_(chunk[0, layer, lo:hi].view(k.shape))  # casts and moves to the cache's device
+            _copy_k(
+                k, chunk[0, layer, lo:hi].view(k.shape), self.k_pairs
+            )  # casts, moves to the cache's device
             v.copy_(chunk[1, layer, lo:hi].view(v.shape))
             cache.index_copy_(0, idx, blocks)
+
+
+def _copy_k(dst: torch.Tensor, src: torch.Tensor, pairs: bool) -> None:
+    """dst.copy_(src); with `pairs` (both end in a dim of 2 contiguous 2-byte values of one dtype) as
+    int32 pairs: a strided copy of half as many elements, ~4x faster than one of bf16 values."""
+    if pairs and dst.dtype == src.dtype and dst.element_size() == 2 and dst.device == src.device:
+        try:
+            dst.view(torch.int32).copy_(src.view(torch.int32))
+            return
+        except RuntimeError:  # a view the dtype change cannot take (a last dim that is not contiguous)
+            pass
+    dst.copy_(src)
 
 
 class VllmCpuLayout(_BlockMajorLayout):
@@ -255,6 +270,7 @@ class VllmCpuAmxLayout(VllmCpuLayout):
 
     name = "vllm-cpu-amx"
     c_path = False  # tiles: the torch path
+    k_pairs = True  # K tiles hold (token, pair of dims): the pairs move as int32
 
     def _check(self, cache: torch.Tensor) -> None:
         super()._check(cache)
