@@ -95,9 +95,12 @@ def test_server_extra_alone_runs_the_server_and_the_sdk(tmp_path: Path) -> None:
         stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path,
     )  # fmt: skip
     try:
-        line = server.stdout.readline()
-        m = re.search(r"listening on (http://\S+)", line)
-        assert m, line + server.stdout.read(2000)
+        seen = []  # its log lines (stderr is merged) may come first
+        for _ in range(20):
+            seen.append(server.stdout.readline())
+            if m := re.search(r"listening on (http://\S+)", seen[-1]):
+                break
+        assert m, "".join(seen)
         sdk = subprocess.run(
             [py, "-c", SDK_SCRIPT.replace("URL", repr(m.group(1)))], capture_output=True, text=True,
             env=env, cwd=tmp_path, timeout=120,
