@@ -55,6 +55,7 @@ from kvstore.connectors.vllm_stats import (
     KVStorePromMetrics,
     StatsDelta,
     hit_source,
+    samples,
     tier_label,
 )
 from kvstore.connectors.vllm_support import check_supported
@@ -420,7 +421,7 @@ class KVStoreConnectorV1(KVConnectorBase_V1, SupportsHMA):
         """This worker's loads and saves since its last report (TP rank 0 of each stage reports)."""
         if self._worker is None or not self._worker.shard.stores:
             return None
-        return self._stats.take(self.handle.metrics.snapshot())
+        return self._stats.take(samples(self.handle.metrics))
 
     def shutdown(self) -> None:
         if self._closed:

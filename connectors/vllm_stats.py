@@ -68,6 +68,18 @@ class KVStoreConnectorStats(KVConnectorStats):
         return not any(v for k, v in self.data.items() if k != "tier")
 
 
+def samples(metrics: Any) -> dict[str, float]:
+    """The samples `SAMPLES` reads, from just those metrics of a `ConnectorMetrics` (vLLM asks every
+    step: a snapshot of the whole registry would cost the step milliseconds)."""
+    out: dict[str, float] = {}
+    for m in (metrics.loaded_tokens, metrics.load_bytes, metrics.load_errors, metrics.saved_chunks,
+              metrics.save_bytes, metrics.load_seconds):  # fmt: skip
+        for family in m.collect():
+            for s in family.samples:
+                out[s.name] = s.value
+    return out
+
+
 class StatsDelta:
     """A worker's `KVStoreConnectorStats` since its previous call, from its metrics' samples."""
 
