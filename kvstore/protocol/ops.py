@@ -226,49 +226,52 @@ BY_CODE = {op.code: op for op in OPS}
 PLANE_REGION = ("s", "u", "a", "o", "p")
 
 
-# (id of a fields tuple, wire) -> (the tuple, its plan): each field's attribute, its name on the wire, its
-# check, whether absent is allowed and whether None is left out; the entry keeps the tuple (so its id)
-_PLANS: dict[tuple[int, str], tuple[tuple[Field, ...], tuple]] = {}
+# Each fields tuple is written and read on each wire by a function made once from it (as namedtuple
+# makes its class), so a message costs what hand-written code would: a few dict operations.
+_CODE: dict[tuple, tuple[tuple[Field, ...], Callable]] = {}  # the entry keeps the tuple, so its id
 
 
-def _plan(fields: tuple[Field, ...], wire_: str) -> tuple:
-    hit = _PLANS.get((id(fields), wire_))
+def _compiled(fields: tuple[Field, ...], wire_: str, cls: type | None) -> Callable:
+    key = (id(fields), wire_, cls)
+    hit = _CODE.get(key)
     if hit is not None and hit[0] is fields:
         return hit[1]
-    plan = tuple((f.name, name, f.check, f.optional, f.optional and not f.null)
-                 for f in fields if (name := f.on(wire_)) is not None)  # fmt: skip
-    _PLANS[(id(fields), wire_)] = (fields, plan)
-    return plan
+    plan = [(f.name, name, f.check, f.optional, f.optional and not f.null)
+            for f in fields if (name := f.on(wire_)) is not None]  # fmt: skip
+    env: dict[str, Any] = {"InvalidArgument": InvalidArgument, "cls": cls}
+    if cls is None:  # a writer: message -> dict
+        lines = ["def code(m):", "    out = {}"]
+        for attr, name, _, _, omit in plan:
+            lines += [
+                f"    v = m.{attr}",
+                f"    if v is not None: out[{name!r}] = v" if omit else f"    out[{name!r}] = v",
+            ]
+        lines.append("    return out")
+    else:  # a reader: (dict, values that came another way) -> cls
+        what = "JSON object" if wire_ == HTTP else "map"
+        lines = ["def code(data, values):", "    if type(data) is not dict:",
+                 f"        raise InvalidArgument({f'expected a {what} of {cls.__name__}'!r})"]  # fmt: skip
+        for i, (attr, name, check, optional, _) in enumerate(plan):
+            env[f"check{i}"] = check
+            absent = "pass" if optional else f"raise InvalidArgument({f'{cls.__name__} needs {name!r}'!r})"
+            value = "v" if check is _as_is else f"check{i}(v)"
+            lines += [f"    if {attr!r} not in values:", f"        v = data.get({name!r})",
+                      f"        if v is None: {absent}", f"        else: values[{attr!r}] = {value}"]  # fmt: skip
+        lines.append("    return cls(**values)")
+    exec("\n".join(lines), env)  # noqa: S102 (source made here from the table's own names)
+    _CODE[key] = (fields, env["code"])
+    return env["code"]
 
 
 def to_wire(fields: tuple[Field, ...], message: Any, wire_: str) -> dict[str, Any]:
     """`message`'s fields as one wire names them (HTTP's JSON body, or the data plane's meta)."""
-    out: dict[str, Any] = {}
-    for attr, name, _, _, omit in _plan(fields, wire_):
-        value = getattr(message, attr)
-        if value is not None or not omit:
-            out[name] = value
-    return out
+    return _compiled(fields, wire_, None)(message)
 
 
 def from_wire(cls: type, fields: tuple[Field, ...], data: Any, wire_: str, **more: Any) -> Any:
-    """The `cls` a wire's message describes, each field checked; `more`: what travelled elsewhere."""
-    return _read(cls, _plan(fields, wire_), data, wire_, more)
-
-
-def _read(cls: type, plan: tuple, data: Any, wire_: str, values: dict[str, Any]) -> Any:
-    if type(data) is not dict:
-        raise InvalidArgument(f"expected a {'JSON object' if wire_ == HTTP else 'map'} of {cls.__name__}")
-    for attr, name, check, optional, _ in plan:
-        if attr in values:
-            continue
-        value = data.get(name)
-        if value is None:  # absent, or null
-            if not optional:
-                raise InvalidArgument(f"{cls.__name__} needs {name!r}")
-            continue
-        values[attr] = value if check is _as_is else check(value)
-    return cls(**values)
+    """The `cls` a wire's message describes, each field checked (absent or null: None where it is
+    optional, InvalidArgument where not); `more`: fields that travelled elsewhere, checked already."""
+    return _compiled(fields, wire_, cls)(data, more)
 
 
 def status(answer: Any, n_keys: int, ok: int = 200) -> int:
@@ -281,9 +284,9 @@ def status(answer: Any, n_keys: int, ok: int = 200) -> int:
 def request_from(op: Op, data: Any, wire_: str, **more: Any) -> Any:
     """`op`'s request as `wire_` carries it (`more`: fields that came another way, checked already)."""
     assert op.types is not None, op.name
-    return _read(op.types[0], _plan(op.request, wire_), data, wire_, more)
+    return _compiled(op.request, wire_, op.types[0])(data, more)
 
 
 def answer_from(op: Op, data: Any, wire_: str, **more: Any) -> Any:
     assert op.types is not None, op.name
-    return _read(op.types[1], _plan(op.answer, wire_), data, wire_, more)
+    return _compiled(op.answer, wire_, op.types[1])(data, more)
