@@ -85,8 +85,11 @@ def reasons_of(meta: dict, blobs: Sequence[Blob | None]) -> list[str | None]:
 # -- the data plane -------------------------------------------------------------------------------------
 
 
+_GET_WRITE = ops.writer(ops.GET.request, ops.PLANE)
+
+
 def _get_meta(keys: list[str]) -> dict[str, Any]:
-    return ops.to_wire(ops.GET.request, ops.KeysRequest(keys), ops.PLANE)
+    return _GET_WRITE(ops.KeysRequest(keys))
 
 
 def fetch_socket(plane: DataPlaneClient, keys: list[str], rx: Receiver) -> tuple[dict, Got]:

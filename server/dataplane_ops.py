@@ -78,12 +78,22 @@ def handle(conn: Connection, req: Request) -> Reply:
         return _put(conn, req, keys)
     if req.op == dp.TOUCH:
         return _touch(conn, req, keys)
-    op = ops.BY_CODE.get(req.op)
-    if op is None or op.name not in handlers.HANDLERS:
+    row = _KEYS_OPS.get(req.op)
+    if row is None:
         raise InvalidArgument(f"unknown data-plane op {req.op}")
-    answer = handlers.HANDLERS[op.name](conn.st, ops.request_from(op, req.meta, ops.PLANE, keys=keys))
-    meta = ops.to_wire(op.answer, answer, ops.PLANE)
-    return Reply(ops.status(answer, len(keys)), meta, op_name=op.route_name(len(keys)))
+    op, read, write = row
+    answer = handlers.HANDLERS[op.name](conn.st, read(req.meta, {"keys": keys}))
+    return Reply(ops.status(answer, len(keys)), write(answer), op_name=op.route_name(len(keys)))
+
+
+_GET_WRITE = ops.writer(ops.GET.answer, ops.PLANE)
+_PUT_READ, _PUT_WRITE = (
+    ops.reader(ops.PutRequest, ops.PUT.request, ops.PLANE),
+    ops.writer(ops.PUT.answer, ops.PLANE),
+)
+# the operations of keys alone: each one's row, how its meta is read and how its answer is written
+_KEYS_OPS = {op.code: (op, ops.reader(op.types[0], op.request, ops.PLANE), ops.writer(op.answer, ops.PLANE))
+             for op in (ops.EXISTS, ops.DELETE, ops.LOOKUP) if op.types is not None}  # fmt: skip
 
 
 def _hello(conn: Connection, req: Request) -> Reply:
@@ -146,7 +156,7 @@ def _get(conn: Connection, req: Request, keys: list[str]) -> Reply:
     answer = handlers.get(conn.st, ops.KeysRequest(keys))
     blobs, lens = answer.blobs, answer.lens
     total = dp.total(lens)
-    reply = Reply(ops.status(answer, len(keys)), ops.to_wire(ops.GET.answer, answer, ops.PLANE),
+    reply = Reply(ops.status(answer, len(keys)), _GET_WRITE(answer),
                   bytes_out=total, op_name=ops.GET.route_name(len(keys)))  # fmt: skip
     present = [b for b in blobs if b is not None]
     if req.flags & dp.FLAG_SHM:
@@ -171,7 +181,7 @@ def _get(conn: Connection, req: Request, keys: list[str]) -> Reply:
 def _put(conn: Connection, req: Request, keys: list[str]) -> Reply:
     st = conn.st
     lens = dp.meta_lens(req.meta, len(keys))
-    request = ops.request_from(ops.PUT, req.meta, ops.PLANE, keys=keys, lens=lens)  # `x` checked first
+    request = _PUT_READ(req.meta, {"keys": keys, "lens": lens})  # `x` checked before any put
     total = sum(lens)
     limit = st.store_config.max_blob_size if len(keys) == 1 else st.config.max_request_size
     if total > limit:
@@ -188,7 +198,7 @@ def _put(conn: Connection, req: Request, keys: list[str]) -> Reply:
     else:
         request.blobs = req.bufs
     answer = handlers.put(st, request)
-    meta = ops.to_wire(ops.PUT.answer, answer, ops.PLANE)
+    meta = _PUT_WRITE(answer)
     return Reply(201, meta, op_name=ops.PUT.route_name(len(keys)), bytes_in=total)
 
 

@@ -263,6 +263,16 @@ def _compiled(fields: tuple[Field, ...], wire_: str, cls: type | None) -> Callab
     return env["code"]
 
 
+def writer(fields: tuple[Field, ...], wire_: str) -> Callable[[Any], dict[str, Any]]:
+    """`to_wire` of these fields on this wire, as one function (for a hot path to keep)."""
+    return _compiled(fields, wire_, None)
+
+
+def reader(cls: type, fields: tuple[Field, ...], wire_: str) -> Callable[[Any, dict[str, Any]], Any]:
+    """`from_wire` of `cls` on this wire, as one function of (data, fields that came another way)."""
+    return _compiled(fields, wire_, cls)
+
+
 def to_wire(fields: tuple[Field, ...], message: Any, wire_: str) -> dict[str, Any]:
     """`message`'s fields as one wire names them (HTTP's JSON body, or the data plane's meta)."""
     return _compiled(fields, wire_, None)(message)
