@@ -36,17 +36,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from kvstore.connectors.config import KVTransferConfig
+from kvstore.connectors.grouped_layout import GroupedLayout
 from kvstore.connectors.kv_scheduler import KVStoreScheduler
 from kvstore.connectors.kv_worker import KVStoreWorker
-from kvstore.connectors.layouts import (
-    GroupedLayout,
-    PagedLayout,
-    VllmCpuAmxLayout,
-    VllmCpuLayout,
-    VllmCudaLayout,
-    VllmMlaLayout,
-)
+from kvstore.connectors.layouts import PagedLayout, VllmCpuAmxLayout, VllmCpuLayout, VllmCudaLayout
 from kvstore.connectors.meta import StepTransfers
+from kvstore.connectors.mla_layout import VllmMlaLayout
 from kvstore.connectors.shard import Shard
 from kvstore.connectors.store_handle import StoreHandle, acquire_store, release_store
 from kvstore.connectors.vllm_scheduler import VllmScheduler

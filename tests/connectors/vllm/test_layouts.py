@@ -235,7 +235,7 @@ def test_vllm_mla_layout_matches_vllms_own_cpu_mla_cache_writer() -> None:
     """An MLA cache holds one latent row per token (kv_lora_rank values, then the rope part of the key):
     the chunk is `[1, L, T, 1, 576]`, and scatter writes back exactly what vLLM's writer wrote."""
     pytest.importorskip("vllm._custom_ops")
-    from kvstore.connectors.layouts import VllmMlaLayout  # noqa: PLC0415
+    from kvstore.connectors.mla_layout import VllmMlaLayout  # noqa: PLC0415
 
     op = getattr(torch.ops._C, "concat_and_cache_mla_cpu", None)
     if op is None:
@@ -286,7 +286,7 @@ def test_an_mla_layout_is_one_latent_per_token_on_every_rank() -> None:
 def test_grouped_layout_moves_each_groups_layers_with_its_own_blocks_and_skips_null_window_blocks() -> None:
     """vLLM's hybrid manager: layers 0, 2 in a sliding-window group (1), layers 1, 3 in a full one (0);
     block ids are (group 0's, group 1's) pairs; a window group's early blocks are the null block 0."""
-    from kvstore.connectors.layouts import GroupedLayout  # noqa: PLC0415
+    from kvstore.connectors.grouped_layout import GroupedLayout  # noqa: PLC0415
 
     inner = VllmCpuLayout()
     layout = GroupedLayout(inner, [1, 0, 1, 0], windowed={1})
