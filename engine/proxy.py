@@ -15,7 +15,7 @@ that hangs up closes the upstream requests (the engines abort them); SIGTERM sto
 in-flight requests finish for `--shutdown-timeout`, then ends the rest.
 
 The front door (`FrontDoor`, the router's too): kvstore-server's connection rules
-(kvstore.server.connections: a connection cap answered with a fast 503 and kept under RLIMIT_NOFILE,
+(kvstore.front_door.connections: a connection cap answered with a fast 503 and kept under RLIMIT_NOFILE,
 a header deadline, an idle timeout), a body deadline, bodies over the engines' limit (8 MiB) refused
 before they are read, and kvstore-server's cross-origin rules (kvstore.engine.server_middleware). Upstream,
 `--timeout` bounds the silence between two reads of an engine's answer (not its whole length: a stream
@@ -54,9 +54,10 @@ from kvstore.engine.server_middleware import (
     unless_disconnected,
 )
 from kvstore.engine.streaming import STREAM_KEY
-from kvstore.server.connections import ConnectionGuard, connection_limit, raise_fd_limit
-from kvstore.server.listener import Listener
 from prometheus_client import CollectorRegistry, Counter
+
+from kvstore.front_door.connections import ConnectionGuard, connection_limit, raise_fd_limit
+from kvstore.front_door.listener import Listener
 
 logger = logging.getLogger(__name__)
 SESSION_KEY = web.AppKey("session", aiohttp.ClientSession)
@@ -113,7 +114,7 @@ def between_bytes(timeout_s: float) -> aiohttp.ClientTimeout:
 @dataclass
 class FrontDoor:
     """What one client connection may cost the router or the proxy: kvstore-server's rules
-    (kvstore.server.connections) and its cross-origin ones (kvstore.engine.server_middleware.browser_guard)."""
+    (kvstore.front_door.connections) and its cross-origin ones (kvstore.engine.server_middleware.browser_guard)."""
 
     max_connections: int = 1024  # beyond: a canned 503 (also kept under RLIMIT_NOFILE, 2 fds each)
     header_timeout_s: float = 10.0  # from a request's first byte to its last header line: else 408

@@ -4,7 +4,7 @@ size limit and a deadline, noticing a client that hung up, and kvstore-server's 
 
 Cross-origin (`browser_guard`): what keeps a web page in a browser from using an engine or router
 (running prompts on its GPU, reading the answers). These servers have no token, so kvstore-server's
-token-less rules apply (kvstore.server.origin.HostCheck): a request's `Host` must be an IP address,
+token-less rules apply (kvstore.front_door.origin.HostCheck): a request's `Host` must be an IP address,
 `localhost` or a name given to `--allowed-hosts` (`*` turns the check off), against DNS rebinding; an
 `Origin` (only browsers send one) must be the server itself, loopback or an allowed name. A POST whose
 Content-Type a page may send cross-origin without a CORS preflight (none, text/plain, a form) is refused
@@ -24,7 +24,8 @@ from typing import TypeVar
 from aiohttp import web
 from kvstore.engine.errors import EngineError, InvalidRequest, error_body
 from kvstore.engine.streaming import STREAM_KEY
-from kvstore.server.origin import HostCheck
+
+from kvstore.front_door.origin import HostCheck
 
 logger = logging.getLogger(__name__)
 MAX_BODY_KEY = web.AppKey("max_body_bytes", int)

@@ -12,12 +12,12 @@ from aiohttp import web
 from kvstore.server.config import ServerConfig
 from kvstore.server.metrics import BUCKETS
 from kvstore.server.middleware import make_middlewares
-from kvstore.server.origin import HostCheck
 from kvstore.server.routes import routes as data_routes
 from kvstore.server.state import DATAPLANE, SAMPLER, STATE, ServerState
 
 from kvstore import __version__
 from kvstore.config import StoreConfig
+from kvstore.front_door.origin import HostCheck
 from kvstore.protocol import wire
 
 log = logging.getLogger(__name__)

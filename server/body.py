@@ -14,10 +14,10 @@ from typing import Any
 
 import numpy as np
 from aiohttp import web
-from kvstore.server.budget import BodyBudget
 from kvstore.server.state import STATE
 
 from kvstore.errors import InvalidArgument, TooLarge, UnsupportedMediaType
+from kvstore.front_door.budget import BodyBudget
 from kvstore.protocol import wire
 
 

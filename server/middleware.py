@@ -11,10 +11,10 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 from aiohttp import hdrs, web
 from kvstore.server.metrics import ServerMetrics
-from kvstore.server.origin import HostCheck
 from kvstore.server.state import BYTES_IN, BYTES_OUT, STATE
 
 from kvstore.errors import Busy, InvalidArgument, KVStoreError, Unauthorized
+from kvstore.front_door.origin import HostCheck
 from kvstore.protocol import wire
 
 log = logging.getLogger(__name__)

@@ -17,14 +17,14 @@ from typing import Any
 from aiohttp import web
 from kvstore.server.app import make_app
 from kvstore.server.config import ServerConfig
-from kvstore.server.connections import ConnectionGuard, connection_limit, raise_fd_limit
 from kvstore.server.dataplane import DataPlane
-from kvstore.server.listener import Listener
 from kvstore.server.state import DATAPLANE, STATE
 
 from kvstore.config import CpuMemory, StoreConfig
 from kvstore.errors import ConfigError
 from kvstore.events import StoreEvents
+from kvstore.front_door.connections import ConnectionGuard, connection_limit, raise_fd_limit
+from kvstore.front_door.listener import Listener
 from kvstore.protocol import shm
 
 log = logging.getLogger(__name__)

@@ -10,12 +10,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from aiohttp import web
-from kvstore.server.budget import BodyBudget
 from kvstore.server.config import ServerConfig
 from kvstore.server.history import StatsHistory
 from kvstore.server.metrics import ServerMetrics
 
 from kvstore.config import StoreConfig
+from kvstore.front_door.budget import BodyBudget
 from kvstore.tier_registry import tier_spec
 
 if TYPE_CHECKING:  # imported for its type only: it imports torch, and `kvstore-server --help` stays fast

@@ -86,10 +86,10 @@ from kvstore.engine.server_middleware import (
     read_body,
     unless_disconnected,
 )
-from kvstore.server.budget import BodyBudget
 
 from kvstore.errors import Busy as BudgetFull
 from kvstore.events import curve_server_key
+from kvstore.front_door.budget import BodyBudget
 
 logger = logging.getLogger(__name__)
 ROUTER_KEY = web.AppKey("router", object)

@@ -2,13 +2,13 @@
 
 - A connection limit: beyond `max_connections` open connections (HTTP and data plane together) a new
   one gets a canned 503 (JSON, Retry-After) and is closed before a byte of its request is read
-  (kvstore.server.listener applies it when a connection opens). The limit is kept below the
+  (kvstore.front_door.listener applies it when a connection opens). The limit is kept below the
   process's file-descriptor limit (RLIMIT_NOFILE) minus a reserve for the tiers' own files and
   sockets, so that the disk tier and Redis never see EMFILE because clients took every descriptor.
 - A header-read timeout: a request whose headers have not all arrived `header_timeout` seconds after
   their first byte gets a 408 and the connection is closed (slow-loris clients).
 - A keep-alive idle timeout (`keepalive_timeout`): aiohttp closes a connection that sends nothing for
-  that long; kvstore.server.listener closes one that connected and never sent anything, and the data plane
+  that long; kvstore.front_door.listener closes one that connected and never sent anything, and the data plane
   its idle connections, after the same time.
 - Requests the HTTP parser rejects (bad request line, bad Content-Length...) get our JSON error body.
 
@@ -29,8 +29,8 @@ from typing import Any, Protocol
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
-from kvstore.server.metrics import ServerMetrics
-from kvstore.server.middleware import json_error
+
+from kvstore.protocol import wire
 
 log = logging.getLogger(__name__)
 FD_RESERVE = 64  # descriptors kept for the tiers (disk files, Redis sockets), logs, the event loop
@@ -78,7 +78,7 @@ def kvstore_shape(status: int, message: str, type_name: str) -> dict[str, Any]:
 class ConnectionGuard:
     max_connections: int
     header_timeout: float
-    metrics: GuardCounters | ServerMetrics
+    metrics: GuardCounters
     shape: Callable[[int, str, str], dict[str, Any]] = field(default=kvstore_shape)  # the error body
 
 
@@ -103,7 +103,7 @@ def refuse(transport: asyncio.BaseTransport, guard: ConnectionGuard) -> None:
 
 class GuardedHandler(RequestHandler):
     """aiohttp's per-connection protocol, with the header timeout and JSON parser errors of the module
-    docstring (kvstore.server.listener builds one per HTTP connection and applies the connection limit). The
+    docstring (kvstore.front_door.listener builds one per HTTP connection and applies the connection limit). The
     constructor, `handle_error` and the attributes read here are aiohttp internals:
     tests/server/test_aiohttp_canary.py fails loudly when they change (pyproject pins aiohttp)."""
 
@@ -152,8 +152,9 @@ class GuardedHandler(RequestHandler):
             text = message or (f"bad HTTP request: {exc}" if exc else f"HTTP {status}")
             text = text if len(text) <= 300 else text[:300] + "..."
         type_name = "InvalidArgument" if 400 <= status < 500 else "KVStoreError"
-        if self.guard.shape is kvstore_shape:
-            resp = json_error(status, text, type_name)
+        if self.guard.shape is kvstore_shape:  # as kvstore.server.middleware.json_error writes it
+            body = json.dumps(kvstore_shape(status, text, type_name)).encode()
+            resp = web.Response(status=status, body=body, content_type=wire.JSON_CONTENT_TYPE)
         else:
             resp = web.json_response(self.guard.shape(status, text, type_name), status=status)
         resp.force_close()

@@ -3,7 +3,7 @@
 `PREFACE[0]` (0x89) never starts an HTTP request line, so an HTTP client is handed to aiohttp after one
 read, with no change in what it sees. aiohttp's per-connection handler is built here (`web.Server`
 documents itself as a protocol factory for `loop.create_server`; the handler class is
-kvstore.server.connections.GuardedHandler). The connection limit counts both protocols, and a connection that
+kvstore.front_door.connections.GuardedHandler). The connection limit counts both protocols, and a connection that
 says nothing is closed after `keepalive_timeout`, as aiohttp closes its idle ones.
 """
 
@@ -11,15 +11,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
-from kvstore.server.connections import ConnectionGuard, GuardedHandler, refuse
-from kvstore.server.dataplane import DataPlane
 
+from kvstore.front_door.connections import ConnectionGuard, GuardedHandler, refuse
 from kvstore.protocol import dataplane as dp
 
 log = logging.getLogger(__name__)
+
+
+class Plane(Protocol):
+    """What the listener needs of a data plane (kvstore.server.dataplane.DataPlane): its open
+    connections and a protocol for a new one."""
+
+    connections: Any  # a sized collection
+
+    def protocol(self) -> Any: ...
 
 
 class Listener:
@@ -30,7 +38,7 @@ class Listener:
         http: web.Server,
         guard: ConnectionGuard,
         handler_kwargs: dict[str, Any],
-        plane: DataPlane | None,
+        plane: Plane | None,
         idle_timeout: float,
     ) -> None:
         self.http, self.guard, self.handler_kwargs, self.plane = http, guard, handler_kwargs, plane

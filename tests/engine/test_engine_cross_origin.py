@@ -1,5 +1,5 @@
 """A web page in a browser must not run prompts on `kvstore-engine serve` (issue 45 item 11): the engine
-refuses what kvstore-server refuses without a token (kvstore.server.origin.HostCheck): a Host that is not
+refuses what kvstore-server refuses without a token (kvstore.front_door.origin.HostCheck): a Host that is not
 an IP address, localhost or an --allowed-hosts name (DNS rebinding), an Origin of another site, and a
 POST a page could send cross-origin without a CORS preflight (no Content-Type, text/plain, a form). It
 used to run them all. OpenAI clients (application/json, no Origin) are served as before."""

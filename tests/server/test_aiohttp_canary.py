@@ -1,5 +1,5 @@
-"""Canary: the server builds aiohttp's per-connection handler itself (kvstore.server.listener) from a subclass
-(kvstore.server.connections.GuardedHandler) that overrides `handle_error` and reads a few of its attributes,
+"""Canary: the server builds aiohttp's per-connection handler itself (kvstore.front_door.listener) from a subclass
+(kvstore.front_door.connections.GuardedHandler) that overrides `handle_error` and reads a few of its attributes,
 none of which aiohttp documents. When an upgrade changes them, these fail loudly (pyproject.toml pins
 aiohttp below the next minor release); the behaviour they protect is tested in test_malformed.py
 (JSON errors from the HTTP parser) and test_limits.py (header timeouts)."""
@@ -11,8 +11,9 @@ import inspect
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
-from kvstore.server.connections import ConnectionGuard, GuardedHandler
 from kvstore.server.metrics import ServerMetrics
+
+from kvstore.front_door.connections import ConnectionGuard, GuardedHandler
 
 
 def test_request_handler_signatures():
