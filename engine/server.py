@@ -16,13 +16,11 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import aclosing
 from typing import Any, TypeVar
 
 from aiohttp import web
 from kvstore.engine.async_engine import AsyncEngine
-from kvstore.engine.errors import InvalidRequest, ModelNotFound, RequestFailed, TokenizerError
+from kvstore.engine.errors import InvalidRequest, RequestFailed
 from kvstore.engine.llm_engine import LLMEngine
 from kvstore.engine.openai_logprobs import LogprobsRenderer
 from kvstore.engine.outputs import RequestOutput
@@ -47,6 +45,17 @@ from kvstore.engine.server_middleware import (
     parse_json,
     unless_disconnected,
 )
+from kvstore.engine.serving import (
+    check_model,
+    completion_logprobs,
+    generate_all,
+    last_output,
+    render_chat,
+    streams,
+    tokenize_chat,
+    tokenize_completion_prompts,
+    usage_of,
+)
 from kvstore.engine.streaming import Delta, SSEStream
 
 logger = logging.getLogger(__name__)
@@ -66,100 +75,6 @@ async def _read(request: web.Request, cls: type[R]) -> R:
         return cls.from_body(parse_json(raw))
 
     return await request.app[ENGINE_KEY].off_loop(parse) if len(raw) > _PARSE_OFF_LOOP_BYTES else parse()
-
-
-def _check_model(engine: LLMEngine, model: str | None) -> None:
-    if model is not None and model != engine.model_name:
-        raise ModelNotFound(
-            f"the model {str(model)[:100]!r} does not exist; this server serves {engine.model_name!r}",
-            param="model",
-        )
-
-
-def _usage(outs: list[RequestOutput], n: int = 1) -> dict:
-    """`outs`: n choices per prompt, in order; a prompt counts once (as in OpenAI's and vLLM's usage)."""
-    p = sum(len(o.prompt_token_ids) for o in outs[::n])
-    c = sum(len(o.outputs[0].token_ids) for o in outs)
-    cached = sum(o.num_cached_tokens for o in outs[::n])
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-            "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
-
-
-def _completion_logprobs(renderer: LogprobsRenderer, out: RequestOutput, echo: bool = False) -> dict | None:
-    lps = out.outputs[0].logprobs
-    if lps is None:
-        return None
-    prompt = (out.prompt_token_ids, out.prompt_logprobs) if echo else None
-    return renderer.completion(lps, prompt=prompt)
-
-
-async def _last(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
-    out = None
-    async with aclosing(gen):
-        async for item in gen:
-            out = item
-    assert out is not None and out.finished
-    return out
-
-
-def _streams(aengine: AsyncEngine, prompts: list[list[int]], params: list, base_id: str) -> list:
-    """One output stream per choice; a single one keeps the response's id as its request id."""
-    if len(prompts) == 1:
-        return [aengine.generate(prompts[0], params[0], base_id)]
-    return [
-        aengine.generate(p, sp, f"{base_id}-{i}")
-        for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
-    ]
-
-
-async def _generate_all(aengine: AsyncEngine, prompts: list[list[int]], params: list, base_id: str) -> list:
-    """Every prompt of one request, at most `admission_window` of them in the engine at a time; the
-    first failure cancels the rest (their requests are aborted)."""
-    window = asyncio.Semaphore(aengine.admission_window)
-
-    async def one(i: int) -> RequestOutput:
-        async with window:
-            return await _last(aengine.generate(prompts[i], params[i], f"{base_id}-{i}"))
-
-    tasks = [asyncio.ensure_future(one(i)) for i in range(len(prompts))]
-    try:
-        return await asyncio.gather(*tasks)
-    except BaseException:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
-
-
-def _tokenize_completion_prompts(
-    engine: LLMEngine, prompts: list, add_special_tokens: bool
-) -> list[list[int]]:
-    out = []
-    for p in prompts:
-        ids = engine.tokenize(p, add_special_tokens)
-        engine.check_prompt(ids)
-        out.append(ids)
-    return out
-
-
-def _render_chat(
-    engine: LLMEngine, req: ChatCompletionRequest | TokenizeRequest, add_special_tokens: bool
-) -> list[int]:
-    kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items()
-              if k not in ("messages", "add_generation_prompt", "bos_token", "eos_token", "tokenize")}  # fmt: skip
-    try:
-        text = engine.tokenizer.apply_chat_template(
-            req.plain_messages(), add_generation_prompt=req.add_generation_prompt, **kwargs
-        )
-    except TokenizerError as e:
-        raise InvalidRequest(str(e), param="messages") from e
-    return engine.tokenize(text, add_special_tokens=add_special_tokens)
-
-
-def _tokenize_chat(engine: LLMEngine, req: ChatCompletionRequest) -> list[int]:
-    ids = _render_chat(engine, req, req.add_special_tokens)
-    engine.check_prompt(ids)
-    return ids
 
 
 def _client(request: web.Request) -> str:
@@ -206,14 +121,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
     aengine = request.app[ENGINE_KEY]
     engine = aengine.engine
     req = await _read(request, CompletionRequest)
-    _check_model(engine, req.model)
+    check_model(engine, req.model)
     prompts = req.prompts()
     if len(prompts) * req.n > MAX_PROMPTS_PER_REQUEST:
         raise InvalidRequest(
             f"a request holds at most {MAX_PROMPTS_PER_REQUEST} choices (prompts x n), got {len(prompts) * req.n}",
             param="n",
         )
-    token_ids = await aengine.off_loop(_tokenize_completion_prompts, engine, prompts, req.add_special_tokens)
+    token_ids = await aengine.off_loop(tokenize_completion_prompts, engine, prompts, req.add_special_tokens)
     params = [
         sampling_params_from(req, resolve_max_tokens(req.max_tokens, len(ids), engine.max_model_len, 16))
         for ids in token_ids
@@ -240,39 +155,43 @@ async def completions(request: web.Request) -> web.StreamResponse:
             choice = {"index": i, "text": text, "logprobs": lps, "finish_reason": c.finish_reason}
             if c.finish_reason is not None:
                 choice["stop_reason"] = c.stop_reason
-            return {**base, "choices": [choice], **({"usage": _usage([out])} if req.continuous_usage else {})}
+            return {
+                **base,
+                "choices": [choice],
+                **({"usage": usage_of([out])} if req.continuous_usage else {}),
+            }
 
         usage = (
-            (lambda outs: {**base, "choices": [], "usage": _usage(outs, req.n)})
+            (lambda outs: {**base, "choices": [], "usage": usage_of(outs, req.n)})
             if req.include_usage
             else None
         )
         stream = SSEStream(request, [Delta(p.stop) for p in flat_params], chunk, usage=usage,
                            window=aengine.admission_window)  # fmt: skip
         return await unless_disconnected(
-            request, stream.run(_streams(aengine, flat_ids, flat_params, base["id"]))
+            request, stream.run(streams(aengine, flat_ids, flat_params, base["id"]))
         )
-    results = await unless_disconnected(request, _generate_all(aengine, flat_ids, flat_params, base["id"]))
+    results = await unless_disconnected(request, generate_all(aengine, flat_ids, flat_params, base["id"]))
     if req.echo:  # the prompt as sent (a string), or its ids' decode
         texts = [
             p if isinstance(p, str) else engine.tokenizer.decode(p) for p in prompts for _ in range(req.n)
         ]
     choices = [{"index": i, "text": (texts[i] if req.echo else "") + o.outputs[0].text,
-                "logprobs": _completion_logprobs(logprobs, o, req.echo),
+                "logprobs": completion_logprobs(logprobs, o, req.echo),
                 "finish_reason": o.outputs[0].finish_reason, "stop_reason": o.outputs[0].stop_reason}
                for i, o in enumerate(results)]  # fmt: skip
     if req.prompt_logprobs is not None:  # vLLM's field, per choice
         for choice, o in zip(choices, results, strict=True):
             choice["prompt_logprobs"] = logprobs.vllm_prompt(o.prompt_logprobs)
-    return web.json_response({**base, "choices": choices, "usage": _usage(results, req.n)})
+    return web.json_response({**base, "choices": choices, "usage": usage_of(results, req.n)})
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     aengine = request.app[ENGINE_KEY]
     engine = aengine.engine
     req = await _read(request, ChatCompletionRequest)
-    _check_model(engine, req.model)
-    prompt = await aengine.off_loop(_tokenize_chat, engine, req)
+    check_model(engine, req.model)
+    prompt = await aengine.off_loop(tokenize_chat, engine, req)
     max_tokens = resolve_max_tokens(req.requested_max_tokens, len(prompt), engine.max_model_len, None)
     params = sampling_params_from(req, max_tokens)
     engine.check_request(prompt, params)
@@ -299,7 +218,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                 choice["logprobs"], sent[i] = logprobs.chat(c.logprobs[sent[i] :]), len(c.logprobs)
             if c.finish_reason is not None:
                 choice["stop_reason"] = c.stop_reason
-            return {**base, "choices": [choice], **({"usage": _usage([out])} if req.continuous_usage else {})}
+            return {
+                **base,
+                "choices": [choice],
+                **({"usage": usage_of([out])} if req.continuous_usage else {}),
+            }
 
         if req.continuous_usage:
             role["usage"] = {
@@ -308,26 +231,26 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                 "total_tokens": len(prompt),
             }
         usage = (
-            (lambda outs: {**base, "choices": [], "usage": _usage(outs, req.n)})
+            (lambda outs: {**base, "choices": [], "usage": usage_of(outs, req.n)})
             if req.include_usage
             else None
         )
         heads = [{**role, "choices": [{**role["choices"][0], "index": i}]} for i in range(req.n)]
         stream = SSEStream(request, [Delta(params.stop) for _ in range(req.n)], chunk, usage=usage, head=heads,
                            window=aengine.admission_window)  # fmt: skip
-        gens = _streams(aengine, [prompt] * req.n, choice_params, base["id"])
+        gens = streams(aengine, [prompt] * req.n, choice_params, base["id"])
         return await unless_disconnected(request, stream.run(gens))
     if req.n == 1:
-        outs = [await unless_disconnected(request, _last(aengine.generate(prompt, params, base["id"])))]
+        outs = [await unless_disconnected(request, last_output(aengine.generate(prompt, params, base["id"])))]
     else:
         outs = await unless_disconnected(
-            request, _generate_all(aengine, [prompt] * req.n, choice_params, base["id"])
+            request, generate_all(aengine, [prompt] * req.n, choice_params, base["id"])
         )
     choices = [{"index": i, "message": {"role": "assistant", "content": o.outputs[0].text},
                 "logprobs": None if o.outputs[0].logprobs is None else logprobs.chat(o.outputs[0].logprobs),
                 "finish_reason": o.outputs[0].finish_reason, "stop_reason": o.outputs[0].stop_reason}
                for i, o in enumerate(outs)]  # fmt: skip
-    body = {**base, "object": "chat.completion", "choices": choices, "usage": _usage(outs, req.n)}
+    body = {**base, "object": "chat.completion", "choices": choices, "usage": usage_of(outs, req.n)}
     if req.prompt_logprobs is not None:  # vLLM's field, once per response
         body["prompt_logprobs"] = logprobs.vllm_prompt(outs[0].prompt_logprobs)
     return web.json_response(body)
@@ -345,12 +268,12 @@ async def tokenize(request: web.Request) -> web.Response:
     aengine = request.app[ENGINE_KEY]
     engine = aengine.engine
     req = TokenizeRequest.from_body(parse_json(await request.read()))
-    _check_model(engine, req.model)
+    check_model(engine, req.model)
     if req.prompt is not None:
         special = True if req.add_special_tokens is None else req.add_special_tokens
         ids = await aengine.off_loop(engine.tokenize, req.prompt, special)
     else:
-        ids = await aengine.off_loop(_render_chat, engine, req, bool(req.add_special_tokens))
+        ids = await aengine.off_loop(render_chat, engine, req, bool(req.add_special_tokens))
     return web.json_response(
         {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": None}
     )
@@ -361,7 +284,7 @@ async def detokenize(request: web.Request) -> web.Response:
     aengine = request.app[ENGINE_KEY]
     engine = aengine.engine
     req = DetokenizeRequest.from_body(parse_json(await request.read()))
-    _check_model(engine, req.model)
+    check_model(engine, req.model)
     vocab = engine.tokenizer.vocab_size
     if any(not 0 <= t < vocab for t in req.tokens):
         raise InvalidRequest(f"token ids must be in [0, {vocab})", param="tokens")
