@@ -79,9 +79,12 @@ MATRIX: tuple[Row, ...] = (
         ("test_vllm_config.py::test_a_rejected_token_names_vllms_setting",)),
     Row("`tensor_parallel_size` > 1", "supported",
         "TP-free chunks (the keys and bytes of TP=1): each rank loads only its KV heads, saves gather the heads "
-        "to TP rank 0, which stores the chunk; reused at any TP size and by `kvstore-engine`",
+        "to TP rank 0, which stores the chunk; reused at any TP size and by `kvstore-engine`. Real vLLM CPU "
+        "engines shown at TP=1, 2 and 4 (TP=2 to TP=1 and TP=4, and back; TP=4 with two ranks a core)",
         ("test_vllm_tp.py::test_tp2_stores_and_a_fresh_tp1_reuses_it_token_for_token",
          "test_vllm_tp.py::test_tp1_stores_and_a_fresh_tp2_reuses_it_token_for_token",
+         "test_vllm_tp.py::test_tp2_stores_and_a_fresh_tp4_reuses_it_token_for_token",
+         "test_vllm_tp.py::test_tp4_stores_and_a_fresh_tp2_reuses_it_token_for_token",
          "test_vllm_tp.py::test_kvstore_engine_reuses_what_vllm_tp2_stored_and_the_reverse",
          "test_tp_shards.py::test_a_chunk_saved_at_tp2_is_the_tp1_chunk_and_loads_at_tp1_and_tp4")),
     Row("`pipeline_parallel_size` > 1", "supported",

@@ -1,13 +1,14 @@
 """Tensor parallel vLLM with KVStoreConnectorV1: chunks are TP-free (the keys and bytes a TP=1 engine
-stores), so a prompt a TP=2 vLLM stored is a hit for a fresh TP=1 vLLM, and the reverse, and for
-kvstore-engine; each answers like its own run without the store.
+stores), so a prompt a TP=2 vLLM stored is a hit for a fresh TP=1 vLLM and for a fresh TP=4 one, and the
+reverse, and for kvstore-engine; each answers like its own run without the store.
 
-A tiny random-weight Llama (4 heads, 2 KV heads of 64: one KV head per rank at TP=2; logits spread
-out, written in the test) in two vLLM processes that live for the module: TP=2 (a core per rank) and
-TP=1. "Like its own run without the store": the same process answers the prompt under a cache salt
-(part of the chunk keys: nothing to hit) first. Numbers: prompt logprobs of the tokens vLLM computed
-after the hit and the logprob of each generated token, within `TOL` of that run, and the same greedy
-tokens.
+A tiny random-weight Llama (8 heads, 4 KV heads of 64: two KV heads per rank at TP=2, one at TP=4;
+logits spread out, written in the test) in three vLLM processes that live for the module: TP=4 (four
+ranks on this box's two cores, two a core: oversubscribed, fine for a correctness test), TP=2 (a core
+per rank) and TP=1. "Like its own run without the store": the same process answers the prompt under a
+cache salt (part of the chunk keys: nothing to hit) first. Numbers: prompt logprobs of the tokens vLLM
+computed after the hit and the logprob of each generated token, within `TOL` of that run, and the same
+greedy tokens.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def prompt(seed: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory, model_dir):
-    out = checkpoint_dir("llama", tmp_path_factory.mktemp("tp-model"))
+    out = checkpoint_dir("llama8", tmp_path_factory.mktemp("tp-model"))
     for name in ("tokenizer.json", "tokenizer_config.json"):  # kvstore-engine wants one; ids < 512 decode
         shutil.copy(model_dir / name, out / name)
     return out
@@ -52,11 +53,12 @@ def engines(model, store, tmp_path_factory):
     logs = tmp_path_factory.mktemp("tp-logs")
     ktc = transfer_config(store.url, "kv_both")
     args = {"model": str(model), "kv_transfer_config": ktc, "dtype": DTYPE}
+    tp4 = Engine(logs / "tp4.log", cores="0|1|0|1", tensor_parallel_size=4, **args)
     tp2 = Engine(logs / "tp2.log", cores="0|1", tensor_parallel_size=2, **args)
     tp1 = Engine(logs / "tp1.log", cores="0-1", **args)
-    start_engines([tp2, tp1])
-    yield {"tp2": tp2, "tp1": tp1}
-    for e in (tp2, tp1):
+    start_engines([tp4, tp2, tp1])
+    yield {"tp4": tp4, "tp2": tp2, "tp1": tp1}
+    for e in (tp4, tp2, tp1):
         e.stop()
 
 
@@ -103,6 +105,23 @@ def test_tp2_stores_and_a_fresh_tp1_reuses_it_token_for_token(engines, store, mo
 def test_tp1_stores_and_a_fresh_tp2_reuses_it_token_for_token(engines, store, model) -> None:
     hit, cold, diff = reuse(engines["tp1"], engines["tp2"], prompt(2), store, model)
     print(f"\nTP=1 -> TP=2: {hit['cached']} tokens loaded, max |logprob difference| {diff:.4f}")
+    assert hit["cached"] == HIT
+    assert hit["tokens"] == cold["tokens"]
+    assert diff <= TOL
+
+
+def test_tp2_stores_and_a_fresh_tp4_reuses_it_token_for_token(engines, store, model) -> None:
+    """TP=2 saves gather two ranks' heads into the TP-free chunk; each TP=4 rank loads its one KV head."""
+    hit, cold, diff = reuse(engines["tp2"], engines["tp4"], prompt(5), store, model)
+    print(f"\nTP=2 -> TP=4: {hit['cached']} tokens loaded, max |logprob difference| {diff:.4f}")
+    assert hit["cached"] == HIT
+    assert hit["tokens"] == cold["tokens"]
+    assert diff <= TOL
+
+
+def test_tp4_stores_and_a_fresh_tp2_reuses_it_token_for_token(engines, store, model) -> None:
+    hit, cold, diff = reuse(engines["tp4"], engines["tp2"], prompt(6), store, model)
+    print(f"\nTP=4 -> TP=2: {hit['cached']} tokens loaded, max |logprob difference| {diff:.4f}")
     assert hit["cached"] == HIT
     assert hit["tokens"] == cold["tokens"]
     assert diff <= TOL

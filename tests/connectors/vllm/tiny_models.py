@@ -7,8 +7,8 @@ dummy weights are ±1e-3 and hide a wrong load), for the tests where numbers mat
 
 | kind | what | why |
 |---|---|---|
-| llama | 4 layers, 4 heads, 2 KV heads of 64 | TP=2 (one KV head per rank), PP=2, fp8 |
-| llama8 | 2 layers, 8 heads, 4 KV heads of 64 | TP=4 (one KV head per rank) |
+| llama | 4 layers, 4 heads, 2 KV heads of 64 | fp8 at TP=2 (one KV head per rank), config checks |
+| llama8 | 2 layers, 8 heads, 4 KV heads of 64 | TP=1, 2 and 4 (one KV head per rank at TP=4) |
 | mla | deepseek_v2, kv_lora_rank 512 + qk_rope_head_dim 64 | vLLM CPU's CPU_MLA needs a 576-wide latent |
 | gemma3 | gemma3_text, 6 layers, sliding window 256 (5 of 6 layers) | sliding-window with the hybrid manager |
 | lfm2 | lfm2: short-conv layers and attention layers | a Mamba-style hybrid (conv state) |
