@@ -18,7 +18,9 @@ over each transport of `kvstore.sdk.remote.RemoteBackend`:
                index says the blobs lie, no request and no copy, verified, then `intact()` checked
     memcpy     np.copyto of the same bytes between prefaulted buffers: the machine's ceiling
 Keys are distinct: gets walk a pool of stored keys larger than the CPU caches, puts overwrite a pool
-of keys in order; the client sends from distinct source buffers. Before the timed rounds each system
+of keys in order; each key's blob is bound to it (`kvstore.blob.bind_blob`, as the connectors put
+them, so the server stores what it is sent and binds no copy) and the client sends from distinct
+source buffers. Before the timed rounds each system
 reads the whole pool once (a long-running client has touched the server's arena pages before: the
 first read of a page of a shared mapping costs a page fault in the reader). Every round runs each system once per
 cell, in an order that rotates from round to round, so all of them see the same background load (the
@@ -49,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvstore.sdk.remote import RemoteBackend  # noqa: E402
 
-from kvstore.blob import encode_blob, verify_blob  # noqa: E402
+from kvstore.blob import bind_blob, encode_blob, verify_blob  # noqa: E402
 from tests.valkey import ValkeyProcess  # noqa: E402
 
 SIZES = {
@@ -93,7 +95,7 @@ def start_server(capacity: str) -> tuple[subprocess.Popen, str]:
 
 
 class System:
-    """One contender: calls over a pool of stored keys and a set of distinct source blobs."""
+    """One contender: calls over a pool of stored keys, `blobs[i]` the one put under `keys[i]`."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -103,7 +105,10 @@ class System:
         self.keys, self.blobs = keys, blobs
 
     def next_keys(self, n: int) -> list[str]:
-        out = [self.keys[(self.cursor + i) % len(self.keys)] for i in range(n)]
+        return [self.keys[i] for i in self.next_indices(n)]
+
+    def next_indices(self, n: int) -> list[int]:
+        out = [(self.cursor + i) % len(self.keys) for i in range(n)]
         self.cursor += n
         return out
 
@@ -125,15 +130,14 @@ class KVStoreSystem(System):
         super().prepare(keys, blobs)
         if self.name == "http":  # one store behind all transports: load it once
             for i in range(0, len(keys), 8):
-                self.be.batch_put([(k, blobs[j % len(blobs)]) for j, k in enumerate(keys[i : i + 8], i)])
+                self.be.batch_put(list(zip(keys[i : i + 8], blobs[i : i + 8], strict=True)))
 
     def op(self, op: str, batch: int) -> Callable[[], int]:
         be, blobs = self.be, self.blobs
         if op == "put":
 
             def put() -> int:  # noqa: E306
-                ks = self.next_keys(batch)
-                items = [(k, blobs[(self.cursor + i) % len(blobs)]) for i, k in enumerate(ks)]
+                items = [(self.keys[j], blobs[j]) for j in self.next_indices(batch)]
                 be.put_blob(*items[0]) if batch == 1 else be.batch_put(items)
                 return sum(len(b) for _, b in items)
 
@@ -168,16 +172,15 @@ class ValkeySystem(System):
         super().prepare(keys, blobs)
         self.r.flushall()
         for i in range(0, len(keys), 8):
-            self.r.mset({k: blobs[j % len(blobs)] for j, k in enumerate(keys[i : i + 8], i)})
+            self.r.mset(dict(zip(keys[i : i + 8], blobs[i : i + 8], strict=True)))
 
     def op(self, op: str, batch: int) -> Callable[[], int]:
         r, blobs = self.r, self.blobs
         if op == "put":
 
             def put() -> int:  # noqa: E306
-                ks = self.next_keys(batch)
-                items = {k: blobs[(self.cursor + i) % len(blobs)] for i, k in enumerate(ks)}
-                r.set(ks[0], items[ks[0]]) if batch == 1 else r.mset(items)
+                items = {self.keys[j]: blobs[j] for j in self.next_indices(batch)}
+                r.set(*next(iter(items.items()))) if batch == 1 else r.mset(items)
                 return sum(len(b) for b in items.values())
 
             return put
@@ -194,7 +197,7 @@ class MemcpySystem(System):
 
     def prepare(self, keys: list[str], blobs: list[bytes]) -> None:
         super().prepare(keys, blobs)
-        self.stored = [np.frombuffer(blobs[i % len(blobs)], np.uint8).copy() for i in range(len(keys))]
+        self.stored = [np.frombuffer(b, np.uint8).copy() for b in blobs]
         self.sources = [np.frombuffer(b, np.uint8) for b in blobs]
         self.dest = [np.ones(len(blobs[0]), np.uint8) for _ in range(8)]
 
@@ -249,8 +252,12 @@ def main() -> None:
             tokens = SIZES[size_name]
             blob0 = make_blob(tokens, 0)
             variants = max(16, (64 << 20) // len(blob0))
-            blobs = [blob0] + [make_blob(tokens, s) for s in range(1, variants)]
+            unbound = [blob0] + [make_blob(tokens, s) for s in range(1, variants)]
+            header = verify_blob(blob0)
             keys = [f"{tokens:04x}{i:028x}" for i in range(max(64, (args.pool_mib << 20) // len(blob0)))]
+            # each blob bound to its key, as the connectors put them: the server keeps it as sent
+            blobs = [bytes(bind_blob(unbound[i % len(unbound)], header, k)) for i, k in enumerate(keys)]
+            del unbound
             for s in systems:
                 s.prepare(keys, blobs)
             for s in systems:  # warm-up: every system reads the whole pool once, untimed
