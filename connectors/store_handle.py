@@ -28,6 +28,7 @@ from kvstore.connectors.metrics import ConnectorMetrics
 
 from kvstore.blob import PreparedBlob
 from kvstore.breaker import Breaker
+from kvstore.clock import SYSTEM, Clock
 from kvstore.errors import ConfigError, Forbidden, KVStoreError, Unauthorized, Unavailable
 from kvstore.protocol import Blob
 
@@ -42,8 +43,15 @@ def is_unreachable(err: KVStoreError) -> bool:
 
 class StoreHandle:
     def __init__(
-        self, key: tuple, store: Any, backoff_s: float, lookups: Any = None, in_memory: bool = False
+        self,
+        key: tuple,
+        store: Any,
+        backoff_s: float,
+        lookups: Any = None,
+        in_memory: bool = False,
+        clock: Clock = SYSTEM,
     ) -> None:
+        """`clock`: what the backoff is timed on (kvstore/clock.py; a test's `ManualClock`)."""
         self.key = key
         self.store = store  # sdk.Store
         self.lookups = lookups  # a second sdk.Store with a short timeout for lookups (remote), or None
@@ -53,7 +61,7 @@ class StoreHandle:
         self.metrics = ConnectorMetrics()
         self.refs = 0
         self._backoff_s = backoff_s
-        self._breaker = Breaker(backoff_s, backoff_s)
+        self._breaker = Breaker(backoff_s, backoff_s, clock)
         self._lock = threading.Lock()
         self._lookup_pool = ThreadPoolExecutor(2, thread_name_prefix="kv-lookup")
 

@@ -20,6 +20,7 @@ from kvstore.server.config import ServerConfig
 from kvstore.server.dataplane import DataPlane
 from kvstore.server.state import DATAPLANE, STATE
 
+from kvstore.clock import SYSTEM, Clock
 from kvstore.config import CpuMemory, StoreConfig
 from kvstore.errors import ConfigError
 from kvstore.events import StoreEvents
@@ -45,12 +46,13 @@ def server_cpu_memory(store_config: StoreConfig, config: ServerConfig) -> CpuMem
     return "arena" if store_config.cpu_memory == "auto" and shared else store_config.cpu_memory
 
 
-def open_store(store_config: StoreConfig, config: ServerConfig) -> Any:
-    """The server's store, its cpu tier's memory as `server_cpu_memory` says."""
+def open_store(store_config: StoreConfig, config: ServerConfig, clock: Clock = SYSTEM) -> Any:
+    """The server's store, its cpu tier's memory as `server_cpu_memory` says; `clock` the one its TTLs,
+    miss log and breakers read (a test's `ManualClock`)."""
     from kvstore.store import TieredStore  # noqa: PLC0415 (imports torch; keep `--help` fast)
 
     memory = server_cpu_memory(store_config, config)
-    return TieredStore(store_config.model_copy(update={"cpu_memory": memory}))
+    return TieredStore(store_config.model_copy(update={"cpu_memory": memory}), clock=clock)
 
 
 def warn_if_open(config: ServerConfig) -> bool:

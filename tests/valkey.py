@@ -19,7 +19,6 @@ import ssl
 import subprocess
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,8 @@ from typing import Any
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+
+from tests.waiting import wait_until  # tests import it from here too
 
 log = logging.getLogger(__name__)
 
@@ -123,15 +124,20 @@ class ValkeyProcess:
         if self.host != "127.0.0.1":  # a namespace's private address: protected mode refuses it
             args += ["--protected-mode", "no"]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+
+        def answers() -> bool:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"valkey-server exited with {self.proc.returncode}: {self.log_tail()}")
-            if self._answers():
-                return self
-            time.sleep(0.02)
-        self.stop()
-        raise RuntimeError(f"valkey-server on port {self.port} did not answer PING in {timeout}s")
+            return self._answers()
+
+        try:
+            wait_until(
+                answers, timeout, 0.02, RuntimeError, f"valkey-server on port {self.port} answering PING"
+            )
+        except RuntimeError:
+            self.stop()
+            raise
+        return self
 
     def _answers(self) -> bool:
         try:
@@ -251,13 +257,12 @@ class ValkeyCluster:
 
     def wait_ok(self, timeout: float = 30.0) -> None:
         """Until every live node reports cluster_state:ok and knows all slots."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+
+        def ok() -> bool:
             states = [self._node_ok(node) for node in self.nodes if node.alive]
-            if states and all(states):
-                return
-            time.sleep(0.05)
-        raise RuntimeError("cluster did not reach cluster_state:ok")
+            return bool(states) and all(states)
+
+        wait_until(ok, timeout, 0.05, RuntimeError, "cluster_state:ok")
 
     @staticmethod
     def _node_ok(node: ValkeyProcess) -> bool:
@@ -270,12 +275,8 @@ class ValkeyCluster:
 
     def wait_replicas(self, timeout: float = 30.0) -> None:
         """Until every live primary has its replicas attached and in sync (`connected_slaves`)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if all(self._synced(p) for p in self.primaries()):
-                return
-            time.sleep(0.05)
-        raise RuntimeError("replicas did not attach")
+        wait_until(lambda: all(self._synced(p) for p in self.primaries()), timeout, 0.05, RuntimeError,
+                   "replicas attached")  # fmt: skip
 
     def _synced(self, primary: ValkeyProcess) -> bool:
         try:
@@ -428,16 +429,6 @@ class TlsProxy:
         for conn in self._conns:
             with contextlib.suppress(OSError):
                 conn.close()
-
-
-def wait_until(condition: Callable[[], object], timeout: float = 15.0, interval: float = 0.05) -> None:
-    """Poll until condition() is truthy; AssertionError after timeout."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(interval)
-    raise AssertionError(f"condition not met within {timeout}s")
 
 
 @contextlib.contextmanager

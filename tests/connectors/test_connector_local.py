@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 from kvstore.connectors.base import KVConnectorRole
@@ -12,6 +10,7 @@ from kvstore.connectors.kvstore import KVStoreConnector
 
 from kvstore.errors import CodecError, InvalidArgument
 from tests.connectors.sim import HEAD_DIM, KV_HEADS, LAYERS, Req, make_config, prompt, truth_kv
+from tests.waiting import wait_until
 
 
 def kv_equal(engine, req: Req, lo: int, hi: int) -> bool:
@@ -272,12 +271,9 @@ def test_async_load_is_reported_by_get_finished(engines) -> None:
     assert b.scheduler.get_num_new_matched_tokens(req, 0) == (512, True)
     b.admit(req)
     b.step([])  # the load step: nothing is computed for r2 until its KV has arrived
-    deadline = time.monotonic() + 30
-    received = None
-    while received is None and time.monotonic() < deadline:
-        _, received = b.worker.get_finished(set())
-        time.sleep(0.01)
-    assert received == {"r2"}
+    finished: list[set | None] = []
+    wait_until(lambda: finished.append(b.worker.get_finished(set())[1]) or finished[-1] is not None, 30, 0.01)
+    assert finished[-1] == {"r2"}
     b.step([(req, 600 - 512)])
     assert kv_equal(b, req, 0, 600) and not b.load_errors
 

@@ -22,6 +22,7 @@ from kvstore.engine.structured_output import StructuredOutputsParams
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.connectors.engine_util import ENGINE, GREEDY, doc, free_port
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,10 +45,8 @@ def wait_saves_landed(url: str, timeout_s: float = 60.0) -> None:
     """Until the engine at `url` has no save in flight: saves are asynchronous (a response may come
     before the finished request's partial chunk reaches the store), so another engine's lookup right
     after it may not see that chunk yet."""
-    deadline = time.monotonic() + timeout_s
-    while metric(url, "kvstore_connector_pending_saves") > 0:
-        assert time.monotonic() < deadline, f"saves of {url} still pending after {timeout_s} s"
-        time.sleep(0.1)
+    wait_until(lambda: metric(url, "kvstore_connector_pending_saves") == 0, timeout_s, 0.1,
+               what=f"no save of {url} pending")  # fmt: skip
 
 
 class Proc:
@@ -95,17 +94,22 @@ def engine_server(store_url: str, role: str) -> tuple[Proc, str]:
     proc = Proc(args)
     proc.drain()
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
+
+    def healthy() -> bool:
         if proc.proc.poll() is not None:
             raise RuntimeError(f"engine ({role}) exited: {''.join(proc.tail)[-3000:]}")
         try:
             http_json(url + "/health", timeout=2)
-            return proc, url
         except (urllib.error.URLError, ConnectionError, TimeoutError):
-            time.sleep(0.5)
-    proc.stop()
-    raise RuntimeError(f"engine ({role}) did not start")
+            return False
+        return True
+
+    try:
+        wait_until(healthy, 300, 0.5, RuntimeError, f"engine ({role}) starting")
+    except RuntimeError:
+        proc.stop()
+        raise
+    return proc, url
 
 
 def test_pd_handoff_through_the_proxy_gives_a_single_engines_tokens(off, shared_server) -> None:

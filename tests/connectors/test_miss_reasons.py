@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
-import time
+from kvstore.server.config import ServerConfig
+from kvstore.server.runner import ServerThread, open_store
 
-from tests.connectors.conftest import ServerProcess
+from kvstore.clock import ManualClock
+from kvstore.config import StoreConfig
 from tests.connectors.sim import Req, make_config, prompt
 
 
 def test_connector_tells_evicted_from_expired(engines) -> None:
     # ~400 KB per 256-token chunk in the sim layout; 1 MiB of cpu holds two of them
-    server = ServerProcess("--tiers", "cpu", "--cpu-capacity", "1MiB", "--ttl", "1.5").start()
-    try:
-        config = make_config(store_url=server.url)
+    clock = ManualClock()  # the server's: its TTL is stepped past, not slept through
+    store_config, config = StoreConfig(tiers=["cpu"], cpu_capacity="1MiB", ttl=1.5), ServerConfig(port=0)
+    with ServerThread(open_store(store_config, config, clock), store_config, config, close_store=True) as srv:
+        config = make_config(store_url=srv.server.url)
         a, b = engines(config, seed=1), engines(config, seed=2)
         first, second = prompt(600, seed=11), prompt(600, seed=12)
         a.prefill(Req("r1", first))  # 2 full chunks stored
@@ -28,8 +31,6 @@ def test_connector_tells_evicted_from_expired(engines) -> None:
 
         assert b.admit(Req("q1", first)) == 0
         assert misses("evicted") == 2 and misses("expired") == 0
-        time.sleep(1.6)
+        clock.advance(1.6)  # past the TTL
         assert b.admit(Req("q2", second)) == 0
         assert misses("expired") == 2 and misses("not_stored") == 0
-    finally:
-        server.stop()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-import time
 from collections.abc import Iterator
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -14,6 +13,7 @@ import pytest
 from kvstore.connectors.config import KVTransferConfig
 from kvstore.connectors.store_handle import StoreHandle, acquire_store, release_store
 
+from kvstore.clock import ManualClock
 from kvstore.errors import ConfigError, Unavailable
 from tests.connectors.conftest import ServerProcess
 
@@ -78,14 +78,15 @@ def test_a_closed_port_is_unreachable(caplog) -> None:
 
 def test_a_failed_store_is_skipped_for_the_backoff_then_anyone_may_try(caplog) -> None:
     """The handle's circuit breaker (kvstore/breaker.py): a fixed backoff, logged once per backoff."""
-    handle = StoreHandle(("test",), store=None, backoff_s=0.2)
+    clock = ManualClock()
+    handle = StoreHandle(("test",), store=None, backoff_s=0.2, clock=clock)
     try:
         with caplog.at_level(logging.WARNING, logger="kvstore.connectors.store_handle"):
             assert handle.reachable()
             handle.mark_unreachable(Unavailable("down"))
             assert not handle.reachable()
             handle.mark_unreachable(Unavailable("still down"))  # within the backoff: no second line
-            time.sleep(0.25)
+            clock.advance(0.25)  # past the backoff
             assert handle.reachable() and handle.reachable()  # no probe claimed: every caller may try
             handle.mark_unreachable(Unavailable("down again"))  # after the backoff: said again
             assert not handle.reachable()

@@ -186,6 +186,11 @@ def small_schema(salt: int) -> dict:
     }
 
 
+def compiling() -> int:
+    """Compiles running in this process's compile helpers (their forked children)."""
+    return sum(c.startswith("compile pid") for c in grammar_compiles_alive())
+
+
 def grammar_compiles_alive() -> list[str]:
     """Compiles still burning CPU: children of this process's compile helpers, and threads that
     compile in this process (the in-process fallback, and the compiles before the helper)."""

@@ -17,6 +17,8 @@ from kvstore.engine.sampling_params import SamplingParams
 from kvstore.engine.server import build_app
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.waiting import wait_until_async
+
 pytestmark = pytest.mark.slow
 VLLM_NAMES = {
     "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
@@ -179,11 +181,7 @@ async def test_client_disconnect_aborts_and_frees_blocks(
     req = {"prompt": "Count from one to one hundred:", "max_tokens": 200, "ignore_eos": True, "stream": True}
     async with http.post(f"{base_url}/v1/completions", json=req) as r:
         await r.content.readline()  # the first token arrived; hang up
-    for _ in range(200):
-        if not engine.has_unfinished_requests():
-            break
-        await asyncio.sleep(0.05)
-    assert not engine.has_unfinished_requests()
+    await wait_until_async(lambda: not engine.has_unfinished_requests(), timeout=10)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
@@ -512,14 +510,8 @@ async def test_a_client_gone_mid_stream_aborts_every_choice(
     async with http.post(f"{base_url}/v1/completions", json=body) as r:
         assert r.status == 200
         await r.content.readline()
-    for _ in range(100):
-        if not engine.has_unfinished_requests():
-            break
-        await asyncio.sleep(0.05)
-    assert (
-        not engine.has_unfinished_requests()
-        and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    )
+    await wait_until_async(lambda: not engine.has_unfinished_requests(), timeout=5)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
 async def test_vllm_prompt_logprobs_field_with_ranks(base_url: str, engine: LLMEngine) -> None:

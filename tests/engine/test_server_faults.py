@@ -19,6 +19,8 @@ from kvstore.engine.llm_engine import LLMEngine
 from kvstore.engine.server import build_app
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.waiting import wait_until_async
+
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
@@ -76,11 +78,7 @@ def metric(engine: LLMEngine, sample: str) -> float:
 
 
 async def wait_for(cond, timeout: float = 10.0) -> None:
-    for _ in range(int(timeout / 0.02)):
-        if cond():
-            return
-        await asyncio.sleep(0.02)
-    assert cond()
+    await wait_until_async(cond, timeout)
 
 
 async def test_a_fault_pinned_on_one_request_fails_it_alone(

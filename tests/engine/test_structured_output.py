@@ -28,7 +28,8 @@ from kvstore.engine.structured_output.compiler import GrammarCache  # noqa: E402
 from kvstore.engine.structured_output.manager import StructuredOutputManager, apply_bitmask_  # noqa: E402
 from kvstore.engine.structured_output.tokenizer_info import build_tokenizer_info, detect_vocab_type  # noqa: E402
 
-from tests.engine.structured_schemas import grammar_compiles_alive, slow_schema, small_schema  # noqa: E402
+from tests.engine.structured_schemas import compiling, grammar_compiles_alive, slow_schema, small_schema  # noqa: E402
+from tests.waiting import wait_until  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 
@@ -342,10 +343,7 @@ def test_a_compile_past_its_deadline_is_stopped(hf_tokenizer) -> None:
     with pytest.raises(InvalidRequest, match="did not compile within 1 s"):
         cache.get(bomb)
     assert time.perf_counter() - start < 10.0
-    deadline = time.monotonic() + 2.0
-    while grammar_compiles_alive() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert grammar_compiles_alive() == []
+    wait_until(lambda: grammar_compiles_alive() == [], timeout=2.0)
     with pytest.raises(InvalidRequest, match="did not compile within 1 s"):
         cache.get(bomb)
     assert grammar_compiles_alive() == []
@@ -362,7 +360,7 @@ def test_a_small_schema_beside_two_bombs_compiles_in_its_usual_time(hf_tokenizer
     usual = time.perf_counter() - start
     with ThreadPoolExecutor(2) as requests:  # two requests waiting for their bombs
         bombs = [requests.submit(cache.get, SO(json=slow_schema(salt))) for salt in (1, 2)]
-        time.sleep(0.5)  # both are compiling
+        wait_until(lambda: compiling() == 2)  # both are compiling
         start = time.perf_counter()
         cache.get(SO(json=small_schema(2)))
         beside = time.perf_counter() - start
@@ -380,7 +378,7 @@ def test_a_dead_compile_helper_fails_its_compiles_and_the_next_one_starts_again(
     cache.get(SO(json=small_schema(10)))
     with ThreadPoolExecutor(1) as requests:
         bomb = requests.submit(cache.get, SO(json=slow_schema(10)))
-        time.sleep(0.5)
+        wait_until(lambda: compiling() == 1)  # it is compiling
         cache._service._proc.kill()  # noqa: SLF001 (the helper dies: OOM killer, a crash)
         with pytest.raises(EngineError, match="grammar compiler process exited; retry"):
             bomb.result(timeout=30)
@@ -397,7 +395,7 @@ def test_past_the_running_compiles_limit_a_new_one_is_a_503_not_a_wait(hf_tokeni
     cache = GrammarCache(info, fingerprint, timeout_s=3.0)
     with ThreadPoolExecutor(2) as requests:
         bombs = [requests.submit(cache.get, SO(json=slow_schema(salt))) for salt in (20, 21)]
-        time.sleep(0.5)
+        wait_until(lambda: compiling() == 2)  # both are compiling
         start = time.perf_counter()
         with pytest.raises(RequestFailed, match="2 constraints are compiling already; retry later") as e:
             cache.get(SO(json=small_schema(20)))

@@ -21,7 +21,8 @@ from kvstore.engine.server import build_app
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel, Field
 
-from tests.engine.structured_schemas import grammar_compiles_alive, slow_schema, small_schema
+from tests.engine.structured_schemas import compiling, grammar_compiles_alive, slow_schema, small_schema
+from tests.waiting import wait_until_async
 
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
@@ -246,7 +247,7 @@ async def test_a_small_schema_beside_two_compile_bombs_is_served_in_its_usual_ti
         status, _, usual = await ask(small_schema(101))
         assert status == 200
         bombs = [asyncio.create_task(ask(slow_schema(salt))) for salt in (101, 102)]
-        await asyncio.sleep(0.5)  # both are compiling
+        await wait_until_async(lambda: compiling() == 2)  # both are compiling
         status, _, beside = await ask(small_schema(102))
         assert status == 200 and not any(b.done() for b in bombs)
         assert beside < 3 * usual + 1.0, (beside, usual)
@@ -279,7 +280,8 @@ async def test_one_clients_wave_of_slow_schemas_leaves_slots_for_the_others(
 
         await ask(small_schema(200), "warm-up")  # compile processes started
         wave = [asyncio.create_task(ask(slow_schema(salt), "mallory")) for salt in range(300, 304)]
-        await asyncio.sleep(0.5)  # the wave is compiling or refused
+        # the wave is compiling (two) or refused (two)
+        await wait_until_async(lambda: compiling() == 2 and sum(t.done() for t in wave) == 2)
         status, body = await ask(small_schema(201), "alice")
         assert status == 200, body
         statuses = sorted(s for s, _ in await asyncio.gather(*wave))

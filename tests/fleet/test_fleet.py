@@ -5,8 +5,9 @@ run; and the cross-server rule for deletes and replaces (README, "The fleet").""
 
 from __future__ import annotations
 
+import json
 import re
-import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -71,6 +72,13 @@ def tier_hits(client: RemoteBackend, tier: str) -> int:
     return tier_stat(client, tier, "hits")
 
 
+def _last_sample(url: str) -> float:
+    """When the server at `url` took its last dashboard sample (0: none yet)."""
+    with urllib.request.urlopen(url + "/v1/stats/history", timeout=10) as r:
+        samples = json.load(r)["samples"]
+    return samples[-1]["t"] if samples else 0.0
+
+
 def test_a_blob_put_through_one_server_hits_through_the_other(clients: list[RemoteBackend]) -> None:
     one, two = clients
     blobs = {k: blob(i, 200 + i, key=k) for i, k in enumerate(uuid.uuid4().hex for _ in range(20))}
@@ -125,7 +133,8 @@ def test_the_dashboards_show_the_shared_tier(
     for k, b in blobs.items():
         one.put_blob(k, b)
     assert [bytes(x) for x in two.batch_get(list(blobs))] == list(blobs.values())
-    time.sleep(0.8)  # a sample or two after it
+    taken = [_last_sample(c.url) for c in clients]  # a sample after it on each server
+    wait_until(lambda: all(_last_sample(c.url) > t for c, t in zip(clients, taken, strict=True)))
     doms = []
     for i, c in enumerate(clients):
         run = dashboard._run_chromium(chromium, tmp_path / f"profile{i}", f"{c.url}/dashboard", "--dump-dom")

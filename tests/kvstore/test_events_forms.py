@@ -30,6 +30,7 @@ from kvstore.store import TieredStore
 from tests.engine.conftest import make_tiny_engine_dir
 from tests.router.events_util import DECODER, events, receive, settle, subscribe
 from tests.valkey import free_port
+from tests.waiting import wait_until
 
 LAYOUT = KVLayout("m", "0" * 32, 2, 2, 64, "bfloat16", 16)
 
@@ -157,12 +158,14 @@ def test_a_server_that_connects_delivers_every_put(reads) -> None:
             assert not srv.server.kv_events.publisher.bound
             client = Store.connect(srv.server.url)
             try:
+                publisher = srv.server.kv_events.publisher
                 for k in keys:
+                    sent = publisher.published
                     client.put(k, blob)
                     if reads == "along":
                         got += _drain(sub, 31, timeout_s=0.2)
-                    else:
-                        time.sleep(0.2)
+                    else:  # its own batch, sent and not read yet
+                        wait_until(lambda sent=sent: publisher.published > sent, timeout=10)
             finally:
                 client.close()
             got += _drain(sub, 31 - len(got))
@@ -187,11 +190,8 @@ def test_an_engine_that_connects_delivers_every_batch(tmp_path) -> None:
         assert not publisher.bound
         prompts = [[7 + j] + [5 + (i * (j + 2)) % 200 for i in range(20)] for j in range(30)]
         hashes = [_run(engine, p)[0] for p in prompts]  # 30 prompts, a full block each: one batch each
-        time.sleep(0.5)  # the subscriber has not read anything yet
-        deadline = time.monotonic() + 10
-        while publisher.published < 31:
-            assert time.monotonic() < deadline, publisher.published
-            time.sleep(0.05)
+        # every batch sent before the subscriber reads any
+        wait_until(lambda: publisher.published >= 31, timeout=10, what=f"31 batches ({publisher.published})")
         got = _drain(sub, publisher.published)
     finally:
         sub.close()

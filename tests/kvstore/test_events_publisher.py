@@ -34,6 +34,7 @@ from kvstore.store import TieredStore
 from tests.engine.conftest import make_tiny_engine_dir
 from tests.router.events_util import DECODER, events, receive, settle
 from tests.valkey import free_port
+from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 PUBLISHER = """
@@ -149,10 +150,8 @@ def test_what_valkey_evicts_on_its_own_leaves_the_routers_index(tmp_path, valkey
             with valkey.client() as raw:
                 held = raw.dbsize()
                 assert 0 < held < 400, held
-            deadline = time.monotonic() + 20
-            while index.stats()["stores"].get("store0", {}).get("REDIS") != held:
-                assert time.monotonic() < deadline, (index.stats(), held)
-                time.sleep(0.1)
+            wait_until(lambda: index.stats()["stores"].get("store0", {}).get("REDIS") == held, timeout=20,
+                       what=f"the index holding Valkey's {held} chunks")  # fmt: skip
             with valkey.client() as raw:
                 present = {k.decode()[len("ev:") :] for k in raw.keys("ev:*")}
             assert index.store_chunks([bytes.fromhex(k) for k in keys if k in present][:1]) == 1

@@ -4,7 +4,6 @@ KV events on ipc:// endpoints, and `kvstore-engine router` in front (tests and b
 from __future__ import annotations
 
 import json
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -12,6 +11,7 @@ from pathlib import Path
 from tests.connectors.conftest import ServerProcess
 from tests.connectors.engine_util import free_port
 from tests.connectors.test_engine_pd import Proc, http_json
+from tests.waiting import wait_until
 
 
 def events_config(tmp: Path, name: str) -> dict:
@@ -44,16 +44,16 @@ def start_engine(tmp: Path, name: str, store_url: str | None, *args: str) -> tup
 
 
 def wait_healthy(url: str, proc: Proc, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    def healthy() -> bool:
         if proc.proc.poll() is not None:
             raise RuntimeError(f"{url} exited: {''.join(proc.tail)[-3000:]}")
         try:
             urllib.request.urlopen(url + "/health", timeout=2).close()
-            return
         except (urllib.error.URLError, ConnectionError, TimeoutError):
-            time.sleep(0.3)
-    raise RuntimeError(f"{url} did not become healthy")
+            return False
+        return True
+
+    wait_until(healthy, timeout_s, 0.3, RuntimeError, f"{url} becoming healthy")
 
 
 def start_router(engines: list[tuple[str, dict]], store_cfg: dict | None, *args: str) -> tuple[Proc, str]:

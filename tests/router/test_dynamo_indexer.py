@@ -45,6 +45,7 @@ from kvstore.keys import KVLayout, chunk_keys
 from kvstore.store import TieredStore
 from tests.engine.conftest import make_tiny_engine_dir
 from tests.valkey import free_port
+from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 DYN_VENV = ROOT / ".venv" / "dynamo"
@@ -70,15 +71,16 @@ class DynamoIndexer:
                 [str(DYN_PYTHON), "-m", "dynamo.indexer", "--port", str(self.port), "--threads", "1"],
                 stdout=f, stderr=subprocess.STDOUT, env=env, cwd=log.parent,
             )  # fmt: skip
-        deadline = time.monotonic() + 60
-        while True:
+
+        def up() -> bool:
             assert self.proc.poll() is None, self.text()[-3000:]
             try:
                 self.http("/health")
-                return
             except (urllib.error.URLError, ConnectionError):
-                assert time.monotonic() < deadline, "Dynamo's indexer did not come up: " + self.text()[-3000:]
-                time.sleep(0.2)
+                return False
+            return True
+
+        _until(up, "Dynamo's indexer did not come up", timeout_s=60)
 
     def http(self, path: str, body: dict | None = None) -> tuple[int, dict | list | str]:
         data = None if body is None else json.dumps(body).encode()
@@ -176,10 +178,7 @@ def _streams(tmp_path: Path, name: str, mode: str) -> tuple[dict, str, Forwarder
 
 
 def _until(cond, what: str, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.1)
+    wait_until(cond, timeout_s, 0.1, what=what)
 
 
 @pytest.mark.parametrize("mode", ["bind", "connect"])

@@ -25,6 +25,7 @@ from kvstore.events import (
     structs,
 )
 from tests.router.events_util import settle
+from tests.waiting import wait_until
 
 ENCODER = msgspec.msgpack.Encoder()
 
@@ -101,10 +102,7 @@ class RawPublisher:
 
 
 def until(cond: Callable[[], bool], timeout_s: float = 10.0, what: str = "the router's index") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"{what} did not get there"
-        time.sleep(0.02)
+    wait_until(cond, timeout_s, 0.02, what=f"{what} getting there")
 
 
 @pytest.fixture

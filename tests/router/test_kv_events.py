@@ -27,6 +27,7 @@ from kvstore.keys import chunk_keys
 from kvstore.store import TieredStore
 from tests.engine.conftest import make_tiny_engine_dir
 from tests.router.events_util import events, receive, replay, settle, subscribe
+from tests.waiting import wait_until
 
 
 def _config(tmp_path, name: str) -> dict:
@@ -186,12 +187,7 @@ def test_the_routers_feed_replays_on_start_follows_live_and_sees_a_publisher_res
 
 
 def _until(cond, timeout_s: float = 10.0) -> None:
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, "the router's index did not follow the events"
-        time.sleep(0.02)
+    wait_until(cond, timeout_s, 0.02, what="the router's index following the events")
 
 
 @pytest.mark.parametrize("command", [["engine", "serve", "--port", "0"], ["server", "--port", "0"]])

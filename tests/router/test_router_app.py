@@ -5,7 +5,7 @@ what happened."""
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import json
 import re
 import shutil
@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.connectors.test_proxy import serving
 from tests.router.fleet import events_config
+from tests.waiting import wait_until_async
 
 FIGURES = Path(__file__).resolve().parents[2] / "engine" / "router" / "static" / "dashboard.js"
 PANEL_FIELDS = {"in_flight", "waiting_tokens", "up", "decisions", "share", "tokens", "capped",
@@ -35,10 +36,12 @@ async def _fleet(stack: AsyncExitStack, tiny, **kw) -> tuple[TestClient, list[st
                           calibrate_s=0, **kw)  # fmt: skip
     app = build_router_app(config, PromptTokens(model, chunk_size=16))
     client = await stack.enter_async_context(TestClient(TestServer(app)))
-    for _ in range(200):
-        if (await client.get("/health")).status == 200:
-            break
-        await asyncio.sleep(0.05)
+
+    async def healthy() -> bool:
+        return (await client.get("/health")).status == 200
+
+    with contextlib.suppress(AssertionError):  # as before: the tests that need it healthy say so
+        await wait_until_async(healthy, timeout=10, interval=0.05)
     return client, urls
 
 
@@ -60,12 +63,11 @@ async def _indexed_blocks(client: TestClient) -> dict[str, int]:
 async def _indexed(client: TestClient, engine: str, blocks: int, before: dict[str, int]) -> None:
     """Wait until the router indexed `blocks` more blocks of `engine` than it held `before` (an engine
     chosen twice already holds the first prompt's blocks: a bare count would not wait at all)."""
-    for _ in range(200):
-        state = await _indexed_blocks(client)
-        if state.get(engine, 0) >= before.get(engine, 0) + blocks:
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"the router never saw {blocks} new blocks of {engine}: {state}")
+
+    async def indexed() -> bool:
+        return (await _indexed_blocks(client)).get(engine, 0) >= before.get(engine, 0) + blocks
+
+    await wait_until_async(indexed, timeout=10, what=f"the router seeing {blocks} new blocks of {engine}")
 
 
 async def test_follow_ups_go_where_their_prefix_is(tiny) -> None:

@@ -5,7 +5,6 @@ engine's error answer as a routed request or its prompt tokens as computed."""
 
 from __future__ import annotations
 
-import asyncio
 from contextlib import AsyncExitStack
 
 import pytest
@@ -19,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.connectors.test_proxy import requests_served, serving
 from tests.router.fleet import events_config
+from tests.waiting import wait_until_async
 
 ALIAS = "smollm2"
 
@@ -180,12 +180,11 @@ async def test_models_are_learned_at_start_before_any_request(tmp_path) -> None:
                               headers={POLICY_HEADER: "round_robin"})  # fmt: skip
         assert r.status == 200 and (await r.json())["model"] == "served-name"
         names[:] = ["renamed"]
-        for _ in range(100):  # the calibration probe reads the names again
-            ids = [c["id"] for c in (await (await client.get("/v1/models")).json())["data"]]
-            if ids == ["renamed"]:
-                break
-            await asyncio.sleep(0.02)
-        assert ids == ["renamed"]
+
+        async def renamed() -> bool:  # the calibration probe reads the names again
+            return [c["id"] for c in (await (await client.get("/v1/models")).json())["data"]] == ["renamed"]
+
+        await wait_until_async(renamed, timeout=2)
 
 
 @pytest.mark.parametrize("model", [5, ["x"]])

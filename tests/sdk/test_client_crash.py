@@ -74,7 +74,7 @@ def test_a_client_that_dies_mid_body_stores_nothing(server):
         s.sendall(dp.PREFACE + dp.pack_head(dp.HELLO, dp.pack_meta({"v": dp.VERSION})))
         s.recv(4096)
         s.sendall(dp.pack_head(dp.PUT, meta, len(blob)) + blob[: len(blob) // 2])
-        time.sleep(0.1)
+        wait_for(lambda: server.thread.state.budget.used == len(blob))  # the server is reading its body
     plane = server.thread.server.plane
     wait_for(lambda: len(plane.connections) == 0)
     assert server.usage() == before

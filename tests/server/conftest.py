@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -15,9 +14,11 @@ from kvstore.server.config import ServerConfig
 from kvstore.server.runner import ServerThread, open_store
 
 from kvstore.blob import encode_blob
+from kvstore.clock import SYSTEM, Clock
 from kvstore.config import StoreConfig
 from kvstore.protocol import wire
 from kvstore.store import TieredStore
+from tests.waiting import wait_until
 
 
 def make_blob(seed: int = 0, tokens: int = 16, key: str | None = None) -> bytes:
@@ -34,10 +35,7 @@ def key(i: int) -> str:
 
 def wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> None:
     """Poll `cond` until it holds; fail the test after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
+    wait_until(cond, timeout, interval=0.01)
 
 
 @dataclass
@@ -112,15 +110,17 @@ class Server:
 
 @pytest.fixture
 def server_factory(tmp_path) -> Iterator[Callable[..., Server]]:
-    """Start servers with any StoreConfig / ServerConfig fields; every one is stopped afterwards."""
+    """Start servers with any StoreConfig / ServerConfig fields (and the store's clock); every one is
+    stopped afterwards."""
     started: list[Server] = []
 
-    def start(store: dict | None = None, **server_fields: Any) -> Server:
+    def start(store: dict | None = None, clock: Clock = SYSTEM, **server_fields: Any) -> Server:
         fields = {"tiers": ["cpu"], "cpu_capacity": "64MiB", "disk_path": tmp_path / "disk"}
         fields.update(store or {})
         store_config = StoreConfig(**fields)
         config = ServerConfig(**{"port": 0, "sample_interval": 0.2, **server_fields})
-        tiered = open_store(store_config, config)  # as kvstore-server builds it (the cpu arena: shm on)
+        # as kvstore-server builds it (the cpu arena: shm on); `clock`: a ManualClock steps its TTLs
+        tiered = open_store(store_config, config, clock)
         thread = ServerThread(tiered, store_config, config, close_store=True).start()
         srv = Server(thread, tiered)
         started.append(srv)

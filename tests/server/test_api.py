@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import time
 
 from kvstore.protocol import wire
 from tests.blobs import kept
-from tests.server.conftest import key, make_blob
+from tests.server.conftest import key, make_blob, wait_for
 
 
 def _put_frame(items: list[tuple[str, bytes]]) -> bytes:
@@ -106,8 +105,12 @@ def test_stats_health_history_dashboard(server):
     cpu = stats["tiers"][0]
     assert cpu["name"] == "cpu" and cpu["keys"] == 1 and cpu["hits"] == 1 and stats["misses"] == 1
     assert stats["server"]["requests"] >= 3
-    time.sleep(0.5)  # the sampler runs every 0.2 s in tests
-    hist = server.request("GET", wire.HISTORY_PATH).json()
+
+    def sampled() -> dict:  # the sampler runs every 0.2 s in tests: two samples, the last after the gets
+        return server.request("GET", wire.HISTORY_PATH).json()
+
+    wait_for(lambda: len((h := sampled())["samples"]) >= 2 and h["samples"][-1]["tiers"]["cpu"]["hits"] == 1)
+    hist = sampled()
     assert hist["interval"] == 0.2 and len(hist["samples"]) >= 2
     last = hist["samples"][-1]
     assert last["tiers"]["cpu"]["hits"] == 1 and last["tiers"]["cpu"]["bytes"] == len(make_blob(1))

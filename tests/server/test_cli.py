@@ -8,7 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
-import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +21,7 @@ from kvstore.errors import ConfigError
 from kvstore.protocol import wire
 from tests.blobs import kept
 from tests.server.conftest import key, make_blob, read_response
+from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -105,6 +106,19 @@ def test_sigterm_flushes_write_back_to_disk(tmp_path, cli_servers):
     assert second.stop(signal.SIGINT) == 0
 
 
+def _body_bytes_in_flight(url: str) -> float:
+    text = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
+    return float(re.search(r"^kvstore_http_body_bytes_in_flight (\S+)$", text, re.M).group(1))
+
+
+def _accepts(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    except OSError:
+        return False
+    return True
+
+
 @pytest.mark.slow
 def test_in_flight_request_finishes_on_sigterm(tmp_path, cli_servers):
     srv = CliServer("--tiers", "cpu", "--shutdown-timeout", "20")
@@ -113,11 +127,9 @@ def test_in_flight_request_finishes_on_sigterm(tmp_path, cli_servers):
     head = f"PUT {wire.chunk_path(key(1))} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/octet-stream\r\nContent-Length: {len(blob)}\r\n\r\n"
     with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
         s.sendall(head.encode() + blob[:100])
-        time.sleep(0.3)  # the handler is now waiting for the rest of the body
+        wait_until(lambda: _body_bytes_in_flight(srv.url) > 0)  # the handler waits for the rest of the body
         srv.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.5)
-        with pytest.raises(OSError):  # no longer accepting
-            socket.create_connection(("127.0.0.1", srv.port), timeout=2).close()
+        wait_until(lambda: not _accepts(srv.port))  # no longer accepting
         s.sendall(blob[100:])
         r = read_response(s)
         assert r.status == 201

@@ -87,6 +87,11 @@ def _saved(dom: str) -> float:
     return float(re.search(r'id="kpi-seconds-saved" data-value="([\d.e+-]+)"', dom).group(1))
 
 
+def _history(srv, token: str | None = None) -> list[dict]:  # noqa: ANN001 (tests.server.conftest.Server)
+    headers = {"Authorization": f"Bearer {token}"} if token else None
+    return srv.request("GET", "/v1/stats/history", headers=headers).json()["samples"]
+
+
 def _wait_sampled(srv, prefills: int) -> None:
     """Until the server's samples hold `prefills` finished prefills with every engine idle, and one more."""
 
@@ -273,7 +278,8 @@ def test_token_lives_for_the_session_only(server_factory, chromium, tmp_path):
     for i in range(3):
         be.put_blob(key(i), make_blob(i))
         be.get_blob(key(100 + i))
-        time.sleep(0.25)
+        n = len(_history(srv, TOKEN))
+        wait_for(lambda n=n: len(_history(srv, TOKEN)) > n)  # each round in a sample of its own
     be.close()
     profile = tmp_path / "profile"
     run = _run_chromium(chromium, profile, f"{srv.url}/dashboard#token={TOKEN}", "--dump-dom")
@@ -296,7 +302,7 @@ def test_the_headline_counts_lookups_cut_short(server_factory, chromium, tmp_pat
     for i in range(6):
         assert be.lookup([key(100 + i)])[0] == 0
     be.close()
-    time.sleep(0.6)
+    wait_for(lambda: (_history(srv)[-1:] or [{}])[0].get("lookups_cut_short") == 6)  # sampled
     run = _run_chromium(chromium, tmp_path / "profile", f"{srv.url}/dashboard", "--dump-dom")
     assert run.returncode == 0 and re.search(r'<span id="status" class="">\d+ samples', run.stdout)
     rate = float(re.search(r'id="kpi-hit-rate" data-value="([\d.]+)"', run.stdout).group(1))

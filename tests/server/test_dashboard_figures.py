@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -59,8 +58,7 @@ def test_lookups_cut_short_count_as_misses_in_the_store_read_rate(server_factory
     def history() -> list[dict]:
         return json.load(urllib.request.urlopen(srv.url + "/v1/stats/history"))["samples"]
 
-    wait_for(lambda: history()[-1]["lookups_cut_short"] == 10, timeout=10)
-    time.sleep(0.15)
+    wait_for(lambda: history()[-1]["lookups_cut_short"] == 10 and history()[-1]["lookups"] == 11, timeout=10)
     samples = history()
     assert samples[-1]["lookups"] == 11 and samples[-1]["misses"] == 0  # no get missed
     reads = figures("f.storeReads(samples)", samples=samples)

@@ -243,7 +243,7 @@ def test_put_bodies_share_the_http_body_budget(server_factory):
     big = make_blob(1, tokens=8000)  # ~1000 KiB
     slow = Raw(srv.port)
     slow.send(dp.PUT, {"k": [key(1)], "l": [len(big)]}, big[:1000], body_len=len(big))  # and waits
-    time.sleep(0.2)
+    wait_for(lambda: srv.thread.state.budget.used == len(big))  # its body is reserved
     other = Raw(srv.port)
     head, meta, _ = other.call(dp.PUT, {"k": [key(2)], "l": [len(big)]}, big)
     assert head.status == 503 and meta["type"] == "Busy" and meta["retry_after"] == 1

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,7 @@ import pytest
 from kvstore.protocol import wire
 from tests.blobs import kept
 from tests.server.conftest import key, make_blob, read_response
+from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -36,6 +39,21 @@ def _closed(sock: socket.socket, within: float) -> bytes:
     except ConnectionResetError:
         pass
     return data
+
+
+def _open_connections(srv) -> int:  # noqa: ANN001 (tests.server.conftest.Server)
+    """The client connections the in-process server holds (kvstore_http_connections, read in place:
+    a scrape would be one more connection)."""
+    return srv.thread.state.metrics.connections()
+
+
+def _scraped_connections(request: Callable[[str, str], tuple[int, bytes]]) -> int:
+    status, body = request("GET", "/metrics")
+    return (
+        int(float(re.search(rb"^kvstore_http_connections (\S+)$", body, re.M).group(1)))
+        if status == 200
+        else 99
+    )
 
 
 def test_headers_that_dribble_in_get_a_408_and_the_connection_closes(server_factory):
@@ -78,7 +96,7 @@ def test_connections_over_the_limit_are_refused_fast(server_factory):
     srv = server_factory(max_connections=5, keepalive_timeout=60)
     srv.request("PUT", wire.chunk_path(key(1)), make_blob(1))
     hogs = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(5)]
-    time.sleep(0.2)
+    wait_until(lambda: _open_connections(srv) == 5)  # the server holds all five
     start = time.monotonic()
     with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as extra:
         data = _closed(extra, within=5)
@@ -88,7 +106,7 @@ def test_connections_over_the_limit_are_refused_fast(server_factory):
     assert json.loads(body)["type"] == "Busy"
     for h in hogs:
         h.close()
-    time.sleep(0.2)
+    wait_until(lambda: _open_connections(srv) == 0)
     assert srv.request("GET", wire.chunk_path(key(1))).body == kept(make_blob(1), key(1))  # room again
     metrics = srv.request("GET", "/metrics").body.decode()
     assert "kvstore_http_refused_connections_total 1.0" in metrics
@@ -116,7 +134,7 @@ def test_request_bodies_in_flight_have_a_budget(server_factory):
     slow.start()
     try:
         assert sent.wait(10)
-        time.sleep(0.3)  # its 1000 KiB are reserved while the rest of its body trickles in
+        wait_until(lambda: srv.thread.state.budget.used >= len(big))  # reserved while the rest trickles in
         before = srv.usage()
         r = srv.request("PUT", wire.chunk_path(key(2)), make_blob(2, tokens=8000))
         assert r.status == 503 and r.headers["retry-after"] == "1" and r.json()["type"] == "Busy"
@@ -201,7 +219,7 @@ def test_at_a_real_fd_limit_no_stored_blob_is_a_404_and_no_lost_write_a_201(tmp_
         for h in hogs:
             h.close()
         hogs = []
-        time.sleep(0.5)
+        wait_until(lambda: _scraped_connections(request) <= 1)  # the server saw them go (1: the scrape)
         for i in acked + stored:  # with the hogs gone, every acknowledged blob is there
             assert request("GET", wire.chunk_path(key(i))) == (200, kept(make_blob(i), key(i)))
         for i in range(40, 45):
@@ -229,11 +247,12 @@ def test_slow_readers_hold_the_budget_only_until_the_body_timeout(server_factory
         s.connect(("127.0.0.1", srv.port))
         s.sendall(f"GET {wire.chunk_path(key(1))} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
         readers.append(s)  # and never read
-    time.sleep(0.3)
-    r = srv.request("GET", wire.chunk_path(key(1)))  # 3 x 16 MiB in flight: this one must wait
+    budget = srv.thread.state.budget  # the readers' answers pinned, in flight: no room for one more
+    wait_until(lambda: budget.used_large + len(blob) > budget.limit * 3 // 4)
+    r = srv.request("GET", wire.chunk_path(key(1)))  # this one must wait
     assert r.status == 503 and r.json()["type"] == "Busy" and r.headers["retry-after"] == "1"
-    time.sleep(1.5)  # past body_timeout: the slow readers are dropped and their budget returned
-    assert srv.thread.state.budget.used == 0
+    # past body_timeout (1 s, aiohttp's on a real socket): the slow readers are dropped, their budget returned
+    wait_until(lambda: srv.thread.state.budget.used == 0, timeout=5)
     got = srv.request("GET", wire.chunk_path(key(1)))
     assert got.status == 200 and got.body == blob
     for s in readers:

@@ -16,7 +16,7 @@ import pytest
 from kvstore.protocol import wire
 from tests.blobs import kept
 from tests.kvstore.test_blob import forge
-from tests.server.conftest import RawResponse, key, make_blob, read_response
+from tests.server.conftest import RawResponse, key, make_blob, read_response, wait_for
 
 BLOB_LIMIT = 64 * 1024
 REQUEST_LIMIT = 256 * 1024
@@ -101,7 +101,7 @@ def test_truncated_body_then_hangup(srv):
             assert 400 <= r.status < 500
         except (ConnectionError, OSError):
             pass  # closing mid-body leaves nobody to answer; what matters is that nothing is stored
-    time.sleep(0.2)
+    wait_for(lambda: srv.thread.state.metrics.connections() == 0)  # the server is done with it
     assert srv.usage() == before
 
 

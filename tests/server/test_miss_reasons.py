@@ -3,12 +3,11 @@ reasons on, in both modes: so a connector can tell an evicted chunk from an expi
 
 from __future__ import annotations
 
-import time
-
 import pytest
 from kvstore.sdk import Store
 from kvstore.sdk.local import LocalBackend
 
+from kvstore.clock import ManualClock
 from kvstore.protocol import wire
 from tests.server.conftest import key, make_blob
 
@@ -16,7 +15,8 @@ from tests.server.conftest import key, make_blob
 @pytest.mark.parametrize("mode", ["remote", "local"])
 async def test_reasons_reach_the_client(server_factory, mode) -> None:
     size = len(make_blob(0))
-    srv = server_factory({"cpu_capacity": 2 * size, "ttl": 0.4})
+    clock = ManualClock()
+    srv = server_factory({"cpu_capacity": 2 * size, "ttl": 0.4}, clock=clock)
     store = Store.connect(srv.url) if mode == "remote" else None
     local = srv.store
     try:
@@ -29,7 +29,7 @@ async def test_reasons_reach_the_client(server_factory, mode) -> None:
         reasons: list[str | None] = []
         blobs = client.batch_get_blobs([key(0), key(1), key(5)], reasons)
         assert blobs[1] is not None and reasons == ["evicted", None, "not_stored"]
-        time.sleep(0.5)
+        clock.advance(0.5)  # past the TTL
         assert client.lookup([key(1)]) == (0, "expired")
         assert await client.alookup([key(2), key(1)]) == (0, "expired")
         assert local.stats()["miss_reasons"]["expired"] == 2
