@@ -112,7 +112,7 @@ class StoreMetrics:
 
     def __init__(self, tiers: Sequence[Tier]) -> None:
         self.tiers = list(tiers)
-        # KV events (kvstore.events.StoreEvents): told, per tier, the keys each put stored and evicted
+        # KV events (kvstore.store_events.StoreEvents): told, per tier, the keys each put stored and evicted
         # and the keys each delete removed (kvstore.tier_calls calls it); None = off
         self.events: Callable[[str, list[str], list[str]], None] | None = None
         self.registry = CollectorRegistry()

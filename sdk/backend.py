@@ -13,7 +13,9 @@ Semantics every backend keeps:
   disk is an error, never an acknowledgement). A blob may be a `kvstore.blob.PreparedBlob`, laid out
   where it goes (a same-host server's shared memory) instead of in a buffer of its own first.
   `batch_put(items, replaces)` deletes `replaces` only once every blob is stored (a failed put
-  deletes nothing): the shorter partial chunks a save supersedes;
+  deletes nothing): the shorter partial chunks a save supersedes. `token_ids` (per item: the chunk's
+  token ids, or None) and `parents` (per item: the key before it in its sequence) are hints for a
+  server's KV events only (kvstore.token_hints): checked (InvalidArgument), never stored with the blob;
 - a missing key is `None` / `False`, never an exception;
 - batch calls keep the order of their inputs; `lookup` is (the number of leading keys present, why the
   next one is missing: kvstore/miss_log.py's reasons), `lookup_prefix` its first half;
@@ -25,6 +27,7 @@ Semantics every backend keeps:
 from __future__ import annotations
 
 import asyncio
+import operator
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -33,10 +36,24 @@ from kvstore.sdk.buffers import BlobLease
 from kvstore.sdk.health import StoreHealth
 
 from kvstore.blob import PreparedBlob
+from kvstore.errors import InvalidArgument
 from kvstore.protocol import Blob
 
 T = TypeVar("T")
 Outgoing = Blob | PreparedBlob  # what a put sends: a blob, or one laid out on the way
+TokenIds = Sequence[int]  # a chunk's token ids (a list, a tuple, a numpy array), a put's hint
+
+
+def hint_lists(token_ids: Sequence[TokenIds | None]) -> list[list[int] | None]:
+    """Per-item token ids as the wires carry them: lists of Python ints (InvalidArgument for a value
+    that is not an integer); the server checks the rest (kvstore.protocol.ops.token_lists)."""
+    try:
+        return [
+            None if t is None else [operator.index(x) for x in (t.tolist() if hasattr(t, "tolist") else t)]
+            for t in token_ids
+        ]
+    except TypeError as e:
+        raise InvalidArgument(f"token ids must be integers: {e}") from None
 
 
 class Backend(ABC):
@@ -53,12 +70,20 @@ class Backend(ABC):
         self, keys: Sequence[str], reasons: list[str | None] | None = None, in_place: bool = False
     ) -> BlobLease: ...
 
-    @abstractmethod
-    def put_blob(self, key: str, blob: Outgoing) -> list[str]: ...
+    def put_blob(
+        self, key: str, blob: Outgoing, token_ids: TokenIds | None = None, parent: str | None = None
+    ) -> list[str]:
+        if token_ids is None and parent is None:
+            return self.batch_put([(key, blob)])[0]
+        return self.batch_put([(key, blob)], (), None if token_ids is None else [token_ids], [parent])[0]
 
     @abstractmethod
     def batch_put(
-        self, items: Sequence[tuple[str, Outgoing]], replaces: Sequence[str] = ()
+        self,
+        items: Sequence[tuple[str, Outgoing]],
+        replaces: Sequence[str] = (),
+        token_ids: Sequence[TokenIds | None] | None = None,
+        parents: Sequence[str | None] | None = None,
     ) -> list[list[str]]: ...
 
     @abstractmethod
@@ -111,13 +136,19 @@ class Backend(ABC):
     async def alease(self, keys: Sequence[str], reasons: list[str | None] | None = None) -> BlobLease:
         return await self._run(self.lease, keys, reasons)
 
-    async def aput_blob(self, key: str, blob: Blob) -> list[str]:
-        return await self._run(self.put_blob, key, blob)
+    async def aput_blob(
+        self, key: str, blob: Blob, token_ids: TokenIds | None = None, parent: str | None = None
+    ) -> list[str]:
+        return await self._run(self.put_blob, key, blob, token_ids, parent)
 
     async def abatch_put(
-        self, items: Sequence[tuple[str, Outgoing]], replaces: Sequence[str] = ()
+        self,
+        items: Sequence[tuple[str, Outgoing]],
+        replaces: Sequence[str] = (),
+        token_ids: Sequence[TokenIds | None] | None = None,
+        parents: Sequence[str | None] | None = None,
     ) -> list[list[str]]:
-        return await self._run(self.batch_put, items, replaces)
+        return await self._run(self.batch_put, items, replaces, token_ids, parents)
 
     async def aexists(self, key: str) -> bool:
         return await self._run(self.exists, key)

@@ -47,12 +47,14 @@ class HttpTransport:
 
     def put(self, req: ops.PutRequest, blobs: Sequence[Outgoing]) -> ops.PutAnswer:
         """The tiers that stored each blob (the server's acknowledgement). HTTP carries no `replaces`:
-        the answer says none was deleted (None), and the caller deletes them."""
-        if len(req.keys) == 1:
+        the answer says none was deleted (None), and the caller deletes them. Token hints ride in the
+        batch frame's header (a single key with hints takes the batch route)."""
+        if len(req.keys) == 1 and not _optional_set(ops.PUT, req):
             resp = self.http.request("PUT", wire.chunk_path(req.keys[0]), body_of(blobs))
             header = resp.headers.get(wire.STORED_IN_HEADER.lower()) or ""  # `cpu,disk`
             return ops.PutAnswer(1, [[t for t in header.split(",") if t]])
-        frame = [wire.frame_header(req.keys, [nbytes(b) for b in blobs]), *body_of(blobs)]
+        fields = ops.to_wire(ops.PUT.request, req, ops.HTTP)
+        frame = [wire.frame_header(req.keys, [nbytes(b) for b in blobs], more=fields), *body_of(blobs)]
         resp = self.http.request("POST", ops.PUT.batch.path, frame, wire.BATCH_CONTENT_TYPE)
         return ops.answer_from(ops.PUT, resp.json(), ops.HTTP)
 
@@ -77,5 +79,5 @@ def _json(op: ops.Op, req: Any) -> bytes:
 
 
 def _optional_set(op: ops.Op, req: Any) -> bool:
-    """Whether the request sets a field a single-key route cannot carry."""
-    return any(f.optional and getattr(req, f.name) is not None for f in op.request)
+    """Whether the request sets a field HTTP carries that a single-key route cannot."""
+    return any(f.optional and f.http is not None and getattr(req, f.name) is not None for f in op.request)

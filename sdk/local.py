@@ -10,14 +10,15 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from kvstore.sdk.backend import Backend, Outgoing
+from kvstore.sdk.backend import Backend, Outgoing, TokenIds, hint_lists
 from kvstore.sdk.buffers import BlobLease
 from kvstore.sdk.health import StoreHealth
 
 from kvstore import __version__
 from kvstore.blob import PreparedBlob
-from kvstore.protocol import Blob
+from kvstore.protocol import Blob, ops
 from kvstore.store import TieredStore
+from kvstore.token_hints import note_hints
 
 
 class LocalBackend(Backend):
@@ -40,13 +41,26 @@ class LocalBackend(Backend):
             hits = self.store.batch_get_verified(keys, reasons)
         return BlobLease([h and h[0] for h in hits], [h and h[1] for h in hits])
 
-    def put_blob(self, key: str, blob: Outgoing) -> list[str]:
+    def put_blob(
+        self, key: str, blob: Outgoing, token_ids: TokenIds | None = None, parent: str | None = None
+    ) -> list[str]:
+        if token_ids is not None or parent is not None:
+            return super().put_blob(key, blob, token_ids, parent)
         return self.store.put_blob(key, _laid_out(blob))
 
     def batch_put(
-        self, items: Sequence[tuple[str, Outgoing]], replaces: Sequence[str] = ()
+        self,
+        items: Sequence[tuple[str, Outgoing]],
+        replaces: Sequence[str] = (),
+        token_ids: Sequence[TokenIds | None] | None = None,
+        parents: Sequence[str | None] | None = None,
     ) -> list[list[str]]:
-        stored_in = self.store.batch_put([(k, _laid_out(b)) for k, b in items])
+        laid = [(k, _laid_out(b)) for k, b in items]
+        if token_ids is not None or parents is not None:  # checked as a server checks them
+            ids = None if token_ids is None else ops.token_lists(hint_lists(token_ids))
+            ups = None if parents is None else ops.parent_keys(list(parents))
+            note_hints(self.store, [k for k, _ in laid], [b for _, b in laid], ids, ups)
+        stored_in = self.store.batch_put(laid)
         putting = {k for k, _ in items}
         self.batch_delete([k for k in replaces if k not in putting])  # once every blob is stored
         return stored_in

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from kvstore.sdk import transfers as tr
-from kvstore.sdk.backend import Backend, Outgoing
+from kvstore.sdk.backend import Backend, Outgoing, TokenIds, hint_lists
 from kvstore.sdk.buffers import BlobLease, BufferPool, Loan, LoanBook
 from kvstore.sdk.dataplane import SPIN_S, DataPlaneClient, NotSpoken
 from kvstore.sdk.health import StoreHealth, probe
@@ -43,6 +43,9 @@ from kvstore.settings import check_token
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 TRANSPORTS = ("auto", "shm", "tcp", "http")
+# token ids a put carries as hints at most (~5 bytes each in msgpack: within a request's 1 MiB meta or
+# frame header, with 4096 keys beside them)
+MAX_HINT_TOKENS_PER_REQUEST = 131_072
 Wire = HttpTransport | PlaneTransport
 
 
@@ -194,27 +197,40 @@ class RemoteBackend(Backend):
 
     # -- puts and the rest -------------------------------------------------------------------------------
 
-    def put_blob(self, key: str, blob: Outgoing) -> list[str]:
-        return self.batch_put([(key, blob)])[0]
-
     def batch_put(
-        self, items: Sequence[tuple[str, Outgoing]], replaces: Sequence[str] = ()
+        self,
+        items: Sequence[tuple[str, Outgoing]],
+        replaces: Sequence[str] = (),
+        token_ids: Sequence[TokenIds | None] | None = None,
+        parents: Sequence[str | None] | None = None,
     ) -> list[list[str]]:
         """Store the blobs; returns the tiers that stored each one (the server's acknowledgement). Then
         `replaces` go: in the put's own request (the server deletes them once every blob is stored),
-        or, from a server (or a wire) that does not say it did, in one DELETE after it."""
+        or, from a server (or a wire) that does not say it did, in one DELETE after it. Token hints go
+        in the request, checked by the server (InvalidArgument); past MAX_HINT_TOKENS_PER_REQUEST
+        token ids in all, the put goes without them (its events then carry none)."""
         if not items:
             return []
         keys = [validate_key(k) for k, _ in items]
         blobs = [b for _, b in items]
         putting = set(keys)
         gone = [k for k in dict.fromkeys(validate_key(k) for k in replaces) if k not in putting]
+        req = ops.PutRequest(keys, [tr.nbytes(b) for b in blobs], gone or None)
+        if token_ids is not None or parents is not None:
+            req.token_ids = None if token_ids is None else hint_lists(token_ids)
+            req.parents = None if parents is None else list(parents)
+            if (
+                req.token_ids is not None
+                and sum(len(t or ()) for t in req.token_ids) > MAX_HINT_TOKENS_PER_REQUEST
+            ):
+                log.debug("a put of %d chunks goes without its token hints: too many token ids", len(keys))
+                req.token_ids = req.parents = None
         wire = self._wire()
         if isinstance(wire, HttpTransport):
             self.counts["http"] += 1
         else:
             self._loans.retry()
-        answer = wire.put(ops.PutRequest(keys, [tr.nbytes(b) for b in blobs], gone or None), blobs)
+        answer = wire.put(req, blobs)
         if gone and answer.replaced is None:  # not asked (HTTP), or a server that predates it
             self.batch_delete(gone)
         return answer.stored_in

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from kvstore.sdk.backend import Backend, Outgoing
+from kvstore.sdk.backend import Backend, Outgoing, TokenIds
 from kvstore.sdk.buffers import BlobLease
 from kvstore.sdk.health import StoreHealth
 from kvstore.sdk.local import LocalBackend
@@ -126,9 +126,15 @@ class Store:
 
     # -- sync --------------------------------------------------------------------------------------------
 
-    def put(self, key: str, kv_or_blob: KVOrBlob) -> list[str]:
-        """Store a chunk; returns the tiers that hold it (NotStored / Unavailable if none does)."""
-        return self.backend.put_blob(key, self.encode(kv_or_blob, key))
+    def put(
+        self, key: str, kv_or_blob: KVOrBlob, token_ids: TokenIds | None = None, parent: str | None = None
+    ) -> list[str]:
+        """Store a chunk; returns the tiers that hold it (NotStored / Unavailable if none does).
+        `token_ids` (the chunk's tokens) and `parent` (the key of the chunk before it in its sequence,
+        None for a first chunk) are hints for a kvstore-server's KV events, so that an indexer keyed by
+        tokens (Dynamo's, llm-d's) indexes the chunk: never part of the key or of what is stored
+        (kvstore.token_hints); InvalidArgument when they do not fit the chunk."""
+        return self.backend.put_blob(key, self.encode(kv_or_blob, key), token_ids, parent)
 
     def get(self, key: str, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """The KV tensor under `key` or None; `out` (right shape and dtype) receives it without allocating."""
@@ -160,11 +166,17 @@ class Store:
         return self.backend.delete(key)
 
     def batch_put(
-        self, items: Sequence[tuple[str, KVOrBlob]], replaces: Sequence[str] = ()
+        self,
+        items: Sequence[tuple[str, KVOrBlob]],
+        replaces: Sequence[str] = (),
+        token_ids: Sequence[TokenIds | None] | None = None,
+        parents: Sequence[str | None] | None = None,
     ) -> list[list[str]]:
         """Store the chunks; then delete `replaces` (keys the new chunks supersede), only once every one
-        is stored (a failed put deletes nothing): with a kvstore-server, in the same round trip."""
-        return self.backend.batch_put([(key, self.encode(x, key)) for key, x in items], replaces)
+        is stored (a failed put deletes nothing): with a kvstore-server, in the same round trip.
+        `token_ids` / `parents`: per item, `put`'s hints (or None)."""
+        blobs = [(key, self.encode(x, key)) for key, x in items]
+        return self.backend.batch_put(blobs, replaces, token_ids, parents)
 
     def batch_delete(self, keys: Sequence[str]) -> int:
         """Delete every key, in one round trip; how many were stored."""
@@ -229,8 +241,11 @@ class Store:
     # -- async -------------------------------------------------------------------------------------------
     # encoding and decoding move whole chunks (and lossy codecs are slow), so they leave the event loop
 
-    async def aput(self, key: str, kv_or_blob: KVOrBlob) -> list[str]:
-        return await self.backend.aput_blob(key, await asyncio.to_thread(self.encode, kv_or_blob, key))
+    async def aput(
+        self, key: str, kv_or_blob: KVOrBlob, token_ids: TokenIds | None = None, parent: str | None = None
+    ) -> list[str]:
+        blob = await asyncio.to_thread(self.encode, kv_or_blob, key)
+        return await self.backend.aput_blob(key, blob, token_ids, parent)
 
     async def aget(self, key: str, out: torch.Tensor | None = None) -> torch.Tensor | None:
         with await self.backend.alease([key]) as lease:
@@ -249,10 +264,14 @@ class Store:
         return await self.backend.adelete(key)
 
     async def abatch_put(
-        self, items: Sequence[tuple[str, KVOrBlob]], replaces: Sequence[str] = ()
+        self,
+        items: Sequence[tuple[str, KVOrBlob]],
+        replaces: Sequence[str] = (),
+        token_ids: Sequence[TokenIds | None] | None = None,
+        parents: Sequence[str | None] | None = None,
     ) -> list[list[str]]:
         blobs = await asyncio.to_thread(lambda: [(key, self.encode(x, key)) for key, x in items])
-        return await self.backend.abatch_put(blobs, replaces)
+        return await self.backend.abatch_put(blobs, replaces, token_ids, parents)
 
     async def abatch_delete(self, keys: Sequence[str]) -> int:
         return await self.backend.abatch_delete(keys)

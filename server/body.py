@@ -117,7 +117,7 @@ async def _read_into(stream: Any, n: int, what: str, whole: bool = False) -> mem
 
 async def read_frame(
     request: web.BaseRequest, limit: int, blob_limit: int, timeout: float
-) -> tuple[list[str], list[memoryview]]:
+) -> tuple[wire.FrameHeader, list[memoryview]]:
     """A batch frame (kvstore.protocol.wire) read into one buffer per blob, so that a stored blob never pins
     the memory of the whole request. Any malformation raises before a blob is returned."""
     check_content_type(request, wire.BATCH_CONTENT_TYPE)
@@ -142,7 +142,7 @@ async def _read_exactly(stream: Any, n: int) -> bytes:
 
 async def _read_frame(
     request: web.BaseRequest, expected: int | None, limit: int, blob_limit: int
-) -> tuple[list[str], list[memoryview]]:
+) -> tuple[wire.FrameHeader, list[memoryview]]:
     stream = request.content
     preamble = await _read_exactly(stream, wire.PREAMBLE_SIZE)
     hlen = wire.parse_preamble(preamble)
@@ -159,4 +159,4 @@ async def _read_frame(
     blobs = [await _read_into(stream, n, "truncated batch body") for n in header.lens]
     if expected is None and await stream.read(1):
         raise InvalidArgument("batch body is longer than its frame")
-    return header.keys, blobs
+    return header, blobs

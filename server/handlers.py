@@ -16,6 +16,7 @@ from kvstore.server.state import ServerState
 
 from kvstore.errors import KVStoreError
 from kvstore.protocol import ops
+from kvstore.token_hints import note_hints
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +31,11 @@ def get(st: ServerState, req: ops.KeysRequest) -> ops.GetAnswer:
 def put(st: ServerState, req: ops.PutRequest) -> ops.PutAnswer:
     """Store every blob (the store verifies each one, CorruptBlob -> 422, and its size before it stores
     the first; it raises, 507, 503..., when no tier stored one: an answer says where each one is); then
-    the keys they supersede go, now that every one of them is stored."""
+    the keys they supersede go, now that every one of them is stored. Token hints (`token_ids`,
+    `parents`: kvstore.token_hints) are checked first (InvalidArgument, 400, and nothing stored) and
+    given to the server's KV events, if on, before the blobs are stored."""
     keys, blobs = req.keys, req.blobs
+    note_hints(st.store, keys, blobs, req.token_ids, req.parents)
     if len(keys) == 1:
         stored_in = [st.store.put_blob(keys[0], blobs[0])]
     else:

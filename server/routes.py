@@ -138,11 +138,13 @@ async def batch_get(request: web.Request) -> web.StreamResponse:
 @routes.post(ops.PUT.batch.path, name=ops.PUT.batch.name)
 async def batch_put(request: web.Request) -> web.Response:
     st = _state(request)
-    keys, blobs = await read_frame(
+    header, blobs = await read_frame(
         request, st.config.max_request_size, st.store_config.max_blob_size, st.config.body_timeout
     )
     request[BYTES_IN] = sum(len(b) for b in blobs)
-    answer = await st.call(handlers.put, st, ops.PutRequest(keys, [len(b) for b in blobs], blobs=blobs))
+    lens = [len(b) for b in blobs]  # the request's other fields (token hints) are in the frame's header
+    req = ops.request_from(ops.PUT, header.fields, ops.HTTP, keys=header.keys, lens=lens, blobs=blobs)
+    answer = await st.call(handlers.put, st, req)
     return web.json_response(ops.to_wire(ops.PUT.answer, answer, ops.HTTP), status=201)
 
 

@@ -70,6 +70,35 @@ def _reason(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+MAX_HINT_TOKENS = 65536  # the most token ids a put may give one chunk (its blob says how many it holds)
+MAX_TOKEN_ID = 2**31 - 1  # token ids are non-negative int32s: Dynamo reads them as u32, keys as int32
+
+
+def token_lists(value: Any) -> list[list[int] | None]:
+    """A put's `token_ids`: per key, the chunk's token ids (non-negative int32s, 1 to MAX_HINT_TOKENS of
+    them) or None. Events-only hints (kvstore.token_hints): never part of a key or of what is stored."""
+    if not isinstance(value, list) or len(value) > wire.MAX_BATCH_KEYS:
+        raise InvalidArgument("token_ids must be a list (one entry per key) of token id lists or nulls")
+    for ids in value:
+        if ids is None:
+            continue
+        if not isinstance(ids, list) or not 0 < len(ids) <= MAX_HINT_TOKENS:
+            raise InvalidArgument(f"a chunk's token_ids must be a list of 1 to {MAX_HINT_TOKENS} token ids")
+        if not all(type(t) is int for t in ids) or min(ids) < 0 or max(ids) > MAX_TOKEN_ID:
+            raise InvalidArgument("token ids must be integers from 0 to 2**31 - 1")
+    return value
+
+
+def parent_keys(value: Any) -> list[str | None]:
+    """A put's `parents`: per key, the key of the chunk before it in its sequence, None for a first."""
+    if not isinstance(value, list) or len(value) > wire.MAX_BATCH_KEYS:
+        raise InvalidArgument("parents must be a list (one entry per key) of keys or nulls")
+    for key in value:
+        if key is not None:
+            validate_key(key)
+    return value
+
+
 @dataclass(frozen=True)
 class Field:
     name: str  # the attribute of the request or answer dataclass
@@ -132,6 +161,9 @@ class PutRequest:
     lens: list[int]
     replaces: list[str] | None = None  # keys the new blobs supersede: deleted once every one is stored
     blobs: list[Any] = field(default_factory=list, repr=False)  # the body: one buffer per blob
+    # events-only hints (kvstore.token_hints), per key: the chunk's token ids, and the key before it
+    token_ids: list[list[int] | None] | None = field(default=None, repr=False)
+    parents: list[str | None] | None = None
 
 
 @dataclass
@@ -193,7 +225,9 @@ GET = Op("get", dp.GET, Route("GET", _CHUNK, "get"), Route("POST", wire.BATCH_GE
          (Field("lens", "lens", "l"), Field("reasons", "reasons", "r", optional=True)),
          (KeysRequest, GetAnswer))  # fmt: skip
 PUT = Op("put", dp.PUT, Route("PUT", _CHUNK, "put"), Route("POST", wire.BATCH_PUT_PATH, "batch_put"),
-         (_KEYS, Field("lens", "lens", "l"), Field("replaces", None, "x", keys, optional=True)),
+         (_KEYS, Field("lens", "lens", "l"), Field("replaces", None, "x", keys, optional=True),
+          Field("token_ids", "token_ids", "t", token_lists, optional=True),
+          Field("parents", "parents", "tp", parent_keys, optional=True)),
          (Field("stored", "stored", "stored", _count), Field("stored_in", "stored_in", "stored_in"),
           Field("replaced", None, "x", _bools, optional=True)),
          (PutRequest, PutAnswer))  # fmt: skip

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -67,11 +67,15 @@ def chunk_path(key: str) -> str:
 
 
 def frame_header(
-    keys: Sequence[str], lens: Sequence[int], reasons: Sequence[str | None] | None = None
+    keys: Sequence[str],
+    lens: Sequence[int],
+    reasons: Sequence[str | None] | None = None,
+    more: dict[str, Any] | None = None,
 ) -> bytes:
-    """The preamble + msgpack header of a frame; the payloads follow it on the wire."""
+    """The preamble + msgpack header of a frame; the payloads follow it on the wire. `more`: a
+    request's other fields (kvstore.protocol.ops: a put's token hints), in the header beside `keys`."""
     assert len(keys) == len(lens)
-    fields: dict[str, Any] = {"keys": list(keys), "lens": list(lens)}
+    fields: dict[str, Any] = {**(more or {}), "keys": list(keys), "lens": list(lens)}
     if reasons is not None:
         assert len(reasons) == len(keys)
         fields["reasons"] = list(reasons)
@@ -107,6 +111,7 @@ class FrameHeader:
     lens: list[int]
     payload_offset: int  # where the first payload starts, counted from the frame's first byte
     reasons: list[str | None] | None = None  # why each miss missed (batch get answers)
+    fields: dict[str, Any] = field(default_factory=dict)  # the whole header: a request's other fields
 
     @property
     def payload_bytes(self) -> int:
@@ -153,7 +158,7 @@ def parse_frame_header(data: bytes | bytearray | memoryview, allow_missing: bool
     reasons = head.get("reasons")
     if not (isinstance(reasons, list) and len(reasons) == len(keys)):
         reasons = None  # optional and informative only: a malformed list is ignored, never an error
-    return FrameHeader(keys, lens, PREAMBLE_SIZE + hlen, reasons)
+    return FrameHeader(keys, lens, PREAMBLE_SIZE + hlen, reasons, head)
 
 
 def decode_frame(

@@ -257,7 +257,7 @@ def check_corrupt_and_foreign(h: Harness) -> None:
 
 @contextlib.contextmanager
 def _events(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Any]]:
-    from kvstore import events  # noqa: PLC0415
+    from kvstore import store_events  # noqa: PLC0415
 
     batches: list[Any] = []
 
@@ -271,12 +271,13 @@ def _events(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Any]]:
         def shutdown(self) -> None:
             pass
 
-    monkeypatch.setattr(events, "ZmqEventPublisher", Captured)
+    monkeypatch.setattr(store_events, "ZmqEventPublisher", Captured)
     yield batches
 
 
 def check_events(h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvstore.events import StoreEvents, parse_kv_events_config  # noqa: PLC0415
+    from kvstore.events import parse_kv_events_config  # noqa: PLC0415
+    from kvstore.store_events import StoreEvents  # noqa: PLC0415
 
     block = h.block(4 * SIZE + SIZE // 2) if h.exact_capacity else h.block()
     s = h.store(block)

@@ -31,7 +31,7 @@ CORE_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("tiers", ("kvstore.tiers",)),
     ("store", ("kvstore.store", "kvstore.transcode", "kvstore.acks", "kvstore.metrics", "kvstore.tier_calls",
                "kvstore.write_back", "kvstore.write_fence")),
-    ("events", ("kvstore.events",)),
+    ("events", ("kvstore.events", "kvstore.store_events", "kvstore.token_hints")),
 )  # fmt: skip
 
 
