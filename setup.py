@@ -1,7 +1,7 @@
 """The one thing pyproject.toml cannot say: the rooms' folders install under one import package.
 
-The repository keeps its rooms at the top (kvstore/, sdk/, server/, connectors/, engine/, and the
-simulator in benchmarks/fleet_sim/); an installed kvstore puts only `kvstore` into site-packages, each
+The repository keeps its rooms at the top (kvstore/, sdk/, server/, connectors/, engine/ and the
+simulator, fleet_sim/); an installed kvstore puts only `kvstore` into site-packages, each
 room a subpackage of it (`kvstore.sdk`, `kvstore.server`, ...). Everything else is in pyproject.toml.
 """
 
@@ -13,7 +13,7 @@ PACKAGE_DIR = {
     "kvstore.server": "server",
     "kvstore.connectors": "connectors",
     "kvstore.engine": "engine",
-    "kvstore.fleet_sim": "benchmarks/fleet_sim",
+    "kvstore.fleet_sim": "fleet_sim",
 }
 
 packages = []

@@ -77,50 +77,34 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kvstore.engine.router.scoring import POLICIES  # noqa: E402
+from kvstore.fleet_sim.conversations import (  # noqa: E402
+    NO_STORE,
+    TRACE,
+    conversations,
+    output_tokens,
+    pct,
+    prompt_tokens,
+    rounds,
+)
 
 from tests.connectors.engine_util import free_port  # noqa: E402
 from tests.router.fleet import router_state, start_engine, start_router, start_store, wait_healthy  # noqa: E402
 
-TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
-NO_STORE = "round_robin/no-store"  # the baseline: a fleet without kvstore
 SGLANG = "sglang-router/cache_aware"  # the peer: sglang-router in front of the same engines
 SGLANG_PYTHON = Path.home() / ".cache" / "kvstore" / "sglang-router-venv" / "bin" / "python"
 COUNTED = ("prompt", "local", "store", "ttft_s", "firsts", "prefill_s")  # engine counters summed per policy
 VOCAB = (1000, 40000)  # SmolLM2 ids drawn from the ordinary part of its 49,152-token vocabulary
 
 
-def conversations(path: Path, window: int) -> list[list[dict]]:
-    rows = [json.loads(line) for _, line in zip(range(window), path.open(), strict=False)]
-    groups: dict[tuple, list[dict]] = collections.defaultdict(list)
-    for r in rows:
-        if len(r["hash_ids"]) >= 2:
-            groups[tuple(r["hash_ids"][:2])].append(r)
-    convs = [g for g in groups.values() if len(g) >= 2]
-    return sorted(convs, key=lambda g: g[0]["timestamp"])
-
-
-def rounds(
-    convs: list[list[dict]], per_round: int, n_rounds: int, how: str = "spread"
-) -> list[list[list[dict]]]:
-    """Each round's conversations (see the module docstring)."""
-    if len(convs) < per_round * n_rounds:
-        raise SystemExit(f"the window has {len(convs)} conversations, {per_round * n_rounds} needed")
-    if how == "first":
-        return [convs[r * per_round : (r + 1) * per_round] for r in range(n_rounds)]
-    stride = len(convs) / (per_round * n_rounds)
-    return [[convs[int((i * n_rounds + r) * stride)] for i in range(per_round)] for r in range(n_rounds)]
-
-
 def prompt(
     row: dict, policy: str, block_tokens: int, max_blocks: int, vocab: tuple[int, int] = VOCAB
 ) -> list[int]:
-    ids = row["hash_ids"][:max_blocks]
+    """The prompt's token ids (the slice's scaled length, kvstore.fleet_sim.conversations)."""
     out: list[int] = []
-    for h in ids:
+    for h in row["hash_ids"][:max_blocks]:
         rng = random.Random(f"{policy}:{h}")
         out += [rng.randrange(*vocab) for _ in range(block_tokens)]
-    n = min(len(out), max(1, round(row["input_length"] * block_tokens / 512)))
-    return out[:n]
+    return out[: prompt_tokens(row, block_tokens, max_blocks)]
 
 
 def cpu_s(pid: int) -> float:
@@ -202,20 +186,13 @@ async def run_round(router: str, policy: str, salt: str, convs: list[list[dict]]
             if args.tokenizer is not None:  # sglang-router runs: its text, the others the text's ids
                 text = args.tokenizer.decode(tokens)
                 tokens = text if salt == SGLANG else args.tokenizer.encode(text, add_special_tokens=False)
-            max_tokens = max(1, min(8, round(r["output_length"] / 64)))
-            await one(
-                session, router, policy, tokens, max_tokens, record, args.decisions_file, start, args.served
-            )
+            await one(session, router, policy, tokens, output_tokens(r), record, args.decisions_file, start,
+                      args.served)  # fmt: skip
 
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         await asyncio.gather(*(conversation(c, session) for c in convs))
     return record, time.monotonic() - start
-
-
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
 
 
 def main() -> int:
@@ -240,6 +217,9 @@ def main() -> int:
                    help=f"an interpreter with sglang-router: its cache_aware policy is one more policy (default "
                         f"{SGLANG_PYTHON} when it exists; none: leave it out)")  # fmt: skip
     p.add_argument("--runs", type=int, default=1, help="start the fleets anew this many times, rounds pooled")
+    p.add_argument("--json", type=Path, metavar="PATH",
+                   help="also write the figures here as JSON, {\"runs\": [one per run: its figures per policy, "
+                        "the cores beside the engines, the router's costs]}: what kvstore.fleet_sim.validate reads")  # fmt: skip
     args = p.parse_args()
     args.vocab = VOCAB
     args.decisions_file = args.decisions.open("w") if args.decisions else None
@@ -257,15 +237,21 @@ def main() -> int:
         model_dir = ensure_smollm2() if args.model == "smollm2" else Path(args.model)
         args.tokenizer = Tokenizer.from_pretrained(model_dir)
     plan = rounds(conversations(TRACE, args.window), args.conversations, args.rounds, args.slice)
-    runs = []
+    runs, written = [], []
     try:
         for run in range(args.runs):
             if args.runs > 1:
                 print(f"\n=== run {run + 1} of {args.runs}", flush=True)
-            runs.append(run_fleets(args, plan, policies))
+            results, summary = run_fleets(args, plan, policies)
+            runs.append(results)
+            written.append(summary)
     finally:
         if args.decisions_file is not None:
             args.decisions_file.close()
+    if args.json:
+        args.json.write_text(
+            json.dumps({"benchmark": "bench_router", "argv": sys.argv[1:], "runs": written}, indent=1)
+        )
     if args.runs > 1 or SGLANG in policies:
         pooled(args, policies, runs)
     return {"runs": [{pol: {"rounds": r[pol]["rounds"]} for pol in policies} for r in runs]}
@@ -304,9 +290,11 @@ def start_sglang(python: str, urls: list[str], tmp: Path) -> tuple[subprocess.Po
     raise RuntimeError("sglang-router did not answer /health in 120 s")
 
 
-def run_fleets(args, plan, policies) -> dict:
+def run_fleets(args, plan, policies) -> tuple[dict, dict]:
     """One run: the fleets started, every round of `plan` under every policy, the report printed, the
-    fleets stopped; returns the per-policy results."""
+    fleets stopped; returns the per-policy results, and the run as --json writes it: the figures()
+    ("policies"), the cores the rest of the box used during the rounds ("beside_cores": the routers,
+    kvstore-server, this client and other processes) and the router's calibrated costs at the end."""
     tmp = Path(tempfile.mkdtemp(prefix="bench-router-"))
     ktc = json.dumps(
         {"kv_connector": "KVStoreConnector", "kv_connector_extra_config": {"chunk_size": args.block_tokens}}
@@ -381,7 +369,7 @@ def run_fleets(args, plan, policies) -> dict:
                 for u, a, b in zip(urls, after, before, strict=True):
                     res["per_engine"][u] += a["firsts"] - b["firsts"]
                 print(f"round {rnd + 1} {pol:>26}: {len(record)} requests in {wall:.1f} s", file=sys.stderr)
-        report(args, plan, policies, results, fleets)
+        got = report(args, plan, policies, results, fleets)
         w = overhead["wall"]
         print(f"CPU beside the engines in {w:.1f} s of rounds: the routers, kvstore-server and this client "
               f"{overhead['cpu'] / w:.2f} cores, the rest of the box {(overhead['box'] - overhead['cpu']) / w:.2f}; "
@@ -397,7 +385,7 @@ def run_fleets(args, plan, policies) -> dict:
         print(
             "the router's calibrated costs at the end: " + ", ".join(f"{k} {v:.3g}" for k, v in costs.items())
         )
-        return results
+        return results, {"policies": got, "beside_cores": overhead["box"] / w, "costs": costs}
     finally:
         if sglang is not None:
             sglang.terminate()
@@ -407,14 +395,12 @@ def run_fleets(args, plan, policies) -> dict:
         store.stop()
 
 
-def report(args, plan, policies, results, fleets) -> None:
-    n = sum(len(c) for chunk in plan for c in chunk)
-    print(f"\nMooncake conversation trace, {args.rounds} rounds x {args.conversations} conversations ({args.slice}; "
-          f"{n} requests per policy), {args.block_tokens} tokens per 512-token block, {args.rps} req/s, "
-          f"3 engines (KV cache {args.kv_cache_memory} each) + 1 kvstore-server\n")  # fmt: skip
-    print(f"{'policy':>26} {'local hit':>9} {'store hit':>9} {'recompute':>9} {'TTFT p50':>9} {'TTFT p90':>9} "
-          f"{'req/s':>6} {'imbalance':>9}")  # fmt: skip
-    p90 = {}
+def figures(policies, results, fleets) -> dict[str, dict[str, float]]:
+    """Per policy what the table shows (and --json writes): local, store (shares of the prompt tokens),
+    p50, p90 (TTFT, s), rps, imbalance; where its engines counted first tokens, where the mean TTFT
+    went, s: before (its first prefill step: queued, loading), prefill, outside (the engines: router,
+    HTTP), and cpu (the engine processes' CPU seconds in its rounds)."""
+    out = {}
     for pol in policies:
         res = results[pol]
         ttfts = [t for _, t in res["records"]]
@@ -422,22 +408,40 @@ def report(args, plan, policies, results, fleets) -> None:
         if None in per_engine:  # the router did not name its engines: their own counts
             per_engine = res["per_engine"]
         counts = [per_engine.get(u, 0) for u in fleets[pol][1]]
-        local, stored = res["local"] / res["prompt"], res["store"] / res["prompt"]
-        p90[pol] = pct(ttfts, 0.9)
-        print(f"{pol:>26} {local:>9.1%} {stored:>9.1%} {1 - local - stored:>9.1%} {statistics.median(ttfts):>8.3f}s "
-              f"{p90[pol]:>8.3f}s {len(ttfts) / res['wall']:>6.2f} {max(counts) / statistics.mean(counts):>9.2f}")  # fmt: skip
+        out[pol] = {"local": res["local"] / res["prompt"], "store": res["store"] / res["prompt"],
+                    "p50": statistics.median(ttfts), "p90": pct(ttfts, 0.9), "rps": len(ttfts) / res["wall"],
+                    "imbalance": max(counts) / statistics.mean(counts)}  # fmt: skip
+        if res["firsts"]:
+            inside, prefill = res["ttft_s"] / res["firsts"], res["prefill_s"] / res["firsts"]
+            client = statistics.mean(ttfts)
+            out[pol].update(
+                before=inside - prefill, prefill=prefill, outside=client - inside, cpu=res["engine_cpu_s"]
+            )
+    return out
+
+
+def report(args, plan, policies, results, fleets) -> dict[str, dict[str, float]]:
+    """Prints the run's tables; returns its figures()."""
+    n = sum(len(c) for chunk in plan for c in chunk)
+    print(f"\nMooncake conversation trace, {args.rounds} rounds x {args.conversations} conversations ({args.slice}; "
+          f"{n} requests per policy), {args.block_tokens} tokens per 512-token block, {args.rps} req/s, "
+          f"3 engines (KV cache {args.kv_cache_memory} each) + 1 kvstore-server\n")  # fmt: skip
+    print(f"{'policy':>26} {'local hit':>9} {'store hit':>9} {'recompute':>9} {'TTFT p50':>9} {'TTFT p90':>9} "
+          f"{'req/s':>6} {'imbalance':>9}")  # fmt: skip
+    got = figures(policies, results, fleets)
+    p90 = {pol: f["p90"] for pol, f in got.items()}
+    for pol, f in got.items():
+        print(f"{pol:>26} {f['local']:>9.1%} {f['store']:>9.1%} {1 - f['local'] - f['store']:>9.1%} {f['p50']:>8.3f}s "
+              f"{f['p90']:>8.3f}s {f['rps']:>6.2f} {f['imbalance']:>9.2f}")  # fmt: skip
     print(
         "\nwhere a request's TTFT goes, mean seconds (the engines' histograms): before its first prefill step "
         "(queued, loading), in prefill, outside the engines (router, HTTP); the CPU seconds the engine "
         "processes used in the policy's rounds"
     )
-    for pol in policies:
-        res = results[pol]
-        if res["firsts"]:
-            inside, prefill = res["ttft_s"] / res["firsts"], res["prefill_s"] / res["firsts"]
-            client = statistics.mean(t for _, t in res["records"])
-            print(f"{pol:>26} before prefill {inside - prefill:.3f}s  prefill {prefill:.3f}s  outside {client - inside:.3f}s"
-                  f"  engines' CPU {res['engine_cpu_s']:.1f}s")  # fmt: skip
+    for pol, f in got.items():
+        if "before" in f:
+            print(f"{pol:>26} before prefill {f['before']:.3f}s  prefill {f['prefill']:.3f}s  outside {f['outside']:.3f}s"
+                  f"  engines' CPU {f['cpu']:.1f}s")  # fmt: skip
     if "ttft" in p90:
         ratios = ", ".join(f"{p90['ttft'] / v:.2f}x {pol}'s" for pol, v in p90.items() if pol != "ttft")
         print(f"\nttft's TTFT p90 (all rounds' requests): {ratios}")

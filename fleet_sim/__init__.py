@@ -1,3 +1,3 @@
 """A discrete-event simulator of a kvstore fleet (engines, kvstore-servers, a shared Valkey Cluster tier
 and `kvstore-engine router`'s scoring) driven by the Mooncake traces; see the README's "Fleet simulator"
-section and benchmarks/fleet_sim/cli.py."""
+section and fleet_sim/cli.py."""

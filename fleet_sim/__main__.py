@@ -1,5 +1,5 @@
 from kvstore.fleet_sim.cli import main
 
-from benchmarks.provenance import recorded
+from kvstore.provenance import recorded
 
 recorded(main, "fleet_sim")

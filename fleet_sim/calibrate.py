@@ -283,7 +283,7 @@ def build_profile(measured: dict, machine: str, date: str, host: str) -> dict:
         "save_extra_s", measured.get("prefill_saved_s", 0.0) - prefill.get(n_store, math.inf)
     )
     save_s = max(extra, 0.0) / n_store
-    here = f"measured by benchmarks/fleet_sim/calibrate.py on {host}"
+    here = f"measured by fleet_sim/calibrate.py on {host}"
     return {
         "name": "smollm2-cpu",
         "model": "SmolLM2-135M-Instruct (kvstore-engine, bfloat16, 1 torch thread)",
@@ -378,6 +378,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from benchmarks.provenance import recorded
+    from kvstore.provenance import recorded
 
     recorded(main, "fleet_sim_calibrate")

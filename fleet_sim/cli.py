@@ -19,11 +19,9 @@ from kvstore.engine.router.scoring import POLICIES
 from kvstore.fleet_sim import oracle, report
 from kvstore.fleet_sim.profile import load_profile
 from kvstore.fleet_sim.sim import SimConfig, simulate
-from kvstore.fleet_sim.trace import ChunkKeys, read_trace
+from kvstore.fleet_sim.trace import TRACES, ChunkKeys, read_trace
 
 from kvstore.errors import InvalidArgument
-
-TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
 
 # generated, out of the repository (KVSTORE_CACHE_DIR as kvstore's other caches)
 PLOT = (
@@ -80,9 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--server-gib", type=lambda t: _numbers(t, "--server-gib")[0], default=None,
                    help="each kvstore-server's own memory tier (default: the profile's)")  # fmt: skip
     p.add_argument("--engines-per-server", type=int, default=None, help="default: the profile's")
-    p.add_argument(
-        "--profile", default="llama3-8b-h100", help="a name under benchmarks/fleet_sim/profiles or a path"
-    )
+    p.add_argument("--profile", default="llama3-8b-h100", help="a name under fleet_sim/profiles or a path")
     p.add_argument("--oracle", action="store_true",
                    help="beside every configuration: the same engines and policy with unbounded memory and free "
                         "transfers (oracle p50/p90), and the bound no schedule beats (each request alone on an "
@@ -150,6 +146,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from benchmarks.provenance import recorded
+    from kvstore.provenance import recorded
 
     recorded(main, "fleet_sim")

@@ -25,17 +25,17 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from kvstore.fleet_sim.cpu import SharedCPU
+from kvstore.fleet_sim.events import EventLoop
 from kvstore.fleet_sim.network import Link
+from kvstore.fleet_sim.profile import Profile
 from kvstore.fleet_sim.store import UNBOUNDED
 from kvstore.fleet_sim.trace import TraceRequest
 
 from kvstore.lru import Entry, LRUIndex
-
-if TYPE_CHECKING:
-    from kvstore.fleet_sim.sim import Fleet
 
 
 @dataclass(eq=False)
@@ -68,12 +68,31 @@ class Job:
     served: int = 0  # how many times it finished (1, or the simulator is wrong)
 
 
+@dataclass(frozen=True)
+class Host:
+    """What an engine is given of its fleet (sim.Fleet makes one per engine), and all it knows of it:
+    the clock, the CPUs it shares, the costs, whether a store takes its saves, its own counters as its
+    /metrics would give them, and what it tells the fleet."""
+
+    loop: EventLoop
+    cpu: SharedCPU
+    profile: Profile
+    saves: bool  # a store is there: the connector saves what each step computed, inside the step
+    metrics: dict[str, float]  # this engine's counters the router scrapes (it adds the decode ones)
+    learn: Callable[[int, bytes], None]  # a chunk joined the engine's cache (a KV event to the router)
+    forget: Callable[[int, bytes], None]  # a chunk left it (evicted)
+    admitted: Callable[[Job, SimEngine], None]  # a request is admitted: the fleet loads its store chunks
+    computed_upto: Callable[[Job, SimEngine, int], None]  # a prefill step filled the prompt's chunks before
+    first_token: Callable[[Job, SimEngine], None]
+    finished: Callable[[Job, SimEngine], None]
+
+
 class SimEngine:
-    def __init__(self, index: int, fleet: Fleet, capacity_chunks: float) -> None:
+    def __init__(self, index: int, host: Host, capacity_chunks: float) -> None:
         self.index = index
-        self.fleet = fleet
+        self.host = host
         self.capacity = capacity_chunks
-        self.nic = Link(f"engine{index}", fleet.profile.nic_bps)
+        self.nic = Link(f"engine{index}", host.profile.nic_bps)
         self.cache: LRUIndex[None] = LRUIndex(UNBOUNDED)  # cached chunks nobody holds, LRU first
         self.holders: dict[bytes, int] = {}  # chunk -> running requests holding it
         self.reserved = 0
@@ -97,7 +116,7 @@ class SimEngine:
     def _evict_to_fit(self) -> None:
         while self._used() > self.capacity and len(self.cache):
             key, _ = self.cache.pop_oldest()
-            self.fleet.forget(self.index, key)
+            self.host.forget(self.index, key)
 
     def _hold(self, job: Job, key: bytes) -> None:
         if key in self.holders:
@@ -116,7 +135,7 @@ class SimEngine:
             job.held.append(key)
             job.reserved -= 1
             self.reserved -= 1
-            self.fleet.learn(self.index, key)
+            self.host.learn(self.index, key)
 
     def _release(self, job: Job) -> None:
         # tail chunks join the LRU first, so they are evicted first and a shared head (a system prompt)
@@ -144,14 +163,14 @@ class SimEngine:
         elif self.macro is not None:
             step_s, k = self.macro
             self.macro = None
-            cpu = self.fleet.cpu
+            cpu = self.host.cpu
             n = min(k, math.floor(cpu.done(self.index) / step_s) + 1) if step_s > 0 else k
             if n < k:
                 self.version += 1
                 cpu.resize(self.index, n * step_s, self._end_decode, self.version, n)
 
     def _admit(self) -> None:
-        limit = self.fleet.profile.max_num_seqs
+        limit = self.host.profile.max_num_seqs
         while self.waiting and len(self.running) + len(self.ready) + self.loading < limit:
             job = self.waiting[0]
             req = job.req
@@ -174,7 +193,7 @@ class SimEngine:
             job.reserved = need
             self.reserved += need
             self._evict_to_fit()
-            self.fleet.admitted(job, self)
+            self.host.admitted(job, self)
 
     def loaded(self, job: Job) -> None:
         self.loading -= 1
@@ -185,7 +204,7 @@ class SimEngine:
 
     def _step(self) -> None:
         self._admit()
-        loop, profile = self.fleet.loop, self.fleet.profile
+        loop, profile = self.host.loop, self.host.profile
         if self.ready:
             budget = max(profile.max_batched_tokens - len(self.running), 1)
             parts: list[tuple[Job, int]] = []
@@ -198,20 +217,20 @@ class SimEngine:
                 parts.append((job, n))
                 tokens += n
                 dt += profile.prefill_s(n, job.req.input_tokens - job.prefill_left)
-                if self.fleet.store.enabled:  # the connector saves what the step computed, inside it
+                if self.host.saves:  # the connector saves what the step computed, inside it
                     dt += n * profile.save_s_per_token
                 if math.isnan(job.scheduled_s):
                     job.scheduled_s = loop.now
             self.busy = True
             self.steps += 1
-            self.fleet.cpu.start(self.index, dt, self._end_prefill, parts, list(self.running))
+            self.host.cpu.start(self.index, dt, self._end_prefill, parts, list(self.running))
         elif self.running:
             k = max(min(j.decode_left for j in self.running), 1)
             self.busy = True
             step_s = profile.decode_s(len(self.running), self._context())
             self.version += 1
             self.macro = (step_s, k)
-            self.fleet.cpu.start(self.index, k * step_s, self._end_decode, self.version, k)
+            self.host.cpu.start(self.index, k * step_s, self._end_decode, self.version, k)
         else:
             self.busy = False
 
@@ -224,12 +243,12 @@ class SimEngine:
         for job, n in parts:
             job.prefill_left -= n
             if job.prefill_left > 0:  # a chunked prefill: the chunks it filled are cached after each step
-                self.fleet.computed_upto(
+                self.host.computed_upto(
                     job, self, (job.req.input_tokens - job.prefill_left) // job.req.chunk_size
                 )
             else:
                 self.ready.remove(job)
-                self.fleet.first_token(job, self)
+                self.host.first_token(job, self)
                 if job.decode_left > 0:
                     self.running.append(job)
                 else:
@@ -249,7 +268,7 @@ class SimEngine:
     def _advance(self, decoders: list[Job], n: int) -> None:
         """`decoders` got `n` tokens each, the last one now (counted as vLLM's inter-token latency)."""
         done = []
-        now, m = self.fleet.loop.now, self.fleet.metrics[self.index]
+        now, m = self.host.loop.now, self.host.metrics
         for job in decoders:
             m["itl_s"] += now - job.last_token_s
             m["itl_n"] += n
@@ -263,4 +282,4 @@ class SimEngine:
 
     def _finish(self, job: Job) -> None:
         self._release(job)
-        self.fleet.finished(job, self)
+        self.host.finished(job, self)

@@ -1,5 +1,6 @@
-"""One simulated fleet on one trace: arrivals, the router (engine.router.scoring, imported: the very
-function `kvstore-engine router` runs), engines, kvstore-servers and the shared Valkey tier.
+"""One simulated fleet on one trace: arrivals, the router (engine.router.decision, imported: the very
+decision core `kvstore-engine router` runs, with its per-policy windows, turn and scoring), engines,
+kvstore-servers and the shared Valkey tier.
 
     result = simulate(trace, SimConfig(engines=64, policy="ttft", store_gib=math.inf), profile)
 
@@ -23,15 +24,16 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from kvstore.engine.router.calibrate import Calibrator, parse_totals
-from kvstore.engine.router.scoring import Costs, EngineState, Request, choose
+from kvstore.engine.router.decision import Decider
+from kvstore.engine.router.scoring import Costs, Request
 from kvstore.fleet_sim.cpu import SharedCPU
-from kvstore.fleet_sim.engine import Job, SimEngine
+from kvstore.fleet_sim.engine import Host, Job, SimEngine
 from kvstore.fleet_sim.events import EventLoop
 from kvstore.fleet_sim.network import transfer
 from kvstore.fleet_sim.profile import Profile
@@ -48,8 +50,7 @@ def _router_defaults() -> tuple[float | None, int, float]:
     from kvstore.engine.router.app import RouterConfig
 
     d = {f.name: f.default for f in dataclasses.fields(RouterConfig)}
-    cap = d["max_share"]
-    return None if cap is None else float(cap), int(d["share_window"]), float(d["calibrate_s"])
+    return d["max_share"], int(d["share_window"]), float(d["calibrate_s"])
 
 
 ENGINE_BLOCK = 16  # tokens per KV block in kvstore-engine and vLLM (their default block_size)
@@ -120,18 +121,11 @@ class Fleet:
         per_server = config.engines_per_server or profile.engines_per_server
         self.chunk_bytes = profile.chunk_bytes(chunk_size)
         capacity = math.inf if math.isinf(kv_gib) else math.floor(kv_gib * 2**30 / self.chunk_bytes)
-        self.engines = [SimEngine(i, self, capacity) for i in range(config.engines)]
         self.server_of = [i // per_server for i in range(config.engines)]
-        self.store = FleetStore(
-            self.server_of[-1] + 1,
-            server_gib if config.store_gib > 0 else 0,
-            config.store_gib,
-            profile.server_load_bps,
-            profile.server_aggregate_bps,
-            profile.valkey_load_bps,
-            profile.valkey_aggregate_bps,
-        )
-        self.max_share, window, calibrate_s = _router_defaults()
+        self.store = FleetStore(self.server_of[-1] + 1, server_gib if config.store_gib > 0 else 0, config.store_gib,
+                                profile.server_load_bps, profile.server_aggregate_bps, profile.valkey_load_bps,
+                                profile.valkey_aggregate_bps)  # fmt: skip
+        max_share, window, calibrate_s = _router_defaults()
         # the router's costs: its defaults, then what its calibrator makes of the engines' counters
         self.calibrator = Calibrator(config.router_costs)
         self.calibrate_s = calibrate_s if config.calibrate_s is None else config.calibrate_s
@@ -139,19 +133,21 @@ class Fleet:
         self.metrics = [parse_totals("") for _ in range(config.engines)]
         self.scraped_at = -math.inf
         self.names = [str(i) for i in range(config.engines)]
-        self.in_flight = [0] * config.engines
-        self.waiting_tokens = [0] * config.engines
-        # per policy, as the router keeps them: each engine's requests in flight plus those it completed
-        # among the fleet's last `window` x engines completions (its share of the recent work)
-        self.recent_max = window * config.engines
-        self.recent: dict[str, tuple[deque[int], list[int]]] = {}
-        self.turn = 0
+        # the router's decision core, as `kvstore-engine router` keeps it: each engine's requests in
+        # flight and tokens waiting, per policy its share of the recent work, the turn
+        self.decider = Decider(self.names, config.policy, window, max_share)
         self.where: dict[bytes, set[int]] = {}  # chunk -> engines whose cache holds it
         self.first_seen: dict[bytes, int] = {}  # chunk -> the first request whose prompt had it
         self.computed: set[bytes] = set()  # chunks some engine has published
         self.c = Counter()  # block and byte counters
         self.deferred: dict[int, list[Job]] = {}  # id(job) -> jobs waiting for it to finish
         self.cpu = SharedCPU(self.loop, config.cpu_cores)  # the engines' steps
+        self.engines = [SimEngine(i, self._host(i), capacity) for i in range(config.engines)]
+
+    def _host(self, engine: int) -> Host:
+        """What engine `engine` is given of the fleet."""
+        return Host(self.loop, self.cpu, self.profile, self.store.enabled, self.metrics[engine], self.learn,
+                    self.forget, self.admitted, self.computed_upto, self.first_token, self.finished)  # fmt: skip
 
     # ---- the router's view (KV events) --------------------------------------------------------
     def learn(self, engine: int, key: bytes) -> None:
@@ -210,37 +206,18 @@ class Fleet:
     def route(self, job: Job) -> None:
         req, n = job.req, job.req.input_tokens
         job.sent_s = self.loop.now
-        policy = job.policy or self.config.policy
-        _, counts = self._recent(policy)
-        local = self._local_chunks(job.keys)
+        # what the router knows: each engine's prefix of the prompt (KV events), the store's
+        held = {self.names[e]: min(c * req.chunk_size, n) for e, c in self._local_chunks(job.keys).items()}
         store = min(self.store.leading(job.keys) * req.chunk_size, n) if self.store.enabled else 0
-        states = [
-            EngineState(
-                self.names[i],
-                min(local.get(i, 0) * req.chunk_size, n),
-                self.in_flight[i],
-                self.waiting_tokens[i],
-                counts[i],
-            )
-            for i in range(len(self.engines))
-        ]
-        costs = self.calibrator.costs
-        choice = choose(policy, states, Request(n, store), costs, self.max_share, self.turn)
-        self.turn += 1
-        e = int(choice.engine)
-        counts[e] += 1  # in flight: counted until it finishes, then as one of the recent completions
-        job.engine = e
-        job.policy = policy
-        job.router_pending = choice.compute_tokens  # the router's bookkeeping: loads queue no one
-        self.in_flight[e] += 1
-        self.waiting_tokens[e] += job.router_pending
+        costs, now = self.calibrator.costs, self.loop.now
+        choice = self.decider.decide(Request(n, store), costs, lambda e: held.get(e, 0), job.policy, now)
+        job.engine = int(choice.engine)
+        job.policy = choice.policy
+        # the router's bookkeeping: in flight, its tokens to compute waiting (loads queue no one)
+        job.router_pending = self.decider.add_load(choice)
         for key in job.keys:
             self.first_seen.setdefault(key, req.index)
         self._later(self._reach, job)
-
-    def _recent(self, policy: str) -> tuple[deque[int], list[int]]:
-        """(the engines of the policy's recent completions, each engine's count: those + in flight)."""
-        return self.recent.setdefault(policy, (deque(), [0] * len(self.engines)))
 
     def _reach(self, job: Job) -> None:
         job.reached_s = self.loop.now
@@ -313,7 +290,7 @@ class Fleet:
         job.first_token_s = job.last_token_s = now
         job.ttft_s = now + self.config.client_s - job.sent_s
         self._count(job, now)
-        self.waiting_tokens[job.engine] -= job.router_pending
+        self.decider.computed(self.names[job.engine], job.router_pending)
         job.router_pending = 0
         self.computed_upto(job, engine, len(job.keys))
 
@@ -346,11 +323,7 @@ class Fleet:
     def finished(self, job: Job, engine: SimEngine) -> None:
         job.finish_s = self.loop.now
         job.served += 1
-        self.in_flight[job.engine] -= 1
-        completed, counts = self._recent(job.policy or self.config.policy)
-        completed.append(job.engine)  # its count stays: no longer in flight, one of the recent completions
-        if len(completed) > self.recent_max:
-            counts[completed.popleft()] -= 1
+        self.decider.finished(self.names[job.engine], job.policy or self.config.policy, True)
         for later in self.deferred.pop(id(job), ()):
             self._later(self.route, later)
 

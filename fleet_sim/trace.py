@@ -25,6 +25,7 @@ from pathlib import Path
 from kvstore.errors import InvalidArgument
 from kvstore.keys import DIGEST_SIZE
 
+TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"  # the public Mooncake traces
 TRACE_BLOCK = 512
 CHUNK = 256
 ROOT = b"fleet-sim/trace\0"  # any 16 bytes: a simulated fleet has one model and layout

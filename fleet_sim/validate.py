@@ -3,11 +3,12 @@ kvstore-server, `kvstore-engine router`) and the simulator with the `smollm2-cpu
 trace slice, policies, engine count, scaling and arrival times, printed side by side.
 
     flock /tmp/kvstore-heavy.lock .venv/bin/python -m kvstore.fleet_sim.validate \
-        --rps 4.5 --rounds 4 --repeat 3 --calibrate prof.json [--save real.txt]
-    .venv/bin/python -m kvstore.fleet_sim.validate --real real.txt ...  # re-use a saved real run
+        --rps 4.5 --rounds 4 --repeat 3 --calibrate prof.json [--save real.json]
+    .venv/bin/python -m kvstore.fleet_sim.validate --real real.json ...  # re-use a saved real run
 
-The real side is bench_router.py run as it is, --repeat times (its printed tables are parsed; each
-figure is their median); the simulated side replays its schedule --replays times, each request sent up
+The real side is bench_router.py run as it is, --repeat times, each writing its figures as JSON
+(its --json; each figure is their median); the slice both sides run is kvstore.fleet_sim.conversations.
+The simulated side replays its schedule --replays times, each request sent up
 to --jitter-s late at random (each figure is the replays' median), the client --client-s from the
 engines each way, at the box's speed during the real runs (the profile's compute costs scaled so the
 simulated steps use the CPU seconds the real engine processes did; --as-profiled: unscaled). A replay:
@@ -23,39 +24,36 @@ Hit rates are token shares (local = the engine's prefix cache, store = loaded), 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import random
-import re
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from kvstore.engine.engine_args import parse_size
-from kvstore.engine.router.scoring import Costs
+from kvstore.engine.router.scoring import POLICIES, Costs
 from kvstore.fleet_sim import calibrate
+from kvstore.fleet_sim.conversations import (
+    NO_STORE,
+    TRACE,
+    conversations,
+    output_tokens,
+    pct,
+    prompt_tokens,
+    rounds,
+)
 from kvstore.fleet_sim.engine import Job
 from kvstore.fleet_sim.profile import load_profile
 from kvstore.fleet_sim.sim import Fleet, SimConfig
 from kvstore.fleet_sim.trace import ChunkKeys, TraceRequest
 
-from benchmarks import bench_router
-
-ROW = re.compile(
-    r"^\s*(?P<policy>[\w/-]+)\s+(?P<local>[\d.]+)%\s+(?P<store>[\d.]+)%\s+(?P<recompute>-?[\d.]+)%\s+"
-    r"(?P<p50>[\d.]+)s\s+(?P<p90>[\d.]+)s\s+(?P<rps>[\d.]+)\s+(?P<imbalance>[\d.]+)\s*$"
-)
-PHASES = re.compile(
-    r"^\s*(?P<policy>[\w/-]+) before prefill (?P<before>[\d.]+)s\s+prefill (?P<prefill>[\d.]+)s\s+"
-    r"outside (?P<outside>-?[\d.]+)s(\s+engines' CPU (?P<cpu>[\d.]+)s)?\s*$"
-)
-COSTS = re.compile(
-    r"calibrated costs at the end: prefill_s_per_token (?P<prefill_s_per_token>\S+), "
-    r"load_s_per_token (?P<load_s_per_token>\S+), step_s_per_request (?P<step_s_per_request>\S+),"
-)
-BESIDE = re.compile(r"^CPU beside the engines .*in all (?P<cores>[\d.]+) cores$", re.M)
-RUN_SEP = "\n=== the next bench_router.py run ===\n"
+# the real side, from a checkout: the simulator is installed without benchmarks/
+BENCH_ROUTER = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_router.py"
+FIGURES = ("local", "store", "p50", "p90", "rps", "imbalance", "before", "prefill", "outside", "cpu")
 HIT_POINTS = 2.0  # the issue's tolerances
 REPLAYS = 9
 CLIENT_S = 0.005  # half of bench_router.py's mean time outside the engines here (8-11 ms)
@@ -63,21 +61,15 @@ JITTER_S = 0.02  # up to twice that: the sends land late by a few ms, and the sa
 TTFT_P50 = 0.15
 
 
-def parse_real(text: str) -> dict[str, dict[str, float]]:
-    """bench_router.py's table: policy -> local, store (fractions), p50, p90 (s), rps."""
-    out = {}
-    for line in text.splitlines():
-        m = ROW.match(line)
-        if m:
-            out[m["policy"]] = {"local": float(m["local"]) / 100, "store": float(m["store"]) / 100,
-                                "p50": float(m["p50"]), "p90": float(m["p90"]), "rps": float(m["rps"]),
-                                "imbalance": float(m["imbalance"])}  # fmt: skip
+def real_figures(run: dict) -> dict[str, dict[str, float]]:
+    """One bench_router.py run as its --json writes it: policy -> local, store (fractions), p50, p90
+    (s), rps, imbalance, and where it has them before, prefill, outside (s) and cpu (s)."""
+    out = {
+        pol: {k: float(fig[k]) for k in FIGURES if k in fig}
+        for pol, fig in (run.get("policies") or {}).items()
+    }
     if not out:
-        raise ValueError("no policy rows in bench_router.py's output")
-    for line in text.splitlines():  # where the mean TTFT goes (bench_router.py since this was added)
-        m = PHASES.match(line)
-        if m and m["policy"] in out:
-            out[m["policy"]].update({k: float(m[k]) for k in ("before", "prefill", "outside", "cpu") if m[k]})
+        raise ValueError("no policies in bench_router.py's run")
     return out
 
 
@@ -89,31 +81,41 @@ def _bench_args(args: argparse.Namespace) -> list[str]:
             "--sglang-router", "none"]  # fmt: skip
 
 
-def engine_cores(text: str, cpus: float) -> float:
+def _runs(doc: dict) -> list[dict]:
+    runs = doc.get("runs") if isinstance(doc, dict) else None
+    if not runs:
+        raise ValueError("no runs in bench_router.py's JSON")
+    return runs
+
+
+def engine_cores(doc: dict, cpus: float) -> float:
     """The CPUs the real engines had: the box's less what everything else used during the rounds
-    (bench_router.py's "CPU beside the engines" line; all of them when the output has none)."""
-    found = [float(m["cores"]) for m in BESIDE.finditer(text)]  # one per run
+    (each run's "beside_cores"; all of them when no run has it)."""
+    found = [float(r["beside_cores"]) for r in _runs(doc) if "beside_cores" in r]
     return max(cpus - (statistics.mean(found) if found else 0.0), 0.5)
 
 
-def run_real(args: argparse.Namespace) -> str:
-    """bench_router.py's output, args.repeat runs one after the other (joined by RUN_SEP)."""
-    script = Path(bench_router.__file__)
-    outs = []
-    for _ in range(max(args.repeat, 1)):
-        proc = subprocess.run(
-            [sys.executable, str(script), *_bench_args(args)], capture_output=True, text=True
-        )
-        sys.stderr.write(proc.stderr[-4000:])
-        if proc.returncode != 0:
-            raise SystemExit(f"bench_router.py failed ({proc.returncode})")
-        outs.append(proc.stdout)
-    return RUN_SEP.join(outs)
+def run_real(args: argparse.Namespace) -> dict:
+    """bench_router.py run args.repeat times one after the other, each writing its figures as JSON
+    (--json): their runs, in one document of the same form."""
+    if not BENCH_ROUTER.exists():
+        raise SystemExit(f"no {BENCH_ROUTER}: the real side runs from a checkout (or give --real)")
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="validate-") as tmp:
+        for i in range(max(args.repeat, 1)):
+            out = Path(tmp) / f"run{i}.json"
+            proc = subprocess.run([sys.executable, str(BENCH_ROUTER), *_bench_args(args), "--json", str(out)],
+                                  capture_output=True, text=True)  # fmt: skip
+            sys.stderr.write(proc.stderr[-4000:])
+            if proc.returncode != 0:
+                raise SystemExit(f"bench_router.py failed ({proc.returncode})")
+            runs += _runs(json.loads(out.read_text()))
+    return {"benchmark": "bench_router", "argv": _bench_args(args), "runs": runs}
 
 
-def parse_runs(text: str) -> tuple[dict[str, dict[str, float]], dict[str, list[float]]]:
-    """One or more bench_router.py outputs (joined by RUN_SEP): medians(), over the runs."""
-    return medians([parse_real(t) for t in text.split(RUN_SEP)])
+def read_runs(doc: dict) -> tuple[dict[str, dict[str, float]], dict[str, list[float]]]:
+    """bench_router.py's JSON (one or more runs): medians() over its runs."""
+    return medians([real_figures(r) for r in _runs(doc)])
 
 
 def medians(
@@ -134,10 +136,9 @@ def medians(
 
 
 def _request(index: int, row: dict, arrival_s: float, bt: int, max_blocks: int) -> TraceRequest:
+    n = prompt_tokens(row, bt, max_blocks)  # bench_router.py's prompt
     ids = row["hash_ids"][:max_blocks]
-    n = min(len(ids) * bt, max(1, round(row["input_length"] * bt / 512)))  # bench_router.prompt's length
-    out = max(1, min(8, round(row["output_length"] / 64)))
-    return TraceRequest(index, arrival_s, n, out, tuple(ids[: math.ceil(n / bt)]), bt, bt)
+    return TraceRequest(index, arrival_s, n, output_tokens(row), tuple(ids[: math.ceil(n / bt)]), bt, bt)
 
 
 def run_sims(
@@ -159,8 +160,7 @@ def run_sim(
     profile's compute costs are multiplied by `speed`."""
     rng = random.Random(seed)
     profile = load_profile(args.profile).scaled(speed)
-    convs = bench_router.conversations(bench_router.TRACE, args.window)
-    plan = bench_router.rounds(convs, args.conversations, args.rounds, args.slice)
+    plan = rounds(conversations(TRACE, args.window), args.conversations, args.rounds, args.slice)
     kv_gib = parse_size(args.kv_cache_memory) / 2**30
 
     # the router calibrates every second there (tests/router/fleet.py's --calibrate-interval 1)
@@ -170,9 +170,9 @@ def run_sim(
                            calibrate_s=1.0, cpu_cores=args.cpu_cores, client_s=args.client_s)  # fmt: skip
         return Fleet(profile, config, chunk_size=args.block_tokens)
 
-    policies = args.policies + ([bench_router.NO_STORE] if args.no_store_baseline else [])
+    policies = args.policies + ([NO_STORE] if args.no_store_baseline else [])
     # the policies share one fleet, as they do there; the baseline has its own, without a store
-    fleets = {**dict.fromkeys(args.policies, fleet_of(2)), bench_router.NO_STORE: fleet_of(0)}
+    fleets = {**dict.fromkeys(args.policies, fleet_of(2)), NO_STORE: fleet_of(0)}
     keys = ChunkKeys()
     per_policy: dict[str, list[Job]] = {p: [] for p in policies}
     walls = dict.fromkeys(policies, 0.0)
@@ -211,7 +211,7 @@ def run_sim(
         before = statistics.mean(j.scheduled_s - j.reached_s for j in jobs)
         prefill = statistics.mean(j.first_token_s - j.scheduled_s for j in jobs)
         out[pol] = {"local": sum(j.local_tokens for j in jobs) / prompt, "store": sum(j.store_tokens for j in jobs) / prompt,
-                    "p50": statistics.median(ttfts), "p90": bench_router.pct(ttfts, 0.9),
+                    "p50": statistics.median(ttfts), "p90": pct(ttfts, 0.9),
                     "rps": len(jobs) / walls[pol], "imbalance": max(counts) / statistics.mean(counts),
                     "before": before, "prefill": prefill, "outside": 2 * args.client_s, "cpu": cpu_used[pol]}  # fmt: skip
     return out, fleets[args.policies[0]].calibrator.costs
@@ -296,8 +296,9 @@ def compare(real: dict[str, dict[str, float]], sim: dict[str, dict[str, float]])
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--real", type=Path, help="bench_router.py's saved output (default: run it now)")
-    p.add_argument("--save", type=Path, help="write bench_router.py's output here")
+    p.add_argument("--real", type=Path,
+                   help="bench_router.py's figures as JSON (its --json, or --save's; default: run it now)")  # fmt: skip
+    p.add_argument("--save", type=Path, help="write the real runs' figures here (JSON, for --real)")
     p.add_argument("--repeat", type=int, default=1,
                    help="real runs, one after the other; each figure is their median (a TTFT p50 of this "
                         "bench moves by +-10%% between runs of the same command)")  # fmt: skip
@@ -318,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpu-cores", type=float, default=None,
                    help="CPUs the real engines share (default: this machine's, less the cores the real run "
                         "measured beside its engines)")  # fmt: skip
-    p.add_argument("--policies", type=lambda t: t.split(","), default=list(bench_router.POLICIES))
+    p.add_argument("--policies", type=lambda t: t.split(","), default=list(POLICIES))
     p.add_argument("--as-profiled", action="store_true",
                    help="simulate at the profile's speed (default: its compute costs scaled so that the simulated "
                         "steps use the CPU seconds the real engines used: this box's speed moves by 5-10%% "
@@ -350,12 +351,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.calibrate:
         calibrate.main(["--out", str(args.calibrate)])
         args.profile = str(args.calibrate)
-    text = args.real.read_text() if args.real else run_real(args)
+    doc = json.loads(args.real.read_text()) if args.real else run_real(args)
     if args.save:
-        args.save.write_text(text)
-    real, real_p50s = parse_runs(text)
+        args.save.write_text(json.dumps(doc, indent=1))
+    real, real_p50s = read_runs(doc)
     if args.cpu_cores is None:
-        args.cpu_cores = engine_cores(text, float(os.cpu_count() or 1))
+        args.cpu_cores = engine_cores(doc, float(os.cpu_count() or 1))
     if args.client_s is None:
         outside = [r["outside"] for r in real.values() if "outside" in r]
         args.client_s = statistics.mean(outside) / 2 if outside else CLIENT_S
@@ -383,14 +384,14 @@ def main(argv: list[str] | None = None) -> int:
             f"the {name} TTFT p50, min-max: "
             + ", ".join(f"{p} {min(v):.3f}-{max(v):.3f}s" for p, v in runs.items())
         )
-    real_costs = COSTS.search(text)
+    real_costs = _runs(doc)[0].get("costs") or {}
     print("the router's calibrated costs at the end, real / simulated: " + ", ".join(
-        f"{k} {real_costs[k] if real_costs else '-'} / {getattr(costs, k):.3g}"
+        f"{k} {format(real_costs[k], '.3g') if k in real_costs else '-'} / {getattr(costs, k):.3g}"
         for k in ("prefill_s_per_token", "load_s_per_token", "step_s_per_request")))  # fmt: skip
     return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    from benchmarks.provenance import recorded
+    from kvstore.provenance import recorded
 
     recorded(main, "fleet_sim_validate")

@@ -1,6 +1,7 @@
 """Where a benchmark figure came from: each benchmark run leaves one JSON record of it.
 
-`recorded(main)` runs a benchmark's `main()`, echoing what it prints, and then writes
+`recorded(main)` runs a benchmark's `main()` (one of benchmarks/, through benchmarks/provenance.py, or
+one of the fleet simulator's commands), echoing what it prints, and then writes
 `~/.cache/kvstore/bench/runs/<benchmark>-<UTC time>-<commit>-<pid>.json` (or under `$KVSTORE_BENCH_RUNS`):
 the command, the commit (and whether the tree differed from it), the UTC date, the machine (CPU
 model, cores, the CPU features the kernels select on, memory, GPU), the exit status, everything the
@@ -22,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[1]  # the checkout (kvstore/ is at its top): its commit
 FEATURES = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
 
 

@@ -41,7 +41,6 @@ engine's name everywhere is its URL without them).
 from __future__ import annotations
 
 import asyncio
-import collections
 import json
 import logging
 import math
@@ -70,9 +69,10 @@ from kvstore.engine.proxy import (
 )
 from kvstore.engine.router.calibrate import Calibrator
 from kvstore.engine.router.dashboard import dashboard
+from kvstore.engine.router.decision import Decider, EngineLoad
 from kvstore.engine.router.index import PrefixIndex
 from kvstore.engine.router.metrics import RouterMetrics
-from kvstore.engine.router.scoring import POLICIES, Choice, EngineState, Request, choose
+from kvstore.engine.router.scoring import POLICIES, Choice, Request
 from kvstore.engine.router.subscriber import EventSubscriber, FeedCollector, FeedOptions, Source
 from kvstore.engine.router.tokens import Prompt, PromptTokens
 from kvstore.engine.server_middleware import (
@@ -99,15 +99,6 @@ POLICY_HEADER = "X-KVStore-Policy"  # a request's own policy (A/B runs, benchmar
 DECISION_HEADER = "X-KVStore-Decision"  # on every routed response: why that engine (JSON, decision_record)
 MODELS_TIMEOUT_S = 2.0  # an engine's GET /v1/models
 MODELS_REFRESH_S = 1.0  # a request naming an unknown model re-reads the engines' names at most this often
-
-
-@dataclass
-class EngineLoad:
-    url: str  # the engine's name: its URL without credentials
-    in_flight: int = 0  # requests this router forwarded to it and not finished
-    waiting_tokens: int = 0  # of those, prompt tokens it is to compute before their first token
-    down_until: float = 0.0  # monotonic time it is not chosen till (inf: till its health probe answers)
-    down_why: str = ""  # what put it down last
 
 
 @dataclass
@@ -193,8 +184,9 @@ class Prep:
 
 
 class Router:
-    """The decision state: index, loads, recent decisions, costs. Used from the event loop only,
-    except the index (the event thread feeds it)."""
+    """The decision state: index, costs and the decision core (kvstore.engine.router.decision: loads,
+    recent decisions, the turn; the simulator's too). Used from the event loop only, except the index
+    (the event thread feeds it)."""
 
     def __init__(self, config: RouterConfig, tokens: PromptTokens) -> None:
         self.config = config
@@ -202,15 +194,11 @@ class Router:
         self.index = PrefixIndex(config.events.max_engine_blocks, config.events.max_store_keys)
         self.metrics = RouterMetrics(config.engines, config.policy)
         self.calibrator = Calibrator()
-        self.loads = {u: EngineLoad(u) for u in config.engines}
-        window = config.share_window * len(config.engines)
-        # the share cap, per policy: engines of the requests completed lately, requests in flight
-        self.completed = collections.defaultdict(lambda: collections.deque(maxlen=window))
-        self.running: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+        self.decider = Decider(config.engines, config.policy, config.share_window, config.max_share)
+        self.loads: dict[str, EngineLoad] = self.decider.loads
         self.gone: dict[str, asyncio.Future] = {}  # engine -> done when its probe fails (see `abandon`)
         self.prep = Prep(config.prep_workers, config.prep_queue)
         self.budget = BodyBudget(config.body_budget_bytes)
-        self.turn = 0
         self.cards: dict[str, list[dict[str, Any]]] = {u: [] for u in config.engines}  # GET /v1/models
         self.models_read_at = -float("inf")  # monotonic time the last read of the engines' names ended
         self._reading: asyncio.Future | None = None  # the read in progress: callers share it
@@ -324,28 +312,16 @@ class Router:
         """Choose an engine (of `among`, every engine by default) for a prompt starting with
         `token_ids` (`prompt_tokens` long in all, its chunk `keys` when computed already). It counts
         in the share cap once sent (`add_load`), in the metrics once the engine accepts it (`answered`)."""
-        policy = policy or self.config.policy
-        counts = collections.Counter(self.completed[policy]) + self.running[policy]
-        if token_ids:
-            keys = self.tokens.chunk_keys(token_ids) if keys is None else keys
-            store = self.index.store_chunks(keys) * self.tokens.chunk_size
-            request = Request(max(prompt_tokens or 0, len(token_ids)), store)
-        else:
-            request = Request(1)
-        engines = [
-            EngineState(
-                url,
-                self.index.local_tokens(url, token_ids) if token_ids else 0,
-                load.in_flight,
-                load.waiting_tokens,
-                counts[url],
-            )
-            for url, load in self.loads.items()
-            if load.down_until <= now and (among is None or url in among)
-        ] or [EngineState(url, recent=counts[url]) for url in among or self.loads]  # all down: try them all
-        choice = choose(policy, engines, request, self.calibrator.costs, self.config.max_share, self.turn)
-        self.turn += 1
-        return choice
+        if not token_ids:
+            return self.decider.decide(Request(1), self.calibrator.costs, None, policy, now, among)
+        keys = self.tokens.chunk_keys(token_ids) if keys is None else keys
+        store = self.index.store_chunks(keys) * self.tokens.chunk_size
+        request = Request(max(prompt_tokens or 0, len(token_ids)), store)
+
+        def local(url: str) -> int:
+            return self.index.local_tokens(url, token_ids)
+
+        return self.decider.decide(request, self.calibrator.costs, local, policy, now, among)
 
     def answered(self, choice: Choice, status: int) -> None:
         """The engine answered `choice`'s request with `status`: below 400 it is a routed request
@@ -360,34 +336,20 @@ class Router:
         to compute waiting (not those it loads from the store: a load runs beside the engine's steps,
         queueing no one). Returns the waiting tokens added, which the caller takes off at the first
         token; `finished` takes the request off again."""
-        load = self.loads[choice.engine]
-        load.in_flight += 1
-        load.waiting_tokens += choice.compute_tokens
-        self.running[choice.policy][choice.engine] += 1
-        return choice.compute_tokens
+        return self.decider.add_load(choice)
 
     def finished(self, choice: Choice, status: int | None) -> None:
         """`choice`'s request is over: it leaves the engine's load; an answer below 400 joins the share
         cap's recent completions (an error, a failover, a hang did no work worth counting)."""
-        load = self.loads[choice.engine]
-        load.in_flight -= 1
-        running = self.running[choice.policy]
-        running[choice.engine] -= 1
-        if running[choice.engine] <= 0:
-            del running[choice.engine]
-        if status is not None and status < 400:
-            self.completed[choice.policy].append(choice.engine)
+        self.decider.finished(choice.engine, choice.policy, status is not None and status < 400)
 
     # ---- engines up and down ---------------------------------------------------------------------
     def mark_down(self, url: str, why: str, for_s: float = math.inf, abandon: bool = False) -> None:
         """Pass `url` over for `for_s` seconds (inf: till its probe answers); `abandon`: the requests
         waiting for it to begin an answer go elsewhere now (a probe that got no answer)."""
-        load = self.loads[url]
-        until = time.monotonic() + for_s
-        if until > load.down_until:
-            if load.down_until <= time.monotonic():
-                logger.warning("engine %s passed over: %s", url, why)
-            load.down_until, load.down_why = until, why
+        now = time.monotonic()
+        if self.decider.mark_down(url, why, now + for_s, now):
+            logger.warning("engine %s passed over: %s", url, why)
         if abandon:
             gone = self.gone.pop(url, None)
             if gone is not None and not gone.done():
@@ -395,10 +357,8 @@ class Router:
 
     def mark_up(self, url: str) -> None:
         """Its probe answered: chosen again (a timed pass-over still runs out first)."""
-        load = self.loads[url]
-        if math.isinf(load.down_until):
+        if self.decider.mark_up(url):
             logger.warning("engine %s is back (its health probe answers)", url)
-            load.down_until, load.down_why = 0.0, ""
 
     def abandon(self, url: str) -> asyncio.Future:
         """Done when `url`'s probe fails: what a request waiting for its first bytes also waits on."""
@@ -523,14 +483,13 @@ async def _send(
     started: float,
     streamed: bool,
 ) -> web.StreamResponse:
-    load = router.loads[choice.engine]
     headers = {ENGINE_HEADER: choice.engine, DECISION_HEADER: json.dumps(router.decision_record(choice))}
     pending = router.add_load(choice)
     status: int | None = None
 
     def first(code: int) -> None:
         nonlocal pending
-        load.waiting_tokens -= pending
+        router.decider.computed(choice.engine, pending)
         pending = 0
         if streamed and code == 200:
             router.metrics.first_token(choice, time.monotonic() - started)
@@ -548,7 +507,7 @@ async def _send(
                     answered, first_byte, router.abandon(choice.engine)),
         )  # fmt: skip
     finally:
-        load.waiting_tokens -= pending
+        router.decider.computed(choice.engine, pending)
         router.finished(choice, status)
 
 

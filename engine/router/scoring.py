@@ -1,5 +1,5 @@
 """Where a request should go: one pure function over the engines' state (no I/O, no clock), used by
-`kvstore-engine router` and by the fleet simulator in benchmarks/ alike.
+`kvstore-engine router` and by the fleet simulator (fleet_sim/) alike.
 
     choose(policy, engines, request, costs) -> Choice
 
@@ -41,7 +41,7 @@ from typing import Any
 
 POLICIES = ("round_robin", "least_loaded", "prefix", "ttft")
 # the share of a hot engine's excess followers that wait for a request's compute, each half of it on
-# average: a quarter of (share - 1) x compute. Chosen on the fleet simulator (benchmarks/fleet_sim, the
+# average: a quarter of (share - 1) x compute. Chosen on the fleet simulator (fleet_sim/, the
 # conversation trace, 8 to 256 engines): 1/2 had TTFT p90 0.6-1.3% worse at 8 engines, where the queues
 # already price the load; 1/4 is no worse than the share cap at any size, and 8-23% better from 32 up.
 HOT_WEIGHT = 0.25

@@ -1,27 +1,32 @@
-"""validate.py: bench_router.py's table parsed, the replay simulated on the same slice, the residuals
-judged against the issue's tolerances (±2 points of hit rate, ±15% of TTFT p50, same orders)."""
+"""validate.py: bench_router.py's figures read from the JSON it writes, the replay simulated on the same
+slice, the residuals judged against the issue's tolerances (±2 points of hit rate, ±15% of TTFT p50,
+same orders)."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
+import sys
 
 import pytest
 from kvstore.engine.router.scoring import Costs
-from kvstore.fleet_sim import validate
+from kvstore.fleet_sim import conversations, validate
 
 from benchmarks import bench_router
 
-REAL = """
-Mooncake conversation trace, 2 rounds x 12 conversations (...)
+# one bench_router.py run as its --json writes it (a figure it has not measured is absent)
+RUN = {
+    "policies": {
+        "round_robin": {"local": 0.05, "store": 0.40, "p50": 0.4, "p90": 0.9, "rps": 1.4, "imbalance": 1.1},
+        "ttft": {"local": 0.2, "store": 0.3, "p50": 0.3, "p90": 0.7, "rps": 1.45, "imbalance": 1.3},
+    },
+    "costs": {"prefill_s_per_token": 0.001, "load_s_per_token": 0.0001, "step_s_per_request": 0.01},
+}
 
-      policy local hit store hit recompute  TTFT p50  TTFT p90  req/s imbalance
- round_robin      5.0%     40.0%     55.0%    0.400s    0.900s   1.40      1.10
-        ttft     20.0%     30.0%     50.0%    0.300s    0.700s   1.45      1.30
-"""
 
-
-def test_parse_real() -> None:
-    real = validate.parse_real(REAL)
+def test_real_figures() -> None:
+    real = validate.real_figures(RUN)
     assert real["round_robin"] == {
         "local": 0.05,
         "store": 0.40,
@@ -32,18 +37,37 @@ def test_parse_real() -> None:
     }
     assert real["ttft"]["local"] == pytest.approx(0.2)
     with pytest.raises(ValueError):
-        validate.parse_real("no table here")
+        validate.real_figures({"policies": {}})
+    with pytest.raises(ValueError):
+        validate.read_runs({"runs": []})
 
 
-def test_where_the_ttft_goes_is_parsed_and_shown_beside_the_simulated() -> None:
-    text = (
-        REAL
-        + """
-where a request's TTFT goes, mean seconds (the engines' histograms): before its first prefill step (...)
-         round_robin before prefill 0.250s  prefill 0.300s  outside 0.020s
-"""
+def test_what_bench_router_writes_is_what_validate_reads(tmp_path) -> None:
+    """The exchange: bench_router.py's figures() of a run, through its --json document, are the real
+    side validate.py compares."""
+    results = {pol: {"records": [("a", 0.2), ("b", 0.4), ("a", 0.3)], "wall": 2.0, "per_engine": {},
+                     "prompt": 1000.0, "local": 100.0, "store": 300.0, "firsts": 3.0, "ttft_s": 0.75,
+                     "prefill_s": 0.3, "engine_cpu_s": 4.0} for pol in ("round_robin", "ttft")}  # fmt: skip
+    results["ttft"]["firsts"] = 0.0  # its engines counted no first token: no phases
+    fleets = {pol: ("router", ["a", "b"]) for pol in results}
+    figures = bench_router.figures(list(results), results, fleets)
+    doc = json.loads(
+        json.dumps({"runs": [{"policies": figures, "beside_cores": 0.5, "costs": RUN["costs"]}]})
     )
-    real = validate.parse_real(text)
+    real, p50s = validate.read_runs(doc)
+    assert real["round_robin"] == pytest.approx({"local": 0.1, "store": 0.3, "p50": 0.3, "p90": 0.4, "rps": 1.5,
+                                                 "imbalance": 4 / 3, "before": 0.15, "prefill": 0.1,
+                                                 "outside": 0.05, "cpu": 4.0})  # fmt: skip
+    assert "before" not in real["ttft"] and p50s == {"round_robin": [0.3], "ttft": [0.3]}
+    assert validate.engine_cores(doc, 2.0) == 1.5
+    help_text = subprocess.run([sys.executable, str(validate.BENCH_ROUTER), "--help"], capture_output=True,
+                               text=True, timeout=60).stdout  # fmt: skip
+    assert "--json PATH" in help_text
+
+
+def test_where_the_ttft_goes_is_read_and_shown_beside_the_simulated() -> None:
+    phased = {**RUN["policies"]["round_robin"], "before": 0.25, "prefill": 0.3, "outside": 0.02}
+    real = validate.real_figures({"policies": {**RUN["policies"], "round_robin": phased}})
     assert (real["round_robin"]["before"], real["round_robin"]["prefill"], real["round_robin"]["outside"]) == (
         0.25, 0.3, 0.02)  # fmt: skip
     assert "before" not in real["ttft"]
@@ -51,18 +75,10 @@ where a request's TTFT goes, mean seconds (the engines' histograms): before its 
                "prefill": 0.5, "outside": 0.0} for p in real}  # fmt: skip
     table, _ = validate.compare(real, sim)
     assert "  0.250s  0.125s |   0.300s  0.500s |   0.020s" in table
-    assert validate.parse_real(REAL)["round_robin"].keys() == {
-        "local",
-        "store",
-        "p50",
-        "p90",
-        "rps",
-        "imbalance",
-    }
 
 
 def test_compare_judges_the_residuals() -> None:
-    real = validate.parse_real(REAL)
+    real = validate.real_figures(RUN)
     close = {"round_robin": {"local": 0.06, "store": 0.40, "p50": 0.44, "p90": 1.0, "imbalance": 1.0},
              "ttft": {"local": 0.19, "store": 0.30, "p50": 0.29, "p90": 0.8, "imbalance": 1.25}}  # fmt: skip
     table, ok = validate.compare(real, close)
@@ -92,20 +108,20 @@ def test_the_replay_simulates_every_policy(tmp_path) -> None:
 
 
 def test_rounds_spread_their_conversations_over_the_window() -> None:
-    convs = bench_router.conversations(bench_router.TRACE, 1500)
-    plan = bench_router.rounds(convs, 12, 2)
+    convs = conversations.conversations(conversations.TRACE, 1500)
+    plan = conversations.rounds(convs, 12, 2)
     firsts = [[c[0]["timestamp"] for c in chunk] for chunk in plan]
     assert len(plan) == 2 and all(len(chunk) == 12 for chunk in plan)
     assert len({id(c) for chunk in plan for c in chunk}) == 24  # no conversation twice
     span = convs[-1][0]["timestamp"] - convs[0][0]["timestamp"]
     for f in firsts:  # each round's first turns reach over most of the window, not its first seconds
         assert f == sorted(f) and f[-1] - f[0] > 0.6 * span
-    burst = bench_router.rounds(convs, 12, 2, "first")
+    burst = conversations.rounds(convs, 12, 2, "first")
     assert (
         burst[1][0] is convs[12] and burst[0][-1][0]["timestamp"] - burst[0][0][0]["timestamp"] < 0.01 * span
     )
     with pytest.raises(SystemExit, match="conversations"):
-        bench_router.rounds(convs, 200, 2)
+        conversations.rounds(convs, 200, 2)
 
 
 def test_orders_count_only_where_the_real_run_orders_the_policies() -> None:
@@ -120,12 +136,10 @@ def test_orders_count_only_where_the_real_run_orders_the_policies() -> None:
 
 
 def test_the_simulated_engines_get_the_cores_the_real_ones_had() -> None:
-    line = ("CPU beside the engines in 150.0 s of rounds: the routers, kvstore-server and this client 0.09 "
-            "cores, the rest of the box 0.40; in all 0.49 cores")  # fmt: skip
-    assert validate.engine_cores(REAL + line + "\n", 2.0) == pytest.approx(1.51)
-    assert validate.engine_cores(REAL, 2.0) == 2.0
+    assert validate.engine_cores({"runs": [{**RUN, "beside_cores": 0.49}]}, 2.0) == pytest.approx(1.51)
+    assert validate.engine_cores({"runs": [RUN]}, 2.0) == 2.0
     assert (
-        validate.engine_cores(line.replace("0.49 cores", "1.90 cores"), 2.0) == 0.5
+        validate.engine_cores({"runs": [{**RUN, "beside_cores": 1.9}]}, 2.0) == 0.5
     )  # never below half a core
 
 
@@ -139,21 +153,33 @@ def test_sim_only_prints_the_simulated_table(capsys) -> None:
     assert [r[0] for r in rows] == ["round_robin", "ttft", "round_robin/no-store"]
 
 
+def _run(beside: float, rr: dict | None = None, ttft: dict | None = None) -> dict:
+    pols = RUN["policies"]
+    return {"policies": {"round_robin": {**pols["round_robin"], **(rr or {})}, "ttft": {**pols["ttft"], **(ttft or {})}},
+            "beside_cores": beside, "costs": RUN["costs"]}  # fmt: skip
+
+
 def test_several_real_runs_give_the_median_of_each_figure() -> None:
-    line = ("CPU beside the engines in 150.0 s of rounds: the routers, kvstore-server and this client 0.09 "
-            "cores, the rest of the box 0.01; in all {} cores")  # fmt: skip
-    runs = [
-        REAL + line.format("0.10"),
-        REAL.replace("0.400s", "0.500s").replace("20.0%     30.0%", "22.0%     28.0%") + line.format("0.30"),
-        REAL.replace("0.400s", "0.460s") + line.format("0.20"),
-    ]
-    text = validate.RUN_SEP.join(runs)
-    real, p50s = validate.parse_runs(text)
+    runs = [_run(0.1), _run(0.3, {"p50": 0.5}, {"local": 0.22, "store": 0.28}), _run(0.2, {"p50": 0.46})]
+    doc = {"runs": runs}
+    real, p50s = validate.read_runs(doc)
     assert p50s == {"round_robin": [0.4, 0.5, 0.46], "ttft": [0.3, 0.3, 0.3]}
     assert real["round_robin"]["p50"] == 0.46 and real["ttft"]["local"] == pytest.approx(0.2)
     # what the runs left the engines, on average
-    assert validate.engine_cores(text, 2.0) == pytest.approx(1.8)
+    assert validate.engine_cores(doc, 2.0) == pytest.approx(1.8)
     # one run alone is its own median
-    assert validate.parse_runs(runs[0])[0] == validate.parse_real(runs[0])
+    assert validate.read_runs({"runs": runs[:1]})[0] == validate.real_figures(runs[0])
     # a policy some run lacks is left out, not half-counted
-    assert set(validate.parse_runs(runs[0] + validate.RUN_SEP + REAL.split(" ttft")[0])[0]) == {"round_robin"}
+    lacking = {"policies": {"round_robin": RUN["policies"]["round_robin"]}}
+    assert set(validate.read_runs({"runs": [runs[0], lacking]})[0]) == {"round_robin"}
+
+
+def test_a_saved_real_run_is_read_back(tmp_path, capsys) -> None:
+    """--real reads what --save wrote (bench_router.py's JSON, its runs), and compares the simulation."""
+    saved = tmp_path / "real.json"
+    saved.write_text(json.dumps({"benchmark": "bench_router", "runs": [_run(0.2)]}))
+    argv = ["--real", str(saved), "--conversations", "3", "--rounds", "2", "--policies", "round_robin,ttft",
+            "--no-store-baseline", "0", "--profile", "llama3-8b-h100", "--replays", "1", "--as-profiled"]  # fmt: skip
+    assert validate.main(argv) in (0, 1)
+    out = capsys.readouterr().out
+    assert "real: the median of 1 runs" in out and "prefill_s_per_token 0.001 / " in out

@@ -59,7 +59,7 @@ def test_server_extra_alone_runs_the_server_and_the_sdk(tmp_path: Path) -> None:
     src.mkdir()
     for name in ("pyproject.toml", "setup.py", "README.md", "LICENSE", "constraints.txt"):
         shutil.copy(ROOT / name, src / name)
-    for room in ("kvstore", "sdk", "server", "connectors", "engine", "benchmarks/fleet_sim"):
+    for room in ("kvstore", "sdk", "server", "connectors", "engine", "fleet_sim"):
         shutil.copytree(ROOT / room, src / room, ignore=shutil.ignore_patterns("__pycache__"))
     built = subprocess.run(
         [py, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path / "dist"), str(src)],

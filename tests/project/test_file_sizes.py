@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-ROOMS = ("kvstore/", "sdk/", "server/", "connectors/", "engine/")
+ROOMS = ("kvstore/", "sdk/", "server/", "connectors/", "engine/", "fleet_sim/")
 MAX_LINES = 400
 
 

@@ -67,7 +67,7 @@ def test_help_is_not_a_run(tmp_path: Path) -> None:
 
 def test_every_benchmark_records_its_runs() -> None:
     scripts = [p for p in BENCH.glob("*.py") if p.name not in NOT_BENCHMARKS]
-    scripts += [BENCH / "fleet_sim" / n for n in ("__main__.py", "cli.py", "validate.py", "calibrate.py")]
+    scripts += [ROOT / "fleet_sim" / n for n in ("__main__.py", "cli.py", "validate.py", "calibrate.py")]
     assert len(scripts) >= 18
     missing = [p.name for p in scripts if not re.search(r"^\s*recorded\(main\b", p.read_text(), re.M)]
     assert not missing, f"benchmarks whose runs leave no record: {missing}"

@@ -33,6 +33,7 @@ from pathlib import Path
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from kvstore.engine.router import app as app_mod
+from kvstore.engine.router import decision as decision_mod
 from kvstore.engine.router.app import (
     DECISION_HEADER,
     ENGINE_HEADER,
@@ -186,7 +187,7 @@ def test_the_share_cap_counts_requests_in_flight_until_they_complete(monkeypatch
         seen.append(engines)
         return choose(policy, engines, *a)
 
-    monkeypatch.setattr(app_mod, "choose", spy)
+    monkeypatch.setattr(decision_mod, "choose", spy)  # the decision core scores for the router
 
     def sent(engine: str) -> Choice:
         choice = Choice(engine, "ttft", 0.0, 0, 0, 1)
