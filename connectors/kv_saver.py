@@ -96,14 +96,19 @@ class ChunkSaver:
             replaced = list(dict.fromkeys(k for spec, _ in batch for k in spec.replaces))
             present = self.handle.batch_exists(keys + replaced)  # one round trip for both
             stale = [k for k, have in zip(replaced, present[len(keys) :], strict=True) if have]
+            todo = [
+                (spec, kv) for (spec, kv), have in zip(batch, present[: len(keys)], strict=True) if not have
+            ]
             items = [
                 (spec.key, prepare_blob(self._as_stored(kv), codec=self.codec, key=spec.key))
-                for (spec, kv), have in zip(batch, present[: len(keys)], strict=True)
-                if not have
+                for spec, kv in todo
             ]
+            hints = [_hint(spec, kv) for spec, kv in todo]
             try:
                 if items:  # the superseded partials go in the same round trip, once the chunks are stored
-                    self.handle.batch_put_blobs(items, replaces=stale)
+                    self.handle.batch_put_blobs(
+                        items, stale, [h and h[0] for h in hints], [h and h[1] for h in hints]
+                    )
                 elif stale:
                     self.handle.batch_delete(stale)
             finally:  # a raw blob reads its buffer until it is written out
@@ -149,3 +154,12 @@ class ChunkSaver:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+def _hint(spec: SaveSpec, kv: torch.Tensor) -> tuple[tuple[int, ...], str | None] | None:
+    """(token ids, parent key): the hints a put of this chunk carries for a server's KV events
+    (kvstore.token_hints), when there are as many token ids as the chunk's KV holds tokens."""
+    ids = spec.token_ids
+    if ids is None or kv.dim() != 5 or kv.shape[2] != len(ids):
+        return None
+    return ids, spec.parent

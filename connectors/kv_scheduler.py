@@ -198,8 +198,10 @@ class KVStoreScheduler:
             for c in range(self._saved.get(rid, 0), full):
                 blocks = tuple(seq.block_table[c * bpc : (c + 1) * bpc])
                 assert len(blocks) == bpc, f"request {rid} lacks blocks for chunk {c}"
-                replaces = self._replaced_partials(keys, seq.all_token_ids, c, cs)
-                step.saves.append(SaveSpec(rid, keys.keys[c], c, blocks, replaces=replaces))
+                tokens = seq.all_token_ids
+                replaces = self._replaced_partials(keys, tokens, c, cs)
+                hint = tuple(tokens[c * cs : (c + 1) * cs]), keys.keys[c - 1] if c else None
+                step.saves.append(SaveSpec(rid, keys.keys[c], c, blocks, False, replaces, *hint))
                 self._with_saves.add(rid)
             self._saved[rid] = max(self._saved.get(rid, 0), full)
         return step
@@ -222,7 +224,8 @@ class KVStoreScheduler:
         blocks = tuple(block_ids[chunk * cs // bs : (chunk * cs + n) // bs])
         assert len(blocks) == n // bs, (len(blocks), n)
         replaces = self._replaced_partials(keys, tokens, chunk, n)
-        return SaveSpec(request.request_id, key, chunk, blocks, partial=True, replaces=replaces)
+        hint = tuple(tokens[chunk * cs : chunk * cs + n]), keys.keys[chunk - 1] if chunk else None
+        return SaveSpec(request.request_id, key, chunk, blocks, True, replaces, *hint)
 
     def request_preempted(self, request: ConnectorRequest, block_ids: Sequence[int]) -> None:
         """`request` is preempted: its blocks are about to be freed, `num_computed_tokens` still counts

@@ -341,7 +341,10 @@ class KVStoreWorker:
     def _staged_save(self, spec: SaveSpec) -> SaveSpec:
         if self.shard.layers is None:
             return spec
-        return replace(spec, key=self._stage(spec.key), replaces=tuple(map(self._stage, spec.replaces)))
+        parent = None if spec.parent is None else self._stage(spec.parent)
+        return replace(
+            spec, key=self._stage(spec.key), replaces=tuple(map(self._stage, spec.replaces)), parent=parent
+        )
 
     def _copy_out(self, saves: Sequence[SaveSpec]) -> None:
         """Copy `saves` out of the cache and queue them; under TP, TP rank 0 stores every chunk: with

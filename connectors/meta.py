@@ -31,7 +31,9 @@ class LoadSpec:
 class SaveSpec:
     """Save chunk `chunk_index` of a request, which sits in `block_ids` (all of it, or the first
     blocks of a partial chunk), under `key`. `replaces`: partial keys of the same chunk holding a
-    prefix of these tokens; once this is stored they are superseded, and deleted if present."""
+    prefix of these tokens; once this is stored they are superseded, and deleted if present.
+    `token_ids` (the chunk's tokens) and `parent` (the key of the chunk before it, None for a first)
+    go with the put as hints for a kvstore-server's KV events (kvstore.token_hints)."""
 
     request_id: str
     key: str
@@ -39,6 +41,8 @@ class SaveSpec:
     block_ids: tuple[int, ...]
     partial: bool = False
     replaces: tuple[str, ...] = ()
+    token_ids: tuple[int, ...] | None = None
+    parent: str | None = None
 
 
 @dataclass

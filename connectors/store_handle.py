@@ -108,11 +108,18 @@ class StoreHandle:
         return self.store.batch_exists(list(keys))
 
     def batch_put_blobs(
-        self, items: Sequence[tuple[str, Blob | PreparedBlob]], replaces: Sequence[str] = ()
+        self,
+        items: Sequence[tuple[str, Blob | PreparedBlob]],
+        replaces: Sequence[str] = (),
+        token_ids: Sequence[Sequence[int] | None] | None = None,
+        parents: Sequence[str | None] | None = None,
     ) -> None:
         """Store the blobs (a PreparedBlob is laid out where it goes: a same-host server's shared
-        memory), then delete `replaces`, only once every blob is stored; one round trip to a server."""
-        self.store.batch_put(list(items), list(replaces))
+        memory), then delete `replaces`, only once every blob is stored; one round trip to a server.
+        `token_ids` / `parents`: per blob, hints for the server's KV events (kvstore.token_hints)."""
+        if token_ids is not None and not any(t is not None for t in token_ids):
+            token_ids = parents = None
+        self.store.batch_put(list(items), list(replaces), token_ids, parents)
 
     def batch_delete(self, keys: Sequence[str]) -> int:
         return self.store.batch_delete(list(keys))

@@ -65,7 +65,8 @@ class RouterMetrics:
         )
         self.capped = Counter(
             "kvstore_router_capped",
-            "Decisions in which the share cap passed this engine over (ttft)",
+            "Decisions (ttft) in which this engine had a lower estimated TTFT than the engine chosen and was "
+            "passed over as hot: by the hot-spot cost, or the --max-share cap when one is set",
             ["engine"],
             registry=r,
         )

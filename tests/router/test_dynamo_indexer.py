@@ -11,15 +11,19 @@ indexer does) a forwarder binds both sides (a bound XSUB kvstore connects to, a 
 connects to: `zmq.proxy`), which is also how one points Dynamo at publishers that connect.
 
 Dynamo keys its radix tree by its own hash of each block's token ids, and indexes a BlockStored only
-when it carries `block_size` (the size registered) tokens per block: an engine's events do, so Dynamo
-finds an engine's prefixes. A server's do not (a server sees chunk keys, never tokens: `token_ids`
-empty, `block_size` 0): Dynamo decodes every batch of a server (before: every BlockStored batch failed
-with "did not match any variant of untagged enum BlockHashValue") but has no tokens to index.
+when it carries `block_size` (the size registered) tokens per block, chained by `parent_block_hash`:
+an engine's events do, so Dynamo finds an engine's prefixes. A server sees chunk keys, not tokens: its
+events carry them when the writer put them as hints (kvstore.token_hints; the connectors do), and then
+Dynamo finds a server's prefixes too, registered with its chunk size, in the tier it files the medium
+in ("CPU": its cpu tier, `instances[worker].cpu` of /query, not the device `scores`). Puts without
+hints publish `token_ids` empty and `block_size` 0: every batch decodes (before: every BlockStored batch
+failed with "did not match any variant of untagged enum BlockHashValue"), nothing to index.
 
 Skipped without the venv, except under CI=true, where that fails."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -27,6 +31,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -111,11 +116,15 @@ class DynamoIndexer:
         mine = [w for w in workers if w["instance_id"] == worker]
         return bool(mine) and all(x["status"] == "active" for x in mine[0]["listeners"].values())
 
-    def matched(self, worker: int, tokens: list[int]) -> int:
-        """Leading tokens of `tokens` Dynamo says `worker` holds (its /query)."""
+    def matched(self, worker: int, tokens: list[int], tier: str = "gpu") -> int:
+        """Leading tokens of `tokens` Dynamo says `worker` holds (its /query) in `tier`: "gpu", its
+        device tier (the `scores` a router ranks by: an engine's medium "GPU"); "cpu" or "disk", the lower
+        tiers Dynamo files a block in by its medium (a server's "CPU", "STORAGE"), in `instances`."""
         status, body = self.http("/query", {"token_ids": tokens, "model_name": "m"})
         assert status == 200, body
-        return body["scores"].get(str(worker), {}).get("0", 0)
+        if tier == "gpu":
+            return body["scores"].get(str(worker), {}).get("0", 0)
+        return body.get("instances", {}).get(str(worker), {}).get(tier, 0)
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")
@@ -216,36 +225,111 @@ def _blob(seed: int) -> bytes:
     return bytes(encode_blob(torch.randn((2, 2, 16, 2, 64), generator=g).to(torch.bfloat16), "raw"))
 
 
-@pytest.mark.parametrize("mode", ["bind", "connect"])
-def test_dynamos_indexer_reads_every_server_batch_but_has_no_tokens_to_index(tmp_path, dynamo, mode) -> None:
-    """Every batch decodes (before: each BlockStored batch failed), Dynamo applies each BlockStored and
-    drops its blocks for want of tokens ("Block size is: 0"): a server's chunks score nothing there."""
+@contextlib.contextmanager
+def _server(tmp_path: Path, mode: str) -> Iterator[tuple[ServerThread, str, str]]:
+    """A kvstore-server publishing its events (bound, or connecting to a forwarder): (its thread, the
+    endpoint Dynamo subscribes to, the replay endpoint)."""
     cfg, dyn_endpoint, fwd = _streams(tmp_path, "server", mode)
     store_config = StoreConfig(tiers=["cpu"], cpu_capacity=64 << 20)
-    layout = KVLayout("m", "0" * 32, 2, 2, 64, "bfloat16", BLOCK)
-    tokens = list(range(BLOCK * 4))
     try:
         with ServerThread(TieredStore(store_config), store_config, ServerConfig(port=0, kv_events_config=cfg),
                           close_store=True) as srv:  # fmt: skip
-            publisher = srv.server.kv_events.publisher
-            assert publisher.bound == (mode == "bind")
-            dynamo.register(2, dyn_endpoint, cfg["replay_endpoint"])
-            client = Store.connect(srv.server.url)
-            try:
-                for i, k in enumerate(chunk_keys(tokens, layout)):
-                    client.put(k, _blob(i))
-            finally:
-                client.close()
-            _until(
-                lambda: "Block size is: 0" in dynamo.text(), f"Dynamo read no BlockStored: {dynamo.text()}"
-            )
-            time.sleep(1.0)  # every batch has had time to arrive
-            assert publisher.published == 5  # AllBlocksCleared and four puts
-            assert DECODE_FAILED not in dynamo.text(), dynamo.text()
-            assert dynamo.matched(2, tokens) == 0
+            assert srv.server.kv_events.publisher.bound == (mode == "bind")
+            yield srv, dyn_endpoint, cfg["replay_endpoint"]
     finally:
         if fwd is not None:
             fwd.close()
+
+
+@pytest.mark.parametrize(("mode", "transport"), [("bind", "auto"), ("connect", "http")])
+def test_dynamos_indexer_finds_the_servers_prefixes(tmp_path, dynamo, mode, transport) -> None:
+    """Puts that carry their chunks' token ids and parents (kvstore.token_hints), as the connectors'
+    do: A's six chunks one put each, then B's own three (after A's first three) in one batch. Dynamo
+    finds both prefixes, the shared part and no more; a chunk deleted ends A's prefix there."""
+    layout = KVLayout("m", "0" * 32, 2, 2, 64, "bfloat16", BLOCK)
+    a = [5 + i % 200 for i in range(6 * BLOCK)]
+    b = a[: 3 * BLOCK] + [250 - i for i in range(3 * BLOCK)]
+    never = [3] * (6 * BLOCK)
+    ka, kb = chunk_keys(a, layout), chunk_keys(b, layout)
+    assert ka[:3] == kb[:3]
+    with _server(tmp_path, mode) as (srv, dyn_endpoint, replay):
+        dynamo.register(2, dyn_endpoint, replay)
+        with Store.connect(srv.server.url, transport=transport) as client:
+            for i, k in enumerate(ka):
+                client.put(
+                    k, _blob(i), token_ids=a[i * BLOCK : (i + 1) * BLOCK], parent=ka[i - 1] if i else None
+                )
+            own = range(3, 6)
+            client.batch_put([(kb[i], _blob(10 + i)) for i in own],
+                             token_ids=[b[i * BLOCK : (i + 1) * BLOCK] for i in own],
+                             parents=[kb[i - 1] for i in own])  # fmt: skip
+            _until(
+                lambda: dynamo.matched(2, a, "cpu") == 6 * BLOCK,
+                f"Dynamo never found A's 96 tokens: {dynamo.text()}",
+            )
+            _until(
+                lambda: dynamo.matched(2, b, "cpu") == 6 * BLOCK,
+                f"Dynamo never found B's 96 tokens: {dynamo.text()}",
+            )
+            assert (
+                dynamo.matched(2, a[: 3 * BLOCK] + never[: 3 * BLOCK], "cpu") == 3 * BLOCK
+            )  # the shared prefix
+            assert dynamo.matched(2, never, "cpu") == 0
+            assert dynamo.matched(2, a) == 0  # a server's CPU tier is not Dynamo's device tier
+            assert client.delete(ka[4])
+            _until(
+                lambda: dynamo.matched(2, a, "cpu") == 4 * BLOCK,
+                f"A's fifth chunk is still there: {dynamo.text()}",
+            )
+        assert DECODE_FAILED not in dynamo.text()
+        assert "Block size is" not in dynamo.text()  # no BlockStored without its tokens
+
+
+def test_dynamos_indexer_finds_what_the_engines_connector_stored(tmp_path, dynamo) -> None:
+    """The writer for real: kvstore-engine with its connector saving to the server (chunks of 16
+    tokens, Dynamo's block size for this worker); the engine's own events are off. Dynamo finds the
+    prompt's six full chunks from the server's events alone."""
+    model = make_tiny_engine_dir(tmp_path / "llama")
+    prompt = [7 + i % 190 for i in range(100)]  # 6 full chunks, then 4 tokens
+    with _server(tmp_path, "bind") as (srv, dyn_endpoint, replay):
+        dynamo.register(4, dyn_endpoint, replay)
+        ktc = {"kv_connector": "KVStoreConnector", "kv_role": "kv_both",
+               "kv_connector_extra_config": {"store_url": srv.server.url, "chunk_size": BLOCK}}  # fmt: skip
+        engine = LLMEngine(
+            EngineArgs(model=str(model), max_model_len=256, num_kv_blocks=32, kv_transfer_config=ktc)
+        )
+        try:
+            engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0))
+            while engine.has_unfinished_requests():
+                engine.step()
+            _until(
+                lambda: dynamo.matched(4, prompt, "cpu") == 6 * BLOCK,
+                f"Dynamo never found 96 tokens: {dynamo.text()}",
+            )
+        finally:
+            engine.shutdown()
+        assert dynamo.matched(4, [3] * 100, "cpu") == 0
+        assert DECODE_FAILED not in dynamo.text()
+
+
+def test_dynamos_indexer_reads_every_batch_of_puts_without_tokens(tmp_path, dynamo) -> None:
+    """Puts without hints publish as before: every batch decodes (before issue 46: each BlockStored
+    batch failed), and Dynamo drops their blocks for want of tokens ("Block size is: 0")."""
+    layout = KVLayout("m", "0" * 32, 2, 2, 64, "bfloat16", BLOCK)
+    tokens = list(range(BLOCK * 4))
+    with _server(tmp_path, "bind") as (srv, dyn_endpoint, replay):
+        dynamo.register(2, dyn_endpoint, replay)
+        with Store.connect(srv.server.url) as client:
+            for i, k in enumerate(chunk_keys(tokens, layout)):
+                client.put(k, _blob(i))
+        publisher = srv.server.kv_events.publisher
+        _until(lambda: publisher.published == 5, "AllBlocksCleared and four puts")
+        _until(
+            lambda: dynamo.text().count("Block size is: 0") >= 3,
+            f"Dynamo read no BlockStored: {dynamo.text()}",
+        )
+        assert DECODE_FAILED not in dynamo.text(), dynamo.text()
+        assert dynamo.matched(2, tokens, "cpu") == 0
 
 
 def test_dynamos_indexer_refuses_the_bytes_form(tmp_path, dynamo) -> None:
