@@ -20,7 +20,7 @@ one and counted nowhere. A request counts as routed (kvstore_router_decisions, i
 local / remote / computed) only when its engine accepted it (status below 400); an engine's error
 answer is counted in kvstore_router_engine_errors instead.
 
-The front door (kvstore.engine.proxy.FrontDoor: kvstore-server's connection cap, header / body / idle
+The front door (kvstore.engine.gateway.FrontDoor: kvstore-server's connection cap, header / body / idle
 deadlines, its cross-origin rules): a body over the engines' limit (8 MiB) is a 413 before a byte of
 it is read, and the bodies being read or routed hold at most `body_budget_bytes` (503 past it). A body
 is parsed, checked and tokenized in a small pool of threads (`prep_workers`, `prep_queue` waiting:
@@ -52,11 +52,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 from kvstore.engine.errors import InvalidRequest, ModelNotFound
-from kvstore.engine.proxy import (
-    CONFIG_KEY,
+from kvstore.engine.gateway import (
     DOOR_KEY,
-    INFLIGHT_KEY,
-    SESSION_KEY,
     BadGateway,
     Busy,
     DoorCounters,
@@ -64,9 +61,9 @@ from kvstore.engine.proxy import (
     EngineUnreachable,
     FrontDoor,
     between_bytes,
-    forward,
     redact,
 )
+from kvstore.engine.proxy import CONFIG_KEY, INFLIGHT_KEY, SESSION_KEY, forward
 from kvstore.engine.router.calibrate import Calibrator
 from kvstore.engine.router.dashboard import dashboard
 from kvstore.engine.router.decision import Decider, EngineLoad

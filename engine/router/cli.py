@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from aiohttp import web
-from kvstore.engine.proxy import add_front_door_args, front_door
+from kvstore.engine.gateway import add_front_door_args, front_door
 from kvstore.engine.router import ROUTE_TOKENS
 from kvstore.engine.router.scoring import POLICIES
 
@@ -126,6 +126,6 @@ def build(ns: argparse.Namespace) -> web.Application:
 
 
 def run_router(ns: argparse.Namespace) -> None:
-    from kvstore.engine.proxy import serve  # noqa: PLC0415
+    from kvstore.engine.gateway import serve  # noqa: PLC0415
 
     serve(build(ns), ns.host, ns.port, "router", ns.shutdown_timeout)
