@@ -23,10 +23,10 @@ from kvstore.server.state import DATAPLANE, STATE
 from kvstore.clock import SYSTEM, Clock
 from kvstore.config import CpuMemory, StoreConfig
 from kvstore.errors import ConfigError
-from kvstore.store_events import StoreEvents
 from kvstore.front_door.connections import ConnectionGuard, connection_limit, raise_fd_limit
 from kvstore.front_door.listener import Listener
 from kvstore.protocol import shm
+from kvstore.store_events import StoreEvents
 
 log = logging.getLogger(__name__)
 
