@@ -94,37 +94,31 @@ def reuse(storer: Engine, loader: Engine, tokens: list[int], store, model) -> tu
     return hit, cold, max_logprob_diff(hit, cold)
 
 
-def test_tp2_stores_and_a_fresh_tp1_reuses_it_token_for_token(engines, store, model) -> None:
-    hit, cold, diff = reuse(engines["tp2"], engines["tp1"], prompt(1), store, model)
-    print(f"\nTP=2 -> TP=1: {hit['cached']} tokens loaded, max |logprob difference| {diff:.4f}")
+def check_reuse(engines, store, model, storer: str, loader: str, seed: int) -> None:
+    """`storer` (engines' name: "tp2") stores prompt(seed); a fresh `loader` loads every full block of it
+    and answers token for token, its prompt logprobs within TOL of its own cold run."""
+    hit, cold, diff = reuse(engines[storer], engines[loader], prompt(seed), store, model)
+    print(f"\n{storer} -> {loader}: {hit['cached']} tokens loaded, max |logprob difference| {diff:.4f}")
     assert hit["cached"] == HIT
     assert hit["tokens"] == cold["tokens"]
     assert diff <= TOL
+
+
+def test_tp2_stores_and_a_fresh_tp1_reuses_it_token_for_token(engines, store, model) -> None:
+    check_reuse(engines, store, model, "tp2", "tp1", 1)
 
 
 def test_tp1_stores_and_a_fresh_tp2_reuses_it_token_for_token(engines, store, model) -> None:
-    hit, cold, diff = reuse(engines["tp1"], engines["tp2"], prompt(2), store, model)
-    print(f"\nTP=1 -> TP=2: {hit['cached']} tokens loaded, max |logprob difference| {diff:.4f}")
-    assert hit["cached"] == HIT
-    assert hit["tokens"] == cold["tokens"]
-    assert diff <= TOL
+    check_reuse(engines, store, model, "tp1", "tp2", 2)
 
 
 def test_tp2_stores_and_a_fresh_tp4_reuses_it_token_for_token(engines, store, model) -> None:
     """TP=2 saves gather two ranks' heads into the TP-free chunk; each TP=4 rank loads its one KV head."""
-    hit, cold, diff = reuse(engines["tp2"], engines["tp4"], prompt(5), store, model)
-    print(f"\nTP=2 -> TP=4: {hit['cached']} tokens loaded, max |logprob difference| {diff:.4f}")
-    assert hit["cached"] == HIT
-    assert hit["tokens"] == cold["tokens"]
-    assert diff <= TOL
+    check_reuse(engines, store, model, "tp2", "tp4", 5)
 
 
 def test_tp4_stores_and_a_fresh_tp2_reuses_it_token_for_token(engines, store, model) -> None:
-    hit, cold, diff = reuse(engines["tp4"], engines["tp2"], prompt(6), store, model)
-    print(f"\nTP=4 -> TP=2: {hit['cached']} tokens loaded, max |logprob difference| {diff:.4f}")
-    assert hit["cached"] == HIT
-    assert hit["tokens"] == cold["tokens"]
-    assert diff <= TOL
+    check_reuse(engines, store, model, "tp4", "tp2", 6)
 
 
 def test_kvstore_engine_reuses_what_vllm_tp2_stored_and_the_reverse(engines, model, store) -> None:
