@@ -47,7 +47,7 @@ class SimulationError(RuntimeError):
 
 def _router_defaults() -> tuple[float | None, int, float]:
     """max_share (None: no cap), share_window and calibrate_s as `kvstore-engine router` has them."""
-    from kvstore.engine.router.app import RouterConfig
+    from kvstore.engine.router.router import RouterConfig
 
     d = {f.name: f.default for f in dataclasses.fields(RouterConfig)}
     return d["max_share"], int(d["share_window"]), float(d["calibrate_s"])

@@ -87,7 +87,8 @@ def build(ns: argparse.Namespace) -> web.Application:
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
     from kvstore.engine.llm_engine import resolve_model_dir  # noqa: PLC0415
-    from kvstore.engine.router.app import RouterConfig, build_router_app  # noqa: PLC0415
+    from kvstore.engine.router.app import build_router_app  # noqa: PLC0415
+    from kvstore.engine.router.router import RouterConfig  # noqa: PLC0415
     from kvstore.engine.router.subscriber import FeedOptions  # noqa: PLC0415
     from kvstore.engine.router.tokens import PromptTokens  # noqa: PLC0415
 

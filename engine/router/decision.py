@@ -1,4 +1,4 @@
-"""The router's decision core: what `kvstore-engine router` (app.Router) and the fleet simulator
+"""The router's decision core: what `kvstore-engine router` (router.Router) and the fleet simulator
 (fleet_sim/sim.py's Fleet) both keep to choose an engine, and the one place either chooses.
 
     decider = Decider(["http://e0", "http://e1"], policy="ttft", share_window=64)

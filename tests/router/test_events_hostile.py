@@ -361,7 +361,7 @@ def test_the_index_is_bounded_oldest_first_and_says_so() -> None:
 def test_a_router_with_the_token_reads_only_that_publisher(tmp_path) -> None:
     """A forger holds engine 0's endpoint and announces 20 blocks of a prompt; the router, given the
     engines' token, never completes a handshake with it: the prompt is not steered to engine 0."""
-    from kvstore.engine.router.app import Router, RouterConfig
+    from kvstore.engine.router.router import Router, RouterConfig
     from kvstore.engine.router.subscriber import FeedOptions
     from kvstore.engine.router.tokens import PromptTokens
 

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
-from kvstore.engine.router.app import ENGINE_HEADER, POLICY_HEADER, RouterConfig, build_router_app
+from kvstore.engine.router.app import ENGINE_HEADER, POLICY_HEADER, build_router_app
+from kvstore.engine.router.router import RouterConfig
 from kvstore.engine.router.tokens import PromptTokens
 from kvstore.engine.server import build_app as engine_app
 from prometheus_client.parser import text_string_to_metric_families

@@ -34,13 +34,8 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from kvstore.engine.router import app as app_mod
 from kvstore.engine.router import decision as decision_mod
-from kvstore.engine.router.app import (
-    DECISION_HEADER,
-    ENGINE_HEADER,
-    Router,
-    RouterConfig,
-    build_router_app,
-)
+from kvstore.engine.router.app import DECISION_HEADER, ENGINE_HEADER, build_router_app
+from kvstore.engine.router.router import Router, RouterConfig
 from kvstore.engine.router.scoring import Choice, choose
 from kvstore.engine.router.tokens import PromptTokens
 

@@ -10,8 +10,9 @@ from contextlib import AsyncExitStack
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
-from kvstore.engine.router import app as router_app
-from kvstore.engine.router.app import ENGINE_HEADER, POLICY_HEADER, RouterConfig, build_router_app
+from kvstore.engine.router import router as router_mod
+from kvstore.engine.router.app import ENGINE_HEADER, POLICY_HEADER, build_router_app
+from kvstore.engine.router.router import RouterConfig
 from kvstore.engine.router.tokens import PromptTokens
 from kvstore.engine.server import build_app as engine_app
 from prometheus_client.parser import text_string_to_metric_families
@@ -154,7 +155,7 @@ async def test_requests_go_to_the_engines_that_serve_their_model(tmp_path, monke
         status, engine, body = await send("model-c")
         assert (status, engine, body["error"]["param"]) == (404, None, "model")
         assert sum(map(len, seen.values())) == sent
-        monkeypatch.setattr(router_app, "MODELS_REFRESH_S", 0.0)
+        monkeypatch.setattr(router_mod, "MODELS_REFRESH_S", 0.0)
         names["a"][:] = ["model-c"]  # engine a restarted with another model
         status, engine, body = await send("model-c")
         assert (status, engine, body["model"]) == (200, urls["a"], "model-c")

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from kvstore.engine.router.app import Router, RouterConfig
 from kvstore.engine.router.calibrate import Calibrator
 from kvstore.engine.router.index import PrefixIndex
+from kvstore.engine.router.router import Router, RouterConfig
 from kvstore.engine.router.scoring import HOT_WEIGHT, Costs, EngineState, Request, choose, estimate, hot_cost
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
