@@ -40,6 +40,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kvstore.keys import is_key
+from kvstore.tiers.disk_files import fsync_dir
 
 MAGIC, VERSION, TOMBSTONE = b"KVFS", 1, 1
 _HEAD = struct.Struct("<4sBBHd")  # magic, version, flags, key length, expiry (s since the epoch; 0: none)
@@ -239,11 +240,3 @@ def unlink_quietly(path: Path) -> None:
         os.unlink(path)
     except OSError:
         pass
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
